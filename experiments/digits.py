@@ -1,0 +1,122 @@
+"""The digits task: sklearn's bundled 8x8 handwritten digits (1797 samples, 10 classes).
+
+Small enough for CPU ranks with one torch thread, real enough that accuracy
+means something. The train/test split is fixed (stratified, random_state=0) so
+every rank and every run sees the same data.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TEST_FRACTION = 0.2
+SPLIT_SEED = 0
+
+
+@lru_cache(maxsize=1)
+def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    y = d.target.astype(np.int64)
+    return tuple(train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y))  # type: ignore[return-value]
+
+
+class DigitsDataset:
+    """Indexable by an array of sample ids; returns (images [n, 1, 8, 8], labels [n])."""
+
+    def __init__(self, split: str = "train") -> None:
+        if split not in ("train", "test"):
+            raise ValueError(f"split={split!r}: expected 'train' or 'test'")
+        x_tr, x_te, y_tr, y_te = _split()
+        x, y = (x_tr, y_tr) if split == "train" else (x_te, y_te)
+        self.x = torch.from_numpy(x).reshape(-1, 1, 8, 8)
+        self.y = torch.from_numpy(y)
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def get_batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        return self.x[idx], self.y[idx]
+
+
+class Logistic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 128, depth: int = 1) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = 64
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, 10))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+class LeNet(nn.Module):
+    """LeNet-style CNN sized for 8x8 inputs, with BatchNorm (its running stats are buffers)."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, channels, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(2 * channels)
+        self.fc1 = nn.Linear(2 * channels * 2 * 2, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: DigitsDataset, device: torch.device) -> dict[str, float]:
+    x, y = dataset.x.to(device), dataset.y.to(device)
+    logits = model(x)
+    return {
+        "accuracy": float((logits.argmax(1) == y).float().mean()),
+        "loss": float(F.cross_entropy(logits, y)),
+    }
+
+
+def cosine_schedule(total_steps: int, world_size: int, warmup_frac: float = 0.1, floor: float = 0.01) -> Callable[[int], float]:
+    """LR factor of the global step: linear warm-up then cosine to ``floor``.
+
+    A pure function of the step, so every rank agrees without broadcasting LRs.
+    """
+    warm = max(1, int(total_steps * warmup_frac))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return factor

@@ -1,0 +1,91 @@
+"""Averaging math shared by both backends (algorithms.md 3.8, 3.9, 6.1). Pure tensor code.
+
+* Parameters are averaged with work weights ``mass(n_r, gamma)``: idle ranks
+  never vote, ``gamma=1`` is plain work weighting, ``gamma=0`` the mean of movers.
+* Float buffers (BatchNorm running stats) are averaged with equal weight among
+  movers; integer buffers keep the local value.
+* The divergence triple ``(||pre - post|| / ||post||, ||post||, ||pre||)`` feeds
+  the convergence guards.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+
+def mass(n: int, gamma: float) -> float:
+    if n <= 0:
+        return 0.0
+    if gamma == 1.0:
+        return float(n)
+    return float(n) ** float(gamma)
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """All parameters as one float32 vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def divergence(pre: torch.Tensor, post: torch.Tensor) -> tuple[float, float, float]:
+    """(||pre - post|| / ||post|| (0 when ||post|| <= 1e-10), ||post||, ||pre||) over flat vectors."""
+    post_n = float(torch.linalg.vector_norm(post))
+    pre_n = float(torch.linalg.vector_norm(pre))
+    delta = float(torch.linalg.vector_norm(pre - post)) / post_n if post_n > 1e-10 else 0.0
+    return delta, post_n, pre_n
+
+
+def weighted_average(
+    counts: Sequence[int],
+    params: Sequence[Sequence[torch.Tensor]],
+    buffers: Sequence[Sequence[torch.Tensor]],
+    gamma: float = 1.0,
+) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Consensus of several replicas (the cpu backend's reduce).
+
+    ``params[r]`` / ``buffers[r]`` are rank r's tensors in model order. Returns
+    None when no rank moved (total mass 0): every rank then keeps its state.
+    Accumulates in float32 and divides once.
+    """
+    masses = [mass(n, gamma) for n in counts]
+    total = sum(masses)
+    if total <= 0 or not math.isfinite(total):
+        return None
+    avg_p = [torch.zeros_like(t, dtype=torch.float32) for t in params[0]]
+    for m, ps in zip(masses, params):
+        if m == 0:
+            continue
+        for acc, t in zip(avg_p, ps):
+            acc.add_(t.float(), alpha=m)
+    avg_p = [(acc / total).to(ref.dtype) for acc, ref in zip(avg_p, params[0])]
+    movers = [r for r, n in enumerate(counts) if n > 0]
+    avg_b: list[torch.Tensor] = []
+    if buffers and buffers[0]:
+        for j, ref in enumerate(buffers[0]):
+            acc = torch.zeros_like(ref, dtype=torch.float32)
+            for r in movers:
+                acc.add_(buffers[r][j].float())
+            avg_b.append((acc / len(movers)).to(ref.dtype))
+    return avg_p, avg_b
+
+
+@torch.no_grad()
+def adopt(model: nn.Module, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], alpha: Optional[float]) -> None:
+    """Load a consensus: full overwrite, or the EASGD blend ``W + a (avg - W)`` when alpha is set.
+
+    Buffers are always overwritten.
+    """
+    for p, a in zip(model.parameters(), params):
+        a = a.to(p.device, p.dtype)
+        if alpha is None or alpha >= 1.0:
+            p.copy_(a)
+        else:
+            p.add_(a - p, alpha=alpha)
+    for b, a in zip(float_buffers(model), buffers):
+        b.copy_(a.to(b.device, b.dtype))

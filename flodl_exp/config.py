@@ -1,0 +1,415 @@
+"""Structured configs (one typed dataclass per component) and the one validation pass.
+
+YAML files under ``conf/`` are presets merged onto these schemas, so every key
+is typed and an unknown key is refused by Hydra/OmegaConf. Cross-field rules
+of the reference builder (algorithms.md 11.3) live in :func:`validate`, which
+runs once before any process starts and raises :class:`ConfigError` with one
+line naming the key, the bad value and what is allowed.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+POLICIES = ("sync", "cadence", "async")
+BACKENDS = ("nccl", "cpu")
+GUARDS = ("none", "trend", "msf")
+EXECUTORS = ("local", "slurm")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModeConfig:
+    """When replicas are averaged (policy) and how (backend), plus ElChe tuning."""
+
+    name: str = "nccl_cadence"
+    policy: str = "cadence"
+    """sync | cadence | async. Sync averages as soon as every rank stepped once;
+    cadence after each rank ran its ElChe batch count; async adds lookahead."""
+    backend: str = "nccl"
+    """nccl: weighted all_reduce over torch.distributed (NCCL on GPUs, Gloo on CPU);
+    cpu: snapshots averaged by the coordinator."""
+    anchor: int = 10
+    """Slow rank's batches per averaging window (ElChe's starting point)."""
+    min_anchor: Optional[int] = None
+    """Floor for anchor growth (default: the initial anchor)."""
+    max_anchor: int = 1000
+    overhead_target: float = 0.05
+    """Fraction of a window that per-window fixed cost (sync) may take; clamped to [0.01, 0.5]."""
+    max_batch_diff: Optional[int] = None
+    """Cap on per-update count change; on the cpu backend also throttles fast ranks."""
+    max_overshoot: Optional[int] = None
+    """Async lookahead in batches past a window; unset = auto (3, growing to 15)."""
+    relax_up: bool = False
+    """Async only: let a Stable verdict relax the anchor up by one."""
+    speed_hint_rank: Optional[int] = None
+    """Known slow rank (cold-start anchor) ..."""
+    speed_hint_ratio: Optional[float] = None
+    """... and how many times slower it is than the others."""
+    easgd_alpha: Optional[float] = None
+    """EASGD blend (1-a) W_local + a W_avg; cpu_async only (default 0.5 there)."""
+    gamma: float = 1.0
+    """Work weighting exponent: rank weight = steps^gamma (idle ranks weigh 0)."""
+    bf16_wire: bool = False
+    """Ship cpu-backend snapshots as bfloat16 (half the bytes); cpu backend only."""
+    progressive_dispatch: Optional[bool] = None
+    """Stream epochs in chunks; unset = on for cadence/async, off for sync."""
+    lr_scale_ratio: float = 1.0
+    """Linear LR scaling: lr x (1 + (W - 1) x ratio); 0 turns it off."""
+    max_grad_norm: Optional[float] = None
+    """Global-L2 gradient clip before each optimizer step."""
+    snapshot_timeout_s: float = 5.0
+    """Kept for parity with the reference; 0.7.0 semantics: the cpu cycle waits for
+    every live rank (liveness is the heartbeat's job) up to the stall ceiling."""
+    partition_ratios: Optional[List[float]] = None
+    """Fixed per-rank data shares (non-progressive runs only); must sum to ~1."""
+    meta_controller: bool = True
+    """LR-aware meta-controller that nudges the anchor down on LR cliffs."""
+
+
+@dataclass
+class GuardConfig:
+    """Convergence guard watching replica drift after each reduce."""
+
+    kind: str = "trend"
+    """none | trend | msf."""
+    threshold: Optional[float] = None
+    """TrendGuard threshold; unset = 0.05, or 0.3 when easgd_alpha is set."""
+    window: int = 5
+    msf_alpha: float = 0.9
+    suppress_threshold: float = 1e-3
+    suppress_sustain: int = 3
+    nudge_threshold: float = 1e-2
+    nudge_sustain: int = 3
+    nudge_factor: float = 0.5
+    nudge: bool = True
+    """MsfGuard: false = suppress only, never nudge the anchor down."""
+
+
+@dataclass
+class DataPlaneConfig:
+    """Per-rank data pipeline budgets (algorithms.md 10)."""
+
+    vram_max_usage: float = 0.90
+    """Fraction of total VRAM for prefetch + device pool; clamped to [0.5, 0.99]."""
+    ram_max_usage: float = 0.50
+    """Fraction of available RAM for staging + sample cache; [0, 0.9]; 0 = no retention."""
+    sample_cache: bool = True
+    disk_stage_gb: float = 0.0
+    """Local-disk overflow under the sample cache; 0 = off."""
+    disk_stage_dir: Optional[str] = None
+    """Where the disk stage lives (default: system temp dir)."""
+    vram_pool: bool = True
+    """Keep samples on the device from leftover VRAM (CUDA; env FLODL_VRAM_POOL=off kills it)."""
+    augment: int = 1
+    """Each sample appears k times per epoch (pick space = samples x k)."""
+
+
+@dataclass
+class SlurmConfig:
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_min: int = 60
+    mem_gb: Optional[float] = None
+    cpus_per_task: int = 1
+    gpus_per_node: int = 0
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    srun_args: List[str] = field(default_factory=lambda: ["--kill-on-bad-exit=1"])
+    setup: List[str] = field(default_factory=list)
+    additional_parameters: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterConfig:
+    """Where the ranks run and how failures are tolerated."""
+
+    name: str = "local"
+    executor: str = "local"
+    """local (submitit LocalExecutor: processes on this machine) | slurm."""
+    nodes: int = 1
+    ranks_per_node: int = 2
+    device: str = "auto"
+    """auto (cuda:<local_rank> when GPUs exist, else cpu) | cpu | cuda."""
+    rank_speeds: Optional[List[float]] = None
+    """Simulated heterogeneity: rank r waits (1/s - 1) x step time after each step."""
+    heartbeat_timeout_s: float = 30.0
+    max_failure: Optional[int] = None
+    """Dead ranks tolerated before ShutdownWithSave (unset = down to the backend floor)."""
+    rendezvous_timeout_s: float = 120.0
+    """How long ranks wait for rendezvous.json and the coordinator waits for ranks."""
+    host: Optional[str] = None
+    """Address the coordinator binds; unset = 127.0.0.1 locally, the node's name on SLURM."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+@dataclass
+class ExperimentConfig:
+    """What is trained: factories found through ``_target_`` dotted paths."""
+
+    name: str = MISSING
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = None
+    """Optional factory returning ``lr_factor(step) -> float``; gets total_steps, world_size."""
+    train_data: Any = MISSING
+    eval_data: Any = None
+    train_step: str = MISSING
+    """Dotted path of ``fn(model, batch) -> loss``."""
+    eval_fn: Optional[str] = None
+    """Dotted path of ``fn(model, dataset, device) -> {metric: value}``."""
+    batch_size: int = 32
+    epochs: int = 1
+
+
+@dataclass
+class TrackingConfig:
+    uri: Optional[str] = None
+    """MLflow tracking URI; unset = sqlite:///<cwd>/outputs/mlflow.db."""
+    experiment_name: str = "flodl_exp"
+    artifact_location: Optional[str] = None
+    """Unset = <cwd>/outputs/mlartifacts for the embedded store."""
+    run_name: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Write a consensus bundle every N epochs (0 = only at the end)."""
+    at_epoch: Optional[int] = None
+    """Coverage-granular bundle at the first reduce that reaches this epoch."""
+    save_path: Optional[str] = None
+    """Bundle stem; unset = <job dir>/checkpoints/final."""
+    resume_from: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    every: int = 1
+    """Evaluate every N epochs on the callback rank (0 = only at the end)."""
+    callback_rank: str = "fastest"
+    """fastest (sticky, re-elected on death) or a rank index."""
+
+
+@dataclass
+class RunConfig:
+    wait: bool = True
+    progress: str = "auto"
+    """auto (a live bar on a TTY, plain lines otherwise) | bar | plain | off."""
+    timeout_min: int = 60
+    job_root: Optional[str] = None
+    """Where job folders go; unset = <cwd>/outputs/jobs."""
+
+
+@dataclass
+class Config:
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    seed: int = 42
+    """Shuffle base seed: the epoch-e permutation uses seed + e."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (conf/config.yaml extends base_config)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: one line, key + value + what is allowed."""
+
+
+def _err(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"config error: {key}={value!r} is not allowed: {allowed}")
+
+
+def world_size(cfg: Any) -> int:
+    return int(cfg.cluster.nodes) * int(cfg.cluster.ranks_per_node)
+
+
+def is_progressive(cfg: Any) -> bool:
+    """Progressive dispatch: explicit override, else on for cadence/async, off for sync."""
+    if cfg.mode.progressive_dispatch is not None:
+        return bool(cfg.mode.progressive_dispatch)
+    return cfg.mode.policy in ("cadence", "async")
+
+
+def effective_easgd_alpha(cfg: Any) -> Optional[float]:
+    """easgd_alpha as used at run time: the mode default (0.5) fills cpu_async."""
+    if cfg.mode.easgd_alpha is not None:
+        return float(cfg.mode.easgd_alpha)
+    if cfg.mode.policy == "async" and cfg.mode.backend == "cpu":
+        return 0.5
+    return None
+
+
+def parse_callback_rank(value: Any) -> Optional[int]:
+    """None for 'fastest', else the rank index (raises ValueError when neither)."""
+    s = str(value).strip().lower()
+    if s == "fastest":
+        return None
+    return int(s)
+
+
+def validate(cfg: Any) -> List[str]:
+    """The one validation pass. Raises ConfigError on the first user error; returns warnings."""
+    warnings: List[str] = []
+    m, c, dp = cfg.mode, cfg.cluster, cfg.data_plane
+
+    if m.policy not in POLICIES:
+        raise _err("mode.policy", m.policy, f"one of {', '.join(POLICIES)}")
+    if m.backend not in BACKENDS:
+        raise _err("mode.backend", m.backend, f"one of {', '.join(BACKENDS)}")
+    if m.policy == "async" and m.backend == "nccl":
+        raise ConfigError(
+            f"config error: mode={m.name} (policy=async with backend=nccl) does not exist: it measured "
+            "within noise of nccl_cadence and its in-place write-back raced autograd on heterogeneous "
+            "GPUs; use mode=nccl_cadence or mode=cpu_async"
+        )
+    if c.executor not in EXECUTORS:
+        raise _err("cluster.executor", c.executor, f"one of {', '.join(EXECUTORS)}")
+    if c.device not in DEVICES:
+        raise _err("cluster.device", c.device, f"one of {', '.join(DEVICES)}")
+    if c.nodes < 1:
+        raise _err("cluster.nodes", c.nodes, "an integer >= 1")
+    if c.ranks_per_node < 1:
+        raise _err("cluster.ranks_per_node", c.ranks_per_node, "an integer >= 1")
+    w = world_size(cfg)
+
+    if m.anchor < 1:
+        raise _err("mode.anchor", m.anchor, "an integer >= 1")
+    if m.max_anchor < 1:
+        raise _err("mode.max_anchor", m.max_anchor, "an integer >= 1")
+    if m.min_anchor is not None and m.min_anchor < 1:
+        raise _err("mode.min_anchor", m.min_anchor, "an integer >= 1 or null")
+    if m.max_batch_diff is not None and m.max_batch_diff < 0:
+        raise _err("mode.max_batch_diff", m.max_batch_diff, "an integer >= 0 or null")
+    if m.max_overshoot is not None:
+        if m.max_overshoot < 0:
+            raise _err("mode.max_overshoot", m.max_overshoot, "an integer >= 0 or null")
+        if m.policy != "async":
+            warnings.append(f"mode.max_overshoot={m.max_overshoot} has no effect with policy={m.policy} (async only)")
+    if not (0.01 <= m.overhead_target <= 0.5):
+        warnings.append(f"mode.overhead_target={m.overhead_target} is clamped to [0.01, 0.5]")
+    if m.speed_hint_rank is not None:
+        if not (0 <= m.speed_hint_rank < w):
+            raise _err("mode.speed_hint_rank", m.speed_hint_rank, f"a rank in [0, {w})")
+        if m.speed_hint_ratio is None or not math.isfinite(m.speed_hint_ratio) or m.speed_hint_ratio < 1:
+            raise _err("mode.speed_hint_ratio", m.speed_hint_ratio, "a finite number >= 1 when speed_hint_rank is set")
+
+    if m.partition_ratios is not None:
+        ratios = list(m.partition_ratios)
+        if not ratios:
+            raise _err("mode.partition_ratios", ratios, "a non-empty list")
+        if any((not math.isfinite(x)) or x <= 0 for x in ratios):
+            raise _err("mode.partition_ratios", ratios, "finite entries > 0")
+        if abs(sum(ratios) - 1.0) > 0.05:
+            raise _err("mode.partition_ratios", ratios, f"entries summing to 1 +/- 0.05 (sum is {sum(ratios):.3f})")
+        if len(ratios) != w:
+            raise _err("mode.partition_ratios", ratios, f"one entry per rank (world size {w})")
+        if is_progressive(cfg):
+            raise _err("mode.partition_ratios", ratios, "only without progressive dispatch (policy=sync or mode.progressive_dispatch=false)")
+
+    if m.easgd_alpha is not None:
+        if not (0.0 < m.easgd_alpha <= 1.0) or not math.isfinite(m.easgd_alpha):
+            raise _err("mode.easgd_alpha", m.easgd_alpha, "a number in (0, 1]")
+        if not (m.policy == "async" and m.backend == "cpu"):
+            raise _err("mode.easgd_alpha", m.easgd_alpha, "only with mode=cpu_async (sync/cadence fully overwrite)")
+    if not math.isfinite(m.gamma):
+        raise _err("mode.gamma", m.gamma, "a finite number")
+    if m.bf16_wire and m.backend != "cpu":
+        raise _err("mode.bf16_wire", m.bf16_wire, "true only with backend=cpu (the nccl collective averages in place)")
+    if m.lr_scale_ratio < 0 or not math.isfinite(m.lr_scale_ratio):
+        raise _err("mode.lr_scale_ratio", m.lr_scale_ratio, "a finite number >= 0")
+    if m.max_grad_norm is not None and not (m.max_grad_norm > 0):
+        raise _err("mode.max_grad_norm", m.max_grad_norm, "a number > 0 or null")
+    if m.snapshot_timeout_s <= 0:
+        raise _err("mode.snapshot_timeout_s", m.snapshot_timeout_s, "a number > 0")
+    if m.policy == "async" and m.progressive_dispatch is False:
+        raise _err("mode.progressive_dispatch", False, "true or null with policy=async (async streams chunks)")
+
+    g = cfg.guard
+    if g.kind not in GUARDS:
+        raise _err("guard.kind", g.kind, f"one of {', '.join(GUARDS)}")
+    if g.threshold is not None and not (g.threshold > 0 and math.isfinite(g.threshold)):
+        raise _err("guard.threshold", g.threshold, "a finite number > 0 or null")
+    if not (0 < g.msf_alpha < 1):
+        raise _err("guard.msf_alpha", g.msf_alpha, "a number in (0, 1)")
+    if not (0 < g.nudge_factor < 1):
+        raise _err("guard.nudge_factor", g.nudge_factor, "a number in (0, 1)")
+    if g.window < 3:
+        raise _err("guard.window", g.window, "an integer >= 3")
+
+    if c.rank_speeds is not None:
+        speeds = list(c.rank_speeds)
+        if len(speeds) != w:
+            raise _err("cluster.rank_speeds", speeds, f"one factor per rank (world size {w})")
+        if any((not math.isfinite(s)) or not (0 < s <= 1) for s in speeds):
+            raise _err("cluster.rank_speeds", speeds, "factors in (0, 1]")
+    if c.heartbeat_timeout_s <= 0:
+        raise _err("cluster.heartbeat_timeout_s", c.heartbeat_timeout_s, "a number > 0")
+    if c.rendezvous_timeout_s <= 0:
+        raise _err("cluster.rendezvous_timeout_s", c.rendezvous_timeout_s, "a number > 0")
+    if c.max_failure is not None and c.max_failure < 1:
+        raise _err("cluster.max_failure", c.max_failure, "an integer >= 1 or null")
+
+    e = cfg.experiment
+    if e.batch_size < 1:
+        raise _err("experiment.batch_size", e.batch_size, "an integer >= 1")
+    if e.epochs < 1:
+        raise _err("experiment.epochs", e.epochs, "an integer >= 1")
+
+    try:
+        cb = parse_callback_rank(cfg.eval.callback_rank)
+    except ValueError:
+        raise _err("eval.callback_rank", cfg.eval.callback_rank, "'fastest' or a rank index") from None
+    if cb is not None and not (0 <= cb < w):
+        raise _err("eval.callback_rank", cb, f"'fastest' or a rank in [0, {w})")
+    if cfg.eval.every < 0:
+        raise _err("eval.every", cfg.eval.every, "an integer >= 0 (0 = only at the end)")
+
+    ck = cfg.checkpoint
+    if ck.every < 0:
+        raise _err("checkpoint.every", ck.every, "an integer >= 0")
+    if ck.at_epoch is not None:
+        if not (0 <= ck.at_epoch < e.epochs):
+            raise _err("checkpoint.at_epoch", ck.at_epoch, f"an epoch in [0, {e.epochs})")
+        if not is_progressive(cfg):
+            raise _err("checkpoint.at_epoch", ck.at_epoch, "only with progressive dispatch (cadence/async modes)")
+
+    if cfg.run.progress not in ("auto", "bar", "plain", "off"):
+        raise _err("run.progress", cfg.run.progress, "one of auto, bar, plain, off")
+    if cfg.run.timeout_min < 1:
+        raise _err("run.timeout_min", cfg.run.timeout_min, "an integer >= 1")
+
+    if not (0.0 <= dp.ram_max_usage <= 0.9):
+        warnings.append(f"data_plane.ram_max_usage={dp.ram_max_usage} is clamped to [0, 0.9]")
+    if not (0.5 <= dp.vram_max_usage <= 0.99):
+        warnings.append(f"data_plane.vram_max_usage={dp.vram_max_usage} is clamped to [0.5, 0.99]")
+    if dp.augment < 1:
+        raise _err("data_plane.augment", dp.augment, "an integer >= 1")
+    if dp.disk_stage_gb < 0:
+        raise _err("data_plane.disk_stage_gb", dp.disk_stage_gb, "a number >= 0")
+
+    if c.executor == "slurm" and c.nodes > 1:
+        uri = cfg.tracking.uri or ""
+        if uri == "" and not os.environ.get("FLODL_SHARED_OUTPUTS"):
+            warnings.append(
+                "tracking.uri is the embedded store under the submit directory: every node must see it "
+                "(shared storage) or set tracking.uri to a server"
+            )
+    return warnings

@@ -1,0 +1,495 @@
+"""Wire protocol between the coordinator and the rank processes.
+
+Frame layout::
+
+    struct ">4sII": b"FDL1" | header_len (u32) | payload_len (u32)     12 bytes
+    header:  header_len bytes of UTF-8 JSON
+             {"kind": str, "fields": {JSON values},
+              "tensors": [{"name": str, "dtype": str, "shape": [int, ...], "nbytes": int}, ...]}
+    payload: payload_len bytes, the tensors' raw bytes (C order, native = little
+             endian) concatenated in header order; sum(nbytes) == payload_len.
+
+Why it looks like this:
+
+* No pickle, ever. Unpickling runs code chosen by the sender; a frame here is
+  data only (JSON plus raw bytes), and every header field is validated before
+  it is used. Tensors are rebuilt with ``torch.frombuffer`` from an allow-listed
+  dtype, so a hostile frame can at worst raise :class:`WireError`.
+* The ceiling is checked from the 12-byte prefix before the body is read or
+  allocated, so a bogus or hostile length can never make us allocate much.
+  A connection starts at :data:`HANDSHAKE_MAX_FRAME` (64 KiB); raise
+  ``Connection.max_frame_bytes`` (see :func:`frame_ceiling`) once the peer is
+  authenticated and the model size is known.
+* Authentication is an HMAC-SHA256 challenge-response over the job token, so
+  the token never crosses the wire. Both sides send a fresh nonce, so neither
+  a ``hello`` nor a ``welcome`` can be replayed, and the client checks the
+  server's ``welcome`` too (a rank never takes orders from an impostor).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import math
+import secrets
+import select
+import socket
+import string
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+MAGIC = b"FDL1"
+PREFIX = struct.Struct(">4sII")
+HANDSHAKE_MAX_FRAME = 64 * 1024
+DEFAULT_STALL_TIMEOUT = 60.0  # max silence inside a frame once it has started
+_U32_MAX = 2**32 - 1
+_MAX_NDIM, _MAX_DIM = 32, 2**40
+_COALESCE = 64 * 1024  # buffers smaller than this are joined before sendall
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_HEADER_KEYS = {"kind", "fields", "tensors"}
+_DESC_KEYS = {"name", "dtype", "shape", "nbytes"}
+
+
+class WireError(Exception):
+    """Malformed frame, protocol violation, or a stream that is no longer usable."""
+
+
+class FrameTooLarge(WireError):
+    """The prefix announces more than the connection's ceiling."""
+
+
+class ConnectionClosed(WireError):
+    """The peer closed the connection (or it was closed locally)."""
+
+
+class AuthError(WireError):
+    """The handshake failed: wrong token, wrong message, or a timeout."""
+
+
+@dataclass
+class Message:
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- encode / decode
+def encode_buffers(msg: Message) -> list[bytes | memoryview]:
+    """Frame ``msg`` as [prefix+header, raw tensor views...] without copying CPU tensors.
+
+    The views alias the tensors' memory: send them before mutating the tensors.
+    """
+    if not isinstance(msg.kind, str) or not msg.kind:
+        raise WireError(f"kind must be a non-empty str, got {msg.kind!r}")
+    if not isinstance(msg.fields, dict):
+        raise WireError("fields must be a dict")
+    descs: list[dict[str, Any]] = []
+    raws: list[memoryview] = []
+    for name, t in msg.tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise WireError(f"tensor {name!r}: need a str name and a dense torch.Tensor")
+        dname = _DTYPE_NAMES.get(t.dtype)
+        if dname is None:
+            raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported on the wire")
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        raw = memoryview(flat.view(torch.uint8).numpy())  # bf16/bool ride as bytes
+        descs.append({"name": name, "dtype": dname, "shape": list(t.shape), "nbytes": raw.nbytes})
+        raws.append(raw)
+    try:
+        header = json.dumps({"kind": msg.kind, "fields": msg.fields, "tensors": descs},
+                            separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise WireError(f"fields are not JSON-serialisable: {e}") from None
+    payload_len = sum(d["nbytes"] for d in descs)
+    if len(header) > _U32_MAX or payload_len > _U32_MAX:
+        raise FrameTooLarge(f"{msg.kind!r}: header or payload exceeds the u32 length field")
+    return [PREFIX.pack(MAGIC, len(header), payload_len) + header, *raws]
+
+
+def encode(msg: Message) -> bytes:
+    """One contiguous frame (copies; :meth:`Connection.send` avoids that)."""
+    return b"".join(encode_buffers(msg))
+
+
+def _parse_prefix(prefix: bytes | bytearray, max_frame_bytes: int) -> tuple[int, int]:
+    magic, header_len, payload_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r} (not a flodl frame)")
+    if header_len + payload_len > max_frame_bytes:
+        raise FrameTooLarge(f"frame of {header_len}+{payload_len} bytes exceeds the "
+                            f"ceiling of {max_frame_bytes} bytes")
+    if header_len < 2:
+        raise WireError(f"header_len {header_len} is too short")
+    return header_len, payload_len
+
+
+_Spec = tuple[str, torch.dtype, list[int], int]
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # bool is not an int here
+
+
+def _parse_header(raw: bytes | bytearray, payload_len: int) -> tuple[str, dict[str, Any], list[_Spec]]:
+    try:
+        h = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise WireError(f"header is not UTF-8 JSON: {type(e).__name__}") from None
+    if not isinstance(h, dict) or set(h) != _HEADER_KEYS:
+        raise WireError("header must be an object with exactly kind, fields, tensors")
+    kind, fields, descs = h["kind"], h["fields"], h["tensors"]
+    if not isinstance(kind, str) or not kind:
+        raise WireError("header kind must be a non-empty str")
+    if not isinstance(fields, dict) or not isinstance(descs, list):
+        raise WireError("header fields must be an object and tensors a list")
+    specs: list[_Spec] = []
+    names: set[str] = set()
+    total = 0
+    for d in descs:
+        if not isinstance(d, dict) or set(d) != _DESC_KEYS:
+            raise WireError(f"bad tensor descriptor {d!r:.200}")
+        name, dname, shape, nbytes = d["name"], d["dtype"], d["shape"], d["nbytes"]
+        if not isinstance(name, str) or name in names:
+            raise WireError(f"bad or duplicate tensor name {name!r:.100}")
+        dtype = DTYPES.get(dname) if isinstance(dname, str) else None
+        if dtype is None:
+            raise WireError(f"tensor {name!r}: dtype {dname!r:.50} is not allowed")
+        if (not isinstance(shape, list) or len(shape) > _MAX_NDIM
+                or not all(_is_int(s) and 0 <= s <= _MAX_DIM for s in shape)):
+            raise WireError(f"tensor {name!r}: bad shape {shape!r:.200}")
+        if not _is_int(nbytes) or nbytes != math.prod(shape) * dtype.itemsize:
+            raise WireError(f"tensor {name!r}: nbytes {nbytes!r:.50} does not match {dname}{shape}")
+        names.add(name)
+        total += nbytes
+        specs.append((name, dtype, shape, nbytes))
+    if total != payload_len:
+        raise WireError(f"tensors declare {total} bytes but payload_len is {payload_len}")
+    return kind, fields, specs
+
+
+def _build_tensors(specs: list[_Spec], payload: bytearray) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    off = 0
+    try:
+        for name, dtype, shape, nbytes in specs:
+            if nbytes == 0:
+                out[name] = torch.empty(shape, dtype=dtype)
+                continue
+            # clone -> the tensor owns aligned, writable memory (not the frame buffer)
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=off).clone()
+            if dtype is torch.bool and bool((raw > 1).any()):
+                raise WireError(f"tensor {name!r}: bool payload holds bytes other than 0/1")
+            out[name] = raw.view(dtype).reshape(shape)
+            off += nbytes
+    except (RuntimeError, ValueError) as e:
+        raise WireError(f"cannot rebuild tensors: {e}") from None
+    return out
+
+
+def decode(frame: bytes | bytearray, max_frame_bytes: int) -> Message:
+    """Validate and decode one complete frame; anything wrong raises :class:`WireError`."""
+    n = PREFIX.size
+    if len(frame) < n:
+        raise WireError(f"truncated frame: {len(frame)} bytes, the prefix alone is {n}")
+    header_len, payload_len = _parse_prefix(frame[:n], max_frame_bytes)
+    if len(frame) != n + header_len + payload_len:
+        what = "truncated" if len(frame) < n + header_len + payload_len else "trailing bytes in"
+        raise WireError(f"{what} frame: {len(frame)} bytes, prefix says {n + header_len + payload_len}")
+    kind, fields, specs = _parse_header(frame[n:n + header_len], payload_len)
+    return Message(kind, fields, _build_tensors(specs, bytearray(frame[n + header_len:])))
+
+
+def frame_ceiling(model_bytes: int, headroom: float = 4.0, floor: int = 16 * 2**20) -> int:
+    """Largest frame to accept: ``max(floor, ceil(model_bytes * headroom))``."""
+    if model_bytes < 0 or headroom < 1.0 or floor < 0:
+        raise ValueError("need model_bytes >= 0, headroom >= 1, floor >= 0")
+    return max(int(floor), math.ceil(model_bytes * headroom))
+
+
+# ---------------------------------------------------------------- connection
+class Connection:
+    """A framed, thread-safe (one lock per direction) view of a connected stream socket.
+
+    The socket is kept blocking and waits use ``poll``, so a ``recv`` timeout never
+    changes the socket timeout a concurrent ``send`` (e.g. a heartbeat) runs under.
+    Any :class:`WireError` leaves the connection unusable: close it.
+    """
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = HANDSHAKE_MAX_FRAME,
+                 peer: str | None = None, stall_timeout: float | None = DEFAULT_STALL_TIMEOUT) -> None:
+        sock.settimeout(None)
+        self.sock = sock
+        self.max_frame_bytes = max_frame_bytes
+        self.stall_timeout = stall_timeout
+        self.peer = peer or _peer_name(sock)
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._broken: WireError | None = None
+        self._closed = False
+        self._auth: tuple[bytes, bytes] | None = None  # (token, client nonce) for server_accept
+
+    def __repr__(self) -> str:
+        return f"Connection({self.peer}, max_frame_bytes={self.max_frame_bytes})"
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed")
+        if self._broken is not None:
+            raise type(self._broken)(f"connection to {self.peer} is unusable: {self._broken}")
+
+    def send(self, msg: Message) -> None:
+        bufs = encode_buffers(msg)  # encoding errors never touch the stream
+        with self._send_lock:
+            self._check_usable()
+            try:
+                pending = bytearray()
+                for b in bufs:
+                    if len(b) < _COALESCE:
+                        pending += b
+                        continue
+                    if pending:
+                        self.sock.sendall(pending)
+                        pending = bytearray()
+                    self.sock.sendall(b)
+                if pending:
+                    self.sock.sendall(pending)
+            except OSError as e:
+                self._broken = ConnectionClosed(f"send to {self.peer} failed: {e}")
+                raise self._broken from e
+
+    def recv(self, timeout: float | None = None) -> Message:
+        """Next message. ``timeout`` bounds the wait for the frame to *start*
+        (``TimeoutError`` = ``socket.timeout``, stream intact); once started, a
+        silence longer than ``stall_timeout`` raises :class:`WireError`."""
+        return self._recv(timeout, whole_frame=False)
+
+    def _recv(self, timeout: float | None, whole_frame: bool) -> Message:
+        with self._recv_lock:
+            self._check_usable()
+            deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+            try:
+                prefix = bytearray(PREFIX.size)
+                self._fill(prefix, deadline, False, whole_frame)
+                header_len, payload_len = _parse_prefix(prefix, self.max_frame_bytes)
+                header = bytearray(header_len)
+                self._fill(header, deadline, True, whole_frame)
+                kind, fields, specs = _parse_header(header, payload_len)
+                payload = bytearray(payload_len)
+                self._fill(payload, deadline, True, whole_frame)
+                return Message(kind, fields, _build_tensors(specs, payload))
+            except WireError as e:
+                self._broken = e
+                raise
+
+    def _fill(self, buf: bytearray, deadline: float | None, started: bool, whole_frame: bool) -> None:
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            left = None if deadline is None else deadline - time.monotonic()
+            if started:
+                wait = self.stall_timeout
+                if whole_frame and left is not None:
+                    wait = left if wait is None else min(wait, left)
+            else:
+                wait = left
+            ms = None if wait is None else max(0, math.ceil(wait * 1000))
+            if not self._poll.poll(ms):
+                if not started:
+                    raise socket.timeout(f"no message from {self.peer} within {wait:.3g}s")
+                raise WireError(f"{self.peer} stalled mid-frame; stream abandoned")
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as e:
+                raise ConnectionClosed(f"recv from {self.peer} failed: {e}") from None
+            if n == 0:
+                raise ConnectionClosed(f"{self.peer} closed the connection"
+                                       + (" mid-frame" if started else ""))
+            got += n
+            started = True
+
+    def close(self) -> None:
+        """Idempotent; wakes a ``recv`` blocked in another thread (ConnectionClosed)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        addr = sock.getpeername()
+    except OSError:
+        return "?"
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else (str(addr) or "local")
+
+
+# ---------------------------------------------------------------- handshake
+def new_token() -> str:
+    """A fresh job token: 32 random bytes as hex."""
+    return secrets.token_hex(32)
+
+
+def _key(token: bytes | str) -> bytes:
+    return token.encode("utf-8") if isinstance(token, str) else bytes(token)
+
+
+def _mac(token: bytes | str, label: bytes, nonce: bytes, fields: dict[str, Any]) -> str:
+    # normalise through a JSON round trip first, so both ends MAC the same text
+    canon = json.dumps(json.loads(json.dumps(fields)), sort_keys=True, separators=(",", ":"))
+    return hmac.new(_key(token), label + b"|" + nonce + b"|" + canon.encode("ascii"),
+                    hashlib.sha256).hexdigest()
+
+
+def _hex32(v: Any, what: str) -> bytes:
+    if not isinstance(v, str) or len(v) != 64 or not set(v) <= set(string.hexdigits):
+        raise AuthError(f"{what} is not 32 hex-encoded bytes")
+    return bytes.fromhex(v)
+
+
+def _verify(token: bytes | str, label: bytes, nonce: bytes, fields: dict[str, Any]) -> dict[str, Any]:
+    rest = {k: v for k, v in fields.items() if k != "mac"}
+    mac = fields.get("mac")
+    ok = (isinstance(mac, str) and len(mac) == 64 and set(mac) <= set(string.hexdigits)
+          and hmac.compare_digest(_mac(token, label, nonce, rest), mac.lower()))
+    if not ok:
+        raise AuthError(f"bad {label.decode()} MAC (wrong job token?)")
+    return rest
+
+
+@contextlib.contextmanager
+def _handshake_ceiling(conn: Connection) -> Iterator[None]:
+    saved = conn.max_frame_bytes
+    conn.max_frame_bytes = min(saved, HANDSHAKE_MAX_FRAME)
+    try:
+        yield
+    finally:
+        conn.max_frame_bytes = saved
+
+
+def _hs_recv(conn: Connection, deadline: float, expect: str) -> Message:
+    try:
+        msg = conn._recv(max(0.0, deadline - time.monotonic()), whole_frame=True)
+    except TimeoutError:
+        raise AuthError(f"handshake with {conn.peer} timed out waiting for {expect!r}") from None
+    if msg.kind == "reject" and expect == "welcome":
+        raise AuthError(f"{conn.peer} rejected us: {msg.fields.get('reason')!r:.200}")
+    if msg.kind != expect or msg.tensors:
+        raise AuthError(f"expected {expect!r} from {conn.peer}, got {msg.kind!r:.50}")
+    return msg
+
+
+def server_handshake(conn: Connection, token: bytes | str, timeout: float) -> dict[str, Any]:
+    """Challenge the peer; returns its hello fields (without mac/nonce) or raises.
+
+    Raises :class:`AuthError` (wrong token, wrong message, timeout) or another
+    :class:`WireError` (garbage, oversized frame, peer gone). Follow with
+    :func:`server_accept` or :func:`server_reject`.
+    """
+    deadline = time.monotonic() + timeout
+    with _handshake_ceiling(conn):
+        nonce = secrets.token_bytes(32)
+        conn.send(Message("challenge", {"nonce": nonce.hex()}))
+        hello = _hs_recv(conn, deadline, "hello")
+        try:
+            fields = _verify(token, b"hello", nonce, hello.fields)
+        except AuthError:
+            server_reject(conn, "authentication failed")
+            raise
+        client_nonce = _hex32(fields.pop("nonce", None), "hello nonce")
+    conn._auth = (_key(token), client_nonce)
+    return fields
+
+
+def server_accept(conn: Connection, fields: dict[str, Any] | None = None) -> None:
+    """Send ``welcome`` (with ``fields``, < 64 KiB) after a successful server_handshake."""
+    if conn._auth is None:
+        raise WireError("server_accept() needs a successful server_handshake() first")
+    fields = dict(fields or {})
+    if "mac" in fields:
+        raise ValueError("'mac' is a reserved welcome field")
+    token, client_nonce = conn._auth
+    conn._auth = None
+    conn.send(Message("welcome", {**fields, "mac": _mac(token, b"welcome", client_nonce, fields)}))
+
+
+def server_reject(conn: Connection, reason: str) -> None:
+    """Best-effort ``reject`` (the client raises AuthError with ``reason``); then close."""
+    conn._auth = None
+    with contextlib.suppress(WireError):
+        conn.send(Message("reject", {"reason": str(reason)}))
+
+
+def client_handshake(conn: Connection, token: bytes | str, hello_fields: dict[str, Any],
+                     timeout: float) -> dict[str, Any]:
+    """Answer the challenge; returns the server's verified welcome fields (without mac).
+
+    Raises :class:`AuthError` on reject, a bad welcome MAC, a timeout, or the
+    server closing the connection; another :class:`WireError` on garbage.
+    """
+    if {"mac", "nonce"} & set(hello_fields):
+        raise ValueError("'mac' and 'nonce' are reserved hello fields")
+    deadline = time.monotonic() + timeout
+    with _handshake_ceiling(conn):
+        try:
+            challenge = _hs_recv(conn, deadline, "challenge")
+            server_nonce = _hex32(challenge.fields.get("nonce"), "challenge nonce")
+            nonce = secrets.token_bytes(32)
+            fields = {**hello_fields, "nonce": nonce.hex()}
+            conn.send(Message("hello", {**fields, "mac": _mac(token, b"hello", server_nonce, fields)}))
+            welcome = _hs_recv(conn, deadline, "welcome")
+        except ConnectionClosed as e:
+            raise AuthError(f"{conn.peer} closed the connection during the handshake ({e})") from None
+        return _verify(token, b"welcome", nonce, welcome.fields)
+
+
+# ---------------------------------------------------------------- sockets
+def _tune(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    return sock
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket (SO_REUSEADDR, backlog 64); port 0 picks a free one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def accept(listener: socket.socket, timeout: float | None = None) -> Connection:
+    """Accept one peer (TimeoutError after ``timeout``); sets the listener's timeout."""
+    listener.settimeout(timeout)
+    sock, _ = listener.accept()
+    return Connection(_tune(sock))
+
+
+def dial(host: str, port: int, timeout: float) -> Connection:
+    """Connect (TCP_NODELAY, keepalive); ``timeout`` bounds the connect only."""
+    return Connection(_tune(socket.create_connection((host, port), timeout=timeout)))

@@ -1,0 +1,107 @@
+# Shared by up.sh and down.sh (sourced, not executed).
+# Layout of the state dir and helpers to manage the daemons by their PID files.
+
+FLODL_SLURM_DIR="${1:-${FLODL_SLURM_DIR:-/tmp/flodl-slurm}}"
+case "$FLODL_SLURM_DIR" in /*) ;; *) FLODL_SLURM_DIR="$(pwd)/$FLODL_SLURM_DIR" ;; esac
+D="$FLODL_SLURM_DIR"
+
+# Ports (all bound to 127.0.0.1). Override to run next to another cluster.
+CTLD_PORT="${FLODL_SLURM_CTLD_PORT:-6817}"
+SLURMD_PORT="${FLODL_SLURM_SLURMD_PORT:-6818}"
+DBD_PORT="${FLODL_SLURM_DBD_PORT:-6819}"
+DB_PORT="${FLODL_SLURM_DB_PORT:-3307}"
+NODE_CPUS="${FLODL_SLURM_CPUS:-4}"
+NODE_MEM_MB="${FLODL_SLURM_MEM_MB:-8000}"
+CLUSTER="${FLODL_SLURM_CLUSTER:-flodl}"
+
+SLURM_CONF="$D/slurm.conf"
+export SLURM_CONF
+
+MUNGE_DIR="$D/munge"          # owned by munge
+DB_DIR="$D/db"                # owned by mysql (datadir in $DB_DIR/data)
+RUN_DIR="$D/run"              # slurm pid files
+LOG_DIR="$D/log"              # slurm logs
+MUNGE_SOCKET="$MUNGE_DIR/munge.socket.2"
+DB_SOCKET="$DB_DIR/mysqld.sock"
+
+# name|pidfile|logfile|expected /proc/<pid>/comm ; in start order (stop in reverse).
+DAEMONS=(
+  "munged|$MUNGE_DIR/munged.pid|$MUNGE_DIR/munged.log|munged"
+  "mariadbd|$DB_DIR/mariadbd.pid|$DB_DIR/mariadbd.log|mariadbd"
+  "slurmdbd|$RUN_DIR/slurmdbd.pid|$LOG_DIR/slurmdbd.log|slurmdbd"
+  "slurmctld|$RUN_DIR/slurmctld.pid|$LOG_DIR/slurmctld.log|slurmctld"
+  "slurmd|$RUN_DIR/slurmd.pid|$LOG_DIR/slurmd.log|slurmd"
+)
+
+log() { echo "[flodl-slurm] $*" >&2; }
+
+daemon_field() {  # daemon_field <name> <index 1..3>
+  local e
+  for e in "${DAEMONS[@]}"; do
+    IFS='|' read -r n p l c <<<"$e"
+    if [ "$n" = "$1" ]; then
+      case "$2" in 1) echo "$p" ;; 2) echo "$l" ;; 3) echo "$c" ;; esac
+      return 0
+    fi
+  done
+  return 1
+}
+
+# Prints the PID of <name> if its PID file names a live process with the
+# expected command name (guards against PID reuse); fails otherwise.
+daemon_pid() {
+  local pf comm pid
+  pf="$(daemon_field "$1" 1)"; comm="$(daemon_field "$1" 3)"
+  [ -s "$pf" ] || return 1
+  pid="$(tr -dc '0-9' <"$pf")"
+  [ -n "$pid" ] || return 1
+  [ -r "/proc/$pid/comm" ] || return 1
+  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$comm" ] || return 1
+  echo "$pid"
+}
+
+daemon_alive() { daemon_pid "$1" >/dev/null; }
+
+# TERM, wait up to <secs>, then KILL. Only the PID from our PID file.
+stop_daemon() {
+  local name="$1" secs="${2:-15}" pid pf i
+  pf="$(daemon_field "$name" 1)"
+  if ! pid="$(daemon_pid "$name")"; then
+    rm -f "$pf"
+    return 0
+  fi
+  log "stopping $name (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < secs * 10; i++)); do
+    daemon_alive "$name" || break
+    sleep 0.1
+  done
+  if daemon_alive "$name"; then
+    log "$name (pid $pid) ignored TERM for ${secs}s: KILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    for ((i = 0; i < 50; i++)); do daemon_alive "$name" || break; sleep 0.1; done
+  fi
+  rm -f "$pf"
+}
+
+# slurmstepd processes of jobs of *this* cluster (they carry our SLURM_CONF).
+our_stepds() {
+  local p
+  for p in /proc/[0-9]*; do
+    [ "$(cat "$p/comm" 2>/dev/null)" = "slurmstepd" ] || continue
+    if tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF"; then
+      echo "${p#/proc/}"
+    fi
+  done
+}
+
+tail_logs() {
+  local e n p l c
+  for e in "${DAEMONS[@]}"; do
+    IFS='|' read -r n p l c <<<"$e"
+    if [ -s "$l" ]; then
+      echo "----- tail $l -----" >&2
+      tail -n 25 "$l" >&2
+    fi
+  done
+}

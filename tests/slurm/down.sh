@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Stop the cluster started by tests/slurm/up.sh (same STATE_DIR argument / $FLODL_SLURM_DIR).
+# Cancels this cluster's jobs, then stops each daemon by its PID file (TERM, bounded wait,
+# KILL). Touches only processes named in our PID files (checked against /proc/<pid>/comm)
+# and slurmstepd processes of this cluster. Idempotent; keeps the state dir (rm -rf it to
+# start from scratch).
+set -uo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=common.sh
+source "$HERE/common.sh" "${1:-}"
+
+if [ ! -d "$D" ]; then
+  log "nothing to stop ($D does not exist)"
+  exit 0
+fi
+
+# Jobs first, so no slurmstepd/job process outlives slurmd.
+if daemon_alive slurmctld && [ -f "$SLURM_CONF" ]; then
+  jobs="$(timeout 10 squeue -h -o %i 2>/dev/null | tr '\n' ' ')"
+  if [ -n "${jobs// /}" ]; then
+    log "cancelling jobs: $jobs"
+    # shellcheck disable=SC2086
+    timeout 10 scancel $jobs 2>/dev/null || true
+    for ((i = 0; i < 150; i++)); do
+      [ -z "$(timeout 10 squeue -h -o %i 2>/dev/null)" ] && break
+      sleep 0.1
+    done
+  fi
+fi
+
+for ((k = ${#DAEMONS[@]} - 1; k >= 0; k--)); do
+  IFS='|' read -r name pf lf comm <<<"${DAEMONS[$k]}"
+  stop_daemon "$name" 20
+done
+
+left="$(our_stepds | tr '\n' ' ')"
+if [ -n "${left// /}" ]; then
+  log "killing leftover slurmstepd of this cluster: $left"
+  # shellcheck disable=SC2086
+  kill -KILL $left 2>/dev/null || true
+fi
+rm -f "$D/env.sh"
+log "down ($D)"
