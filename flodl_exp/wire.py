@@ -208,7 +208,7 @@ def decode(frame: bytes | bytearray, max_frame_bytes: int) -> Message:
         what = "truncated" if len(frame) < n + header_len + payload_len else "trailing bytes in"
         raise WireError(f"{what} frame: {len(frame)} bytes, prefix says {n + header_len + payload_len}")
     kind, fields, specs = _parse_header(frame[n:n + header_len], payload_len)
-    return Message(kind, fields, _build_tensors(specs, bytearray(frame[n + header_len:])))
+    return Message(kind, fields, _build_tensors(specs, bytearray(memoryview(frame)[n + header_len:])))
 
 
 def frame_ceiling(model_bytes: int, headroom: float = 4.0, floor: int = 16 * 2**20) -> int:
@@ -242,9 +242,6 @@ class Connection:
         self._closed = False
         self._auth: tuple[bytes, bytes] | None = None  # (token, client nonce) for server_accept
 
-    def __repr__(self) -> str:
-        return f"Connection({self.peer}, max_frame_bytes={self.max_frame_bytes})"
-
     def __enter__(self) -> Connection:
         return self
 
@@ -255,7 +252,8 @@ class Connection:
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed")
         if self._broken is not None:
-            raise type(self._broken)(f"connection to {self.peer} is unusable: {self._broken}")
+            cls = ConnectionClosed if isinstance(self._broken, ConnectionClosed) else WireError
+            raise cls(f"connection to {self.peer} is unusable after: {self._broken}")
 
     def send(self, msg: Message) -> None:
         bufs = encode_buffers(msg)  # encoding errors never touch the stream
@@ -276,6 +274,9 @@ class Connection:
             except OSError as e:
                 self._broken = ConnectionClosed(f"send to {self.peer} failed: {e}")
                 raise self._broken from e
+            except BaseException as e:  # e.g. KeyboardInterrupt: a partial frame may be out
+                self._broken = WireError(f"send to {self.peer} aborted: {e!r}")
+                raise
 
     def recv(self, timeout: float | None = None) -> Message:
         """Next message. ``timeout`` bounds the wait for the frame to *start*
@@ -297,8 +298,10 @@ class Connection:
                 payload = bytearray(payload_len)
                 self._fill(payload, deadline, True, whole_frame)
                 return Message(kind, fields, _build_tensors(specs, payload))
-            except WireError as e:
-                self._broken = e
+            except TimeoutError:  # only raised before any byte of the frame was consumed
+                raise
+            except BaseException as e:  # anything else leaves us mid-frame
+                self._broken = e if isinstance(e, WireError) else WireError(f"recv aborted: {e!r}")
                 raise
 
     def _fill(self, buf: bytearray, deadline: float | None, started: bool, whole_frame: bool) -> None:

@@ -194,8 +194,10 @@ def test_connection_send_recv(pair):
     got = b.recv(timeout=5)
     assert got.kind == "hello" and got.fields == {"n": 1} and torch.equal(got.tensors["w"], torch.arange(10.0))
     assert b.recv(timeout=5) == Message("empty")
-    b.send(Message("back", {}, {"big": torch.ones(2 * MiB)}))  # bigger than the socket buffer
+    t = threading.Thread(target=b.send, args=(Message("back", {}, {"big": torch.ones(2 * MiB)}),))
+    t.start()  # 8 MiB: bigger than the socket buffer, so the reader must run concurrently
     assert torch.equal(a.recv(timeout=5).tensors["big"], torch.ones(2 * MiB))
+    t.join(5)
 
 
 def test_recv_timeout_keeps_stream_usable(pair):
@@ -436,7 +438,7 @@ def test_replayed_hello_is_rejected():
 @pytest.mark.parametrize("garbage", [
     pytest.param(os.urandom(4096), id="random-bytes"),
     pytest.param(struct.pack(">4sII", b"FDL1", 16, 2**31), id="oversized-first-frame"),
-    pytest.param(raw_frame({"kind": "x", "fields": {}, "tensors": []}, header_len=HANDSHAKE_MAX_FRAME),
+    pytest.param(raw_frame({"kind": "x", "fields": {}, "tensors": []}, header_len=HANDSHAKE_MAX_FRAME + 1),
                  id="just-over-handshake-ceiling"),
 ])
 def test_server_handshake_rejects_garbage_without_allocating(garbage):
@@ -469,6 +471,17 @@ def test_server_handshake_wrong_message_and_silence():
     with dial("127.0.0.1", srv.port, timeout=5):
         srv.join()
     assert isinstance(srv.error, AuthError) and time.monotonic() - t0 < 5
+
+
+def test_server_handshake_slow_peer_bounded_by_timeout():
+    """A peer that starts a frame and then trickles is cut off at the handshake timeout,
+    not at the (much longer) stall timeout."""
+    srv = Server(lambda conn: server_handshake(conn, TOKEN, timeout=0.5))
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(raw_frame({"kind": "hello", "fields": {}, "tensors": []})[:20])
+        srv.join()
+    assert isinstance(srv.error, WireError) and time.monotonic() - t0 < 3
 
 
 @pytest.mark.parametrize("mac", ["zz" * 32, "é" * 64, 42, None, "00"])

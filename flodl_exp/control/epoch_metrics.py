@@ -1,0 +1,106 @@
+"""Per-epoch aggregation of per-chunk rank metrics (algorithms.md 9.3). Pure.
+
+Throughput uses ``share_complete_ms`` (compute + data wall), never the chunk
+wall: a fast rank idling at a barrier must not look slow to the balancer or
+the user. ``idle_frac`` is the rest of the epoch's wall time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class RankSums:
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    epoch_ms: float = 0.0
+    share_ms: float = 0.0
+    compute_ms: float = 0.0
+    starve_ms: float = 0.0
+    chunks: int = 0
+    scalars: dict[str, list[float]] = field(default_factory=dict)
+
+
+class EpochAccumulator:
+    def __init__(self, epoch: int, world_size: int, started: float) -> None:
+        self.epoch = epoch
+        self.world_size = world_size
+        self.started = started
+        self.ranks = [RankSums() for _ in range(world_size)]
+        self.ranges: list[list[int]] = []
+        self.syncs = 0
+        self.sync_ms: list[float] = []
+        self.div_max = 0.0
+        self.div_last: Optional[float] = None
+        self.guard_action = 0
+        self.reported: set[int] = set()
+
+    def add_chunk(self, rank: int, f: dict[str, Any]) -> None:
+        s = self.ranks[rank]
+        b = int(f["batches"])
+        s.batches += b
+        s.samples += int(f["samples"])
+        s.loss_sum += float(f["avg_loss"]) * b
+        s.epoch_ms += float(f["epoch_ms"])
+        s.share_ms += float(f["share_complete_ms"])
+        s.compute_ms += float(f["compute_only_ms"])
+        s.starve_ms += float(f["data_starve_ms"])
+        s.chunks += 1
+        for k, (sm, c) in (f.get("scalars") or {}).items():
+            acc = s.scalars.setdefault(k, [0.0, 0])
+            acc[0] += float(sm)
+            acc[1] += int(c)
+        for off, size in f.get("ranges") or []:
+            self.ranges.append([int(off), int(size)])
+        self.reported.add(rank)
+
+    def add_sync(self, ms: float, div: Optional[float], action_code: int) -> None:
+        self.syncs += 1
+        self.sync_ms.append(ms)
+        if div is not None and math.isfinite(div):
+            self.div_max = max(self.div_max, div)
+            self.div_last = div
+        self.guard_action = max(self.guard_action, action_code)
+
+    def summary(self, wall_s: float) -> dict[str, float]:
+        total_b = sum(s.batches for s in self.ranks)
+        total_samples = sum(s.samples for s in self.ranks)
+        m: dict[str, float] = {
+            "loss": sum(s.loss_sum for s in self.ranks) / total_b if total_b else float("nan"),
+            "epoch_time_s": wall_s,
+            "samples_per_s": total_samples / wall_s if wall_s > 0 else 0.0,
+            "samples": float(total_samples),
+            "syncs": float(self.syncs),
+            "sync_ms_avg": sum(self.sync_ms) / len(self.sync_ms) if self.sync_ms else 0.0,
+            "divergence_max": self.div_max,
+            "guard_action": float(self.guard_action),
+        }
+        wall_ms = wall_s * 1e3
+        for r, s in enumerate(self.ranks):
+            p = f"rank{r}/"
+            m[p + "batch_share"] = s.batches / total_b if total_b else 0.0
+            m[p + "batches"] = float(s.batches)
+            m[p + "samples_per_s"] = s.samples / (s.share_ms / 1e3) if s.share_ms > 0 else 0.0
+            m[p + "data_starve_ms"] = s.starve_ms
+            m[p + "compute_only_ms"] = s.compute_ms
+            m[p + "idle_frac"] = max(0.0, 1.0 - s.share_ms / wall_ms) if wall_ms > 0 else 0.0
+            if s.batches:
+                m[p + "loss"] = s.loss_sum / s.batches
+            for k, (sm, c) in s.scalars.items():
+                if c:
+                    m[p + k] = sm / c
+        # User scalars: batch-weighted mean over ranks of the per-rank means.
+        keys = {k for s in self.ranks for k in s.scalars}
+        for k in keys:
+            num = den = 0.0
+            for s in self.ranks:
+                sm, c = s.scalars.get(k, (0.0, 0))
+                if c and s.batches:
+                    num += (sm / c) * s.batches
+                    den += s.batches
+            if den:
+                m[k] = num / den
+        return m

@@ -1,0 +1,56 @@
+"""``rendezvous.json``: how ranks find the coordinator.
+
+The coordinator writes host, port, store port and the job token into the job
+folder (mode 0600, temp file + rename so a reader never sees half a file);
+ranks poll for it with a bounded wait. On SLURM the job folder is on shared
+storage, which submitit already requires.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Callable, Optional
+
+FILENAME = "rendezvous.json"
+
+
+def write_rendezvous(job_dir: str, info: dict) -> str:
+    path = os.path.join(job_dir, FILENAME)
+    fd, tmp = tempfile.mkstemp(prefix=".rdv-", dir=job_dir)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(info, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+class RendezvousTimeout(RuntimeError):
+    pass
+
+
+def wait_rendezvous(job_dir: str, timeout: float, alive: Optional[Callable[[], Optional[str]]] = None) -> dict:
+    """Wait up to ``timeout`` s for the coordinator's file; ``alive()`` returns a reason when it died."""
+    path = os.path.join(job_dir, FILENAME)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as fh:
+                return json.load(fh)
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        if alive is not None:
+            dead = alive()
+            if dead:
+                raise RendezvousTimeout(f"coordinator exited before rendezvous: {dead}")
+        if time.monotonic() > deadline:
+            raise RendezvousTimeout(
+                f"no {FILENAME} in {job_dir} after {timeout:.0f}s: the coordinator did not start "
+                "(see its log in the job folder); raise cluster.rendezvous_timeout_s if the cluster is slow")
+        time.sleep(0.1)

@@ -1,0 +1,219 @@
+"""Compose launcher, coordinator and ranks: ``launch(cfg) -> RunHandle``.
+
+The launcher validates the config, creates the MLflow run (params, tags),
+writes the job spec into a fresh job folder and submits one submitit job of
+``world_size`` tasks. The handle mirrors the reference's: ``next_metrics()``,
+``poll_metrics()``, ``join()`` (the final consensus state) and ``shutdown()``.
+Progress comes from ``events.jsonl``, which the coordinator appends to.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import ConfigError, validate, world_size
+
+
+class RunFailed(RuntimeError):
+    """The run ended FAILED (or was cancelled); the message carries the reason."""
+
+
+def run_name(cfg: Any) -> str:
+    return cfg.tracking.run_name or f"{cfg.experiment.name}/{cfg.mode.name}/{cfg.guard.kind}"
+
+
+def _tags(cfg: Any, root: str) -> dict[str, str]:
+    from .tracking import git_commit
+
+    tags = {
+        "mode": cfg.mode.name, "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": cfg.guard.kind,
+        "cluster": cfg.cluster.name, "world_size": str(world_size(cfg)), "experiment": cfg.experiment.name,
+    }
+    commit = git_commit(root)
+    if commit:
+        tags["git_commit"] = commit
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        tags["hydra.output_dir"] = hc.runtime.output_dir
+        if hc.mode is not None and str(hc.mode).endswith("MULTIRUN"):
+            tags["sweep_dir"] = hc.sweep.dir
+    except Exception:
+        pass
+    return tags
+
+
+class RunHandle:
+    def __init__(self, *, cfg: Any, run_id: str, tracking_uri: str, job_dir: str, job: Any, stem: str) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.job_dir = job_dir
+        self.job = job
+        self.stem = stem
+        self._offset = 0
+        self._buffer = ""
+        self._queue: list[dict] = []
+        self.events: list[dict] = []
+        self.result: Optional[dict] = None
+        self._ended = False
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.job_id)
+
+    def _read_events(self) -> None:
+        path = os.path.join(self.job_dir, "events.jsonl")
+        try:
+            with open(path) as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+                self._offset = fh.tell()
+        except FileNotFoundError:
+            return
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split("\n")
+        for line in lines:
+            if line.strip():
+                ev = json.loads(line)
+                self.events.append(ev)
+                self._queue.append(ev)
+
+    def poll_events(self) -> list[dict]:
+        """Every new event (started, epoch, eval, end, ...) since the last call."""
+        self._read_events()
+        out, self._queue = self._queue, []
+        return out
+
+    def poll_metrics(self) -> list[dict]:
+        """New aggregated epoch metrics since the last call, without blocking."""
+        return [e for e in self.poll_events() if e.get("event") == "epoch"]
+
+    def next_metrics(self, timeout: Optional[float] = None) -> Optional[dict]:
+        """Block until the next epoch's metrics (None when the run ended first)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._read_events()
+            for i, ev in enumerate(self._queue):
+                if ev.get("event") == "epoch":
+                    del self._queue[: i + 1]
+                    return ev
+            if self.done() or (deadline is not None and time.monotonic() > deadline):
+                return None
+            time.sleep(0.1)
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait(self) -> dict:
+        """Wait for every task; end the MLflow run; return result.json. Raises RunFailed."""
+        from .tracking import end_run
+
+        error: Optional[str] = None
+        try:
+            self.job.results()
+        except Exception as e:  # FailedJobError / UncompletedJobError carry the task's traceback tail
+            error = f"{type(e).__name__}: {e}"
+        self._read_events()
+        path = os.path.join(self.job_dir, "result.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                self.result = json.load(fh)
+        status = (self.result or {}).get("status")
+        if status == "FINISHED" and error is None:
+            end_run(self.tracking_uri, self.run_id, "FINISHED")
+            self._ended = True
+            return self.result
+        reason = (self.result or {}).get("failure") or error or "the job ended without a result"
+        if error and (self.result or {}).get("failure") and error not in reason:
+            reason = f"{reason}\n{error}"
+        end_run(self.tracking_uri, self.run_id, "FAILED", error=reason)
+        self._ended = True
+        raise RunFailed(_tail_lines(reason, 40))
+
+    def join(self) -> dict:
+        """Wait for the run and return the final consensus model state (from the bundle)."""
+        self.wait()
+        from .checkpoint import load_model_state
+
+        return load_model_state(self.stem)
+
+    def shutdown(self) -> None:
+        """Cancel the job (Ctrl-C path) and mark the run KILLED."""
+        from .tracking import end_run
+
+        try:
+            self.job.cancel(check=False)
+        except Exception:
+            pass
+        deadline = time.monotonic() + 20
+        while not self.job.done() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not self._ended:
+            end_run(self.tracking_uri, self.run_id, "KILLED", error="cancelled by the user")
+            self._ended = True
+
+
+def _tail_lines(text: str, n: int) -> str:
+    lines = text.strip().splitlines()
+    return "\n".join(lines[-n:]) if len(lines) > n else text.strip()
+
+
+def _gpus_for_local(cfg: Any) -> int:
+    if cfg.cluster.device == "cpu":
+        return 0
+    try:
+        import torch
+
+        return min(torch.cuda.device_count(), int(cfg.cluster.ranks_per_node)) if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str] = None) -> RunHandle:
+    """Validate, create the MLflow run, submit the job; returns at once with a RunHandle."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    validate(cfg)
+    root = os.path.abspath(root or os.getcwd())
+    from .launch.executor import make_executor
+    from .tracking import create_run, resolve_tracking
+
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    uri, art = resolve_tracking(cfg.tracking, root)
+    run_id = create_run(uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved, _tags(cfg, root), parent_run_id)
+    job_root = cfg.run.job_root or os.path.join(root, "outputs", "jobs")
+    job_dir = os.path.join(job_root, f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:8]}-{uuid.uuid4().hex[:4]}")
+    os.makedirs(job_dir, exist_ok=True)
+    stem = cfg.checkpoint.save_path or os.path.join(job_dir, "checkpoints", "final")
+    spec = {"config": resolved, "run_id": run_id, "tracking_uri": uri, "job_dir": job_dir,
+            "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed)}
+    spec_path = os.path.join(job_dir, "spec.json")
+    with open(spec_path, "w") as fh:
+        json.dump(spec, fh, indent=1)
+    with open(os.path.join(job_dir, "config.yaml"), "w") as fh:
+        fh.write(OmegaConf.to_yaml(cfg, resolve=True))
+    from .tracking import client
+
+    client(uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
+    ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, _gpus_for_local(cfg), run_name(cfg))
+    from .launch.job import run_task
+
+    try:
+        job = ex.submit(run_task, spec_path)
+    except Exception as e:
+        from .tracking import end_run
+
+        end_run(uri, run_id, "FAILED", error=f"submit failed: {e}")
+        raise
+    client(uri).set_tag(run_id, "job_id", str(job.job_id))
+    return RunHandle(cfg=cfg, run_id=run_id, tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem))
+
+
+__all__ = ["launch", "RunHandle", "RunFailed", "ConfigError"]
