@@ -287,6 +287,9 @@ class Coordinator:
         elif k == "lr":
             if r == min(self.alive_ranks(), default=r):
                 self.lr_seen = float(f["lr"])
+        elif k == "telemetry":
+            if self.dispatch is not None:
+                self.dispatch.on_telemetry(r, f)
         elif k == "heartbeat":
             pass
         else:

@@ -185,6 +185,11 @@ class Dispatcher:
             self.pools[e].mark_completed(r, chunk[3])
             self.dispatch_next(r)
 
+    def on_telemetry(self, r: int, f: dict) -> None:
+        e = min((e for e in self.accs if e > self.last_aggregated), default=None)
+        if e is not None:
+            self.accs[e].add_telemetry(r, f)
+
     def on_sync(self, ms: float, d_max: Optional[float], code: int) -> None:
         e = min((e for e in self.accs if e > self.last_aggregated), default=None)
         if e is not None:

@@ -22,6 +22,7 @@ class RankSums:
     starve_ms: float = 0.0
     chunks: int = 0
     scalars: dict[str, list[float]] = field(default_factory=dict)
+    telemetry: dict[str, list[float]] = field(default_factory=dict)
 
 
 class EpochAccumulator:
@@ -57,6 +58,14 @@ class EpochAccumulator:
             self.ranges.append([int(off), int(size)])
         self.reported.add(rank)
 
+    def add_telemetry(self, rank: int, f: dict[str, Any]) -> None:
+        """Resource samples (gpu_util, mem_gb, cpu_pct, rss_gb, ...): averaged per rank over the epoch."""
+        for k, v in f.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                acc = self.ranks[rank].telemetry.setdefault(k, [0.0, 0])
+                acc[0] += float(v)
+                acc[1] += 1
+
     def add_sync(self, ms: float, div: Optional[float], action_code: int) -> None:
         self.syncs += 1
         self.sync_ms.append(ms)
@@ -90,6 +99,9 @@ class EpochAccumulator:
             if s.batches:
                 m[p + "loss"] = s.loss_sum / s.batches
             for k, (sm, c) in s.scalars.items():
+                if c:
+                    m[p + k] = sm / c
+            for k, (sm, c) in s.telemetry.items():
                 if c:
                     m[p + k] = sm / c
         # User scalars: batch-weighted mean over ranks of the per-rank means.

@@ -150,6 +150,8 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$DBD_PORT
+# For the slurmdbd plugin this names the munge socket used towards slurmdbd (AuthInfo is not).
+AccountingStoragePass=$MUNGE_SOCKET
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -178,13 +180,13 @@ if [ $changed -eq 1 ]; then
   done
 fi
 
-wait_for() {  # wait_for <secs> <what> <cmd...>
-  local secs="$1" what="$2" i; shift 2
-  for ((i = 0; i < secs * 5; i++)); do
-    if "$@" >/dev/null 2>&1; then return 0; fi
+wait_for() {  # wait_for <secs> <what> <cmd...> ; polls every 0.2 s until a deadline
+  local secs="$1" what="$2" end; shift 2
+  end=$(($(date +%s) + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ "$(date +%s)" -lt "$end" ] || fail "timed out after ${secs}s waiting for $what"
     sleep 0.2
   done
-  fail "timed out after ${secs}s waiting for $what"
 }
 
 # ---------- munged --------------------------------------------------------------------------
