@@ -207,6 +207,8 @@ class Coordinator:
             self.last_seen[rank] = time.monotonic()
             self.total_picks = int(hello.get("samples", 0)) * max(1, int(self.cfg["data_plane"]["augment"]))
             log.info("rank %d joined from %s (%s)", rank, hello.get("host"), hello.get("device"))
+            self.emit({"event": "joined", "rank": rank, "pid": hello.get("pid"), "host": hello.get("host"),
+                       "device": hello.get("device")})
         elif kind == "msg":
             self.last_seen[rank] = time.monotonic()
             self._on_msg(rank, ev[2])

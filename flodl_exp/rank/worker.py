@@ -32,6 +32,33 @@ log = logging.getLogger("flodl_exp.rank")
 HEARTBEAT_S = 1.0
 
 
+def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
+    """``FLODL_FAULT_INJECT="<rank>:<step>:<kind>[,...]"`` (kind: raise | exit | kill | hang) -> (step, kind) for this rank.
+
+    The test hook for failure paths: a rank fails on purpose after its
+    ``step``-th batch, the way a real crash, OOM kill or hung device would.
+    """
+    for item in (spec or "").split(","):
+        parts = item.strip().split(":")
+        if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) == rank:
+            return int(parts[1]), parts[2]
+    return None
+
+
+def inject_fault(kind: str, rank: int, step: int) -> None:
+    import signal
+
+    log.error("rank %d: injected fault %r at step %d", rank, kind, step)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "exit":
+        os._exit(3)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class CoordinatorLost(RuntimeError):
     """The coordinator closed the connection or went silent past the deadline."""
 
@@ -103,6 +130,7 @@ class RankWorker:
         self.snapshot_n = 0
         self.last_coord = time.monotonic()
         self.chunk: Optional[EpochState] = None
+        self.fault = parse_fault(os.environ.get("FLODL_FAULT_INJECT"), rank)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rank-heartbeat", daemon=True).start()
 
@@ -247,6 +275,8 @@ class RankWorker:
                 break
             loss, ms = tr.train_step(batch)
             tr.after_step(st, batch, loss, ms)
+            if self.fault is not None and tr.step_count >= self.fault[0]:
+                inject_fault(self.fault[1], self.rank, tr.step_count)
             self.conn.send(Message("batch", {"s": tr.step_count, "ms": ms, "d": batch.data_ms, "loss": loss, "e": st.epoch}))
         self.chunk = None
         m = tr.end_epoch(st)
@@ -261,7 +291,7 @@ class RankWorker:
                     self.run_chunk(self.plans.popleft())
                     continue
                 self.wait_until(lambda: bool(self.plans))
-            final = {"rank": self.rank, "hash": state_hash(self.trainer.model), "steps": self.trainer.step_count,
+            final = {"rank": self.rank, "pid": os.getpid(), "hash": state_hash(self.trainer.model), "steps": self.trainer.step_count,
                      "global_step": self.trainer.global_step}
             self.conn.send(Message("exiting", final))
             return final

@@ -57,6 +57,11 @@ daemon_pid() {
   [ -n "$pid" ] || return 1
   [ -r "/proc/$pid/comm" ] || return 1
   [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$comm" ] || return 1
+  # A killed daemon may linger as a zombie until init reaps it: that is not alive.
+  local stat
+  stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
+  stat="${stat##*) }"
+  case "${stat%% *}" in Z | X | x) return 1 ;; esac
   echo "$pid"
 }
 
@@ -92,6 +97,22 @@ our_stepds() {
     if tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF"; then
       echo "${p#/proc/}"
     fi
+  done
+}
+
+# <pid> and all its descendants (by ppid), parents first.
+proc_tree() {
+  local todo=("$@") p c
+  while [ ${#todo[@]} -gt 0 ]; do
+    p="${todo[0]}"; todo=("${todo[@]:1}")
+    echo "$p"
+    for c in /proc/[0-9]*/stat; do
+      c="$(cat "$c" 2>/dev/null)" || continue
+      # fields after "comm)": state ppid ...
+      local rest="${c##*) }" cpid="${c%% *}"
+      set -- $rest
+      [ "${2:-}" = "$p" ] && todo+=("$cpid")
+    done
   done
 }
 

@@ -34,11 +34,15 @@ for ((k = ${#DAEMONS[@]} - 1; k >= 0; k--)); do
   stop_daemon "$name" 20
 done
 
-left="$(our_stepds | tr '\n' ' ')"
-if [ -n "${left// /}" ]; then
-  log "killing leftover slurmstepd of this cluster: $left"
+# Job steps that outlived slurmd (e.g. slurmctld was already gone so scancel could not
+# reach them): KILL each slurmstepd of this cluster together with its task processes.
+stepds="$(our_stepds | tr '\n' ' ')"
+if [ -n "${stepds// /}" ]; then
   # shellcheck disable=SC2086
-  kill -KILL $left 2>/dev/null || true
+  tree="$(proc_tree $stepds | tr '\n' ' ')"
+  log "killing leftover job steps of this cluster: pids $tree"
+  # shellcheck disable=SC2086
+  kill -KILL $tree 2>/dev/null || true
 fi
 rm -f "$D/env.sh"
 log "down ($D)"

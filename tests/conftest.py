@@ -1,0 +1,104 @@
+"""Shared fixtures: the repo root, one MLflow store per session, config composition and CLI runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory) -> dict:
+    """One SQLite MLflow store and job root for the whole session (creating a store costs ~4 s)."""
+    d = tmp_path_factory.mktemp("store")
+    return {"dir": d, "uri": f"sqlite:///{d}/mlflow.db", "jobs": str(d / "jobs")}
+
+
+def base_overrides(store: dict, experiment: str = "e2e") -> list[str]:
+    return [f"tracking.uri={store['uri']}", f"tracking.experiment_name={experiment}", f"run.job_root={store['jobs']}",
+            "run.progress=plain", f"hydra.run.dir={store['dir']}/hydra/${{now:%H-%M-%S-%f}}", "run.timeout_min=10"]
+
+
+def compose(overrides: list[str]):
+    """The app's config for ``overrides``, composed with Hydra's compose API (as the CLI would)."""
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+
+    from flodl_exp.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hcompose("config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+
+
+def run_cli(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=e)
+
+
+def job_dir_of(out: str) -> Path:
+    for line in out.splitlines():
+        if line.startswith("MLflow run ") and " folder " in line:
+            return Path(line.split(" folder ", 1)[1].strip())
+    raise AssertionError(f"no job folder in output:\n{out}")
+
+
+def run_id_of(out: str) -> str:
+    for line in out.splitlines():
+        if line.startswith("MLflow run "):
+            return line.split()[2]
+    raise AssertionError(f"no run id in output:\n{out}")
+
+
+def read_result(job_dir: Path) -> dict:
+    return json.loads((job_dir / "result.json").read_text())
+
+
+def read_events(job_dir: Path) -> list[dict]:
+    p = job_dir / "events.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def pids_of(job_dir: Path) -> list[int]:
+    """Every process the run started that we can name: the coordinator and each rank."""
+    pids = [e["pid"] for e in read_events(job_dir) if e.get("event") == "joined" and e.get("pid")]
+    rdv = job_dir / "rendezvous.json"
+    if rdv.exists():
+        pids.append(json.loads(rdv.read_text())["pid"])
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_exact_coverage(result: dict, batch_size: int) -> None:
+    """Every pick of the batch-aligned epoch range trained exactly once, every epoch."""
+    total = (result["total_picks"] // batch_size) * batch_size
+    assert len(result["coverage"]) == result["epochs"]
+    for e, ranges in result["coverage"].items():
+        hits = [0] * total
+        for off, size in ranges:
+            for i in range(off, off + size):
+                hits[i] += 1
+        assert all(h == 1 for h in hits), f"epoch {e}: picks trained {sorted(set(hits))} times"
