@@ -27,9 +27,11 @@ from ..averaging import divergence, weighted_average
 from ..config import effective_easgd_alpha, is_progressive, parse_callback_rank
 from ..wire import Message
 from .actions import STABLE, ConvergenceAction
+from .checkpointing import Checkpointing
 from .dispatch import Dispatcher
 from .elche import ElChe, WindowReport
 from .epoch_metrics import EpochAccumulator
+from .faults import FaultHandling
 from .guards import DivergenceReport, build_guard
 from .meta import LrEventMeta
 from .server import RankServer
@@ -83,7 +85,7 @@ class Ledger:
         self.wall_ms, self.first_ms, self.delivered_ms, self.delivered_batches, self.window_batches = 0.0, None, 0.0, 0, 0
 
 
-class Coordinator:
+class Coordinator(FaultHandling, Checkpointing):
     def __init__(self, spec: dict, server: RankServer, events: "queue.Queue[tuple]", sink: Any, job_dir: str) -> None:
         cfg = spec["config"]
         self.cfg = cfg
@@ -138,6 +140,31 @@ class Coordinator:
         self.last_progress = time.monotonic()
         self.eval_history: list[dict] = []
         self.stem = spec["checkpoint_stem"]
+        self.shuffle_seed = int(spec.get("shuffle_seed", cfg["seed"]))
+        self.errors: dict[int, dict] = {}
+        self.deaths: list[dict] = []
+        self.chunk_progress: list[dict[int, int]] = [{} for _ in range(self.W)]
+        self.generation = 0
+        self.save_dispatched = False
+        self.saved_stem: Optional[str] = None
+        self.save_deadline = 0.0
+        self.ckpt: Optional[dict] = None
+        self.pending_meta: Optional[tuple] = None
+        self.at_epoch_done = False
+        self.resume = spec.get("resume")
+        if self.resume:
+            self._restore(self.resume["meta"])
+
+    def _restore(self, meta: dict) -> None:
+        """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
+        self.global_step = int(meta["global_step"])
+        self.version = int(meta["sync_round"])
+        if self.elche is not None and meta.get("elche_state"):
+            st = dict(meta["elche_state"])
+            st.pop("trend_history", None)
+            self.elche.load_state_dict(st)
+        if meta.get("guard_state") and meta.get("guard_kind") == self.cfg["guard"]["kind"]:
+            self.guard.load_state_dict(meta["guard_state"])
 
     # -- construction helpers -----------------------------------------
     def _build_elche(self, m: dict) -> ElChe:
@@ -213,23 +240,10 @@ class Coordinator:
             self.last_seen[rank] = time.monotonic()
             self._on_msg(rank, ev[2])
         elif kind == "closed":
-            if self.alive[rank] and not self.exited[rank]:
-                self._rank_died(rank, ev[2])
-            self.alive[rank] = False
-
-    def _rank_died(self, rank: int, reason: str) -> None:
-        self.alive[rank] = False
-        self.sink.set_tags({f"rank{rank}.death": reason})
-        self.emit({"event": "rank_dead", "rank": rank, "reason": reason})
-        if self.phase in ("finishing", "shutdown"):
-            return
-        self._fail(f"rank {rank} died ({reason})")
-
-    def _fail(self, reason: str) -> None:
-        log.error("run failed: %s", reason)
-        self.failure = reason
-        self.status = "FAILED"
-        self._shutdown()
+            if self.phase == "connecting" and not self.exited[rank]:
+                self.errors.setdefault(rank, {"error": ev[2]})
+                raise RunFailure(f"rank {rank} failed before training started: {self.errors[rank].get('error')}")
+            self.declare_dead(rank, "connection closed" if ev[2] == "closed" else ev[2])
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -238,15 +252,22 @@ class Coordinator:
             self.broadcast(Message("coord_heartbeat", {"t": now}))
         for r in self.alive_ranks():
             if not self.exited[r] and now - self.last_seen[r] > self.hb_timeout:
-                self._rank_died(r, f"no heartbeat for {self.hb_timeout:.0f}s")
+                self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
         if self.phase == "shutdown":
-            if not self.alive_ranks() or now - self.shutdown_at > 30:
+            if not [r for r in self.alive_ranks() if not self.exited[r]] or now - self.shutdown_at > 30:
                 self.phase = "done"
             return
-        if self.cycle is not None and now - self.cycle.started > self.stall_ceiling:
-            self._fail(f"reduce stalled for {self.stall_ceiling:.0f}s")
+        if self.phase == "saving":
+            if now > self.save_deadline:
+                log.error("ShutdownWithSave: saves still pending after the deadline: %s", sorted(self.final_pending))
+                self._shutdown()
             return
-        if self.phase == "training":
+        if self.phase == "checkpointing":
+            self.tick_checkpoint()
+        if self.cycle is not None and now - self.cycle.started > self.stall_ceiling:
+            self.shutdown_with_save("reduce_stall", f"a reduce waited {self.stall_ceiling:.0f}s with the cohort alive")
+            return
+        if self.phase in ("training", "checkpointing"):
             self._check_throttle()
             if self._should_average():
                 self._trigger()
@@ -264,6 +285,10 @@ class Coordinator:
         k, f = msg.kind, msg.fields
         if k == "batch":
             self.ledger[r].add(float(f["ms"]), float(f["d"]))
+            cid = int(f.get("c", -1))
+            self.chunk_progress[r][cid] = self.chunk_progress[r].get(cid, 0) + 1
+            if "lr" in f and r == min(self.alive_ranks(), default=r):
+                self.lr_seen = float(f["lr"])
             self.last_progress = time.monotonic()
         elif k == "sync_ack":
             if self.cycle is not None and self.cycle.backend == "nccl" and r in self.cycle.members:
@@ -278,17 +303,13 @@ class Coordinator:
         elif k == "eval_result":
             self._on_eval(r, f)
         elif k == "save_result":
-            if f.get("error"):
-                log.warning("rank %d could not save %s: %s", r, f.get("stem"), f["error"])
-                self.sink.set_tags({f"save_error.rank{r}": f["error"]})
-            self.final_pending.discard(f"save{r}")
-            self._maybe_shutdown()
+            self.on_save_result(r, f)
+        elif k == "error":
+            self.errors[r] = f
+            log.error("rank %d reported: %s", r, f.get("error"))
         elif k == "exiting":
             self.exited[r] = True
             self.finals[r] = f
-        elif k == "lr":
-            if r == min(self.alive_ranks(), default=r):
-                self.lr_seen = float(f["lr"])
         elif k == "telemetry":
             if self.dispatch is not None:
                 self.dispatch.on_telemetry(r, f)
@@ -393,8 +414,8 @@ class Coordinator:
                 delivered_coherent=capable and bool(movers) and all(led[r].delivered_batches >= 1 for r in movers),
             ))
             if self.fixed_callback is None and self.elche.is_calibrated and not getattr(self, "_roles_elected", False):
-                self._roles_elected = True
-                self.callback_rank = min(alive, key=lambda r: (self.elche.smoothed_ms(r) or math.inf, r))
+                self._roles_elected = True  # sticky: re-elected only on death
+                self.elect_callback_rank()
             deltas = [float(div.get(r) or 0.0) for r in range(self.W)]
             pres = [pre.get(r) for r in range(self.W)]
             report = DivergenceReport(deltas, pres if all(p is not None for p in pres) else None, post)
@@ -425,6 +446,7 @@ class Coordinator:
             self.dispatch.on_sync(sync_ms, d_max, action.code)
             if self.elche is not None and self.elche.anchor != old_anchor:
                 log.info("anchor %d -> %d", old_anchor, self.elche.anchor)
+            self.maybe_at_epoch_checkpoint()
             self.dispatch.after_finish()
         self.last_progress = time.monotonic()
 
@@ -447,6 +469,8 @@ class Coordinator:
         last = e == self.epochs - 1
         if not last and self.eval_every > 0 and (e + 1) % self.eval_every == 0 and self.alive[self.callback_rank]:
             self.send(self.callback_rank, Message("execute_eval", {"epoch": e}))
+        if self.checkpoint_due(e):
+            self.begin_epoch_checkpoint(e)
 
     def _on_eval(self, r: int, f: dict) -> None:
         if f.get("error"):
@@ -475,25 +499,8 @@ class Coordinator:
     def _maybe_shutdown(self) -> None:
         if self.phase == "finishing" and not self.final_pending:
             self.status = "FINISHED"
-            self.write_meta("completed")
+            self.write_meta("completed", self.stem, epoch=self.epochs)
             self._shutdown()
-
-    def write_meta(self, reason: str) -> None:
-        from ..checkpoint import write_meta
-        from ..partition import PERMUTATION_ALGORITHM
-
-        write_meta(self.stem, {
-            "epoch": self.epochs if reason == "completed" else (self.dispatch.last_aggregated + 1 if self.dispatch else 0),
-            "global_step": self.global_step,
-            "sync_round": self.version,
-            "world_size_at_save": self.W,
-            "save_reason": reason,
-            "model": self.cfg["experiment"]["name"],
-            "elche_state": dict(self.elche.state_dict(), trend_history=self.guard.state_dict().get("trend_history") or None) if self.elche else None,
-            "guard_state": self.guard.state_dict(),
-            "coverage": {"seed": int(self.spec.get("shuffle_seed", self.cfg["seed"])), "algorithm": PERMUTATION_ALGORITHM,
-                         "batch_size": self.batch_size, "per_epoch": []},
-        })
 
     def _shutdown(self) -> None:
         if self.phase in ("shutdown", "done"):
@@ -519,6 +526,11 @@ class Coordinator:
             "callback_rank": self.callback_rank,
             "stem": self.stem,
             "rejected_connections": self.server.rejected,
+            "deaths": self.deaths,
+            "errors": {str(r): v for r, v in self.errors.items()},
+            "regroups": self.generation,
+            "saved_stem": self.saved_stem,
+            "resumed_from": (self.resume or {}).get("stem"),
         }
 
 

@@ -74,10 +74,76 @@ class Dispatcher:
 
     # -- starting epochs ------------------------------------------------
     def start(self) -> None:
+        resume = self.co.resume
+        meta = resume["meta"] if resume else None
+        start = int(meta["epoch"]) if meta else 0
+        recorded = ((meta.get("coverage") or {}).get("per_epoch") or []) if meta else []
+        if recorded and self.progressive:
+            # Coverage-granular resume: only the picks the bundle had not covered.
+            lowest = min(int(p["epoch"]) for p in recorded)
+            self.last_aggregated = lowest - 1
+            for p in recorded:
+                e = int(p["epoch"])
+                self._open(e)
+                self.pools[e] = ChunkPool.from_coverage(e, int(p["total_samples"]), self.bs, self.W,
+                                                        [tuple(rg) for rg in p["uncovered_ranges"]])
+            for r in self.co.alive_ranks():
+                self.rank_epoch[r] = lowest
+                self.dispatch_next(r)
+            return
+        self.last_aggregated = start - 1
+        if start >= self.epochs:
+            return
         if self.progressive:
-            self._start_progressive(0)
+            self._start_progressive(start)
         else:
-            self._dispatch_plans(0)
+            self._dispatch_plans(start)
+
+    def resume_after_checkpoint(self) -> None:
+        """The epoch-boundary bundle is written: dispatch the held next epoch."""
+        e = self.last_aggregated + 1
+        if e >= self.epochs:
+            return
+        if not self.progressive:
+            self._dispatch_plans(e)
+        elif e not in self.pools:
+            self._start_progressive(e)
+        else:
+            self.after_finish()
+
+    def on_rank_dead(self, r: int) -> None:
+        """Give the dead rank's unprocessed picks to the survivors; what it trained stays covered."""
+        progress = self.co.chunk_progress[r]
+        survivors = self.co.alive_ranks()
+        for cid, (rr, e, off, size) in sorted(self.chunks.items()):
+            if rr != r:
+                continue
+            del self.chunks[cid]
+            done = min(progress.get(cid, 0) * self.bs, size)
+            acc = self._open(e)
+            if done:
+                acc.ranges.append([off, done])
+                acc.ranks[r].batches += done // self.bs
+                acc.ranks[r].samples += done
+            if self.progressive and e in self.pools:
+                self.pools[e].mark_completed(r, done)
+            elif size - done > 0 and survivors:
+                # ExtendPartition: split the remainder in whole batches over the survivors, in rank order.
+                rest_off, rest_batches = off + done, (size - done) // self.bs
+                for i, nb in enumerate(equal_sizes(len(survivors), rest_batches)):
+                    if nb > 0:
+                        self._extend(survivors[i], e, rest_off, nb * self.bs)
+                        rest_off += nb * self.bs
+        if self.progressive:
+            for pool in self.pools.values():
+                pool.forfeit(r)
+            self.after_finish()
+
+    def _extend(self, r: int, e: int, offset: int, size: int) -> None:
+        cid = next(self._ids)
+        self.chunks[cid] = (r, e, offset, size)
+        if not self.co.send(r, Message("extend_partition", {"epoch": e, "offset": offset, "size": size, "chunk": cid})):
+            del self.chunks[cid]
 
     def _dispatch_plans(self, e: int) -> None:
         self._open(e)
@@ -140,7 +206,7 @@ class Dispatcher:
 
     def dispatch_next(self, r: int) -> None:
         """algorithms.md 5.4: hand rank r its next chunk unless a barrier holds it."""
-        if not self.co.alive[r] or self.co.phase != "training":
+        if not self.co.alive[r] or self.co.phase not in ("training", "checkpointing"):
             return
         if self.barrier_paced and self.in_flight(r):
             return
@@ -154,7 +220,7 @@ class Dispatcher:
             return
         first_live = self.last_aggregated + 1
         nxt = max(e + 1, first_live)
-        if nxt >= self.epochs or (self.barrier_paced and e >= first_live):
+        if nxt >= self.epochs or (self.barrier_paced and e >= first_live) or self.co.phase == "checkpointing":
             return
         if self.is_async and self.overshoot.value == 0:
             return
@@ -179,6 +245,8 @@ class Dispatcher:
     # -- reports ----------------------------------------------------------
     def on_metrics(self, r: int, f: dict) -> None:
         chunk = self.chunks.pop(int(f.get("chunk", -1)), None)
+        for extra in f.get("extra_chunks") or []:
+            self.chunks.pop(int(extra), None)
         e = int(f["epoch"])
         self._open(e).add_chunk(r, f)
         if self.progressive and chunk is not None and e in self.pools:
@@ -221,6 +289,8 @@ class Dispatcher:
             self.last_aggregated = e
             self.co.on_epoch_aggregated(e, metrics, acc.ranges)
             self.pools.pop(e - 1, None)
+            if self.co.phase == "checkpointing":
+                return  # the next epoch waits for the bundle (resume_after_checkpoint)
             if e + 1 < self.epochs:
                 if not self.progressive:
                     self._dispatch_plans(e + 1)

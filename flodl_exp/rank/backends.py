@@ -39,12 +39,21 @@ class CollectiveBackend:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
         self.store = store
-        pstore = dist.PrefixStore(f"gen{generation}", store)
-        dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        self.timeout = timedelta(seconds=timeout_s)
+        self._init(generation, rank, world_size)
         if rank == 0:
             log.info("collective backend: %s (%s)", self.backend,
                      "every rank has a CUDA device" if self.backend == "nccl" else "no CUDA device: Gloo on CPU")
+
+    def _init(self, generation: int, rank: int, world_size: int) -> None:
+        pstore = self.dist.PrefixStore(f"gen{generation}", self.store)
+        self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout)
+        self.generation, self.rank, self.world_size = generation, rank, world_size
+
+    def rebuild(self, generation: int, rank: int, world_size: int) -> None:
+        """Elastic regroup: drop the old group, form a new one on a fresh prefix of the same store."""
+        self.close()
+        self._init(generation, rank, world_size)
 
     def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True) -> tuple[Optional[float], Optional[float], Optional[float]]:
         dist = self.dist

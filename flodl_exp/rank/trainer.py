@@ -4,21 +4,28 @@ One replica, its optimizer and its data; no sockets. The managed loop in
 ``rank/worker.py`` drives these between control messages, and tests drive
 them directly. Timing follows the reference ledger: ``compute`` is the
 train-step wall (including the simulated slowdown of ``rank_speeds``),
-``data`` the wall spent fetching a batch, and ``share_complete_ms`` their sum:
-the rank's own work, never the idle at barriers.
+``data`` the wall blocked waiting for a batch (control work handled while
+waiting excluded), and ``share_complete_ms`` their sum: the rank's own work,
+never the idle at barriers.
+
+Batches come from a ``DataPipeline`` (``rank/data``): begin_epoch opens a
+``Feed`` for the chunk (reader threads prefetch through the sample cache),
+next_batch takes the next ready batch. Without an attached pipeline the
+trainer builds a single-stage synchronous one (ram_max_usage=0): the plain
+``fetch_batch`` of the experiment's dataset, as before.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from ..experiment import Experiment, batch_to, fetch_batch
-from ..partition import decode_pick, make_partition
+from ..experiment import Experiment
+from ..partition import make_partition
 from ..scalars import drain_scalars
 
 
@@ -38,6 +45,8 @@ class EpochState:
     started: float = field(default_factory=time.perf_counter)
     ranges: list[list[int]] = field(default_factory=list)
     """[offset, size] ranges of the epoch permutation this chunk covers (for coverage checks)."""
+    feed: Any = None
+    """The data pipeline's Feed for this chunk (None: nothing to fetch)."""
 
     @property
     def total_batches(self) -> int:
@@ -47,6 +56,8 @@ class EpochState:
         """ExtendPartition: append another slice of the same permutation."""
         self.picks = np.concatenate([self.picks, picks])
         self.ranges.append([int(offset), int(len(picks))])
+        if self.feed is not None:
+            self.feed.extend(picks)  # the readers pick the new batches up at once
 
 
 @dataclass
@@ -97,6 +108,7 @@ class RankTrainer:
         speed: float = 1.0,
         lr_scale_ratio: float = 1.0,
         max_grad_norm: Optional[float] = None,
+        pipeline: Any = None,
     ) -> None:
         self.exp = exp
         self.model = exp.model
@@ -120,24 +132,57 @@ class RankTrainer:
         if exp.lr_factor is None and self.lr_scale > 1:
             for g, base in zip(self.optimizer.param_groups, self.base_lrs):
                 g["lr"] = base * self.lr_scale
+        self.pipeline = pipeline
+        """rank.data.DataPipeline; built lazily (synchronous) when none is attached."""
+        self.on_data_wait: Optional[Callable[[], None]] = None
+        self.stop_data_wait: Optional[Callable[[], bool]] = None
+
+    # -- data plane -----------------------------------------------------
+    def attach_pipeline(self, pipeline: Any, on_wait: Optional[Callable[[], None]] = None,
+                        should_stop: Optional[Callable[[], bool]] = None) -> None:
+        """Use ``pipeline`` for batches; ``on_wait`` runs every 10 ms while blocked on one (control drain)."""
+        if self.pipeline is not None and self.pipeline is not pipeline:
+            self.pipeline.close()
+        self.pipeline = pipeline
+        self.on_data_wait = on_wait
+        self.stop_data_wait = should_stop
+
+    def data_pipeline(self) -> Any:
+        if self.pipeline is None:
+            from .data import DataPipeline
+
+            self.pipeline = DataPipeline(self.exp.train_data, device=self.device, batch_size=self.batch_size,
+                                         augment=self.augment, seed=self.seed, ram_max_usage=0.0)
+        return self.pipeline
+
+    def close_data(self) -> None:
+        """Stop the reader threads and drop the caches (removes the disk-stage file)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     # -- primitives -------------------------------------------------------
     def begin_epoch(self, epoch: int, offset: int, size: int) -> EpochState:
         picks = make_partition(offset, size, self.total_picks, epoch, self.seed)
         self.model.train()
+        feed = self.data_pipeline().open(epoch, picks)
         return EpochState(epoch=epoch, offset=offset, picks=picks, batch_size=self.batch_size,
-                          ranges=[[int(offset), int(len(picks))]])
+                          ranges=[[int(offset), int(len(picks))]], feed=feed)
 
     def next_batch(self, st: EpochState) -> Optional[Batch]:
-        """Fetch the next full batch of the plan, or None when the plan is done."""
+        """The next full batch of the plan (prefetched or fetched now), or None when the plan is done.
+
+        Also None when ``stop_data_wait()`` turned true while waiting (shutdown
+        seen by the control drain); the cursor then stays where it was.
+        """
         if st.cursor + self.batch_size > len(st.picks):
             return None
-        ids = st.picks[st.cursor : st.cursor + self.batch_size]
+        if st.feed is None:
+            st.feed = self.data_pipeline().open(st.epoch, st.picks[st.cursor:])
+        got = st.feed.next(self.on_data_wait, self.stop_data_wait)
+        if got is None:
+            return None
         st.cursor += self.batch_size
-        t0 = time.perf_counter()
-        samples, _views = decode_pick(ids, self.augment)
-        data = batch_to(fetch_batch(self.exp.train_data, samples), self.device)
-        return Batch(data=data, data_ms=(time.perf_counter() - t0) * 1e3, ids=ids)
+        return Batch(data=got.data, data_ms=got.data_ms, ids=got.ids)
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

@@ -131,8 +131,38 @@ class RankWorker:
         self.last_coord = time.monotonic()
         self.chunk: Optional[EpochState] = None
         self.fault = parse_fault(os.environ.get("FLODL_FAULT_INJECT"), rank)
+        self.deferred: deque[Message] = deque()
+        self.in_regroup_wait = False
+        self.regroup_pending: Optional[dict] = None
+        self.chunk_extra: list[int] = []
+        self.resume_from(spec)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rank-heartbeat", daemon=True).start()
+        # Data plane (rank/data): prefetch + sample cache; control is drained while waiting on a batch.
+        from .data import build_pipeline
+        from .telemetry import Telemetry
+
+        self.trainer.attach_pipeline(
+            build_pipeline(cfg["data_plane"], exp.train_data, device=self.device, batch_size=int(exp_cfg["batch_size"]),
+                           augment=augment, seed=self.trainer.seed, ranks_per_node=int(cfg["cluster"]["ranks_per_node"]),
+                           rank=rank),
+            on_wait=self.drain, should_stop=lambda: self.stopping)
+        self.telemetry = Telemetry(self.conn.send, self.device, rank=rank).start()
+
+    def resume_from(self, spec: dict) -> None:
+        """Load model and optimizer state from the resume bundle (validated by the launcher)."""
+        resume = spec.get("resume")
+        if not resume:
+            return
+        from ..checkpoint import load_model_state, optim_path
+
+        stem = resume["stem"]
+        self.trainer.model.load_state_dict(load_model_state(stem, map_location=str(self.device)))
+        for path in (optim_path(stem, self.rank, primary=False), optim_path(stem, self.rank, primary=True)):
+            if os.path.exists(path):
+                self.trainer.optimizer.load_state_dict(torch.load(path, map_location=str(self.device), weights_only=True))
+                break
+        self.trainer.global_step = int(resume["meta"]["global_step"])
 
     # -- threads --------------------------------------------------------
     def _reader(self) -> None:
@@ -152,6 +182,8 @@ class RankWorker:
 
     # -- control --------------------------------------------------------
     def _next(self, block: bool) -> Optional[Message]:
+        if self.deferred and not self.in_regroup_wait:
+            return self.deferred.popleft()
         try:
             item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
         except queue.Empty:
@@ -185,10 +217,15 @@ class RankWorker:
         if k == "start_epoch":
             self.plans.append(msg)
         elif k == "extend_partition":
+            # Survivors take over a dead rank's remainder: append it to the running chunk of
+            # that epoch, or run it as a chunk of its own when none is running.
             if self.chunk is not None and self.chunk.epoch == int(f["epoch"]):
                 self.chunk.extend(int(f["offset"]), self._picks(int(f["epoch"]), int(f["offset"]), int(f["size"])))
+                self.chunk_extra.append(int(f["chunk"]))
             else:
                 self.plans.append(Message("start_epoch", dict(f)))
+        elif k == "regroup":
+            self._regroup(f)
         elif k == "sync_now":
             self._sync_collective(bool(f.get("divergence", True)))
         elif k == "request_params":
@@ -236,13 +273,57 @@ class RankWorker:
 
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
+    def _regroup(self, f: dict) -> None:
+        """Re-form the process group with the survivors (fresh store prefix, renumbered ranks)."""
+        if self.collective is None:
+            return
+        self.collective.rebuild(int(f["generation"]), int(f["new_rank"]), int(f["world_size"]))
+        log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, f["new_rank"], f["world_size"], f["generation"])
+
+    def _await_regroup(self, deadline_s: float = 60.0) -> bool:
+        """After a failed collective: wait for the coordinator's regroup (other work is deferred)."""
+        end = time.monotonic() + deadline_s
+        self.in_regroup_wait = True
+        try:
+            while not self.stopping and time.monotonic() < end:
+                msg = self._next(block=True)
+                if msg is None:
+                    continue
+                if msg.kind == "regroup":
+                    try:
+                        self._regroup(msg.fields)
+                        return True
+                    except Exception as e:  # a member vanished during init: wait for the next generation
+                        log.warning("rank %d: regroup failed: %s", self.rank, e)
+                        continue
+                if msg.kind in ("shutdown", "save", "coord_heartbeat", "set_global_step"):
+                    self.handle(msg)
+                else:
+                    self.deferred.append(msg)
+            return False
+        finally:
+            self.in_regroup_wait = False
+
     def _sync_collective(self, with_div: bool) -> None:
         n = self.trainer.steps_since_avg
         t0 = time.perf_counter()
+        d, post, pre = 0.0, None, None
         if self.collective is not None:
-            d, post, pre = self.collective.sync(self.trainer.model, n, self.gamma, with_div)
-        else:
-            d, post, pre = 0.0, None, None
+            model = self.trainer.model
+            scratch = [t.detach().clone() for t in list(model.parameters()) + float_buffers(model)]
+            for attempt in range(32):
+                try:
+                    d, post, pre = self.collective.sync(model, n, self.gamma, with_div)
+                    break
+                except Exception as e:  # a peer died mid-collective: restore, regroup, retry
+                    with torch.no_grad():
+                        for t, saved in zip(list(model.parameters()) + float_buffers(model), scratch):
+                            t.copy_(saved)
+                    log.warning("rank %d: collective failed (attempt %d): %s", self.rank, attempt + 1, str(e).splitlines()[0])
+                    if not self._await_regroup() or self.stopping:
+                        if not self.stopping:
+                            raise RuntimeError("collective failed and no regroup arrived") from e
+                        return
         self.trainer.steps_since_avg = 0
         self.trainer.step_count += 1
         self.conn.send(Message("sync_ack", {"s": self.trainer.step_count, "n": n, "d": d, "post": post, "pre": pre,
@@ -277,11 +358,13 @@ class RankWorker:
             tr.after_step(st, batch, loss, ms)
             if self.fault is not None and tr.step_count >= self.fault[0]:
                 inject_fault(self.fault[1], self.rank, tr.step_count)
-            self.conn.send(Message("batch", {"s": tr.step_count, "ms": ms, "d": batch.data_ms, "loss": loss, "e": st.epoch}))
+            self.conn.send(Message("batch", {"s": tr.step_count, "ms": ms, "d": batch.data_ms, "loss": loss, "e": st.epoch,
+                                             "c": int(f.get("chunk", 0)), "lr": tr.current_lr()}))
         self.chunk = None
         m = tr.end_epoch(st)
         fields = m.to_fields()
         fields["chunk"] = int(f.get("chunk", 0))
+        fields["extra_chunks"], self.chunk_extra = self.chunk_extra, []
         self.conn.send(Message("metrics", fields))
 
     def run(self) -> dict[str, Any]:
@@ -295,8 +378,20 @@ class RankWorker:
                      "global_step": self.trainer.global_step}
             self.conn.send(Message("exiting", final))
             return final
+        except BaseException as e:
+            if not isinstance(e, CoordinatorLost):
+                import traceback
+
+                try:  # tell the coordinator why, before the connection drops
+                    self.conn.send(Message("error", {"error": f"{type(e).__name__}: {e}",
+                                                     "traceback": traceback.format_exc()[-4000:]}))
+                except Exception:
+                    pass
+            raise
         finally:
             self.stopping = True
+            self.telemetry.close()
+            self.trainer.close_data()
             if self.collective is not None:
                 self.collective.close()
             self.conn.close()

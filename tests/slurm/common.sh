@@ -35,6 +35,17 @@ DAEMONS=(
 
 log() { echo "[flodl-slurm] $*" >&2; }
 
+# Serialise up.sh/down.sh on one state dir (fd 9; daemons are started with 9>&- so they
+# never inherit the lock).
+take_lock() {
+  mkdir -p "$D"
+  exec 9>"$D/.lock"
+  if ! flock -w "${FLODL_SLURM_LOCK_TIMEOUT:-300}" 9; then
+    log "another up.sh/down.sh holds $D/.lock"
+    exit 1
+  fi
+}
+
 daemon_field() {  # daemon_field <name> <index 1..3>
   local e
   for e in "${DAEMONS[@]}"; do

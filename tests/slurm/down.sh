@@ -15,6 +15,8 @@ if [ ! -d "$D" ]; then
   exit 0
 fi
 
+take_lock
+
 # Jobs first, so no slurmstepd/job process outlives slurmd.
 if daemon_alive slurmctld && [ -f "$SLURM_CONF" ]; then
   jobs="$(timeout 10 squeue -h -o %i 2>/dev/null | tr '\n' ' ')"

@@ -35,7 +35,10 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 2
 fi
 
-node_state() { timeout 10 sinfo -h -N -n "$HOST" -o %t 2>/dev/null | head -n1 | tr -d ' *~#!%$@^-'; }
+take_lock
+
+# Compact state, e.g. "idle", "mix", "idle*" (not responding), "down*", "drain".
+node_state() { timeout 10 sinfo -h -N -n "$HOST" -o %t 2>/dev/null | head -n1 | tr -d ' '; }
 node_usable() { case "$(node_state)" in idle | mix | alloc | comp) return 0 ;; *) return 1 ;; esac; }
 
 # ---------- fast path: already up ----------------------------------------------------------
@@ -197,7 +200,7 @@ if ! daemon_alive munged; then
   runuser -u munge -- /usr/sbin/munged \
     --key-file="$MUNGE_DIR/munge.key" --socket="$MUNGE_SOCKET" \
     --pid-file="$MUNGE_DIR/munged.pid" --log-file="$MUNGE_DIR/munged.log" \
-    --seed-file="$MUNGE_DIR/munged.seed" </dev/null >>"$MUNGE_DIR/munged.log" 2>&1 \
+    --seed-file="$MUNGE_DIR/munged.seed" </dev/null >>"$MUNGE_DIR/munged.log" 2>&1 9>&- \
     || fail "munged did not start"
   wait_for 10 munged daemon_alive munged
 fi
@@ -220,7 +223,7 @@ if ! daemon_alive mariadbd; then
     --socket="$DB_SOCKET" --port="$DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
     --pid-file="$DB_DIR/mariadbd.pid" --log-error="$DB_DIR/mariadbd.log" \
     --innodb-buffer-pool-size=64M --skip-log-bin \
-    </dev/null >>"$DB_DIR/mariadbd.log" 2>&1 &
+    </dev/null >>"$DB_DIR/mariadbd.log" 2>&1 9>&- &
   wait_for 30 mariadbd mariadb-admin --no-defaults --socket="$DB_SOCKET" -u root ping
   wait_for 5 "mariadbd pid file" daemon_alive mariadbd
 fi
@@ -234,7 +237,7 @@ EOF
 # ---------- slurmdbd + cluster registration -------------------------------------------------
 if ! daemon_alive slurmdbd; then
   log "starting slurmdbd"
-  slurmdbd </dev/null >>"$LOG_DIR/slurmdbd.log" 2>&1 || fail "slurmdbd did not start"
+  slurmdbd </dev/null >>"$LOG_DIR/slurmdbd.log" 2>&1 9>&- || fail "slurmdbd did not start"
   wait_for 10 slurmdbd daemon_alive slurmdbd
 fi
 wait_for 30 "slurmdbd to answer" timeout 10 sacctmgr -n -P show cluster format=cluster
@@ -246,12 +249,12 @@ fi
 # ---------- slurmctld, slurmd ---------------------------------------------------------------
 if ! daemon_alive slurmctld; then
   log "starting slurmctld"
-  slurmctld -i </dev/null >>"$LOG_DIR/slurmctld.log" 2>&1 || fail "slurmctld did not start"
+  slurmctld -i </dev/null >>"$LOG_DIR/slurmctld.log" 2>&1 9>&- || fail "slurmctld did not start"
   wait_for 10 slurmctld daemon_alive slurmctld
 fi
 if ! daemon_alive slurmd; then
   log "starting slurmd"
-  slurmd -N "$HOST" </dev/null >>"$LOG_DIR/slurmd.log" 2>&1 || fail "slurmd did not start"
+  slurmd -N "$HOST" </dev/null >>"$LOG_DIR/slurmd.log" 2>&1 9>&- || fail "slurmd did not start"
   wait_for 10 slurmd daemon_alive slurmd
 fi
 
@@ -260,7 +263,7 @@ deadline=$(($(date +%s) + READY_TIMEOUT))
 resumed=0
 until node_usable; do
   st="$(node_state || true)"
-  if [ $resumed -eq 0 ] && case "$st" in down | drain | drng | fail | failg) true ;; *) false ;; esac; then
+  if [ $resumed -eq 0 ] && case "${st%%[*~#!%\$@^-]*}" in down | drain | drng | fail | failg) true ;; *) false ;; esac; then
     log "node $HOST is '$st': resuming it"
     timeout 10 scontrol update nodename="$HOST" state=resume >&2 || true
     resumed=1

@@ -57,21 +57,34 @@ def rank_ram_share(available: Optional[int], held: int, r: float, ranks_per_node
     return anchored_ram_budget(available, held, r) // max(1, int(ranks_per_node))
 
 
-def ring_slots_from_ram(per_sample_bytes: int, batch: int, r: float, available: Optional[int],
-                        epoch_batches: int, cuda_prefetch: bool = False) -> int:
-    """Reader-ring depth: as many ready batches as the RAM share holds, never more than the chunk.
+def split_share(share: int, sample_cache: bool) -> tuple[int, int]:
+    """(cache bytes, ring bytes): 3:1 between retained samples and the ready-batch ring.
 
-    ``r <= 0`` -> 0 (single-stage synchronous fetch). RAM or batch bytes
-    unknown -> ``min(4, epoch_batches)``. On a CUDA prefetch path the ring is
-    additionally capped at 8: a retained tier sits beside it.
+    With the cache off the ring keeps the whole share (it is then the only
+    thing the share pays for).
     """
-    if r <= 0 or epoch_batches <= 0:
+    share = max(0, int(share))
+    if not sample_cache:
+        return 0, share
+    cache = share * 3 // 4
+    return cache, share - cache
+
+
+def ring_slots(batch_bytes: int, ring_bytes: int, chunk_batches: int, cuda_prefetch: bool = False) -> int:
+    """Reader-ring depth (ring_slots_from_ram): ready batches the ring's bytes hold, never more than the chunk.
+
+    ``ring_bytes`` is this rank's ring share (ram_max_usage x MemAvailable,
+    split among co-hosted ranks and with the cache); 0 -> 0, the single-stage
+    synchronous fetch. Batch bytes still unknown (before the first batch) ->
+    ``min(4, chunk)``. A CUDA prefetch path is capped at 8: a retained tier
+    sits beside the ring, which only absorbs jitter.
+    """
+    if ring_bytes <= 0 or chunk_batches <= 0:
         return 0
-    batch_bytes = int(per_sample_bytes) * int(batch)
-    if available is None or batch_bytes <= 0:
-        slots = min(RING_SLOTS_UNKNOWN, epoch_batches)
+    if batch_bytes <= 0:
+        slots = min(RING_SLOTS_UNKNOWN, chunk_batches)
     else:
-        slots = min(anchored_ram_budget(available, 0, r) // batch_bytes, epoch_batches)
+        slots = min(int(ring_bytes) // int(batch_bytes), chunk_batches)
     if cuda_prefetch:
         slots = min(slots, RING_SLOTS_WITH_CACHE)
     return max(0, int(slots))
@@ -112,13 +125,6 @@ def vram_pool_budget(*, total: int, used: int, max_usage: float, activation_peak
     """Device-pool bytes: what the VRAM budget leaves after live memory, the step peak, the flow reserve and a margin."""
     cap = int(total * clamp_vram_usage(max_usage))
     return max(0, cap - int(used) - int(activation_peak) - int(flow_reserve) - VRAM_POOL_MARGIN)
-
-
-def sample_cache_budget(share: int, ring_bytes: int, sample_cache: bool) -> int:
-    """RAM for retained samples: the rank's share minus the reader ring; 0 when the cache is off."""
-    if not sample_cache:
-        return 0
-    return max(0, int(share) - max(0, int(ring_bytes)))
 
 
 def rows_for(budget_bytes: int, row_bytes: int, samples: int) -> int:

@@ -71,7 +71,7 @@ class SampleCache:
                 self.tiers[DISK] = DiskStage(lay, disk_rows, self.disk_dir or tempfile.gettempdir())
             except OSError as e:
                 log.warning("rank %d: disk stage unavailable (%s): overflow samples are re-read", self.rank, e)
-        log.info("rank %d: sample cache %.1f MiB/sample-row %d B: RAM %d rows, disk %d rows of %d samples",
+        log.info("rank %d: sample cache: %.1f MiB RAM budget, %d B per sample: RAM %d, disk %d of %d samples",
                  self.rank, self.ram_bytes / B.MIB, lay.sample_bytes, ram_rows,
                  self.tiers[DISK].capacity if DISK in self.tiers else 0, self.samples)
         if not self.tiers:

@@ -1,0 +1,379 @@
+"""ElChe heterogeneity benchmark vs PyTorch DDP on the simulated 3:1 rig.
+
+    python experiments/bench_hetero.py [--epochs N] [--out DIR] [--tracking-uri URI] [--quick]
+
+One fixed experiment (``experiment=digits_wide``: a compute-bound CNN on the
+digits data, batch 16), run in one session as
+
+* ``solo_fast``  flodl_exp, one rank at speed 1.0 (``cluster.ranks_per_node=1 cluster.rank_speeds=[1.0]``)
+* ``solo_slow``  flodl_exp, one rank at speed 0.33 (``[0.33]``)
+* ``ddp``        PyTorch DistributedDataParallel, 2 processes, Gloo, rank 1 at 0.33 (experiments/ddp_baseline.py)
+* ``nccl_sync``, ``nccl_cadence``, ``cpu_sync``, ``cpu_cadence``, ``cpu_async``
+                 flodl_exp on ``cluster=local_hetero`` (rank_speeds [1.0, 0.33])
+
+every run in its own subprocess (``python -m flodl_exp ...`` / the DDP script),
+all logged to one MLflow experiment (``bench_hetero``). Metrics are read back
+from each run's event log (the flodl_exp job folder's ``events.jsonl``, which
+the DDP baseline writes in the same schema) and from MLflow; the script prints
+and writes ``<out>/hetero.md`` and ``<out>/hetero_loss.png``.
+
+Definitions (identical for every run):
+
+* **wall s** = training wall: from the moment every rank is up and training
+  starts (flodl_exp: the coordinator's ``started`` event; DDP: a barrier after
+  the process group and model are built) to the end of the last epoch
+  (flodl_exp: the coordinator aggregating the last epoch; DDP: the epoch-end
+  collective of the last epoch). Process start-up, data load, model build,
+  the final eval and the checkpoint are excluded.
+* **samples/s** = training samples of all epochs / wall s.
+* **efficiency** = samples/s / (solo_fast + solo_slow samples/s): 1.0 = the two
+  ranks' standalone throughputs add up perfectly.
+* **syncs** = parameter averages (flodl_exp) or gradient all_reduces (DDP, one
+  per step), summed over epochs; **mean sync ms** = the coordinator's reduce
+  cycle wall (flodl_exp) or the all_reduce wall on the rank that arrives last
+  (DDP).
+* **fast-rank batch share** = rank 0's share of all trained batches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+EXPERIMENT = "digits_wide"
+MLFLOW_EXPERIMENT = "bench_hetero"
+SPEEDS = (1.0, 0.33)
+DEFAULT_EPOCHS = 12
+QUICK_EPOCHS = 3
+
+# (name, kind, hydra overrides)
+RUNS: list[tuple[str, str, list[str]]] = [
+    ("solo_fast", "flodl", ["mode=nccl_sync", "cluster=local", "cluster.ranks_per_node=1", "cluster.rank_speeds=[1.0]"]),
+    ("solo_slow", "flodl", ["mode=nccl_sync", "cluster=local", "cluster.ranks_per_node=1", "cluster.rank_speeds=[0.33]"]),
+    ("ddp", "ddp", []),
+    ("nccl_sync", "flodl", ["mode=nccl_sync", "cluster=local_hetero"]),
+    ("nccl_cadence", "flodl", ["mode=nccl_cadence", "cluster=local_hetero"]),
+    ("cpu_sync", "flodl", ["mode=cpu_sync", "cluster=local_hetero"]),
+    ("cpu_cadence", "flodl", ["mode=cpu_cadence", "cluster=local_hetero"]),
+    ("cpu_async", "flodl", ["mode=cpu_async", "cluster=local_hetero"]),
+]
+TARGET_MODES = ("nccl_cadence", "cpu_cadence")
+TARGET_SPEEDUP = 1.6
+TARGET_ACC_POINTS = 1.0
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    return env
+
+
+def _run_subprocess(cmd: list[str], log_path: str, timeout_s: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=timeout_s)
+            out, rc = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), 124
+        log.write(out)
+    return rc, out, time.monotonic() - t0
+
+
+def run_flodl(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "flodl_exp", f"experiment={EXPERIMENT}", *overrides,
+           f"experiment.epochs={a.epochs}", f"seed={a.seed}", "eval.every=0",
+           "run.progress=plain", f"run.timeout_min={max(5, int(a.run_timeout_s // 60) + 1)}",
+           f"tracking.uri={a.tracking_uri}", f"tracking.experiment_name={a.experiment_name}",
+           f"tracking.artifact_location={a.artifact_location}", f"tracking.run_name=bench/{name}",
+           f"hydra.run.dir={os.path.join(a.out, 'runs', name, 'hydra')}",
+           f"run.job_root={os.path.join(a.out, 'runs', name, 'jobs')}"]
+    rc, out, launch_s = _run_subprocess(cmd, os.path.join(a.out, "logs", f"{name}.log"), a.run_timeout_s)
+    m = re.search(r"MLflow run (\w+)\s+job \S+\s+folder (\S+)", out)
+    if not m:
+        raise RuntimeError(f"{name}: no job folder in the output (rc={rc}); see {a.out}/logs/{name}.log\n{out[-2000:]}")
+    run_id, job_dir = m.group(1), m.group(2)
+    events, result = _read_jsonl(os.path.join(job_dir, "events.jsonl")), _read_json(os.path.join(job_dir, "result.json"))
+    return {"name": name, "kind": "flodl", "rc": rc, "run_id": run_id, "dir": job_dir, "events": events,
+            "result": result, "launch_s": launch_s, "cmd": cmd}
+
+
+def run_ddp(name: str, a: argparse.Namespace) -> dict:
+    out_dir = os.path.join(a.out, "runs", name)
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "ddp_baseline.py"), "--experiment", EXPERIMENT,
+           "--epochs", str(a.epochs), "--seed", str(a.seed), "--rank-speeds", *map(str, SPEEDS),
+           "--out", out_dir, "--tracking-uri", a.tracking_uri, "--experiment-name", a.experiment_name,
+           "--artifact-location", a.artifact_location, "--run-name", f"bench/{name}",
+           "--sleep-basis", a.ddp_sleep_basis]
+    rc, out, launch_s = _run_subprocess(cmd, os.path.join(a.out, "logs", f"{name}.log"), a.run_timeout_s)
+    result = _read_json(os.path.join(out_dir, "result.json"))
+    return {"name": name, "kind": "ddp", "rc": rc, "run_id": result.get("run_id"), "dir": out_dir,
+            "events": _read_jsonl(os.path.join(out_dir, "events.jsonl")), "result": result, "launch_s": launch_s,
+            "cmd": cmd}
+
+
+def _history(client: Any, run_id: str, key: str) -> dict[int, float]:
+    try:
+        return {int(m.step): float(m.value) for m in client.get_metric_history(run_id, key)}
+    except Exception:
+        return {}
+
+
+def summarize(rec: dict, client: Any) -> dict:
+    """Per-run numbers, defined the same way for flodl_exp and DDP (see the module docstring)."""
+    ev = rec["events"]
+    started = next((e for e in ev if e.get("event") == "started"), None)
+    epochs = [e for e in ev if e.get("event") == "epoch"]
+    final = next((e for e in ev if e.get("event") == "eval" and e.get("final")), None)
+    s: dict[str, Any] = {"name": rec["name"], "kind": rec["kind"], "run_id": rec.get("run_id"), "rc": rec["rc"],
+                         "launch_s": rec["launch_s"], "epochs_done": len(epochs)}
+    status = (rec.get("result") or {}).get("status")
+    s["status"] = status or ("FAILED" if rec["rc"] else "?")
+    if started is None or not epochs:
+        s.update(wall_s=float("nan"), samples_per_s=float("nan"), curve=[])
+        return s
+    t0 = float(started["t"])
+    wall = float(epochs[-1]["t"]) - t0
+    samples = sum(float(e["samples"]) for e in epochs)
+    s["wall_s"] = wall
+    s["samples"] = samples
+    s["samples_per_s"] = samples / wall if wall > 0 else float("nan")
+    s["syncs"] = int(round(sum(float(e.get("syncs", 0)) for e in epochs)))
+    w = [(float(e.get("syncs", 0)), float(e.get("sync_ms_avg", 0))) for e in epochs]
+    s["sync_ms"] = sum(n * ms for n, ms in w) / sum(n for n, _ in w) if sum(n for n, _ in w) else 0.0
+    s["fast_share"] = sum(float(e.get("rank0/batch_share", 1.0)) * float(e["samples"]) for e in epochs) / samples
+    s["final_loss"] = float(epochs[-1]["loss"])
+    s["accuracy"] = float(final["eval/accuracy"]) if final and "eval/accuracy" in final else float("nan")
+    s["curve"] = [(float(e["t"]) - t0, float(e["loss"])) for e in epochs]
+    s["anchor_last"] = epochs[-1].get("anchor")
+    # Diagnostics from MLflow (flodl_exp logs per-rank timing there; DDP has it in its events).
+    if rec["kind"] == "flodl" and client is not None and rec.get("run_id"):
+        for r in range(2):
+            comp = _history(client, rec["run_id"], f"rank{r}/compute_only_ms")
+            nb = _history(client, rec["run_id"], f"rank{r}/batches")
+            idle = _history(client, rec["run_id"], f"rank{r}/idle_frac")
+            if nb and sum(nb.values()) > 0:
+                s[f"rank{r}_step_ms"] = sum(comp.values()) / sum(nb.values())
+            if idle:
+                s[f"rank{r}_idle"] = statistics.mean(idle.values())
+    elif rec["kind"] == "ddp":
+        for r in range(2):
+            vals = [float(e.get(f"rank{r}/idle_frac", float("nan"))) for e in epochs]
+            s[f"rank{r}_idle"] = statistics.mean(vals)
+            s[f"rank{r}_allreduce_ms"] = statistics.mean(float(e.get(f"rank{r}/allreduce_ms_avg", 0)) for e in epochs)
+    return s
+
+
+def fmt(x: Any, spec: str) -> str:
+    try:
+        if x is None or (isinstance(x, float) and x != x):
+            return "-"
+        return format(x, spec)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], bench_wall: float, load: tuple) -> str:
+    by = {r["name"]: r for r in rows}
+    solo_sum = (by.get("solo_fast", {}).get("samples_per_s") or float("nan")) + (by.get("solo_slow", {}).get("samples_per_s") or float("nan"))
+    ddp_sps = by.get("ddp", {}).get("samples_per_s") or float("nan")
+    acc_fast = by.get("solo_fast", {}).get("accuracy", float("nan"))
+    lines = [
+        f"# ElChe heterogeneity benchmark vs PyTorch DDP ({time.strftime('%Y-%m-%d %H:%M:%S')})",
+        "",
+        f"Experiment `{EXPERIMENT}` (WideCNN 32/64/128 channels, batch {a.batch_size}, Adam lr {a.lr} "
+        f"(x2 linear scaling on 2 ranks), {a.epochs} epochs of {a.train_samples} digits), rank_speeds "
+        f"[1.0, 0.33] on {os.cpu_count()} CPU cores, one torch thread per rank. "
+        f"**Fast-rank train step: {fmt(step_ms, '.1f')} ms** (solo_fast, measured this session: "
+        "rank 0 compute_only_ms / batches).",
+        "",
+        "| run | wall s | samples/s | efficiency | vs DDP | syncs | mean sync ms | fast-rank batch share | final eval accuracy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        eff = r.get("samples_per_s", float("nan")) / solo_sum if solo_sum == solo_sum else float("nan")
+        vs = r.get("samples_per_s", float("nan")) / ddp_sps if ddp_sps == ddp_sps else float("nan")
+        name = r["name"] + ("" if r.get("status") == "FINISHED" else f" ({r.get('status')})")
+        lines.append(f"| {name} | {fmt(r.get('wall_s'), '.2f')} | {fmt(r.get('samples_per_s'), '.0f')} | {fmt(eff, '.2f')} | "
+                     f"{fmt(vs, '.2f')}x | {fmt(r.get('syncs'), 'd')} | {fmt(r.get('sync_ms'), '.1f')} | "
+                     f"{fmt(r.get('fast_share'), '.2f')} | {fmt(r.get('accuracy'), '.4f')} |")
+        r["efficiency"], r["vs_ddp"] = eff, vs
+    lines += ["",
+              "wall s = training wall from all-ranks-up to the last epoch's end (process start, data load, model build, "
+              "final eval and checkpoint excluded; same definition for DDP and flodl_exp); samples/s = training samples / "
+              "wall s; efficiency = samples/s / (solo_fast + solo_slow samples/s); vs DDP = samples/s / DDP samples/s; "
+              "syncs = parameter averages (flodl_exp) or gradient all_reduces (DDP, one per step); mean sync ms = "
+              "coordinator reduce-cycle wall (flodl_exp) or all_reduce wall on the last-arriving rank (DDP).",
+              ""]
+    # Target check.
+    lines.append(f"Target: {', '.join(TARGET_MODES)} >= {TARGET_SPEEDUP}x DDP samples/s and eval accuracy within "
+                 f"{TARGET_ACC_POINTS:g} point of solo_fast ({fmt(acc_fast, '.4f')}).")
+    lines.append("")
+    for m in TARGET_MODES:
+        r = by.get(m)
+        if not r:
+            continue
+        ok_speed = r.get("vs_ddp", 0) >= TARGET_SPEEDUP
+        ok_acc = abs(r.get("accuracy", float("nan")) - acc_fast) * 100 <= TARGET_ACC_POINTS
+        lines.append(f"- {m}: {fmt(r.get('vs_ddp'), '.2f')}x DDP ({'met' if ok_speed else 'NOT met'}), accuracy "
+                     f"{fmt((r.get('accuracy', float('nan')) - acc_fast) * 100, '+.2f')} points vs solo_fast "
+                     f"({'met' if ok_acc else 'NOT met'})")
+    lines += ["", "Diagnostics (per run): fast/slow-rank mean train-step ms (compute incl. simulated slowdown) and "
+              "mean idle fraction of the epoch wall; final ElChe anchor; subprocess wall (incl. start-up).", "",
+              "| run | rank0 step ms | rank1 step ms | rank0 idle | rank1 idle | anchor | final loss | process wall s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {fmt(r.get('rank0_step_ms'), '.1f')} | {fmt(r.get('rank1_step_ms'), '.1f')} | "
+                     f"{fmt(r.get('rank0_idle'), '.2f')} | {fmt(r.get('rank1_idle'), '.2f')} | "
+                     f"{fmt(r.get('anchor_last'), '.0f')} | {fmt(r.get('final_loss'), '.4f')} | {fmt(r.get('launch_s'), '.1f')} |")
+    if "ddp" in by:
+        d = by["ddp"]
+        lines += ["", f"DDP all_reduce wall per step: rank0 {fmt(d.get('rank0_allreduce_ms'), '.1f')} ms (includes "
+                  f"waiting for the slow rank), rank1 {fmt(d.get('rank1_allreduce_ms'), '.1f')} ms; slow-rank sleep "
+                  f"basis: {a.ddp_sleep_basis}."]
+    lines += ["", f"Benchmark wall time: {bench_wall:.0f} s. Load average before/after: "
+              f"{load[0]:.2f} / {load[1]:.2f} (other processes on this machine perturb the timings).",
+              f"MLflow: `mlflow ui --backend-store-uri {a.tracking_uri}` (experiment `{a.experiment_name}`).", ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in rows:
+        if not r.get("curve"):
+            continue
+        xs, ys = zip(*r["curve"])
+        style = "--" if r["name"].startswith("solo") else (":" if r["kind"] == "ddp" else "-")
+        ax.plot(xs, ys, style, marker="o", ms=3, lw=1.5, label=r["name"])
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("training loss (epoch mean)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="ElChe heterogeneity benchmark vs PyTorch DDP (3:1 simulated rig)")
+    p.add_argument("--epochs", type=int, default=None, help=f"epochs per run (default {DEFAULT_EPOCHS}; --quick: {QUICK_EPOCHS})")
+    p.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench"), help="output folder (default outputs/bench)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default sqlite:///<out>/mlflow.db)")
+    p.add_argument("--experiment-name", default=MLFLOW_EXPERIMENT)
+    p.add_argument("--quick", action="store_true", help=f"smoke check: {QUICK_EPOCHS} epochs")
+    p.add_argument("--runs", default=None, help="comma-separated subset of: " + ",".join(n for n, _, _ in RUNS))
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--ddp-sleep-basis", choices=("compute", "step"), default="compute",
+                   help="DDP slow rank sleeps (1/s-1) x compute wall (default; like flodl_exp) or x step wall incl. all_reduce")
+    p.add_argument("--run-timeout-s", type=float, default=600.0)
+    a = p.parse_args(argv)
+    a.epochs = a.epochs or (QUICK_EPOCHS if a.quick else DEFAULT_EPOCHS)
+    a.out = os.path.abspath(a.out)
+    for sub in ("logs", "runs"):
+        os.makedirs(os.path.join(a.out, sub), exist_ok=True)
+    a.tracking_uri = a.tracking_uri or f"sqlite:///{os.path.join(a.out, 'mlflow.db')}"
+    a.artifact_location = os.path.join(a.out, "mlartifacts")
+    from experiments.ddp_baseline import load_experiment
+
+    exp = load_experiment(EXPERIMENT)
+    a.batch_size, a.lr = exp["batch_size"], exp["optimizer"]["lr"]
+    from experiments.digits import DigitsDataset
+
+    a.train_samples = len(DigitsDataset("train"))
+    wanted = [n.strip() for n in a.runs.split(",")] if a.runs else [n for n, _, _ in RUNS]
+    unknown = set(wanted) - {n for n, _, _ in RUNS}
+    if unknown:
+        p.error(f"--runs: unknown {sorted(unknown)}")
+
+    session = time.strftime("%Y%m%d-%H%M%S")
+    t_bench = time.monotonic()
+    load0 = os.getloadavg()[0]
+    print(f"bench_hetero: {len(wanted)} runs x {a.epochs} epochs of {EXPERIMENT}; out {a.out}; MLflow {a.tracking_uri}",
+          flush=True)
+    from flodl_exp.tracking import client as mlflow_client
+
+    client = mlflow_client(a.tracking_uri)
+    rows: list[dict] = []
+    for name, kind, overrides in RUNS:
+        if name not in wanted:
+            continue
+        la = os.getloadavg()[0]
+        rec = run_ddp(name, a) if kind == "ddp" else run_flodl(name, overrides, a)
+        s = summarize(rec, client)
+        s["load_before"] = la
+        rows.append(s)
+        print(f"  {name:13s} {s['status']:8s} wall {fmt(s.get('wall_s'), '6.2f')} s  {fmt(s.get('samples_per_s'), '6.0f')} samples/s  "
+              f"syncs {fmt(s.get('syncs'), '4d')}  share {fmt(s.get('fast_share'), '.2f')}  acc {fmt(s.get('accuracy'), '.4f')}  "
+              f"(process {s['launch_s']:.1f} s, load {la:.2f})", flush=True)
+        if s["status"] != "FINISHED":
+            print(f"    run failed (rc={rec['rc']}); log: {a.out}/logs/{name}.log", flush=True)
+    bench_wall = time.monotonic() - t_bench
+    by = {r["name"]: r for r in rows}
+    step_ms = by.get("solo_fast", {}).get("rank0_step_ms")
+    md = render(rows, a, step_ms, bench_wall, (load0, os.getloadavg()[0]))
+    md_path, png_path = os.path.join(a.out, "hetero.md"), os.path.join(a.out, "hetero_loss.png")
+    with open(md_path, "w") as fh:
+        fh.write(md)
+    plot(rows, png_path, f"{EXPERIMENT}, rank_speeds [1.0, 0.33], {a.epochs} epochs: training loss vs wall time")
+    with open(os.path.join(a.out, "hetero.json"), "w") as fh:
+        json.dump({"session": session, "epochs": a.epochs, "rows": rows}, fh, indent=1, default=str)
+    # Bench-level numbers onto every run, so the MLflow UI compares them side by side.
+    for r in rows:
+        if not r.get("run_id"):
+            continue
+        try:
+            for k in ("wall_s", "samples_per_s", "efficiency", "vs_ddp", "accuracy"):
+                v = r.get(k)
+                if isinstance(v, (int, float)) and v == v:
+                    client.log_metric(r["run_id"], f"bench/{k}", float(v))
+            client.set_tag(r["run_id"], "bench.session", session)
+            client.set_tag(r["run_id"], "bench.run", r["name"])
+            client.log_artifact(r["run_id"], md_path, "bench")
+            client.log_artifact(r["run_id"], png_path, "bench")
+        except Exception as e:  # the store must not lose the table
+            print(f"warning: MLflow bench metrics for {r['name']}: {e}", file=sys.stderr)
+    print()
+    print(md)
+    print(f"wrote {md_path} and {png_path}")
+    failed = [r["name"] for r in rows if r.get("status") != "FINISHED"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
