@@ -17,14 +17,14 @@ def main(cfg: DictConfig) -> None:
     try:
         for w in validate(cfg):
             print(f"warning: {w}", file=sys.stderr)
+        from .progress import follow, summary
+        from .runner import RunFailed, launch
+
+        t0 = time.monotonic()
+        handle = launch(cfg)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         sys.exit(2)
-    from .progress import follow, summary
-    from .runner import RunFailed, launch
-
-    t0 = time.monotonic()
-    handle = launch(cfg)
     print(f"MLflow run {handle.run_id}  job {handle.job_id}  folder {handle.job_dir}", flush=True)
     try:
         follow(handle, cfg.run.progress)

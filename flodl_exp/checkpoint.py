@@ -88,3 +88,54 @@ def load_meta(stem: str) -> dict:
 
 def load_model_state(stem: str, map_location: Optional[str] = "cpu") -> dict[str, torch.Tensor]:
     return torch.load(model_path(stem), map_location=map_location, weights_only=True)
+
+
+def validate_resume(cfg: Any) -> Optional[dict]:
+    """Check ``checkpoint.resume_from`` before any process starts; ConfigError (one line) on a bad bundle.
+
+    Refused: a missing or corrupt meta, a newer schema, another world size or
+    shuffle seed, another data set size, another model (parameter names/shapes).
+    """
+    from .config import ConfigError, world_size
+
+    stem = cfg.checkpoint.resume_from
+    if not stem:
+        return None
+    key = f"checkpoint.resume_from={stem!r}"
+    stem = os.path.abspath(stem)
+    try:
+        meta = load_meta(stem)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
+    if not os.path.exists(model_path(stem)):
+        raise ConfigError(f"config error: {key}: {model_path(stem)} does not exist")
+    w = world_size(cfg)
+    if int(meta.get("world_size_at_save", w)) != w:
+        raise ConfigError(f"config error: {key}: saved with world size {meta['world_size_at_save']}, this run has {w}")
+    seed = (meta.get("coverage") or {}).get("seed")
+    if seed is not None and int(seed) != int(cfg.seed):
+        raise ConfigError(f"config error: {key}: saved with seed={seed}, this run has seed={cfg.seed} (pass seed={seed})")
+    if int(meta.get("epoch", 0)) > int(cfg.experiment.epochs):
+        raise ConfigError(f"config error: {key}: saved at epoch {meta['epoch']}, beyond experiment.epochs={cfg.experiment.epochs}")
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    exp = OmegaConf.to_container(cfg.experiment, resolve=True)
+    try:
+        saved = load_model_state(stem)
+    except Exception as e:
+        raise ConfigError(f"config error: {key}: {model_path(stem)} is unreadable ({type(e).__name__})") from None
+    model = instantiate(exp["model"])
+    now = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    was = {k: tuple(v.shape) for k, v in saved.items()}
+    if now != was:
+        diff = sorted(set(now) ^ set(was)) or [k for k in now if now[k] != was.get(k)]
+        k = diff[0]
+        raise ConfigError(f"config error: {key}: the bundle holds another model than experiment={cfg.experiment.name} "
+                          f"(first difference: {k}: saved {was.get(k)} vs now {now.get(k)})")
+    if meta.get("total_picks"):
+        data = instantiate(exp["train_data"])
+        picks = len(data) * max(1, int(cfg.data_plane.augment))
+        if picks != int(meta["total_picks"]):
+            raise ConfigError(f"config error: {key}: saved with {meta['total_picks']} picks per epoch, this data set has {picks}")
+    return {"stem": stem, "meta": meta}

@@ -126,7 +126,13 @@ class RunHandle:
             with open(path) as fh:
                 self.result = json.load(fh)
         status = (self.result or {}).get("status")
-        if status == "FINISHED" and error is None:
+        if status == "FINISHED":
+            # Tasks of ranks the coordinator declared dead and recovered from fail in submitit's eyes;
+            # the run itself finished, so it is FINISHED with the deaths recorded.
+            if error is not None:
+                from .tracking import client
+
+                client(self.tracking_uri).set_tag(self.run_id, "recovered_task_errors", _tail_lines(error, 20)[:5000])
             end_run(self.tracking_uri, self.run_id, "FINISHED")
             self._ended = True
             return self.result
@@ -182,6 +188,9 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         cfg = OmegaConf.structured(cfg)
     validate(cfg)
     root = os.path.abspath(root or os.getcwd())
+    from .checkpoint import validate_resume
+
+    resume = validate_resume(cfg)
     from .launch.executor import make_executor
     from .tracking import create_run, resolve_tracking
 
@@ -193,7 +202,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     os.makedirs(job_dir, exist_ok=True)
     stem = cfg.checkpoint.save_path or os.path.join(job_dir, "checkpoints", "final")
     spec = {"config": resolved, "run_id": run_id, "tracking_uri": uri, "job_dir": job_dir,
-            "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed)}
+            "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed), "resume": resume}
     spec_path = os.path.join(job_dir, "spec.json")
     with open(spec_path, "w") as fh:
         json.dump(spec, fh, indent=1)

@@ -54,11 +54,11 @@ def make():
         yield lambda *overrides: compose("config", overrides=list(overrides))
 
 
-def assert_config_error(exc: ConfigError, key: str, value: str) -> str:
+def assert_config_error(exc: ConfigError | str, key: str, value: str) -> str:
+    """One line, "config error:" first, and ``key=value`` (value as repr, i.e. strings quoted, or plain)."""
     msg = str(exc)
     assert "\n" not in msg and "\r" not in msg, f"ConfigError must be one line: {msg!r}"
     assert msg.startswith("config error:"), msg
-    # key=value, the value as repr (strings quoted) or plain
     pattern = rf"(?<![\w.]){re.escape(key)}='?{re.escape(value)}(?![\w.])"
     assert re.search(pattern, msg), f"message does not name {key}={value}: {msg!r}"
     return msg
@@ -455,7 +455,7 @@ def test_cli_easgd_out_of_range_exits_2(tmp_path):
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stderr
-    assert_config_error(ConfigError(lines[0]), "mode.easgd_alpha", "1.5")
+    assert_config_error(lines[0], "mode.easgd_alpha", "1.5")
     assert "Traceback" not in r.stderr + r.stdout
     assert_nothing_started(tmp_path)
 

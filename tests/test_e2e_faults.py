@@ -1,0 +1,138 @@
+"""Faults and checkpoints end to end: dead ranks, ShutdownWithSave, coordinator loss, exact resume, bad bundles."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import alive, assert_exact_coverage, base_overrides, compose, pids_of, read_events, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _launch(store, *overrides):
+    from flodl_exp.runner import launch
+
+    return launch(compose([*base_overrides(store, "faults"), *overrides]))
+
+
+def _wait_for(pred, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
+def test_sigkill_of_one_rank_of_three_recovers(store, mode, monkeypatch):
+    monkeypatch.setenv("FLODL_FAULT_INJECT", "1:25:kill")  # mid epoch 2 (about 15 batches per rank per epoch)
+    h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5")
+    res = h.wait()
+    assert res["status"] == "FINISHED"
+    assert [d["rank"] for d in res["deaths"]] == [1]
+    assert res["final_eval"]["eval/accuracy"] >= 0.90
+    assert_exact_coverage(res, 32)
+    assert len(res["finals"]) == 2 and len({f["hash"] for f in res["finals"].values()}) == 1
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert run.info.status == "FINISHED"
+    assert "death.rank1" in run.data.tags
+    assert run.data.metrics["alive_ranks"] == 2
+    if mode == "nccl_cadence":
+        assert res["regroups"] >= 1
+
+
+def test_max_failure_saves_a_bundle_that_resumes(store, monkeypatch):
+    monkeypatch.setenv("FLODL_FAULT_INJECT", "1:25:kill")
+    h = _launch(store, "mode=cpu_cadence", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.max_failure=1")
+    from flodl_exp.runner import RunFailed
+
+    with pytest.raises(RunFailed, match="max_failure_exceeded"):
+        h.wait()
+    res = h.result
+    stem = res["saved_stem"]
+    meta = json.loads(Path(stem + ".meta.json").read_text())
+    assert meta["save_reason"] == "max_failure_exceeded" and meta["world_size_at_save"] == 3
+    state = torch.load(stem + ".pt", weights_only=True)
+    assert "net.0.weight" in state
+    assert Path(stem + ".optim.pt").exists() and Path(stem + ".optim.r2.pt").exists()
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["save_reason"] == "max_failure_exceeded"
+    monkeypatch.delenv("FLODL_FAULT_INJECT")
+    h2 = _launch(store, "mode=cpu_cadence", "cluster.ranks_per_node=3", "experiment.epochs=5",
+                 f"checkpoint.resume_from={stem}")
+    res2 = h2.wait()
+    assert res2["status"] == "FINISHED" and res2["resumed_from"] == stem
+    assert sorted(int(e) for e in res2["coverage"]) == list(range(meta["epoch"], 5))
+    assert res2["final_eval"]["eval/accuracy"] >= 0.90
+
+
+def test_killing_the_coordinator_ends_every_rank(store):
+    h = _launch(store, "mode=nccl_cadence", "experiment.epochs=50", "cluster.rank_speeds=[0.3,0.3]",
+                "cluster.heartbeat_timeout_s=10")
+    job = Path(h.job_dir)
+    _wait_for(lambda: len([e for e in read_events(job) if e.get("event") == "joined"]) == 2, what="ranks joined")
+    coord = json.loads((job / "rendezvous.json").read_text())["pid"]
+    ranks = [e["pid"] for e in read_events(job) if e.get("event") == "joined"]
+    os.kill(coord, signal.SIGKILL)
+    _wait_for(lambda: not any(alive(p) for p in ranks), timeout=30, what="ranks to exit after coordinator loss")
+    from flodl_exp.runner import RunFailed
+
+    with pytest.raises(RunFailed):
+        h.wait()
+    assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "FAILED"
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence"])
+def test_at_epoch_bundle_resumes_exactly(store, mode):
+    common = [f"mode={mode}", "experiment.epochs=4", "cluster=local_hetero", "seed=7"]
+    ref = _launch(store, *common).wait()
+    h = _launch(store, *common, "checkpoint.at_epoch=2", "cluster.rank_speeds=[0.5,0.2]")
+    job = Path(h.job_dir)
+    _wait_for(lambda: any(e.get("event") == "checkpoint" for e in read_events(job)), timeout=120, what="at_epoch bundle")
+    h.shutdown()
+    stem = next(e["stem"] for e in read_events(job) if e.get("event") == "checkpoint")
+    meta = json.loads(Path(stem + ".meta.json").read_text())
+    per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
+    assert 2 in per and meta["epoch"] == 2
+    res = _launch(store, *common, f"checkpoint.resume_from={stem}").wait()
+    total = (res["total_picks"] // 32) * 32
+    hits = [0] * total
+    uncovered = {i for off, size in per[2]["uncovered_ranges"] for i in range(off, off + size)}
+    for i in range(total):
+        if i not in uncovered:
+            hits[i] += 1  # trained before the bundle
+    for off, size in res["coverage"]["2"]:
+        for i in range(off, off + size):
+            hits[i] += 1
+    assert all(x == 1 for x in hits), "epoch 2 picks trained other than exactly once across save + resume"
+    assert res["epochs"] == ref["epochs"] and res["global_step"] == ref["global_step"]
+
+
+def test_bad_bundles_are_refused_before_start(store, tmp_path):
+    r = run_cli([*base_overrides(store), "experiment=digits_mlp", "cluster.ranks_per_node=1", "experiment.epochs=1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    stem = next(line.split()[1][:-3] for line in r.stdout.splitlines() if line.strip().startswith("bundle"))
+    # another model
+    r2 = run_cli([*base_overrides(store), "experiment=digits_logistic", "cluster.ranks_per_node=1",
+                  f"checkpoint.resume_from={stem}"])
+    assert r2.returncode == 2
+    lines = [x for x in r2.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "another model" in lines[0] and "Traceback" not in r2.stderr
+    # a corrupt meta (a copy, so the original bundle is untouched)
+    bad = tmp_path / "bad"
+    for suffix in (".pt", ".meta.json"):
+        (tmp_path / f"bad{suffix}").write_bytes(Path(stem + suffix).read_bytes())
+    (tmp_path / "bad.meta.json").write_text("{ not json")
+    r3 = run_cli([*base_overrides(store), "experiment=digits_mlp", "cluster.ranks_per_node=1", f"checkpoint.resume_from={bad}"])
+    assert r3.returncode == 2
+    lines = [x for x in r3.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "unreadable" in lines[0]
+    assert json.loads(Path(stem + ".meta.json").read_text())["save_reason"] == "completed"
