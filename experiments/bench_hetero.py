@@ -2,8 +2,8 @@
 
     python experiments/bench_hetero.py [--epochs N] [--out DIR] [--tracking-uri URI] [--quick]
 
-One fixed experiment (``experiment=digits_wide``: a compute-bound CNN on the
-digits data, batch 16), run in one session as
+One fixed experiment (``experiment=digits_wide``: a compute-bound 48/96/192-channel
+CNN on the digits data, batch 16, ~7 ms per train step on one CPU thread), run in one session as
 
 * ``solo_fast``  flodl_exp, one rank at speed 1.0 (``cluster.ranks_per_node=1 cluster.rank_speeds=[1.0]``)
 * ``solo_slow``  flodl_exp, one rank at speed 0.33 (``[0.33]``)
@@ -53,7 +53,7 @@ if ROOT not in sys.path:
 EXPERIMENT = "digits_wide"
 MLFLOW_EXPERIMENT = "bench_hetero"
 SPEEDS = (1.0, 0.33)
-DEFAULT_EPOCHS = 12
+DEFAULT_EPOCHS = 10
 QUICK_EPOCHS = 3
 
 # (name, kind, hydra overrides)
@@ -189,6 +189,7 @@ def summarize(rec: dict, client: Any) -> dict:
         for r in range(2):
             vals = [float(e.get(f"rank{r}/idle_frac", float("nan"))) for e in epochs]
             s[f"rank{r}_idle"] = statistics.mean(vals)
+            s[f"rank{r}_step_ms"] = statistics.mean(float(e.get(f"rank{r}/step_ms", float("nan"))) for e in epochs)
             s[f"rank{r}_allreduce_ms"] = statistics.mean(float(e.get(f"rank{r}/allreduce_ms_avg", 0)) for e in epochs)
     return s
 
@@ -202,7 +203,8 @@ def fmt(x: Any, spec: str) -> str:
         return str(x)
 
 
-def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], bench_wall: float, load: tuple) -> str:
+def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], bench_wall: float, load: tuple,
+           rounds: Optional[list[list[dict]]] = None) -> str:
     by = {r["name"]: r for r in rows}
     solo_sum = (by.get("solo_fast", {}).get("samples_per_s") or float("nan")) + (by.get("solo_slow", {}).get("samples_per_s") or float("nan"))
     ddp_sps = by.get("ddp", {}).get("samples_per_s") or float("nan")
@@ -210,11 +212,14 @@ def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], be
     lines = [
         f"# ElChe heterogeneity benchmark vs PyTorch DDP ({time.strftime('%Y-%m-%d %H:%M:%S')})",
         "",
-        f"Experiment `{EXPERIMENT}` (WideCNN 32/64/128 channels, batch {a.batch_size}, Adam lr {a.lr} "
+        f"Experiment `{EXPERIMENT}` (WideCNN {a.channels}/{2 * a.channels}/{4 * a.channels} channels, batch {a.batch_size}, Adam lr {a.lr} "
         f"(x2 linear scaling on 2 ranks), {a.epochs} epochs of {a.train_samples} digits), rank_speeds "
         f"[1.0, 0.33] on {os.cpu_count()} CPU cores, one torch thread per rank. "
         f"**Fast-rank train step: {fmt(step_ms, '.1f')} ms** (solo_fast, measured this session: "
         "rank 0 compute_only_ms / batches).",
+        "",
+        f"## 3:1 rig, {a.epochs} epochs, fast-rank train step {fmt(step_ms, '.1f')} ms (measured, solo_fast)"
+        + (f", median of {a.repeat} rounds by samples/s" if a.repeat > 1 else ""),
         "",
         "| run | wall s | samples/s | efficiency | vs DDP | syncs | mean sync ms | fast-rank batch share | final eval accuracy |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -247,19 +252,28 @@ def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], be
         lines.append(f"- {m}: {fmt(r.get('vs_ddp'), '.2f')}x DDP ({'met' if ok_speed else 'NOT met'}), accuracy "
                      f"{fmt((r.get('accuracy', float('nan')) - acc_fast) * 100, '+.2f')} points vs solo_fast "
                      f"({'met' if ok_acc else 'NOT met'})")
-    lines += ["", "Diagnostics (per run): fast/slow-rank mean train-step ms (compute incl. simulated slowdown) and "
-              "mean idle fraction of the epoch wall; final ElChe anchor; subprocess wall (incl. start-up).", "",
-              "| run | rank0 step ms | rank1 step ms | rank0 idle | rank1 idle | anchor | final loss | process wall s |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "Diagnostics (per run): fast/slow-rank mean train-step ms (compute incl. simulated slowdown, no "
+              "communication) and mean idle fraction of the epoch wall; final ElChe anchor; subprocess wall (incl. "
+              "start-up and teardown); 1-minute load average when the run started.", "",
+              "| run | rank0 step ms | rank1 step ms | rank0 idle | rank1 idle | anchor | final loss | process wall s | load avg |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['name']} | {fmt(r.get('rank0_step_ms'), '.1f')} | {fmt(r.get('rank1_step_ms'), '.1f')} | "
                      f"{fmt(r.get('rank0_idle'), '.2f')} | {fmt(r.get('rank1_idle'), '.2f')} | "
-                     f"{fmt(r.get('anchor_last'), '.0f')} | {fmt(r.get('final_loss'), '.4f')} | {fmt(r.get('launch_s'), '.1f')} |")
+                     f"{fmt(r.get('anchor_last'), '.0f')} | {fmt(r.get('final_loss'), '.4f')} | {fmt(r.get('launch_s'), '.1f')} | "
+                     f"{fmt(r.get('load_before'), '.2f')} |")
     if "ddp" in by:
         d = by["ddp"]
         lines += ["", f"DDP all_reduce wall per step: rank0 {fmt(d.get('rank0_allreduce_ms'), '.1f')} ms (includes "
                   f"waiting for the slow rank), rank1 {fmt(d.get('rank1_allreduce_ms'), '.1f')} ms; slow-rank sleep "
                   f"basis: {a.ddp_sleep_basis}."]
+    if rounds and len(rounds) > 1:
+        lines += ["", "Every round (samples/s, and x DDP of the same round):", "",
+                  "| run | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " |",
+                  "|---|" + "---:|" * len(rounds)]
+        for i, r in enumerate(rows):
+            cells = [f"{fmt(rd[i].get('samples_per_s'), '.0f')} ({fmt(rd[i].get('round_vs_ddp'), '.2f')}x)" for rd in rounds]
+            lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     lines += ["", f"Benchmark wall time: {bench_wall:.0f} s. Load average before/after: "
               f"{load[0]:.2f} / {load[1]:.2f} (other processes on this machine perturb the timings).",
               f"MLflow: `mlflow ui --backend-store-uri {a.tracking_uri}` (experiment `{a.experiment_name}`).", ""]
@@ -302,6 +316,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--ddp-sleep-basis", choices=("compute", "step"), default="compute",
                    help="DDP slow rank sleeps (1/s-1) x compute wall (default; like flodl_exp) or x step wall incl. all_reduce")
     p.add_argument("--run-timeout-s", type=float, default=600.0)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole sequence N times; the table shows, per run, the round with the median samples/s")
     a = p.parse_args(argv)
     a.epochs = a.epochs or (QUICK_EPOCHS if a.quick else DEFAULT_EPOCHS)
     a.out = os.path.abspath(a.out)
@@ -313,6 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     exp = load_experiment(EXPERIMENT)
     a.batch_size, a.lr = exp["batch_size"], exp["optimizer"]["lr"]
+    a.channels = int(exp["model"].get("channels", 48))
     from experiments.digits import DigitsDataset
 
     a.train_samples = len(DigitsDataset("train"))
@@ -329,32 +346,48 @@ def main(argv: Optional[list[str]] = None) -> int:
     from flodl_exp.tracking import client as mlflow_client
 
     client = mlflow_client(a.tracking_uri)
-    rows: list[dict] = []
-    for name, kind, overrides in RUNS:
-        if name not in wanted:
-            continue
-        la = os.getloadavg()[0]
-        rec = run_ddp(name, a) if kind == "ddp" else run_flodl(name, overrides, a)
-        s = summarize(rec, client)
-        s["load_before"] = la
-        rows.append(s)
-        print(f"  {name:13s} {s['status']:8s} wall {fmt(s.get('wall_s'), '6.2f')} s  {fmt(s.get('samples_per_s'), '6.0f')} samples/s  "
-              f"syncs {fmt(s.get('syncs'), '4d')}  share {fmt(s.get('fast_share'), '.2f')}  acc {fmt(s.get('accuracy'), '.4f')}  "
-              f"(process {s['launch_s']:.1f} s, load {la:.2f})", flush=True)
-        if s["status"] != "FINISHED":
-            print(f"    run failed (rc={rec['rc']}); log: {a.out}/logs/{name}.log", flush=True)
+    rounds: list[list[dict]] = []
+    for rnd in range(max(1, a.repeat)):
+        if a.repeat > 1:
+            print(f" round {rnd + 1}/{a.repeat}", flush=True)
+        got: list[dict] = []
+        for name, kind, overrides in RUNS:
+            if name not in wanted:
+                continue
+            la = os.getloadavg()[0]
+            rec = run_ddp(name, a) if kind == "ddp" else run_flodl(name, overrides, a)
+            s = summarize(rec, client)
+            s["load_before"], s["round"] = la, rnd
+            got.append(s)
+            print(f"  {name:13s} {s['status']:8s} wall {fmt(s.get('wall_s'), '6.2f')} s  {fmt(s.get('samples_per_s'), '6.0f')} samples/s  "
+                  f"syncs {fmt(s.get('syncs'), '4d')}  share {fmt(s.get('fast_share'), '.2f')}  acc {fmt(s.get('accuracy'), '.4f')}  "
+                  f"(process {s['launch_s']:.1f} s, load {la:.2f})", flush=True)
+            if s["status"] != "FINISHED":
+                print(f"    run failed (rc={rec['rc']}); log: {a.out}/logs/{name}.log", flush=True)
+        rounds.append(got)
+    rows = []
+    for i in range(len(rounds[0])):
+        cands = sorted((rd[i] for rd in rounds), key=lambda r: (r.get("samples_per_s") or 0.0))
+        rows.append(cands[(len(cands) - 1) // 2])  # the (lower) median round by samples/s
     bench_wall = time.monotonic() - t_bench
     by = {r["name"]: r for r in rows}
     step_ms = by.get("solo_fast", {}).get("rank0_step_ms")
-    md = render(rows, a, step_ms, bench_wall, (load0, os.getloadavg()[0]))
+    for rd in rounds:  # per-round efficiency / vs DDP against that round's own references
+        rb = {r["name"]: r for r in rd}
+        solo = (rb.get("solo_fast", {}).get("samples_per_s") or float("nan")) + (rb.get("solo_slow", {}).get("samples_per_s") or float("nan"))
+        ddp = rb.get("ddp", {}).get("samples_per_s") or float("nan")
+        for r in rd:
+            r["round_efficiency"] = (r.get("samples_per_s") or float("nan")) / solo
+            r["round_vs_ddp"] = (r.get("samples_per_s") or float("nan")) / ddp
+    md = render(rows, a, step_ms, bench_wall, (load0, os.getloadavg()[0]), rounds)
     md_path, png_path = os.path.join(a.out, "hetero.md"), os.path.join(a.out, "hetero_loss.png")
     with open(md_path, "w") as fh:
         fh.write(md)
     plot(rows, png_path, f"{EXPERIMENT}, rank_speeds [1.0, 0.33], {a.epochs} epochs: training loss vs wall time")
     with open(os.path.join(a.out, "hetero.json"), "w") as fh:
-        json.dump({"session": session, "epochs": a.epochs, "rows": rows}, fh, indent=1, default=str)
+        json.dump({"session": session, "epochs": a.epochs, "rows": rows, "rounds": rounds}, fh, indent=1, default=str)
     # Bench-level numbers onto every run, so the MLflow UI compares them side by side.
-    for r in rows:
+    for r in (x for rd in rounds for x in rd):
         if not r.get("run_id"):
             continue
         try:
@@ -364,6 +397,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     client.log_metric(r["run_id"], f"bench/{k}", float(v))
             client.set_tag(r["run_id"], "bench.session", session)
             client.set_tag(r["run_id"], "bench.run", r["name"])
+            client.set_tag(r["run_id"], "bench.round", str(r.get("round", 0)))
             client.log_artifact(r["run_id"], md_path, "bench")
             client.log_artifact(r["run_id"], png_path, "bench")
         except Exception as e:  # the store must not lose the table

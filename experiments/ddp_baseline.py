@@ -182,6 +182,8 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
                 ev[f"rank{r}/batch_share"] = float(x[1]) / tot_b
                 ev[f"rank{r}/samples_per_s"] = float(x[2]) / busy_s if busy_s > 0 else 0.0
                 ev[f"rank{r}/allreduce_ms_avg"] = float(x[4]) / max(float(x[1]), 1.0)
+                # train-step wall without the all_reduce, incl. the simulated slowdown (flodl_exp's compute_only_ms / batches)
+                ev[f"rank{r}/step_ms"] = (float(x[3]) + float(x[5])) / max(float(x[1]), 1.0)
                 ev[f"rank{r}/idle_frac"] = max(0.0, 1.0 - busy_s / wall)
             emit(ev)
     t_end = time.perf_counter()

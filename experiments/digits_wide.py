@@ -1,12 +1,12 @@
 """A wider model for the digits task, sized so compute dominates messaging.
 
 Used by ``experiment=digits_wide`` and the heterogeneity benchmark
-(``experiments/bench_hetero.py``). A 3-layer CNN (32/64/128 channels, no
-BatchNorm) on the 8x8 digits: ~0.1 M parameters (0.4 MB on the wire) but
-~10 MFLOP per sample forward, so at batch 16 one train step takes ~9 ms on one
-CPU thread while a full parameter exchange is well under a millisecond of
-copying -- the regime of real GPUs, where a step is compute-bound and the
-all-reduce is small next to it. Data, train step and eval come from
+(``experiments/bench_hetero.py``). A 3-layer CNN (48/96/192 channels in the
+preset, no BatchNorm) on the 8x8 digits: ~0.22 M parameters (0.86 MB on the
+wire) but ~20 MFLOP per sample forward, so at batch 16 one train step takes
+~7 ms on one CPU thread while a full parameter exchange is about a millisecond
+-- the regime of real GPUs, where a step is compute-bound and the all-reduce
+is small next to it. Data, train step and eval come from
 ``experiments.digits``.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 class WideCNN(nn.Module):
     """conv(1->c) -> conv(c->2c) -> pool -> conv(2c->4c) -> pool -> linear(4c*2*2 -> 10)."""
 
-    def __init__(self, channels: int = 32) -> None:
+    def __init__(self, channels: int = 48) -> None:
         super().__init__()
         c = int(channels)
         self.conv1 = nn.Conv2d(1, c, 3, padding=1)

@@ -1,6 +1,7 @@
 """``python -m flodl_exp [overrides]``: the Hydra app (``-m`` for sweeps)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -12,6 +13,16 @@ from .config import ConfigError, register_configs, validate
 register_configs()
 
 
+def _is_multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:
+        return False
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
@@ -21,9 +32,12 @@ def main(cfg: DictConfig) -> None:
         from .runner import RunFailed, launch
 
         t0 = time.monotonic()
-        handle = launch(cfg)
+        multirun = _is_multirun()
+        handle = launch(cfg, parent_run_id=os.environ.get("FLODL_PARENT_RUN_ID") if multirun else None)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
+        if _is_multirun():
+            raise  # a failing job must not end the whole sweep
         sys.exit(2)
     print(f"MLflow run {handle.run_id}  job {handle.job_id}  folder {handle.job_dir}", flush=True)
     try:
@@ -36,6 +50,8 @@ def main(cfg: DictConfig) -> None:
     except RunFailed as e:
         print(summary(handle, handle.result, time.monotonic() - t0, str(e)))
         print(f"\nrun failed:\n{e}", file=sys.stderr)
+        if multirun:
+            raise  # Hydra records the failed job and goes on with the sweep
         sys.exit(1)
     print(summary(handle, result, time.monotonic() - t0))
 

@@ -19,6 +19,8 @@ POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("nccl", "cpu")
 GUARDS = ("none", "trend", "msf")
 EXECUTORS = ("local", "slurm")
+REDUCTIONS = ("mean", "sum", "max", "min")
+CORE_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_ms")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -207,6 +209,22 @@ class RunConfig:
 
 
 @dataclass
+class RecordLogConfig:
+    dir: Optional[str] = None
+    """Persist every record as JSONL per node (root.log, <host>/rank<r>.log); unset = off."""
+    max_bytes: int = 4 * 2**20
+    """Each file is a drop-oldest ring of at most this many bytes."""
+
+
+@dataclass
+class DashboardConfig:
+    html: Optional[str] = None
+    """Write one self-contained HTML dashboard here at teardown; unset = off."""
+    theme: str = "auto"
+    """light | dark | auto (follows the browser)."""
+
+
+@dataclass
 class Config:
     mode: ModeConfig = field(default_factory=ModeConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -219,6 +237,12 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    reports_per_epoch: int = 0
+    """Sub-epoch window records per epoch (logged under window/ with step = global step); 0 = off."""
+    scalar_reductions: Dict[str, str] = field(default_factory=dict)
+    """Cross-rank roll-up of user scalars: name -> mean | sum | max | min (undeclared = mean)."""
+    record_log: RecordLogConfig = field(default_factory=RecordLogConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
 
 
 def register_configs() -> None:
@@ -265,9 +289,55 @@ def parse_callback_rank(value: Any) -> Optional[int]:
     return int(s)
 
 
+_SCHEMA: Any = None
+
+
+def _unknown_key(node: Any, schema: Any, path: str = "") -> Optional[str]:
+    """First key of ``node`` the schema does not know (Hydra's ``+key=`` bypasses the struct check)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for key in node.keys():
+        full = f"{path}{key}"
+        if key not in schema.keys():
+            return full
+        if OmegaConf.is_missing(node, key) or OmegaConf.is_missing(schema, key):
+            continue
+        child, sch = node[key], schema[key]
+        if isinstance(child, DictConfig) and isinstance(sch, DictConfig):
+            import dataclasses
+
+            t = OmegaConf.get_type(schema, key)
+            if t is not None and dataclasses.is_dataclass(t):
+                found = _unknown_key(child, sch, full + ".")
+                if found:
+                    return found
+    return None
+
+
+def _finite_positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def mode_name(cfg: Any) -> str:
+    """The mode as run: reconciled from (backend, policy), whatever ``mode.name`` says."""
+    return f"{cfg.mode.backend}_{cfg.mode.policy}"
+
+
 def validate(cfg: Any) -> List[str]:
     """The one validation pass. Raises ConfigError on the first user error; returns warnings."""
+    global _SCHEMA
+    from omegaconf import DictConfig, OmegaConf
+
     warnings: List[str] = []
+    if isinstance(cfg, DictConfig):
+        if _SCHEMA is None:
+            _SCHEMA = OmegaConf.structured(Config)
+        unknown = _unknown_key(cfg, _SCHEMA)
+        if unknown:
+            raise _err(unknown, OmegaConf.select(cfg, unknown), "not a key of the config schema (see conf/ and flodl_exp/config.py)")
+        for k in ("name", "model", "optimizer", "train_data", "train_step"):
+            if OmegaConf.is_missing(cfg.experiment, k):
+                raise _err(f"experiment.{k}", "???", "a value (required field)")
     m, c, dp = cfg.mode, cfg.cluster, cfg.data_plane
 
     if m.policy not in POLICIES:
@@ -275,8 +345,9 @@ def validate(cfg: Any) -> List[str]:
     if m.backend not in BACKENDS:
         raise _err("mode.backend", m.backend, f"one of {', '.join(BACKENDS)}")
     if m.policy == "async" and m.backend == "nccl":
+        via = "" if m.name == "nccl_async" else f", reached from mode={m.name} and overrides"
         raise ConfigError(
-            f"config error: mode={m.name} (policy=async with backend=nccl) does not exist: it measured "
+            f"config error: mode=nccl_async (policy=async with backend=nccl{via}) does not exist: it measured "
             "within noise of nccl_cadence and its in-place write-back raced autograd on heterogeneous "
             "GPUs; use mode=nccl_cadence or mode=cpu_async"
         )
@@ -284,6 +355,8 @@ def validate(cfg: Any) -> List[str]:
         raise _err("cluster.executor", c.executor, f"one of {', '.join(EXECUTORS)}")
     if c.device not in DEVICES:
         raise _err("cluster.device", c.device, f"one of {', '.join(DEVICES)}")
+    if c.executor == "local" and c.nodes != 1:
+        raise _err("cluster.nodes", c.nodes, "1 with executor=local (use cluster=slurm for several nodes)")
     if c.nodes < 1:
         raise _err("cluster.nodes", c.nodes, "an integer >= 1")
     if c.ranks_per_node < 1:
@@ -303,8 +376,12 @@ def validate(cfg: Any) -> List[str]:
             raise _err("mode.max_overshoot", m.max_overshoot, "an integer >= 0 or null")
         if m.policy != "async":
             warnings.append(f"mode.max_overshoot={m.max_overshoot} has no effect with policy={m.policy} (async only)")
+    if not math.isfinite(m.overhead_target):
+        raise _err("mode.overhead_target", m.overhead_target, "a finite number (clamped to [0.01, 0.5])")
     if not (0.01 <= m.overhead_target <= 0.5):
         warnings.append(f"mode.overhead_target={m.overhead_target} is clamped to [0.01, 0.5]")
+    if m.speed_hint_ratio is not None and m.speed_hint_rank is None:
+        raise _err("mode.speed_hint_ratio", m.speed_hint_ratio, "only together with mode.speed_hint_rank")
     if m.speed_hint_rank is not None:
         if not (0 <= m.speed_hint_rank < w):
             raise _err("mode.speed_hint_rank", m.speed_hint_rank, f"a rank in [0, {w})")
@@ -337,7 +414,7 @@ def validate(cfg: Any) -> List[str]:
         raise _err("mode.lr_scale_ratio", m.lr_scale_ratio, "a finite number >= 0")
     if m.max_grad_norm is not None and not (m.max_grad_norm > 0):
         raise _err("mode.max_grad_norm", m.max_grad_norm, "a number > 0 or null")
-    if m.snapshot_timeout_s <= 0:
+    if not _finite_positive(m.snapshot_timeout_s):
         raise _err("mode.snapshot_timeout_s", m.snapshot_timeout_s, "a number > 0")
     if m.policy == "async" and m.progressive_dispatch is False:
         raise _err("mode.progressive_dispatch", False, "true or null with policy=async (async streams chunks)")
@@ -360,9 +437,9 @@ def validate(cfg: Any) -> List[str]:
             raise _err("cluster.rank_speeds", speeds, f"one factor per rank (world size {w})")
         if any((not math.isfinite(s)) or not (0 < s <= 1) for s in speeds):
             raise _err("cluster.rank_speeds", speeds, "factors in (0, 1]")
-    if c.heartbeat_timeout_s <= 0:
+    if not _finite_positive(c.heartbeat_timeout_s):
         raise _err("cluster.heartbeat_timeout_s", c.heartbeat_timeout_s, "a number > 0")
-    if c.rendezvous_timeout_s <= 0:
+    if not _finite_positive(c.rendezvous_timeout_s):
         raise _err("cluster.rendezvous_timeout_s", c.rendezvous_timeout_s, "a number > 0")
     if c.max_failure is not None and c.max_failure < 1:
         raise _err("cluster.max_failure", c.max_failure, "an integer >= 1 or null")
@@ -391,25 +468,36 @@ def validate(cfg: Any) -> List[str]:
         if not is_progressive(cfg):
             raise _err("checkpoint.at_epoch", ck.at_epoch, "only with progressive dispatch (cadence/async modes)")
 
+    if cfg.reports_per_epoch < 0:
+        raise _err("reports_per_epoch", cfg.reports_per_epoch, "an integer >= 0 (0 = off)")
+    for name, red in dict(cfg.scalar_reductions).items():
+        if red not in REDUCTIONS:
+            raise _err(f"scalar_reductions.{name}", red, f"one of {', '.join(REDUCTIONS)}")
+        if name in CORE_KEYS:
+            raise _err(f"scalar_reductions.{name}", red, f"a user scalar (core keys {', '.join(CORE_KEYS)} have fixed reductions)")
+    if cfg.record_log.max_bytes < 1024:
+        raise _err("record_log.max_bytes", cfg.record_log.max_bytes, "an integer >= 1024")
+    if cfg.dashboard.theme not in ("light", "dark", "auto"):
+        raise _err("dashboard.theme", cfg.dashboard.theme, "one of light, dark, auto")
     if cfg.run.progress not in ("auto", "bar", "plain", "off"):
         raise _err("run.progress", cfg.run.progress, "one of auto, bar, plain, off")
     if cfg.run.timeout_min < 1:
         raise _err("run.timeout_min", cfg.run.timeout_min, "an integer >= 1")
 
+    for key, v in (("ram_max_usage", dp.ram_max_usage), ("vram_max_usage", dp.vram_max_usage)):
+        if not math.isfinite(v):
+            raise _err(f"data_plane.{key}", v, "a finite fraction")
     if not (0.0 <= dp.ram_max_usage <= 0.9):
         warnings.append(f"data_plane.ram_max_usage={dp.ram_max_usage} is clamped to [0, 0.9]")
     if not (0.5 <= dp.vram_max_usage <= 0.99):
         warnings.append(f"data_plane.vram_max_usage={dp.vram_max_usage} is clamped to [0.5, 0.99]")
     if dp.augment < 1:
         raise _err("data_plane.augment", dp.augment, "an integer >= 1")
-    if dp.disk_stage_gb < 0:
+    if not (math.isfinite(dp.disk_stage_gb) and dp.disk_stage_gb >= 0):
         raise _err("data_plane.disk_stage_gb", dp.disk_stage_gb, "a number >= 0")
 
-    if c.executor == "slurm" and c.nodes > 1:
-        uri = cfg.tracking.uri or ""
-        if uri == "" and not os.environ.get("FLODL_SHARED_OUTPUTS"):
-            warnings.append(
-                "tracking.uri is the embedded store under the submit directory: every node must see it "
-                "(shared storage) or set tracking.uri to a server"
-            )
+    if c.executor == "slurm" and c.nodes > 1 and not cfg.tracking.uri and not os.environ.get("FLODL_SHARED_OUTPUTS"):
+        raise _err("tracking.uri", None, "with cluster.nodes > 1, an MLflow store every node reaches: "
+                   "sqlite:////<shared path>/mlflow.db or a server URI (or export FLODL_SHARED_OUTPUTS=1 "
+                   "when ./outputs is on shared storage)")
     return warnings

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, validate, world_size
+from .config import ConfigError, mode_name, validate, world_size
 
 
 class RunFailed(RuntimeError):
@@ -24,14 +24,14 @@ class RunFailed(RuntimeError):
 
 
 def run_name(cfg: Any) -> str:
-    return cfg.tracking.run_name or f"{cfg.experiment.name}/{cfg.mode.name}/{cfg.guard.kind}"
+    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode_name(cfg)}/{cfg.guard.kind}"
 
 
 def _tags(cfg: Any, root: str) -> dict[str, str]:
     from .tracking import git_commit
 
     tags = {
-        "mode": cfg.mode.name, "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": cfg.guard.kind,
+        "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": cfg.guard.kind,
         "cluster": cfg.cluster.name, "world_size": str(world_size(cfg)), "experiment": cfg.experiment.name,
     }
     commit = git_commit(root)

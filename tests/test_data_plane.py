@@ -45,19 +45,27 @@ class Synth:
             self.loaded += len(ids)
         if self.sleep_ms:
             time.sleep(self.sleep_ms * len(ids) / 1e3)
-        i = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        i = torch.as_tensor(np.ascontiguousarray(ids, dtype=np.int64))
         x = torch.sin(i.double()[:, None] * 0.0137 + torch.arange(self.dim, dtype=torch.float64) * 0.71).float()
         return x, i % 10
 
 
-class DictItems:
-    """``__getitem__`` only, dict samples with a bool leaf."""
+class TupleItems:
+    """``__getitem__`` only (no get_batch), tuple samples with a bool leaf."""
 
     def __len__(self) -> int:
         return 50
 
     def __getitem__(self, i: int):
-        return {"x": torch.full((3,), float(i)), "m": torch.tensor([i % 2 == 0, True])}
+        return torch.full((3,), float(i)), torch.tensor([i % 2 == 0, True])
+
+
+class DictBatches(Synth):
+    """get_batch returning a dict with a nested tuple."""
+
+    def get_batch(self, ids):
+        x, y = super().get_batch(ids)
+        return {"x": x, "t": (y, x[:, :2].to(torch.bfloat16))}
 
 
 class Ragged(Synth):
@@ -207,12 +215,18 @@ def test_cache_returns_exact_batches_from_every_tier(tmp_path, ram_rows, disk):
     cache.close()
 
 
-def test_cache_getitem_dict_dataset_and_ragged_fallback(tmp_path):
-    ds = DictItems()
+def test_cache_getitem_and_dict_datasets_and_ragged_fallback(tmp_path):
+    ds = TupleItems()
     cache = SampleCache(ds, len(ds), ram_bytes=10_000)
     for ids in ([1, 2, 3], [3, 4, 1], [7, 7, 8]):
         _same(cache.load(np.array(ids))[0], fetch_batch(ds, np.array(ids)))
     assert cache.rows()["ram"] == 6
+    dd = DictBatches(30, dim=3)
+    cache = SampleCache(dd, 30, ram_bytes=300, disk_bytes=B.MIB, disk_dir=str(tmp_path))
+    for ids in ([1, 2, 3], [3, 4, 1], [7, 7, 8], list(range(30)), list(range(30))):
+        _same(cache.load(np.array(ids))[0], DictBatches(30, dim=3).get_batch(np.array(ids)))
+    assert cache.rows()["disk"] > 0 and cache.stats["disk"] > 0
+    cache.close()
     rag = SampleCache(Ragged(20), 20, ram_bytes=10_000)
     for ids in ([1, 2], [3, 4], [9, 0]):
         _same(rag.load(np.array(ids))[0], Ragged(20).get_batch(np.array(ids)))
