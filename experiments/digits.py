@@ -120,3 +120,13 @@ def cosine_schedule(total_steps: int, world_size: int, warmup_frac: float = 0.1,
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
     return factor
+
+
+def train_step_recording(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``train_step`` that also records user scalars (shows ``flodl_exp.record_scalar``)."""
+    from flodl_exp import record_scalar
+
+    x, y = batch
+    record_scalar("ones", 1.0)
+    record_scalar("label_mean", float(y.float().mean()))
+    return F.cross_entropy(model(x), y)

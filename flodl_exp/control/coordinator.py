@@ -34,6 +34,7 @@ from .epoch_metrics import EpochAccumulator
 from .faults import FaultHandling
 from .guards import DivergenceReport, build_guard
 from .meta import LrEventMeta
+from .records import RecordLog, WindowReporter
 from .server import RankServer
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -65,8 +66,13 @@ class Ledger:
     delivered_ms: float = 0.0
     delivered_batches: int = 0
     window_batches: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
 
-    def add(self, batch_ms: float, data_ms: float) -> None:
+    def add(self, batch_ms: float, data_ms: float, loss: Optional[float] = None) -> None:
+        if loss is not None and math.isfinite(loss):
+            self.loss_sum += loss
+            self.loss_count += 1
         self.steps += 1
         self.window_batches += 1
         self.wall_ms += batch_ms
@@ -83,6 +89,7 @@ class Ledger:
 
     def reset_timing(self) -> None:
         self.wall_ms, self.first_ms, self.delivered_ms, self.delivered_batches, self.window_batches = 0.0, None, 0.0, 0, 0
+        self.loss_sum, self.loss_count = 0.0, 0
 
 
 class Coordinator(FaultHandling, Checkpointing):
@@ -151,6 +158,11 @@ class Coordinator(FaultHandling, Checkpointing):
         self.ckpt: Optional[dict] = None
         self.pending_meta: Optional[tuple] = None
         self.at_epoch_done = False
+        rl = cfg.get("record_log") or {}
+        self.records = RecordLog(os.path.abspath(rl["dir"]) if rl.get("dir") else None, int(rl.get("max_bytes", 4 << 20)))
+        self.scalar_reductions: dict[str, str] = dict(cfg.get("scalar_reductions") or {})
+        self.windows = WindowReporter(0, 1)
+        self.last_window_loss = float("nan")
         self.resume = spec.get("resume")
         if self.resume:
             self._restore(self.resume["meta"])
@@ -197,6 +209,7 @@ class Coordinator(FaultHandling, Checkpointing):
         event = dict(event, t=round(time.monotonic() - self.t_start, 3))
         with open(os.path.join(self.job_dir, "events.jsonl"), "a") as fh:
             fh.write(json.dumps(event) + "\n")
+        self.records.root(event.get("event", "event"), {k: v for k, v in event.items() if k != "event"})
 
     # -- main loop ------------------------------------------------------
     def run(self, connect_timeout: float) -> str:
@@ -232,6 +245,7 @@ class Coordinator(FaultHandling, Checkpointing):
             hello = ev[2]
             self.alive[rank] = True
             self.last_seen[rank] = time.monotonic()
+            self.records.hosts[rank] = str(hello.get("host", "unknown"))
             self.total_picks = int(hello.get("samples", 0)) * max(1, int(self.cfg["data_plane"]["augment"]))
             log.info("rank %d joined from %s (%s)", rank, hello.get("host"), hello.get("device"))
             self.emit({"event": "joined", "rank": rank, "pid": hello.get("pid"), "host": hello.get("host"),
@@ -284,7 +298,7 @@ class Coordinator(FaultHandling, Checkpointing):
     def _on_msg(self, r: int, msg: Message) -> None:
         k, f = msg.kind, msg.fields
         if k == "batch":
-            self.ledger[r].add(float(f["ms"]), float(f["d"]))
+            self.ledger[r].add(float(f["ms"]), float(f["d"]), f.get("loss"))
             cid = int(f.get("c", -1))
             self.chunk_progress[r][cid] = self.chunk_progress[r].get(cid, 0) + 1
             if "lr" in f and r == min(self.alive_ranks(), default=r):
@@ -299,6 +313,7 @@ class Coordinator(FaultHandling, Checkpointing):
                 self.cycle.snapshots[r] = msg
                 self._maybe_finish()
         elif k == "metrics":
+            self.records.rank(r, "chunk", {key: v for key, v in f.items() if key != "ranges"})
             self.dispatch.on_metrics(r, f)
         elif k == "eval_result":
             self._on_eval(r, f)
@@ -433,6 +448,7 @@ class Coordinator(FaultHandling, Checkpointing):
         self.version += 1
         k_used = sum(n.values())
         self.global_step += k_used
+        self._window_record(n, k_used, sync_ms, div)
         for r, nr in n.items():
             self.ledger[r].steps = max(0, self.ledger[r].steps - nr)
         for led in self.ledger:
@@ -440,6 +456,7 @@ class Coordinator(FaultHandling, Checkpointing):
             if hasattr(led, "throttled"):
                 led.throttled = False  # type: ignore[attr-defined]
         self.cycle = None
+        self.window_t0 = time.monotonic()
         self.broadcast(Message("set_global_step", {"global_step": self.global_step}))
         d_max = max((float(v) for v in div.values() if v is not None), default=None)
         if self.dispatch is not None:
@@ -450,9 +467,42 @@ class Coordinator(FaultHandling, Checkpointing):
             self.dispatch.after_finish()
         self.last_progress = time.monotonic()
 
+    def _window_record(self, n: dict[int, int], k_used: int, sync_ms: float, div: dict, force_epoch: Optional[int] = None) -> None:
+        """A sub-epoch report at this reduce boundary when it closes a slice of the epoch's work."""
+        epoch = force_epoch if force_epoch is not None else (self.current_epoch() if self.dispatch else 0)
+        if force_epoch is None and not self.windows.on_window(epoch, k_used):
+            return
+        now = time.monotonic()
+        led = self.ledger
+        loss_n = sum(led[r].loss_count for r in range(self.W))
+        rec: dict[str, float] = {
+            "window/loss": sum(led[r].loss_sum for r in range(self.W)) / loss_n if loss_n else float("nan"),
+            "window/samples_per_s": k_used * self.batch_size / max(now - self.window_t0, 1e-6),
+            "window/sync_ms": sync_ms,
+            "window/epoch": float(epoch),
+        }
+        if self.elche is not None:
+            rec["window/anchor"] = float(self.elche.anchor)
+        d = [float(v) for v in div.values() if v is not None]
+        if d:
+            rec["window/divergence"] = max(d)
+        for r in range(self.W):
+            rec[f"window/rank{r}/share"] = n.get(r, 0) / k_used if k_used else 0.0
+            rec[f"window/rank{r}/steps"] = float(n.get(r, 0))
+        if rec["window/loss"] != rec["window/loss"]:  # a flushed slice with no batches: carry the last loss
+            rec["window/loss"] = self.last_window_loss
+        self.last_window_loss = rec["window/loss"]
+        rec = {k: v for k, v in rec.items() if v == v}
+        self.sink.log_metrics(rec, step=self.global_step)
+        self.emit({"event": "window", "step": self.global_step, **{k[len("window/"):]: v for k, v in rec.items()}})
+        for r in range(self.W):
+            self.records.rank(r, "window", {"step": self.global_step, "steps": n.get(r, 0)})
+
     # -- epochs, eval, end ----------------------------------------------
     def _start(self) -> None:
         self.phase = "training"
+        self.window_t0 = time.monotonic()
+        self.windows = WindowReporter(int(self.cfg.get("reports_per_epoch") or 0), self.total_picks // self.batch_size)
         self.dispatch = Dispatcher(self)
         self.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
         self.dispatch.start()
@@ -464,6 +514,8 @@ class Coordinator(FaultHandling, Checkpointing):
         if self.elche is not None:
             metrics["anchor"] = float(self.elche.anchor)
         self.coverage[e] = ranges
+        for _ in range(self.windows.owed(e)):
+            self._window_record({r: 0 for r in range(self.W)}, 0, 0.0, {}, force_epoch=e)
         self.sink.log_metrics(metrics, step=e)
         self.emit({"event": "epoch", "epoch": e, **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
         last = e == self.epochs - 1

@@ -285,7 +285,7 @@ class Dispatcher:
         while self.last_aggregated + 1 < self.epochs and self._ready(self.last_aggregated + 1):
             e = self.last_aggregated + 1
             acc = self.accs[e]
-            metrics = acc.summary(time.monotonic() - acc.started)
+            metrics = acc.summary(time.monotonic() - acc.started, self.co.scalar_reductions)
             self.last_aggregated = e
             self.co.on_epoch_aggregated(e, metrics, acc.ranges)
             self.pools.pop(e - 1, None)

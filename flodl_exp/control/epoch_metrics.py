@@ -74,7 +74,7 @@ class EpochAccumulator:
             self.div_last = div
         self.guard_action = max(self.guard_action, action_code)
 
-    def summary(self, wall_s: float) -> dict[str, float]:
+    def summary(self, wall_s: float, reductions: Optional[dict[str, str]] = None) -> dict[str, float]:
         total_b = sum(s.batches for s in self.ranks)
         total_samples = sum(s.samples for s in self.ranks)
         m: dict[str, float] = {
@@ -104,15 +104,22 @@ class EpochAccumulator:
             for k, (sm, c) in s.telemetry.items():
                 if c:
                     m[p + k] = sm / c
-        # User scalars: batch-weighted mean over ranks of the per-rank means.
+        # User scalars: per-rank value = mean of what it recorded; across ranks by the declared
+        # reduction (sum | max | min), else the batch-weighted mean.
+        reductions = reductions or {}
         keys = {k for s in self.ranks for k in s.scalars}
         for k in keys:
-            num = den = 0.0
-            for s in self.ranks:
-                sm, c = s.scalars.get(k, (0.0, 0))
-                if c and s.batches:
-                    num += (sm / c) * s.batches
-                    den += s.batches
-            if den:
-                m[k] = num / den
+            per_rank = [(sm / c, s.batches) for s in self.ranks for sm, c in [s.scalars.get(k, (0.0, 0))] if c]
+            if not per_rank:
+                continue
+            red = reductions.get(k, "mean")
+            if red == "sum":
+                m[k] = sum(v for v, _ in per_rank)
+            elif red == "max":
+                m[k] = max(v for v, _ in per_rank)
+            elif red == "min":
+                m[k] = min(v for v, _ in per_rank)
+            else:
+                den = sum(b for _, b in per_rank)
+                m[k] = sum(v * b for v, b in per_rank) / den if den else sum(v for v, _ in per_rank) / len(per_rank)
         return m

@@ -59,6 +59,19 @@ def main(argv: list[str]) -> int:
     sink.set_tags({"global_step": co.global_step, "syncs": co.version})
     sink.log_artifact(os.path.join(job_dir, "result.json"), "run")
     sink.log_artifact(os.path.join(job_dir, "events.jsonl"), "run")
+    if co.records.enabled and os.path.isdir(co.records.dir):
+        sink.log_artifact(co.records.dir, "record_log")
+    dash = (cfg.get("dashboard") or {}).get("html")
+    if dash:
+        try:
+            from ..dashboard import load_events, write_dashboard
+
+            epochs, windows, evals = load_events(os.path.join(job_dir, "events.jsonl"))
+            path = write_dashboard(dash, f"flodl_exp {spec['run_id'][:8]} {cfg['experiment']['name']}", epochs, windows,
+                                   evals, theme=cfg["dashboard"]["theme"])
+            sink.log_artifact(path, "dashboard")
+        except Exception as e:  # the dashboard is a report, never a reason to fail the run
+            log.warning("dashboard not written: %s", e)
     stem = spec["checkpoint_stem"]
     if status == "FINISHED":
         for suffix in (".pt", ".optim.pt", ".meta.json"):
