@@ -12,7 +12,7 @@ waiting for batches, summed over ranks). Configurations:
 - ``lean``: ram_max_usage 0.1, no device pool.
 - ``disk_overflow``: ram_max_usage 0.1 + an 8 GiB disk stage (digits fit in RAM, so
   the stage stays empty: the numbers match lean).
-- ``disk_overflow+64KiB``: the same with the RAM share forced to 64 KiB
+- ``disk_overflow+256KiB``: the same with the RAM share forced to 256 KiB
   (``FLODL_RAM_BUDGET_BYTES``) so most samples overflow into the disk stage.
 - ``ram_max_usage=0``: single-stage synchronous fetch, no retention: the baseline.
 """
@@ -32,7 +32,7 @@ CONFIGS: list[tuple[str, list[str], dict[str, str]]] = [
     ("default", ["data_plane=default"], {}),
     ("lean", ["data_plane=lean"], {}),
     ("disk_overflow", ["data_plane=disk_overflow"], {}),
-    ("disk_overflow+64KiB", ["data_plane=disk_overflow"], {"FLODL_RAM_BUDGET_BYTES": str(64 * 1024)}),
+    ("disk_overflow+256KiB", ["data_plane=disk_overflow"], {"FLODL_RAM_BUDGET_BYTES": str(256 * 1024)}),
     ("ram_max_usage=0", ["data_plane=default", "data_plane.ram_max_usage=0"], {}),
 ]
 
@@ -45,7 +45,7 @@ def run_one(name: str, overrides: list[str], env: dict[str, str], args: argparse
     cmd = [sys.executable, "-m", "flodl_exp", "experiment=digits_slow", f"mode={args.mode}",
            f"experiment.epochs={args.epochs}", f"experiment.train_data.sleep_ms={args.sleep_ms}",
            f"cluster.ranks_per_node={args.ranks}", *overrides,
-           f"tracking.uri={uri}", "tracking.experiment_name=bench_data", f"hydra.run.dir={tmp}/hydra/{name}",
+           f"tracking.uri={uri}", "tracking.experiment_name=bench_data", f"hydra.run.dir={tmp}/hydra/{''.join(ch if ch.isalnum() else '_' for ch in name)}",
            f"run.job_root={tmp}/jobs", "run.progress=plain"]
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})

@@ -113,10 +113,13 @@ class MlflowSink:
         self._thread = threading.Thread(target=self._loop, name="mlflow-sink", daemon=True)
         self._client = None
         self.errors = 0
+        self._last_ts = 0
         self._thread.start()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        ts = int(time.time() * 1000)
+        # Strictly increasing timestamps: the SQL store drops a point equal in (key, step, value, time).
+        ts = max(int(time.time() * 1000), self._last_ts + 1)
+        self._last_ts = ts
         self._q.put(("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None]))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ DB_PORT="${FLODL_SLURM_DB_PORT:-3307}"
 NODE_CPUS="${FLODL_SLURM_CPUS:-4}"
 NODE_MEM_MB="${FLODL_SLURM_MEM_MB:-8000}"
 CLUSTER="${FLODL_SLURM_CLUSTER:-flodl}"
+CRED_EXPIRE="${FLODL_SLURM_CRED_EXPIRE:-10}"  # also the delay before a requeued job restarts
 
 SLURM_CONF="$D/slurm.conf"
 export SLURM_CONF

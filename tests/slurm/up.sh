@@ -49,7 +49,9 @@ all_alive() {
     daemon_alive "$n" || return 1
   done
 }
-if [ -f "$SLURM_CONF" ] && all_alive && node_usable; then
+# (a cluster started with other settings, e.g. by an older up.sh, goes through the slow path,
+# which rewrites the configs and restarts the daemons whose config changed)
+if [ -f "$SLURM_CONF" ] && grep -qF "cred_expire=$CRED_EXPIRE" "$SLURM_CONF" && all_alive && node_usable; then
   finish "already running"
 fi
 
@@ -130,7 +132,9 @@ SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s);
+# 10 s keeps the preemption/time-limit requeue tests short.
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=$CRED_EXPIRE
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc

@@ -1,0 +1,35 @@
+"""One conformance suite for every mode on the simulated 3:1 rig (cluster=local_hetero)."""
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import assert_exact_coverage, base_overrides, compose
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+MODES = ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
+EPOCHS = 6
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_on_heterogeneous_ranks(store, mode):
+    from flodl_exp.runner import launch
+
+    h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", "cluster=local_hetero",
+                        "experiment=digits_mlp", f"experiment.epochs={EPOCHS}"]))
+    res = h.wait()
+    assert res["status"] == "FINISHED"
+    assert res["final_eval"]["eval/accuracy"] >= 0.90
+    assert_exact_coverage(res, 32)
+    assert len({f["hash"] for f in res["finals"].values()}) == 1, "replicas differ after the final consensus"
+    c = MlflowClient(store["uri"])
+    share = [m.value for m in c.get_metric_history(h.run_id, "rank0/batch_share")]
+    assert len(share) == EPOCHS
+    if mode.endswith("cadence"):
+        late = share[EPOCHS // 2:]
+        assert sum(late) / len(late) >= 0.65, f"fast rank share over the last half: {late}"
+    run = c.get_run(h.run_id)
+    for key in ("anchor", "syncs", "sync_ms_avg", "divergence_max", "guard_action"):
+        assert key in run.data.metrics
+    assert run.data.tags["policy"] == mode.split("_")[1] and run.data.tags["backend"] == mode.split("_")[0]
