@@ -13,7 +13,7 @@ waiting for batches, summed over ranks). Configurations:
 - ``disk_overflow``: ram_max_usage 0.1 + an 8 GiB disk stage (digits fit in RAM, so
   the stage stays empty: the numbers match lean).
 - ``disk_overflow+256KiB``: the same with the RAM share forced to 256 KiB
-  (``FLODL_RAM_BUDGET_BYTES``) so most samples overflow into the disk stage.
+  (``FLODL_RAM_BUDGET_BYTES``): about half the samples overflow into the disk stage.
 - ``ram_max_usage=0``: single-stage synchronous fetch, no retention: the baseline.
 """
 from __future__ import annotations

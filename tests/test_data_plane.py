@@ -346,10 +346,14 @@ def test_ram_zero_is_synchronous_and_retains_nothing():
 
 def test_sample_cache_off_keeps_prefetch_but_reloads():
     ds = Synth(64, dim=4)
-    tr = make_trainer(ds, ram_max_usage=0.5, sample_cache=False, disk_stage_gb=1.0)
+    batch_bytes = 8 * (4 * 4 + 8)
+    # The ring keeps the whole (forced) share when the cache is off: 3 batches.
+    tr = make_trainer(ds, ram_max_usage=0.5, sample_cache=False, disk_stage_gb=1.0, ram_budget_bytes=3 * batch_bytes)
+    depths = []
     for e in range(2):
         st, _ = drain(tr, e, 0, 64)
-        assert st.feed.depth > 0
+        depths.append(st.feed.depth)
+    assert depths == [B.RING_SLOTS_UNKNOWN, 3]  # batch bytes unknown before the first batch, measured after
     assert ds.loaded == 128 and tr.pipeline.cache.disabled
     tr.close_data()
 

@@ -163,6 +163,7 @@ class Coordinator(FaultHandling, Checkpointing):
         self.scalar_reductions: dict[str, str] = dict(cfg.get("scalar_reductions") or {})
         self.windows = WindowReporter(0, 1)
         self.last_window_loss = float("nan")
+        self.final_overwrite_done = False
         self.resume = spec.get("resume")
         if self.resume:
             self._restore(self.resume["meta"])
@@ -289,7 +290,9 @@ class Coordinator(FaultHandling, Checkpointing):
             if self.dispatch.all_aggregated():
                 self.phase = "draining"
         if self.phase == "draining" and self.cycle is None:
-            if self.W > 1 and any(self.ledger[r].steps > 0 for r in self.alive_ranks()):
+            blended = self.alpha is not None and not self.final_overwrite_done
+            if self.W > 1 and (blended or any(self.ledger[r].steps > 0 for r in self.alive_ranks())):
+                self.final_overwrite_done = True
                 self._trigger(final=True)
             else:
                 self._finish_run()
@@ -392,6 +395,9 @@ class Coordinator(FaultHandling, Checkpointing):
         params = [[s.tensors[f"p{i}"].float() for i in range(n_p)] for s in snaps]
         bufs = [[s.tensors[f"b{j}"] for j in range(n_b)] for s in snaps]
         res = weighted_average([n[r] for r in ranks], params, bufs, self.gamma)
+        if res is None and c.final and self.alpha is not None:
+            # EASGD leaves replicas apart even when nobody stepped: the final consensus is their plain mean.
+            res = weighted_average([1] * len(ranks), params, bufs, 1.0)
         div: dict[int, Optional[float]] = {}
         pre: dict[int, Optional[float]] = {}
         post = None

@@ -33,6 +33,7 @@ from ...experiment import batch_to
 from ...partition import decode_pick
 from . import budget as B
 from .cache import SampleCache
+from .layout import flatten
 from .probe import READERS_ENV, VRAM_POOL_ENV, cuda_memory, forced_ram_budget, mem_available
 
 log = logging.getLogger("flodl_exp.data")
@@ -120,6 +121,7 @@ class Feed:
         if isinstance(item, BaseException):
             raise item
         data = pipe.deliver(item, self.epoch)
+        pipe._measure(item.data)
         pipe.delivered += 1
         return Delivered(data=data, data_ms=max(0.0, time.perf_counter() - t0 - control) * 1e3, ids=ids)
 
@@ -176,6 +178,7 @@ class DataPipeline:
         self.measuring = False
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._sync_logged = False
+        self._seen_batch_bytes = 0
         self.last_depth = 0
         log.info("rank %d: data plane: RAM share %.1f MiB (cache %.1f, ring %.1f), disk stage %.2f GiB, "
                  "readers %d, device pool %s, transform %s", rank, share / B.MIB, cache_bytes / B.MIB,
@@ -185,8 +188,13 @@ class DataPipeline:
     # -- budgets -------------------------------------------------------------
     @property
     def batch_bytes(self) -> int:
+        """Bytes of one batch: from the cache's row layout, else measured on the first batch (0 = unknown)."""
         lay = self.cache.layout
-        return lay.sample_bytes * self.batch_size if lay is not None else 0
+        return lay.sample_bytes * self.batch_size if lay is not None else self._seen_batch_bytes
+
+    def _measure(self, data: Any) -> None:
+        if not self._seen_batch_bytes:
+            self._seen_batch_bytes = sum(t.nbytes for t in flatten(data)[0] if isinstance(t, torch.Tensor))
 
     def _update_peak(self) -> None:
         """Chunk boundary on CUDA: fold the last chunk's high-water mark into the activation peak."""
@@ -306,8 +314,6 @@ class DataPipeline:
         if item.event is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(item.event)
-            from .layout import flatten
-
             for t in flatten(data)[0]:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(cur)  # the copy stream's blocks must outlive their use here
