@@ -102,3 +102,21 @@ def assert_exact_coverage(result: dict, batch_size: int) -> None:
             for i in range(off, off + size):
                 hits[i] += 1
         assert all(h == 1 for h in hits), f"epoch {e}: picks trained {sorted(set(hits))} times"
+
+
+def launch_run(store: dict, experiment: str, *overrides: str):
+    """Launch in-process (flodl_exp.launch) with the session store; returns the RunHandle."""
+    from flodl_exp.runner import launch
+
+    return launch(compose([*base_overrides(store, experiment), *overrides]))
+
+
+def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

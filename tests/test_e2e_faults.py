@@ -11,24 +11,16 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import alive, assert_exact_coverage, base_overrides, compose, pids_of, read_events, run_cli
+from conftest import launch_run, wait_for, alive, assert_exact_coverage, base_overrides, compose, pids_of, read_events, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def _launch(store, *overrides):
-    from flodl_exp.runner import launch
-
-    return launch(compose([*base_overrides(store, "faults"), *overrides]))
+    return launch_run(store, "faults", *overrides)
 
 
-def _wait_for(pred, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait_for = wait_for
 
 
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])

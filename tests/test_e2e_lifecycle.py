@@ -10,24 +10,16 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import alive, base_overrides, compose, pids_of, read_events
+from conftest import launch_run, wait_for, alive, base_overrides, compose, pids_of, read_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def _launch(store, *overrides):
-    from flodl_exp.runner import launch
-
-    return launch(compose([*base_overrides(store, "lifecycle"), *overrides]))
+    return launch_run(store, "lifecycle", *overrides)
 
 
-def _wait_for(pred, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait_for = wait_for
 
 
 def test_hostile_peers_are_dropped_and_the_run_finishes(store):
