@@ -110,13 +110,8 @@ def _run_subprocess(cmd: list[str], log_path: str, timeout_s: float) -> tuple[in
 
 
 def run_flodl(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "flodl_exp", f"experiment={EXPERIMENT}", *overrides,
-           f"experiment.epochs={a.epochs}", f"seed={a.seed}", "eval.every=0",
-           "run.progress=plain", f"run.timeout_min={max(5, int(a.run_timeout_s // 60) + 1)}",
-           f"tracking.uri={a.tracking_uri}", f"tracking.experiment_name={a.experiment_name}",
-           f"tracking.artifact_location={a.artifact_location}", f"tracking.run_name=bench/{name}",
-           f"hydra.run.dir={os.path.join(a.out, 'runs', name, 'hydra')}",
-           f"run.job_root={os.path.join(a.out, 'runs', name, 'jobs')}"]
+    cmd = [sys.executable, "-m", "flodl_exp", *_flodl_overrides(name, overrides, a),
+           f"hydra.run.dir={os.path.join(a.out, 'runs', name, 'hydra')}"]
     rc, out, launch_s = _run_subprocess(cmd, os.path.join(a.out, "logs", f"{name}.log"), a.run_timeout_s)
     m = re.search(r"MLflow run (\w+)\s+job \S+\s+folder (\S+)", out)
     if not m:
@@ -125,6 +120,68 @@ def run_flodl(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
     events, result = _read_jsonl(os.path.join(job_dir, "events.jsonl")), _read_json(os.path.join(job_dir, "result.json"))
     return {"name": name, "kind": "flodl", "rc": rc, "run_id": run_id, "dir": job_dir, "events": events,
             "result": result, "launch_s": launch_s, "cmd": cmd}
+
+
+def _flodl_overrides(name: str, overrides: list[str], a: argparse.Namespace) -> list[str]:
+    return [f"experiment={EXPERIMENT}", *overrides,
+            f"experiment.epochs={a.epochs}", f"seed={a.seed}", "eval.every=0",
+            "run.progress=plain", f"run.timeout_min={max(5, int(a.run_timeout_s // 60) + 1)}",
+            f"tracking.uri={a.tracking_uri}", f"tracking.experiment_name={a.experiment_name}",
+            f"tracking.artifact_location={a.artifact_location}", f"tracking.run_name=bench/{name}",
+            f"run.job_root={os.path.join(a.out, 'runs', name, 'jobs')}"]
+
+
+def run_flodl_inprocess(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
+    """The same run through ``flodl_exp.launch`` in this process (saves the launcher's start-up per run)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from flodl_exp.config import register_configs, validate
+    from flodl_exp.runner import RunFailed, launch
+
+    os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]  # submitit's rank processes import experiments.*
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    register_configs()
+    if not GlobalHydra.instance().is_initialized():
+        initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3", job_name="bench_hetero")
+    ovr = _flodl_overrides(name, overrides, a)
+    t0 = time.monotonic()
+    cfg = compose(config_name="config", overrides=ovr)
+    validate(cfg)
+    handle = launch(cfg, root=ROOT)
+    rc, err = 0, ""
+    try:
+        handle.wait()
+    except RunFailed as e:
+        rc, err = 1, str(e)
+    launch_s = time.monotonic() - t0
+    with open(os.path.join(a.out, "logs", f"{name}.log"), "w") as log:
+        log.write(f"# in-process flodl_exp.launch, overrides: {' '.join(ovr)}\n")
+        log.write(f"MLflow run {handle.run_id}  job {handle.job_id}  folder {handle.job_dir}\n")
+        log.write(OmegaConf.to_yaml(cfg, resolve=True))
+        if err:
+            log.write(f"\nrun failed:\n{err}\n")
+    return {"name": name, "kind": "flodl", "rc": rc, "run_id": handle.run_id, "dir": handle.job_dir,
+            "events": _read_jsonl(os.path.join(handle.job_dir, "events.jsonl")),
+            "result": _read_json(os.path.join(handle.job_dir, "result.json")), "launch_s": launch_s, "cmd": ovr}
+
+
+def run_ddp_inprocess(name: str, a: argparse.Namespace) -> dict:
+    """experiments/ddp_baseline.run_ddp from this process (its W workers are still fresh spawned processes)."""
+    from experiments.ddp_baseline import run_ddp as ddp
+
+    out_dir = os.path.join(a.out, "runs", name)
+    t0 = time.monotonic()
+    res = ddp(experiment=EXPERIMENT, epochs=a.epochs, rank_speeds=SPEEDS, seed=a.seed, sleep_basis=a.ddp_sleep_basis,
+              out=out_dir, tracking_uri=a.tracking_uri, experiment_name=a.experiment_name,
+              artifact_location=a.artifact_location, run_name=f"bench/{name}")
+    launch_s = time.monotonic() - t0
+    events = res.pop("events")
+    with open(os.path.join(a.out, "logs", f"{name}.log"), "w") as log:
+        log.write("# in-process experiments.ddp_baseline.run_ddp\n" + json.dumps(res, indent=1) + "\n")
+    return {"name": name, "kind": "ddp", "rc": 0 if res.get("status") == "FINISHED" else 1, "run_id": res.get("run_id"),
+            "dir": out_dir, "events": events, "result": res, "launch_s": launch_s, "cmd": []}
 
 
 def run_ddp(name: str, a: argparse.Namespace) -> dict:
@@ -181,8 +238,10 @@ def summarize(rec: dict, client: Any) -> dict:
             comp = _history(client, rec["run_id"], f"rank{r}/compute_only_ms")
             nb = _history(client, rec["run_id"], f"rank{r}/batches")
             idle = _history(client, rec["run_id"], f"rank{r}/idle_frac")
+            data = _history(client, rec["run_id"], f"rank{r}/data_starve_ms")
             if nb and sum(nb.values()) > 0:
                 s[f"rank{r}_step_ms"] = sum(comp.values()) / sum(nb.values())
+                s[f"rank{r}_data_ms"] = sum(data.values()) / sum(nb.values()) if data else float("nan")
             if idle:
                 s[f"rank{r}_idle"] = statistics.mean(idle.values())
     elif rec["kind"] == "ddp":
@@ -190,6 +249,8 @@ def summarize(rec: dict, client: Any) -> dict:
             vals = [float(e.get(f"rank{r}/idle_frac", float("nan"))) for e in epochs]
             s[f"rank{r}_idle"] = statistics.mean(vals)
             s[f"rank{r}_step_ms"] = statistics.mean(float(e.get(f"rank{r}/step_ms", float("nan"))) for e in epochs)
+            n_b = sum(float(e.get(f"rank{r}/batch_share", 0.5)) * float(e["samples"]) for e in epochs) / int((rec.get("result") or {}).get("batch_size") or 16)
+            s[f"rank{r}_data_ms"] = sum(float(e.get(f"rank{r}/data_starve_ms", float("nan"))) for e in epochs) / max(n_b, 1.0)
             s[f"rank{r}_allreduce_ms"] = statistics.mean(float(e.get(f"rank{r}/allreduce_ms_avg", 0)) for e in epochs)
     return s
 
@@ -253,12 +314,13 @@ def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], be
                      f"{fmt((r.get('accuracy', float('nan')) - acc_fast) * 100, '+.2f')} points vs solo_fast "
                      f"({'met' if ok_acc else 'NOT met'})")
     lines += ["", "Diagnostics (per run): fast/slow-rank mean train-step ms (compute incl. simulated slowdown, no "
-              "communication) and mean idle fraction of the epoch wall; final ElChe anchor; subprocess wall (incl. "
+              "communication), fast-rank batch fetch ms per batch, and mean idle fraction of the epoch wall; final ElChe anchor; subprocess wall (incl. "
               "start-up and teardown); 1-minute load average when the run started.", "",
-              "| run | rank0 step ms | rank1 step ms | rank0 idle | rank1 idle | anchor | final loss | process wall s | load avg |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| run | rank0 step ms | rank1 step ms | rank0 data ms/batch | rank0 idle | rank1 idle | anchor | final loss | process wall s | load avg |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['name']} | {fmt(r.get('rank0_step_ms'), '.1f')} | {fmt(r.get('rank1_step_ms'), '.1f')} | "
+                     f"{fmt(r.get('rank0_data_ms'), '.2f')} | "
                      f"{fmt(r.get('rank0_idle'), '.2f')} | {fmt(r.get('rank1_idle'), '.2f')} | "
                      f"{fmt(r.get('anchor_last'), '.0f')} | {fmt(r.get('final_loss'), '.4f')} | {fmt(r.get('launch_s'), '.1f')} | "
                      f"{fmt(r.get('load_before'), '.2f')} |")
@@ -316,10 +378,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--ddp-sleep-basis", choices=("compute", "step"), default="compute",
                    help="DDP slow rank sleeps (1/s-1) x compute wall (default; like flodl_exp) or x step wall incl. all_reduce")
     p.add_argument("--run-timeout-s", type=float, default=600.0)
+    p.add_argument("--launcher", choices=("subprocess", "inprocess"), default=None,
+                   help="runs as subprocesses (`python -m flodl_exp`, `python experiments/ddp_baseline.py`; default, "
+                        "isolated) or from this process (flodl_exp.launch, ddp_baseline.run_ddp; ranks/workers are "
+                        "still fresh processes; saves ~5 s of start-up per run; --quick's default)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole sequence N times; the table shows, per run, the round with the median samples/s")
     a = p.parse_args(argv)
     a.epochs = a.epochs or (QUICK_EPOCHS if a.quick else DEFAULT_EPOCHS)
+    a.launcher = a.launcher or ("inprocess" if a.quick else "subprocess")
     a.out = os.path.abspath(a.out)
     for sub in ("logs", "runs"):
         os.makedirs(os.path.join(a.out, sub), exist_ok=True)
@@ -355,7 +422,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             if name not in wanted:
                 continue
             la = os.getloadavg()[0]
-            rec = run_ddp(name, a) if kind == "ddp" else run_flodl(name, overrides, a)
+            if kind == "ddp":
+                rec = run_ddp_inprocess(name, a) if a.launcher == "inprocess" else run_ddp(name, a)
+            elif a.launcher == "inprocess":
+                rec = run_flodl_inprocess(name, overrides, a)
+            else:
+                rec = run_flodl(name, overrides, a)
             s = summarize(rec, client)
             s["load_before"], s["round"] = la, rnd
             got.append(s)

@@ -184,6 +184,7 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
                 ev[f"rank{r}/allreduce_ms_avg"] = float(x[4]) / max(float(x[1]), 1.0)
                 # train-step wall without the all_reduce, incl. the simulated slowdown (flodl_exp's compute_only_ms / batches)
                 ev[f"rank{r}/step_ms"] = (float(x[3]) + float(x[5])) / max(float(x[1]), 1.0)
+                ev[f"rank{r}/data_starve_ms"] = float(x[6])  # batch fetch wall, summed over the epoch
                 ev[f"rank{r}/idle_frac"] = max(0.0, 1.0 - busy_s / wall)
             emit(ev)
     t_end = time.perf_counter()
@@ -191,7 +192,7 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
         metrics = exp.eval_fn(model.module, exp.eval_data, device) if exp.eval_fn and exp.eval_data is not None else {}
         emit({"event": "eval", "epoch": epochs - 1, "final": True, **{f"eval/{k}": float(v) for k, v in metrics.items()}})
         with open(a["result_path"], "w") as fh:
-            json.dump({"status": "FINISHED", "world_size": world, "epochs": epochs, "train_wall_s": t_end - t_start,
+            json.dump({"status": "FINISHED", "world_size": world, "epochs": epochs, "batch_size": bs, "train_wall_s": t_end - t_start,
                        "global_step": global_step, "final_eval": {f"eval/{k}": float(v) for k, v in metrics.items()},
                        "lr_scale": lr_scale, "sleep_basis": a["sleep_basis"], "rank_speeds": a["speeds"],
                        "comm_hook_calls": comm["calls"]}, fh, indent=1)

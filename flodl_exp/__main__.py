@@ -40,6 +40,17 @@ def main(cfg: DictConfig) -> None:
             raise  # a failing job must not end the whole sweep
         sys.exit(2)
     print(f"MLflow run {handle.run_id}  job {handle.job_id}  folder {handle.job_dir}", flush=True)
+    if not cfg.run.wait:
+        # Detached: the job ends the MLflow run itself (FINISHED / FAILED / KILLED; a time limit requeues).
+        where = "SLURM job" if handle.on_slurm else "local job (controller pid)"
+        print(f"submitted {where} {handle.job_id} in {time.monotonic() - t0:.1f}s; not waiting (run.wait=false)")
+        for name, path in handle.log_paths().items():
+            print(f"  {name:<13} {path}")
+        if handle.on_slurm:
+            print(f"  follow        squeue -j {handle.job_id}; tail -f {handle.log_paths()['coordinator']}")
+            print(f"  cancel        scancel {handle.job_id}")
+        print(f"  MLflow UI     mlflow ui --host 127.0.0.1 --backend-store-uri {handle.tracking_uri}", flush=True)
+        return
     try:
         follow(handle, cfg.run.progress)
         result = handle.wait()

@@ -14,6 +14,52 @@ def _fmt_epoch(ev: dict, epochs: int) -> str:
             f"{ev.get('samples_per_s', 0):.0f} samples/s  syncs {int(ev.get('syncs', 0))}  share {shares}")
 
 
+QUEUE_POLL_S = 3.0
+QUEUE_REPEAT_S = 30.0
+
+
+class _QueueWatch:
+    """Scheduler state until the ranks start: a line on each change, else every QUEUE_REPEAT_S."""
+
+    def __init__(self, handle: RunHandle) -> None:
+        self.handle = handle
+        self.t0 = time.monotonic()
+        self.last_poll = 0.0
+        self.last_print = 0.0
+        self.last_state = ""
+        self.started = not handle.on_slurm
+
+    def poll(self) -> Optional[str]:
+        now = time.monotonic()
+        if self.started or now - self.last_poll < QUEUE_POLL_S:
+            return None
+        self.last_poll = now
+        state = self.handle.queue_state()
+        if state != self.last_state or now - self.last_print >= QUEUE_REPEAT_S:
+            self.last_state, self.last_print = state, now
+            since = f"{now - self.t0:.0f}s since submission"
+            if state.startswith("PENDING"):
+                return f"queued ({state}) job {self.handle.job_id}, {since}"
+            if state.startswith("RUNNING"):
+                return f"job {self.handle.job_id} RUNNING: starting the coordinator and ranks, {since}"
+            return f"job {self.handle.job_id} {state}, {since}"
+        return None
+
+
+def _fmt_other(ev: dict) -> Optional[str]:
+    kind = ev.get("event")
+    if kind == "preempt_requested":
+        return f"time limit / preemption signal: saving bundle {ev.get('stem')}"
+    if kind == "preempted":
+        return (f"preempted at epoch {ev['epoch'] + 1} (global step {ev.get('global_step')}): bundle {ev.get('stem')}; "
+                "the job is requeued and resumes into this run")
+    if kind == "resumed":
+        return f"resumed (attempt {ev['attempt']}) from {ev.get('stem')} at epoch {ev['epoch'] + 1}"
+    if kind == "terminated":
+        return f"job terminated: {ev.get('status')} ({ev.get('reason')})"
+    return None
+
+
 def follow(handle: RunHandle, mode: str = "auto", out: Any = None) -> None:
     """Show progress until the job is done (returns on completion; Ctrl-C propagates)."""
     out = out or sys.stdout
@@ -23,12 +69,23 @@ def follow(handle: RunHandle, mode: str = "auto", out: Any = None) -> None:
             time.sleep(0.2)
         return
     use_bar = mode == "bar" or (mode == "auto" and out.isatty())
+    queue = _QueueWatch(handle)
     if not use_bar:
         t0 = time.monotonic()
         while True:
             done = handle.done()
+            line = queue.poll()
+            if line:
+                print(line, file=out, flush=True)
             for ev in handle.poll_events():
                 kind = ev.get("event")
+                if kind in ("joined", "started", "resumed"):
+                    queue.started = True
+                elif kind == "preempted":
+                    queue.started, queue.last_state = False, ""
+                other = _fmt_other(ev)
+                if other:
+                    print(other, file=out, flush=True)
                 if kind == "epoch":
                     print(_fmt_epoch(ev, epochs), file=out, flush=True)
                 elif kind == "eval":
@@ -48,7 +105,19 @@ def follow(handle: RunHandle, mode: str = "auto", out: Any = None) -> None:
         task = bar.add_task("starting ranks", total=epochs, info="")
         while True:
             done = handle.done()
+            line = queue.poll()
+            if line:
+                bar.update(task, description=line.split(",")[0])
             for ev in handle.poll_events():
+                if ev.get("event") in ("joined", "started", "resumed"):
+                    queue.started = True
+                elif ev.get("event") == "preempted":
+                    queue.started, queue.last_state = False, ""
+                other = _fmt_other(ev)
+                if other:
+                    bar.console.print(other)
+                if ev.get("event") == "preempted":
+                    bar.update(task, description="requeued")
                 if ev.get("event") == "started":
                     bar.update(task, description="training")
                 elif ev.get("event") == "epoch":

@@ -63,10 +63,46 @@ class RunHandle:
         self.events: list[dict] = []
         self.result: Optional[dict] = None
         self._ended = False
+        self._last_force = 0.0
+        self._last_queue: tuple[float, str] = (0.0, "")
 
     @property
     def job_id(self) -> str:
         return str(self.job.job_id)
+
+    @property
+    def on_slurm(self) -> bool:
+        return self.cfg.cluster.executor == "slurm"
+
+    def log_paths(self) -> dict[str, str]:
+        """Where the job writes: task 0's submitit logs, the coordinator log, the events stream."""
+        paths = {"coordinator": os.path.join(self.job_dir, "coordinator.log"),
+                 "events": os.path.join(self.job_dir, "events.jsonl")}
+        try:
+            t0 = self.job.task(0) if self.job.num_tasks > 1 else self.job
+            paths["task0 stdout"], paths["task0 stderr"] = str(t0.paths.stdout), str(t0.paths.stderr)
+        except Exception:
+            pass
+        return paths
+
+    def queue_state(self) -> str:
+        """The scheduler's view: ``PENDING (Resources)``, ``RUNNING``, ... (SLURM: squeue, then sacct)."""
+        if not self.on_slurm:
+            return "RUNNING" if not self.job.done() else "DONE"
+        import subprocess
+
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%T|%r"], capture_output=True, text=True,
+                                 timeout=10).stdout.strip()
+            if out:
+                state, _, reason = out.splitlines()[0].partition("|")
+                return f"{state} ({reason})" if reason and reason not in ("None", "(null)") else state
+        except (OSError, subprocess.SubprocessError):
+            pass
+        try:
+            return str(self.job.state)
+        except Exception:
+            return "UNKNOWN"
 
     def _read_events(self) -> None:
         path = os.path.join(self.job_dir, "events.jsonl")
@@ -109,6 +145,13 @@ class RunHandle:
             time.sleep(0.1)
 
     def done(self) -> bool:
+        if self.on_slurm and time.monotonic() - self._last_force > 3.0:
+            # submitit's sacct watcher backs off to minutes on long jobs; ask every few seconds.
+            self._last_force = time.monotonic()
+            try:
+                self.job.get_info(mode="force")
+            except Exception:
+                pass
         return self.job.done()
 
     def wait(self) -> dict:
@@ -116,6 +159,12 @@ class RunHandle:
         from .tracking import end_run
 
         error: Optional[str] = None
+        while not self.done():
+            time.sleep(0.5)
+        if self.on_slurm and os.path.exists(os.path.join(self.job_dir, "result.json")):
+            # A task SIGKILLed by SLURM leaves no result file: submitit would wait 15 s for it per task.
+            for j in [self.job, *getattr(self.job, "_sub_jobs", [])]:
+                j._results_timeout_s = 2
         try:
             self.job.results()
         except Exception as e:  # FailedJobError / UncompletedJobError carry the task's traceback tail
@@ -221,7 +270,12 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
 
         end_run(uri, run_id, "FAILED", error=f"submit failed: {e}")
         raise
-    client(uri).set_tag(run_id, "job_id", str(job.job_id))
+    tags = {"job_id": str(job.job_id), "job_dir": job_dir}
+    if cfg.cluster.executor == "slurm":
+        tags["slurm_job_id"] = str(job.job_id)
+    from mlflow.entities import RunTag
+
+    client(uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     return RunHandle(cfg=cfg, run_id=run_id, tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem))
 
 

@@ -30,8 +30,9 @@ def resolve_tracking(tracking: Any, root: str) -> tuple[str, Optional[str]]:
     """(tracking uri, artifact location for a new experiment)."""
     uri = tracking.uri or default_uri(root)
     art = tracking.artifact_location
-    if art is None and uri.startswith("sqlite:///") and not tracking.uri:
-        art = os.path.abspath(os.path.join(root, "outputs", "mlartifacts"))
+    if art is None and uri.startswith("sqlite:///"):
+        # Artifacts beside the store (never MLflow's ./mlruns default in whatever cwd we run from).
+        art = os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])), "mlartifacts")
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
     return uri, art

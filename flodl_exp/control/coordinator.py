@@ -268,6 +268,7 @@ class Coordinator(FaultHandling, Checkpointing):
         for r in self.alive_ranks():
             if not self.exited[r] and now - self.last_seen[r] > self.hb_timeout:
                 self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
+        self.tick_signals()  # preemption (SIGUSR1) / SIGTERM: checkpointing.py
         if self.phase == "shutdown":
             if not [r for r in self.alive_ranks() if not self.exited[r]] or now - self.shutdown_at > 30:
                 self.phase = "done"

@@ -1,7 +1,54 @@
-"""Map the ``cluster`` config onto a submitit executor. Local and SLURM share one job function."""
+"""Map the ``cluster`` config onto a submitit executor. Local and SLURM share one job function.
+
+SLURM specifics (checked on a real slurmctld/slurmd/slurmdbd, see tests/test_e2e_slurm.py):
+
+* one job of ``nodes x ranks_per_node`` tasks (``srun`` in the sbatch script); sbatch exports
+  the submitting environment (``--export=ALL``), so ``FLODL_*`` variables reach every task.
+* ``--signal=USR2@<s>``: submitit's preemption / time-limit signal. slurmctld checks time
+  limits every 30 s, so the signal comes 0-30 s earlier than asked and the kill up to 30 s
+  after the limit. The default delay (90 s) would be sent at once under a tiny limit, so it
+  scales down with ``time_min``: ``min(90, max(15, time_min * 60 // 4))``. Override with
+  ``cluster.slurm.additional_parameters={signal: "USR2@300"}`` (raw sbatch value).
+* ``--gpus-per-node`` only when GPUs are asked for: some sites refuse the flag without GRES.
+"""
 from __future__ import annotations
 
 from typing import Any
+
+MAX_REQUEUES = 3
+"""How many time-limit requeues a job may take (submitit's ``max_num_timeout``)."""
+
+
+def signal_delay_s(time_min: int) -> int:
+    """Seconds before the time limit at which SLURM sends USR2 (see the module doc)."""
+    return int(min(90, max(15, int(time_min) * 60 // 4)))
+
+
+def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
+    """``SlurmExecutor.update_parameters`` keywords for ``cluster`` (pure: unit-testable)."""
+    s = cluster.slurm
+    extra = s.additional_parameters
+    if hasattr(extra, "_get_node"):  # an OmegaConf node: plain values for sbatch
+        from omegaconf import OmegaConf
+
+        extra = OmegaConf.to_container(extra, resolve=True)
+    params: dict[str, Any] = dict(
+        job_name=job_name, nodes=int(cluster.nodes), ntasks_per_node=int(cluster.ranks_per_node),
+        cpus_per_task=int(s.cpus_per_task), time=int(s.time_min), signal_delay_s=signal_delay_s(s.time_min),
+        srun_args=[str(a) for a in s.srun_args], setup=[str(c) for c in s.setup],
+        additional_parameters={str(k): v for k, v in dict(extra or {}).items()},
+    )
+    if int(s.gpus_per_node) > 0:
+        params["gpus_per_node"] = int(s.gpus_per_node)
+    if s.mem_gb is not None:
+        mem = float(s.mem_gb)
+        params["mem"] = f"{int(mem)}GB" if mem == int(mem) else f"{int(mem * 1024)}MB"
+    for key in ("partition", "account", "qos", "constraint", "exclude"):
+        if getattr(s, key):
+            params[key] = str(getattr(s, key))
+    if not params["additional_parameters"]:
+        del params["additional_parameters"]
+    return params
 
 
 def make_executor(cluster: Any, folder: str, timeout_min: int, gpus_per_node: int, job_name: str):
@@ -12,18 +59,10 @@ def make_executor(cluster: Any, folder: str, timeout_min: int, gpus_per_node: in
         ex = submitit.LocalExecutor(folder=folder)
         ex.update_parameters(nodes=1, tasks_per_node=w, timeout_min=int(timeout_min), gpus_per_node=gpus_per_node)
         return ex
-    s = cluster.slurm
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    params: dict[str, Any] = dict(
-        name=job_name, nodes=int(cluster.nodes), tasks_per_node=int(cluster.ranks_per_node),
-        cpus_per_task=int(s.cpus_per_task), gpus_per_node=int(s.gpus_per_node), timeout_min=int(s.time_min),
-        slurm_srun_args=list(s.srun_args), slurm_setup=list(s.setup),
-        slurm_additional_parameters=dict(s.additional_parameters),
-    )
-    if s.mem_gb is not None:
-        params["mem_gb"] = float(s.mem_gb)
-    for key in ("partition", "account", "qos", "constraint", "exclude"):
-        if getattr(s, key):
-            params[f"slurm_{key}"] = getattr(s, key)
-    ex.update_parameters(**params)
+    from submitit.slurm.slurm import SlurmExecutor
+
+    # SlurmExecutor directly (not AutoExecutor): its own parameter names, and no silent
+    # fallback to the local executor when srun is missing (it raises "Could not detect srun").
+    ex = SlurmExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
+    ex.update_parameters(**slurm_parameters(cluster, job_name))
     return ex

@@ -4,6 +4,27 @@ Task 0 first starts the coordinator as its own process (which dies with the
 task: PR_SET_PDEATHSIG), then every task waits for rendezvous.json and runs
 its rank. Kept import-light: torch is imported inside, after the thread
 environment is set.
+
+Preemption and time limits (submitit's checkpoint/requeue): the submitted
+callable is :data:`run_task`, a ``submitit.helpers.Checkpointable``. SLURM sends
+``USR2`` to every process of the step ``signal_delay_s`` before the limit (or on
+preemption); submitit's handler runs only in task 0 (global rank 0; the other
+tasks log and carry on) and calls :meth:`RunTask.checkpoint`, which
+
+1. sends ``SIGUSR1`` to the coordinator, which saves a bundle at the next reduce
+   (coverage-granular in progressive modes), writes ``preempted.json``, tells the
+   ranks to stop and exits with :data:`PREEMPT_EXIT` (status PREEMPTED, MLflow
+   run left RUNNING);
+2. writes ``spec.attempt<k>.json`` = the spec resuming from that bundle, same
+   run id and job folder, ``attempt`` + 1;
+3. returns ``DelayedSubmission(run_task, <that spec>)``: submitit pickles it over
+   the job's submitted pickle and runs ``scontrol requeue``; the requeued job
+   starts every task on the new spec and the run continues in the same MLflow run.
+
+Because the handler runs in task 0's main thread and blocks until the bundle is
+written, task 0 trains rank 0 on a worker thread: the save needs rank 0. The
+other tasks leave without a result after a preempted stop (exit 0, so
+``--kill-on-bad-exit`` does not fire before task 0 has requeued).
 """
 from __future__ import annotations
 
@@ -14,10 +35,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from typing import Optional
+from typing import Any, Optional
+
+import submitit
 
 COORDINATOR_LOG = "coordinator.log"
+PREEMPT_EXIT = 3
+"""Coordinator exit status: PREEMPTED (bundle written, MLflow run still RUNNING)."""
+PREEMPT_MARK = "preempted.json"
+"""Written by the coordinator once the preemption bundle is complete: ``{attempt, stem, epoch}``."""
+PREEMPT_WAIT_S = 120.0
+"""How long task 0 waits for the coordinator's preemption bundle before giving up."""
+COORD_EXIT_WAIT_S = 120.0
+
+log = logging.getLogger("flodl_exp.job")
 
 
 def _pdeathsig() -> None:  # runs in the child between fork and exec
@@ -29,20 +62,60 @@ def _pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return all(ai[4][0].startswith("127.") or ai[4][0] == "::1" for ai in socket.getaddrinfo(host, None))
+    except OSError:
+        return False
+
+
+def _routable_address(peers: list[str]) -> Optional[str]:
+    """This node's address on the route to another node of the job (UDP connect: sends nothing)."""
+    for peer in peers:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((peer, 9))
+                addr = s.getsockname()[0]
+                if not addr.startswith("127."):
+                    return addr
+        except OSError:
+            continue
+    return None
+
+
 def coordinator_host(spec: dict) -> str:
+    """The address the coordinator binds and advertises in rendezvous.json.
+
+    ``cluster.host`` when set; 127.0.0.1 locally; on SLURM the node's host name, which
+    every node of the job resolves. Where the host name maps to a loopback address
+    (Debian's ``127.0.1.1`` line) and the job spans nodes, the address on the route to
+    the other nodes instead.
+    """
     cluster = spec["config"]["cluster"]
     if cluster.get("host"):
         return str(cluster["host"])
     if cluster["executor"] == "local":
         return "127.0.0.1"
-    return socket.gethostname()
+    name = socket.gethostname()
+    if int(cluster["nodes"]) > 1 and _is_loopback(name):
+        try:
+            me = submitit.JobEnvironment()
+            others = [h for h in me.hostnames if h != name and h != me.hostname]
+        except Exception:
+            others = []
+        addr = _routable_address(others)
+        if addr:
+            return addr
+        log.warning("host name %s resolves to a loopback address and no routable address was found: "
+                    "ranks on other nodes may not reach the coordinator (set cluster.host)", name)
+    return name
 
 
 def spawn_coordinator(spec_path: str, host: str) -> subprocess.Popen:
     job_dir = os.path.dirname(os.path.abspath(spec_path))
-    log = open(os.path.join(job_dir, COORDINATOR_LOG), "ab")
+    log_fh = open(os.path.join(job_dir, COORDINATOR_LOG), "ab")
     return subprocess.Popen([sys.executable, "-m", "flodl_exp.control.main", spec_path, host],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
+                            stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
 
 
 def _tail(path: str, n: int = 20) -> str:
@@ -53,42 +126,190 @@ def _tail(path: str, n: int = 20) -> str:
         return ""
 
 
-def run_task(spec_path: str) -> dict:
-    import submitit
-
-    env = submitit.JobEnvironment()
-    rank, local_rank = env.global_rank, env.local_rank
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", stream=sys.stderr)
-    with open(spec_path) as fh:
-        spec = json.load(fh)
-    job_dir = os.path.dirname(os.path.abspath(spec_path))
-    if spec["config"]["cluster"]["device"] != "cuda":
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    coord: Optional[subprocess.Popen] = None
-    if rank == 0:
-        coord = spawn_coordinator(spec_path, coordinator_host(spec))
-
-    def coord_dead() -> Optional[str]:
-        if coord is not None and coord.poll() is not None:
-            return f"exit code {coord.returncode}; log tail:\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
         return None
 
-    from .rendezvous import wait_rendezvous
 
+def preempt_mark(job_dir: str, attempt: int) -> Optional[dict]:
+    """The coordinator's preemption record for this incarnation, if it wrote one."""
+    mark = _read_json(os.path.join(job_dir, PREEMPT_MARK))
+    return mark if mark is not None and int(mark.get("attempt", -1)) == int(attempt) else None
+
+
+def fail_run_if_running(spec: dict, error: str, tags: Optional[dict] = None) -> None:
+    """End the MLflow run FAILED with ``error`` unless someone (the coordinator) already ended it."""
     try:
-        rdv = wait_rendezvous(job_dir, float(spec["config"]["cluster"]["rendezvous_timeout_s"]), coord_dead)
-        from ..rank.worker import RankWorker
+        from ..tracking import client
 
-        worker = RankWorker(spec, rank, local_rank, rdv)
-        out = worker.run()
-    finally:
-        if coord is not None:
-            deadline = time.monotonic() + 120
+        c = client(spec["tracking_uri"])
+        if c.get_run(spec["run_id"]).info.status not in ("RUNNING", "SCHEDULED"):
+            return
+        c.set_tag(spec["run_id"], "error", error[:5000])
+        for k, v in (tags or {}).items():
+            c.set_tag(spec["run_id"], k, str(v))
+        c.set_terminated(spec["run_id"], status="FAILED")
+    except Exception as e:  # the store must not hide the job's own error
+        log.warning("could not mark the MLflow run FAILED: %s", e)
+
+
+class _RunEnded(BaseException):
+    """Raised out of the signal handler when the run finished while the signal was handled."""
+
+
+class RunTask(submitit.helpers.Checkpointable):
+    """``run_task(spec_path)``: one task of the job (see the module doc). Picklable, stateless until called."""
+
+    def __init__(self) -> None:
+        self._live: Optional[dict[str, Any]] = None
+
+    def __getstate__(self) -> dict:
+        return {"_live": None}
+
+    # -- the task ---------------------------------------------------------
+    def __call__(self, spec_path: str) -> dict:
+        env = submitit.JobEnvironment()
+        rank, local_rank = env.global_rank, env.local_rank
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", stream=sys.stderr)
+        with open(spec_path) as fh:
+            spec = json.load(fh)
+        job_dir = os.path.dirname(os.path.abspath(spec_path))
+        attempt = int(spec.get("attempt", 0))
+        if spec["config"]["cluster"]["device"] != "cuda":
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if attempt:
+            log.info("attempt %d (requeued): resuming from %s", attempt, (spec.get("resume") or {}).get("stem"))
+        if rank != 0:
+            out = _run_rank(spec, rank, local_rank, job_dir, attempt, None)
+            if preempt_mark(job_dir, attempt) is not None:
+                # Preempted: task 0 requeues the job. Leave without a result (exit 0: no
+                # --kill-on-bad-exit before the requeue; the requeued job writes the real one).
+                log.info("rank %d stopped for preemption; task 0 requeues the job", rank)
+                logging.shutdown()
+                sys.exit(0)
+            return out
+        return self._task0(spec_path, spec, local_rank, job_dir, attempt)
+
+    def _task0(self, spec_path: str, spec: dict, local_rank: int, job_dir: str, attempt: int) -> dict:
+        coord = spawn_coordinator(spec_path, coordinator_host(spec))
+        box: dict[str, Any] = {}
+
+        def coord_dead() -> Optional[str]:
+            if coord.poll() is not None:
+                return f"exit code {coord.returncode}; log tail:\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
+            return None
+
+        def rank0() -> None:
+            try:
+                box["out"] = _run_rank(spec, 0, local_rank, job_dir, attempt, coord_dead)
+            except BaseException as e:  # handed to the main thread
+                box["error"] = e
+
+        self._live = {"coord": coord, "spec": spec, "spec_path": spec_path, "job_dir": job_dir, "attempt": attempt,
+                      "in_call": True}
+        # Rank 0 trains on a thread: the main thread stays free for submitit's USR2 handler,
+        # which blocks (checkpoint()) while rank 0 takes part in the preemption bundle.
+        worker = threading.Thread(target=rank0, name="rank0", daemon=True)
+        worker.start()
+        try:
+            try:
+                while worker.is_alive():
+                    worker.join(0.2)
+            except _RunEnded:
+                worker.join()
+            self._live["in_call"] = False
+        finally:
+            deadline = time.monotonic() + COORD_EXIT_WAIT_S
             while coord.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
             if coord.poll() is None:
                 coord.kill()
                 coord.wait(10)
-    if coord is not None and coord.returncode != 0:
-        raise RuntimeError(f"coordinator failed (exit code {coord.returncode}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}")
-    return out
+        rc = coord.returncode
+        if rc not in (0, PREEMPT_EXIT):
+            res = _read_json(os.path.join(job_dir, "result.json"))
+            if res is not None and int(res.get("attempt", attempt)) == attempt and res.get("status") in ("FAILED", "KILLED"):
+                # The coordinator ended the run itself (it may then die from the cluster's SIGTERM on its way out).
+                why = f"the run ended {res['status']}: {res.get('failure')}"
+            else:
+                why = f"coordinator failed (exit code {rc}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
+                fail_run_if_running(spec, why)
+            if "error" in box:
+                raise RuntimeError(f"{why}\nrank 0: {type(box['error']).__name__}: {box['error']}") from box["error"]
+            raise RuntimeError(why)
+        if "error" in box:
+            raise box["error"]
+        if rc == PREEMPT_EXIT:  # preempted without task 0 asking (a USR1 sent by hand): no requeue
+            raise RuntimeError("the coordinator stopped for preemption but no requeue was asked: "
+                               f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
+        return box["out"]
+
+    # -- submitit's checkpoint hook (task 0, inside its USR2 handler) -----
+    def checkpoint(self, spec_path: str) -> Optional[submitit.helpers.DelayedSubmission]:
+        live = self._live
+        if live is None:  # the signal came before this task started: run again as submitted
+            log.warning("preemption signal before the run started: requeueing as submitted")
+            return submitit.helpers.DelayedSubmission(RunTask(), spec_path)
+        coord: subprocess.Popen = live["coord"]
+        spec, job_dir, attempt = live["spec"], live["job_dir"], live["attempt"]
+        t0 = time.monotonic()
+        if coord.poll() is None:
+            log.warning("preemption / time-limit signal: asking the coordinator for a bundle")
+            try:
+                os.kill(coord.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        while coord.poll() is None and time.monotonic() - t0 < PREEMPT_WAIT_S:
+            time.sleep(0.1)
+        rc = coord.poll()
+        if rc is None:
+            coord.kill()
+            fail_run_if_running(spec, f"time limit reached: no preemption bundle after {PREEMPT_WAIT_S:.0f}s",
+                                {"end_reason": "time_limit"})
+            return None  # submitit: "Job not requeued because: checkpoint function returned None"
+        if rc == 0:
+            log.info("the run finished while the preemption signal was handled: no requeue")
+            if live.get("in_call"):
+                raise _RunEnded()
+            return None
+        mark = preempt_mark(job_dir, attempt)
+        if rc != PREEMPT_EXIT or mark is None:
+            log.error("the coordinator ended with exit code %s instead of a preemption bundle", rc)
+            fail_run_if_running(spec, f"time limit / preemption: the coordinator ended with exit code {rc} "
+                                f"instead of a bundle:\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}",
+                                {"end_reason": "time_limit"})
+            return None
+        return self._requeue_spec(live, mark, time.monotonic() - t0)
+
+    def _requeue_spec(self, live: dict, mark: dict, waited_s: float) -> submitit.helpers.DelayedSubmission:
+        from ..checkpoint import atomic_json, load_meta
+
+        spec, job_dir, attempt = live["spec"], live["job_dir"], live["attempt"]
+        stem = str(mark["stem"])
+        nxt = dict(spec, attempt=attempt + 1, resume={"stem": stem, "meta": load_meta(stem)})
+        path = os.path.join(job_dir, f"spec.attempt{attempt + 1}.json")
+        atomic_json(nxt, path)
+        for name, dest in (("result.json", f"result.attempt{attempt}.json"), ("rendezvous.json", None)):
+            p = os.path.join(job_dir, name)
+            try:
+                os.replace(p, os.path.join(job_dir, dest)) if dest else os.unlink(p)
+            except FileNotFoundError:
+                pass
+        log.warning("bundle %s written in %.1fs: requeueing as attempt %d", stem, waited_s, attempt + 1)
+        return submitit.helpers.DelayedSubmission(RunTask(), path)
+
+
+def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int, coord_dead) -> dict:
+    from .rendezvous import wait_rendezvous
+
+    rdv = wait_rendezvous(job_dir, float(spec["config"]["cluster"]["rendezvous_timeout_s"]), coord_dead, attempt=attempt)
+    from ..rank.worker import RankWorker
+
+    return RankWorker(spec, rank, local_rank, rdv).run()
+
+
+run_task = RunTask()
+"""The submitted callable: ``run_task(spec_path)``."""

@@ -35,14 +35,21 @@ class RendezvousTimeout(RuntimeError):
     pass
 
 
-def wait_rendezvous(job_dir: str, timeout: float, alive: Optional[Callable[[], Optional[str]]] = None) -> dict:
-    """Wait up to ``timeout`` s for the coordinator's file; ``alive()`` returns a reason when it died."""
+def wait_rendezvous(job_dir: str, timeout: float, alive: Optional[Callable[[], Optional[str]]] = None,
+                    attempt: int = 0) -> dict:
+    """Wait up to ``timeout`` s for the coordinator's file; ``alive()`` returns a reason when it died.
+
+    ``attempt`` numbers the job's incarnations (0, then 1, 2, ... after each requeue): a file
+    left by an earlier incarnation's coordinator names a dead port and is ignored.
+    """
     path = os.path.join(job_dir, FILENAME)
     deadline = time.monotonic() + timeout
     while True:
         try:
             with open(path) as fh:
-                return json.load(fh)
+                info = json.load(fh)
+            if int(info.get("attempt", 0)) == int(attempt):
+                return info
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         if alive is not None:

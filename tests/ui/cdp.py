@@ -58,7 +58,11 @@ class Browser:
         self.events: list[dict] = []
         self._reader = threading.Thread(target=self._read_loop, name="cdp-reader", daemon=True)
         self._reader.start()
-        self.version = self.call("Browser.getVersion", timeout=60)
+        try:
+            self.version = self.call("Browser.getVersion", timeout=60)
+        except BaseException:
+            self.close()
+            raise
 
     # -- transport ---------------------------------------------------------------------------------
     def _read_loop(self) -> None:
