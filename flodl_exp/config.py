@@ -496,6 +496,10 @@ def validate(cfg: Any) -> List[str]:
     if not (math.isfinite(dp.disk_stage_gb) and dp.disk_stage_gb >= 0):
         raise _err("data_plane.disk_stage_gb", dp.disk_stage_gb, "a number >= 0")
 
+    if c.nodes > 1 and (cfg.checkpoint.save_path or cfg.checkpoint.resume_from):
+        paths = {p for p in (cfg.checkpoint.save_path, cfg.checkpoint.resume_from) if p}
+        warnings.append("checkpoint paths " + " and ".join(sorted(paths)) + " must be on storage every node shares: "
+                        "bundle pieces are written on their ranks' hosts and the meta is read on the coordinator's")
     if c.executor == "slurm" and c.nodes > 1 and not cfg.tracking.uri and not os.environ.get("FLODL_SHARED_OUTPUTS"):
         raise _err("tracking.uri", None, "with cluster.nodes > 1, an MLflow store every node reaches: "
                    "sqlite:////<shared path>/mlflow.db or a server URI (or export FLODL_SHARED_OUTPUTS=1 "

@@ -271,6 +271,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         end_run(uri, run_id, "FAILED", error=f"submit failed: {e}")
         raise
     tags = {"job_id": str(job.job_id), "job_dir": job_dir}
+    if resume:
+        tags["resumed_from"] = resume["stem"]
     if cfg.cluster.executor == "slurm":
         tags["slurm_job_id"] = str(job.job_id)
     from mlflow.entities import RunTag

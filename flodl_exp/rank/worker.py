@@ -358,8 +358,11 @@ class RankWorker:
             tr.after_step(st, batch, loss, ms)
             if self.fault is not None and tr.step_count >= self.fault[0]:
                 inject_fault(self.fault[1], self.rank, tr.step_count)
-            self.conn.send(Message("batch", {"s": tr.step_count, "ms": ms, "d": batch.data_ms, "loss": loss, "e": st.epoch,
-                                             "c": int(f.get("chunk", 0)), "lr": tr.current_lr()}))
+            fields = {"s": tr.step_count, "ms": ms, "d": batch.data_ms, "loss": loss, "e": st.epoch,
+                      "c": int(f.get("chunk", 0)), "lr": tr.current_lr()}
+            if tr.steps_since_avg % 10 == 0:
+                fields["pn"] = tr.param_norm()  # periodic parameter norm (cheap, every 10th batch)
+            self.conn.send(Message("batch", fields))
         self.chunk = None
         m = tr.end_epoch(st)
         fields = m.to_fields()
