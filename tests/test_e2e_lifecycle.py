@@ -90,3 +90,21 @@ def test_cancel_leaves_no_process(store):
     h.shutdown()
     _wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what="every process to exit after cancel")
     assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "KILLED"
+
+
+def test_run_handle_streams_metrics_and_joins_the_consensus(store):
+    h = _launch(store, "mode=nccl_sync", "experiment.epochs=3")
+    seen = []
+    while (m := h.next_metrics(timeout=240)) is not None:
+        seen.append(m["epoch"])
+    assert seen == [0, 1, 2]
+    assert h.poll_metrics() == []
+    state = h.join()
+    assert set(state) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+    import hashlib
+
+
+    h_ = hashlib.sha256()
+    for k in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"):
+        h_.update(state[k].float().contiguous().numpy().tobytes())
+    assert {f["hash"] for f in h.result["finals"].values()} == {h_.hexdigest()}
