@@ -103,7 +103,6 @@ def test_run_handle_streams_metrics_and_joins_the_consensus(store):
     assert set(state) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
     import hashlib
 
-
     h_ = hashlib.sha256()
     for k in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"):
         h_.update(state[k].float().contiguous().numpy().tobytes())
