@@ -274,20 +274,25 @@ def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], be
         f"# ElChe heterogeneity benchmark vs PyTorch DDP ({time.strftime('%Y-%m-%d %H:%M:%S')})",
         "",
         f"Experiment `{EXPERIMENT}` (WideCNN {a.channels}/{2 * a.channels}/{4 * a.channels} channels, batch {a.batch_size}, Adam lr {a.lr} "
-        f"(x2 linear scaling on 2 ranks), {a.epochs} epochs of {a.train_samples} digits), rank_speeds "
+        f"(x2 linear scaling on 2 ranks{', warm-up + cosine schedule' if a.scheduled else ''}), {a.epochs} epochs of {a.train_samples} digits), rank_speeds "
         f"[1.0, 0.33] on {os.cpu_count()} CPU cores, one torch thread per rank. "
         f"**Fast-rank train step: {fmt(step_ms, '.1f')} ms** (solo_fast, measured this session: "
         "rank 0 compute_only_ms / batches).",
         "",
         f"## 3:1 rig, {a.epochs} epochs, fast-rank train step {fmt(step_ms, '.1f')} ms (measured, solo_fast)"
-        + (f", median of {a.repeat} rounds by samples/s" if a.repeat > 1 else ""),
+        + (f"; {len(rounds)} rounds: per run the round with the median samples/s, efficiency and vs DDP = median "
+           "of the per-round ratios (each round against its own solo and DDP runs)" if rounds and len(rounds) > 1 else ""),
         "",
         "| run | wall s | samples/s | efficiency | vs DDP | syncs | mean sync ms | fast-rank batch share | final eval accuracy |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        eff = r.get("samples_per_s", float("nan")) / solo_sum if solo_sum == solo_sum else float("nan")
-        vs = r.get("samples_per_s", float("nan")) / ddp_sps if ddp_sps == ddp_sps else float("nan")
+    for i, r in enumerate(rows):
+        if rounds and len(rounds) > 1:  # paired: each round against its own solo/DDP runs, then the median
+            eff = statistics.median(rd[i].get("round_efficiency", float("nan")) for rd in rounds)
+            vs = statistics.median(rd[i].get("round_vs_ddp", float("nan")) for rd in rounds)
+        else:
+            eff = r.get("samples_per_s", float("nan")) / solo_sum if solo_sum == solo_sum else float("nan")
+            vs = r.get("samples_per_s", float("nan")) / ddp_sps if ddp_sps == ddp_sps else float("nan")
         name = r["name"] + ("" if r.get("status") == "FINISHED" else f" ({r.get('status')})")
         lines.append(f"| {name} | {fmt(r.get('wall_s'), '.2f')} | {fmt(r.get('samples_per_s'), '.0f')} | {fmt(eff, '.2f')} | "
                      f"{fmt(vs, '.2f')}x | {fmt(r.get('syncs'), 'd')} | {fmt(r.get('sync_ms'), '.1f')} | "
@@ -384,7 +389,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "still fresh processes; saves ~5 s of start-up per run; --quick's default)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole sequence N times; the table shows, per run, the round with the median samples/s")
+    p.add_argument("--rerender", action="store_true",
+                   help="no runs: rebuild hetero.md / hetero_loss.png from <out>/hetero.json of an earlier session")
     a = p.parse_args(argv)
+    if a.rerender:
+        with open(os.path.join(os.path.abspath(a.out), "hetero.json")) as fh:
+            saved = json.load(fh)
+        a.epochs, a.repeat = saved["epochs"], saved.get("repeat", len(saved["rounds"]))
     a.epochs = a.epochs or (QUICK_EPOCHS if a.quick else DEFAULT_EPOCHS)
     a.launcher = a.launcher or ("inprocess" if a.quick else "subprocess")
     a.out = os.path.abspath(a.out)
@@ -397,6 +408,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     exp = load_experiment(EXPERIMENT)
     a.batch_size, a.lr = exp["batch_size"], exp["optimizer"]["lr"]
     a.channels = int(exp["model"].get("channels", 48))
+    a.scheduled = bool(exp.get("scheduler"))
     from experiments.digits import DigitsDataset
 
     a.train_samples = len(DigitsDataset("train"))
@@ -405,6 +417,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}")
 
+    if a.rerender:
+        report(saved["rounds"], a, float(saved.get("bench_wall_s", float("nan"))), tuple(saved.get("load", (float("nan"),) * 2)),
+               saved["session"])
+        return 0
     session = time.strftime("%Y%m%d-%H%M%S")
     t_bench = time.monotonic()
     load0 = os.getloadavg()[0]
@@ -437,11 +453,35 @@ def main(argv: Optional[list[str]] = None) -> int:
             if s["status"] != "FINISHED":
                 print(f"    run failed (rc={rec['rc']}); log: {a.out}/logs/{name}.log", flush=True)
         rounds.append(got)
+    bench_wall = time.monotonic() - t_bench
+    rows, md_path, png_path = report(rounds, a, bench_wall, (load0, os.getloadavg()[0]), session)
+    # Bench-level numbers onto every run, so the MLflow UI compares them side by side.
+    for r in (x for rd in rounds for x in rd):
+        if not r.get("run_id"):
+            continue
+        try:
+            for k in ("wall_s", "samples_per_s", "round_efficiency", "round_vs_ddp", "accuracy"):
+                v = r.get(k)
+                if isinstance(v, (int, float)) and v == v:
+                    client.log_metric(r["run_id"], f"bench/{k.replace('round_', '')}", float(v))
+            client.set_tag(r["run_id"], "bench.session", session)
+            client.set_tag(r["run_id"], "bench.run", r["name"])
+            client.set_tag(r["run_id"], "bench.round", str(r.get("round", 0)))
+            client.log_artifact(r["run_id"], md_path, "bench")
+            client.log_artifact(r["run_id"], png_path, "bench")
+        except Exception as e:  # the store must not lose the table
+            print(f"warning: MLflow bench metrics for {r['name']}: {e}", file=sys.stderr)
+    print(f"wrote {md_path} and {png_path}")
+    failed = [r["name"] for r in rows if r.get("status") != "FINISHED"]
+    return 1 if failed else 0
+
+
+def report(rounds: list[list[dict]], a: argparse.Namespace, bench_wall: float, load: tuple, session: str):
+    """Pick the per-run representative round, compute paired ratios, write hetero.md/.png/.json, print the table."""
     rows = []
     for i in range(len(rounds[0])):
         cands = sorted((rd[i] for rd in rounds), key=lambda r: (r.get("samples_per_s") or 0.0))
         rows.append(cands[(len(cands) - 1) // 2])  # the (lower) median round by samples/s
-    bench_wall = time.monotonic() - t_bench
     by = {r["name"]: r for r in rows}
     step_ms = by.get("solo_fast", {}).get("rank0_step_ms")
     for rd in rounds:  # per-round efficiency / vs DDP against that round's own references
@@ -451,34 +491,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         for r in rd:
             r["round_efficiency"] = (r.get("samples_per_s") or float("nan")) / solo
             r["round_vs_ddp"] = (r.get("samples_per_s") or float("nan")) / ddp
-    md = render(rows, a, step_ms, bench_wall, (load0, os.getloadavg()[0]), rounds)
+    md = render(rows, a, step_ms, bench_wall, load, rounds)
     md_path, png_path = os.path.join(a.out, "hetero.md"), os.path.join(a.out, "hetero_loss.png")
     with open(md_path, "w") as fh:
         fh.write(md)
     plot(rows, png_path, f"{EXPERIMENT}, rank_speeds [1.0, 0.33], {a.epochs} epochs: training loss vs wall time")
     with open(os.path.join(a.out, "hetero.json"), "w") as fh:
-        json.dump({"session": session, "epochs": a.epochs, "rows": rows, "rounds": rounds}, fh, indent=1, default=str)
-    # Bench-level numbers onto every run, so the MLflow UI compares them side by side.
-    for r in (x for rd in rounds for x in rd):
-        if not r.get("run_id"):
-            continue
-        try:
-            for k in ("wall_s", "samples_per_s", "efficiency", "vs_ddp", "accuracy"):
-                v = r.get(k)
-                if isinstance(v, (int, float)) and v == v:
-                    client.log_metric(r["run_id"], f"bench/{k}", float(v))
-            client.set_tag(r["run_id"], "bench.session", session)
-            client.set_tag(r["run_id"], "bench.run", r["name"])
-            client.set_tag(r["run_id"], "bench.round", str(r.get("round", 0)))
-            client.log_artifact(r["run_id"], md_path, "bench")
-            client.log_artifact(r["run_id"], png_path, "bench")
-        except Exception as e:  # the store must not lose the table
-            print(f"warning: MLflow bench metrics for {r['name']}: {e}", file=sys.stderr)
+        json.dump({"session": session, "epochs": a.epochs, "repeat": len(rounds), "bench_wall_s": bench_wall,
+                   "load": list(load), "rows": rows, "rounds": rounds}, fh, indent=1, default=str)
     print()
     print(md)
-    print(f"wrote {md_path} and {png_path}")
-    failed = [r["name"] for r in rows if r.get("status") != "FINISHED"]
-    return 1 if failed else 0
+    return rows, md_path, png_path
 
 
 if __name__ == "__main__":
