@@ -348,6 +348,10 @@ class RankWorker:
         st = tr.begin_epoch(int(f["epoch"]), int(f["offset"]), int(f["size"]))
         self.chunk = st
         while True:
+            if st.cursor + tr.batch_size > len(st.picks):
+                # Done: report the chunk before handling control, so a reduce that follows never
+                # sees this chunk as still in flight (coverage snapshots count in-flight as uncovered).
+                break
             self.drain()
             if self.stopping:
                 break
