@@ -50,6 +50,14 @@ def main(cfg: DictConfig) -> None:
             print(f"  follow        squeue -j {handle.job_id}; tail -f {handle.log_paths()['coordinator']}")
             print(f"  cancel        scancel {handle.job_id}")
         print(f"  MLflow UI     mlflow ui --host 127.0.0.1 --backend-store-uri {handle.tracking_uri}", flush=True)
+        if not multirun:
+            # Nothing is left to do here; tearing down the mlflow/sqlalchemy modules at
+            # interpreter exit costs ~1 s, so leave at once (a sweep goes on to its next job).
+            import logging
+
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(0)
         return
     try:
         follow(handle, cfg.run.progress)

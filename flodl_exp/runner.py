@@ -237,9 +237,11 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         cfg = OmegaConf.structured(cfg)
     validate(cfg)
     root = os.path.abspath(root or os.getcwd())
-    from .checkpoint import validate_resume
+    resume = None
+    if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
+        from .checkpoint import validate_resume
 
-    resume = validate_resume(cfg)
+        resume = validate_resume(cfg)
     from .launch.executor import make_executor
     from .tracking import create_run, resolve_tracking
 
@@ -260,7 +262,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     from .tracking import client
 
     client(uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
-    ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, _gpus_for_local(cfg), run_name(cfg))
+    ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min,
+                       _gpus_for_local(cfg) if cfg.cluster.executor == "local" else 0, run_name(cfg))
     from .launch.job import run_task
 
     try:

@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
 
     from .. import wire
     from ..checkpoint import atomic_json
-    from ..launch.rendezvous import write_rendezvous
+    from ..launch.rendezvous import incarnation, write_rendezvous
     from ..tracking import MlflowSink
     from .coordinator import Coordinator, RunFailure
     from .server import RankServer, start_store
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     server = RankServer(host, token, w, events)
     store = start_store(host, w) if cfg["mode"]["backend"] == "nccl" and w > 1 else None
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
-                               "token": token, "pid": os.getpid(), "attempt": int(spec.get("attempt", 0))})
+                               "token": token, "pid": os.getpid(), "incarnation": incarnation(int(spec.get("attempt", 0)))})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
     sink = MlflowSink(spec["tracking_uri"], spec["run_id"])
     co = Coordinator(spec, server, events, sink, job_dir)
@@ -133,6 +133,18 @@ def main(argv: list[str]) -> int:
         sink.close(None, timeout=10.0)
         server.close()
         return PREEMPT_EXIT
+    if slurm and status != "FINISHED":
+        # A failed rank's task exiting makes srun (--kill-on-bad-exit) kill the step within KillWait:
+        # the terminal status and the error go first, the artifacts after (large bundles take time).
+        try:
+            from ..tracking import client
+
+            c = client(spec["tracking_uri"])
+            if co.failure:
+                c.set_tag(spec["run_id"], "error", co.failure[:5000])
+            c.set_terminated(spec["run_id"], status=status)
+        except Exception as e:
+            log.warning("could not end the MLflow run early: %s", e)
     if co.failure:
         sink.set_tags({"error": co.failure[:5000]})
     sink.set_tags({"global_step": co.global_step, "syncs": co.version})

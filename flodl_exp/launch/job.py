@@ -220,6 +220,14 @@ class RunTask(submitit.helpers.Checkpointable):
                     worker.join(0.2)
             except _RunEnded:
                 worker.join()
+            except (SystemExit, KeyboardInterrupt):  # SystemExit: submitit requeued the job
+                raise
+            except Exception as e:  # from submitit's USR2 handler: the job is not requeued
+                mark = preempt_mark(job_dir, attempt)
+                hint = f"; resume with checkpoint.resume_from={mark['stem']}" if mark else ""
+                fail_run_if_running(spec, f"time limit / preemption: the job was not requeued ({e}){hint}",
+                                    {"end_reason": "time_limit"})
+                raise
             self._live["in_call"] = False
         finally:
             deadline = time.monotonic() + COORD_EXIT_WAIT_S
@@ -243,8 +251,10 @@ class RunTask(submitit.helpers.Checkpointable):
         if "error" in box:
             raise box["error"]
         if rc == PREEMPT_EXIT:  # preempted without task 0 asking (a USR1 sent by hand): no requeue
-            raise RuntimeError("the coordinator stopped for preemption but no requeue was asked: "
-                               f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
+            why = ("the coordinator stopped for preemption but no requeue was asked: "
+                   f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
+            fail_run_if_running(spec, why, {"end_reason": "preempted"})
+            raise RuntimeError(why)
         return box["out"]
 
     # -- submitit's checkpoint hook (task 0, inside its USR2 handler) -----

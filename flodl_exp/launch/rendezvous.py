@@ -35,20 +35,27 @@ class RendezvousTimeout(RuntimeError):
     pass
 
 
+def incarnation(attempt: int) -> str:
+    """Which run of the job this is: the spec's attempt (bumped by each checkpoint requeue) and
+    SLURM's restart count (bumped by any requeue, e.g. after a node failure)."""
+    return f"{int(attempt)}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
 def wait_rendezvous(job_dir: str, timeout: float, alive: Optional[Callable[[], Optional[str]]] = None,
                     attempt: int = 0) -> dict:
     """Wait up to ``timeout`` s for the coordinator's file; ``alive()`` returns a reason when it died.
 
-    ``attempt`` numbers the job's incarnations (0, then 1, 2, ... after each requeue): a file
-    left by an earlier incarnation's coordinator names a dead port and is ignored.
+    A file left by an earlier incarnation of a requeued job names a dead port: it is ignored
+    until this incarnation's coordinator replaces it (see :func:`incarnation`).
     """
     path = os.path.join(job_dir, FILENAME)
     deadline = time.monotonic() + timeout
+    want = incarnation(attempt)
     while True:
         try:
             with open(path) as fh:
                 info = json.load(fh)
-            if int(info.get("attempt", 0)) == int(attempt):
+            if str(info.get("incarnation", "0.0")) == want:
                 return info
         except (FileNotFoundError, json.JSONDecodeError):
             pass

@@ -36,6 +36,35 @@ DAEMONS=(
 
 log() { echo "[flodl-slurm] $*" >&2; }
 
+# Leases: up.sh records its caller (a pytest session, a shell) in $LEASE_DIR/<pid>; down.sh
+# drops its caller's lease and stops the cluster only when no other live caller holds one,
+# so one session's teardown does not pull the cluster from under another's tests.
+# FLODL_SLURM_LEASE_PID overrides the caller pid; FLODL_SLURM_FORCE_DOWN=1 ignores leases.
+LEASE_DIR="$D/leases"
+lease_pid() { echo "${FLODL_SLURM_LEASE_PID:-$PPID}"; }
+proc_start() {  # the start time of pid $1 (guards against pid reuse); fails when it is gone
+  local s
+  s="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+  s="${s##*) }"  # fields after "pid (comm) ": state ppid ... starttime is the 20th
+  set -- $s
+  echo "${20}"
+}
+add_lease() { mkdir -p "$LEASE_DIR" && proc_start "$1" >"$LEASE_DIR/$1" || rm -f "$LEASE_DIR/$1"; }
+drop_lease() { rm -f "$LEASE_DIR/$1"; }
+live_leases() {  # pids of live lease holders (same pid and start time); removes stale leases
+  local f pid
+  [ -d "$LEASE_DIR" ] || return 0
+  for f in "$LEASE_DIR"/*; do
+    [ -e "$f" ] || continue
+    pid="${f##*/}"
+    if [ "$(proc_start "$pid")" = "$(cat "$f" 2>/dev/null)" ]; then
+      echo "$pid"
+    else
+      rm -f "$f"
+    fi
+  done
+}
+
 # Serialise up.sh/down.sh on one state dir (fd 9; daemons are started with 9>&- so they
 # never inherit the lock).
 take_lock() {

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop the cluster started by tests/slurm/up.sh (same STATE_DIR argument / $FLODL_SLURM_DIR).
+# Stop the cluster started by tests/slurm/up.sh (same STATE_DIR argument / $FLODL_SLURM_DIR),
+# unless another live caller of up.sh still holds a lease (see common.sh).
 # Cancels this cluster's jobs, then stops each daemon by its PID file (TERM, bounded wait,
 # KILL). Touches only processes named in our PID files (checked against /proc/<pid>/comm)
 # and slurmstepd processes of this cluster. Idempotent; keeps the state dir (rm -rf it to
@@ -16,6 +17,13 @@ if [ ! -d "$D" ]; then
 fi
 
 take_lock
+
+drop_lease "$(lease_pid)"
+others="$(live_leases | tr '\n' ' ')"
+if [ -n "${others// /}" ] && [ "${FLODL_SLURM_FORCE_DOWN:-0}" != "1" ]; then
+  log "still used by pid(s) $others(leases in $LEASE_DIR): left up; FLODL_SLURM_FORCE_DOWN=1 stops it anyway"
+  exit 0
+fi
 
 # Jobs first, so no slurmstepd/job process outlives slurmd.
 if daemon_alive slurmctld && [ -f "$SLURM_CONF" ]; then

@@ -27,6 +27,7 @@ finish() {
   printf 'export SLURM_CONF=%q\n' "$SLURM_CONF" >"$D/env.sh.tmp"
   printf 'export FLODL_SLURM_DIR=%q\n' "$D" >>"$D/env.sh.tmp"
   mv -f "$D/env.sh.tmp" "$D/env.sh"
+  add_lease "$(lease_pid)"
   log "cluster '$CLUSTER' up on $HOST ($1, $(elapsed)s); source $D/env.sh or:"
   echo "export SLURM_CONF=$SLURM_CONF"
   exit 0
