@@ -477,8 +477,8 @@ class Coordinator(FaultHandling, Checkpointing):
     def _window_record(self, n: dict[int, int], k_used: int, sync_ms: float, div: dict, force_epoch: Optional[int] = None) -> None:
         """A sub-epoch report at this reduce boundary when it closes a slice of the epoch's work."""
         epoch = force_epoch if force_epoch is not None else (self.current_epoch() if self.dispatch else 0)
-        if force_epoch is None and not self.windows.on_window(epoch, k_used):
-            return
+        if force_epoch is None and (epoch >= self.epochs or not self.windows.on_window(epoch, k_used)):
+            return  # the drain reduce after the last epoch belongs to no epoch's slices
         now = time.monotonic()
         led = self.ledger
         loss_n = sum(led[r].loss_count for r in range(self.W))
