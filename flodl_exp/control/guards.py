@@ -10,6 +10,8 @@ blind. MsfGuard state round-trips too, but is not required by the reference.
 """
 from __future__ import annotations
 
+import abc
+
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,12 +76,13 @@ class DivergenceReport:
         return [float(p) - float(self.post_norm) for p in self.pre_norms]
 
 
-class ConvergenceGuard:
+class ConvergenceGuard(abc.ABC):
     """Guard interface. ``k_used = sum_r n_r`` and ``k_max = max_r n_r`` of the
     window that just closed; only MsfGuard uses them (as its time axis)."""
 
+    @abc.abstractmethod
     def report(self, report: DivergenceReport, k_used: int, k_max: int) -> ConvergenceAction:
-        raise NotImplementedError
+        """The verdict for this reduce."""
 
     def telemetry(self) -> list[tuple[str, float]]:
         return []
