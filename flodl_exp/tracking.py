@@ -80,7 +80,7 @@ def get_or_create_experiment(c, name: str, artifact_location: Optional[str]) -> 
 
 def create_run(uri: str, experiment_name: str, artifact_location: Optional[str], run_name: str,
                params: Mapping[str, Any], tags: Mapping[str, str], parent_run_id: Optional[str] = None) -> str:
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Param
 
     c = client(uri)
     exp_id = get_or_create_experiment(c, experiment_name, artifact_location)

@@ -4,14 +4,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import launch_run, wait_for, alive, assert_exact_coverage, base_overrides, compose, pids_of, read_events, run_cli
+from conftest import alive, assert_exact_coverage, base_overrides, launch_run, read_events, run_cli, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import launch_run, wait_for, alive, base_overrides, compose, pids_of, read_events
+from conftest import alive, launch_run, pids_of, read_events, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

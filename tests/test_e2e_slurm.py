@@ -13,21 +13,16 @@ The first tests need no cluster: they check how the config maps onto sbatch.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of
+from conftest import slurm_cluster_up, base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of
 
-SCRIPTS = ROOT / "tests" / "slurm"
-STATE_DIR = Path(os.environ.get("FLODL_SLURM_DIR") or "/tmp/flodl-slurm")
 slurm = pytest.mark.slurm
 
 
@@ -90,49 +85,10 @@ def test_coordinator_address_and_stale_rendezvous(tmp_path, monkeypatch):
 
 
 # -- the cluster --------------------------------------------------------------
-def _skip_loudly(reason: str) -> None:
-    msg = f"SLURM tests skipped: {reason}"
-    print(f"\n[test_e2e_slurm] {msg}", file=sys.stderr, flush=True)
-    warnings.warn(msg, stacklevel=2)
-    pytest.skip(msg)
-
-
-def _script(name: str, timeout: float) -> tuple[int, str, float]:
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile(mode="w+") as out:  # a file, not a pipe: daemons must not hold it open
-        try:
-            rc = subprocess.run(["bash", str(SCRIPTS / name), str(STATE_DIR)], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-        out.seek(0)
-        return rc, out.read(), time.monotonic() - t0
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    if os.name != "posix" or os.geteuid() != 0:
-        _skip_loudly("not root (up.sh starts munged/mariadbd/slurm daemons and may apt-get install)")
-    rc, out, dt = _script("up.sh", 540)
-    if rc in (2, 3):
-        _skip_loudly(f"up.sh could not install/find slurm (rc={rc}):\n{out[-3000:]}")
-    if rc != 0:
-        pytest.fail(f"tests/slurm/up.sh failed (rc={rc}) after {dt:.1f}s:\n{out[-6000:]}")
-    print(f"\n[test_e2e_slurm] up.sh: {dt:.1f}s", file=sys.stderr, flush=True)
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(STATE_DIR / "slurm.conf")  # run_cli's children inherit it
-    try:
+    with slurm_cluster_up("test_e2e_slurm"):
         yield {"detached": []}
-    finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
-        if os.environ.get("FLODL_SLURM_KEEP") == "1":
-            print("[test_e2e_slurm] FLODL_SLURM_KEEP=1: cluster left up", file=sys.stderr)
-        else:
-            rc, out, dt = _script("down.sh", 120)
-            print(f"[test_e2e_slurm] down.sh: {dt:.1f}s (rc={rc})", file=sys.stderr, flush=True)
 
 
 def _overrides(store: dict, *extra: str) -> list[str]:

@@ -8,23 +8,20 @@ Deselect with `-m "not slurm"`.
 from __future__ import annotations
 
 import importlib.util
-import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import pytest
+
+from conftest import slurm_cluster_up
 
 pytestmark = pytest.mark.slurm
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "slurm"
-STATE_DIR = Path(os.environ.get("FLODL_SLURM_DIR") or "/tmp/flodl-slurm")
-UP_TIMEOUT_S = 540  # cold: apt-get install (~15-30 s) + bring-up (~3 s)
 
 
 def _load_jobs_module():
@@ -41,58 +38,10 @@ def _load_jobs_module():
     return sys.modules[name]
 
 
-def _skip_loudly(reason: str) -> None:
-    msg = f"SLURM tests skipped: {reason}"
-    print(f"\n[test_slurm_cluster] {msg}", file=sys.stderr, flush=True)
-    warnings.warn(msg, stacklevel=2)  # shows up in the warnings summary even without -s
-    pytest.skip(msg)
-
-
-def _run_script(script: str, timeout: float) -> tuple[int, str, float]:
-    # Output goes to a file, not a pipe: daemons started by the script must never be able
-    # to hold our read end open.
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile(mode="w+") as out:
-        try:
-            rc = subprocess.run(
-                ["bash", str(SCRIPTS / script), str(STATE_DIR)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                timeout=timeout,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-        out.seek(0)
-        return rc, out.read(), time.monotonic() - t0
-
-
 @pytest.fixture(scope="module")
 def slurm_cluster():
-    if os.name != "posix" or os.geteuid() != 0:
-        _skip_loudly("not root (up.sh starts munged/mariadbd/slurm daemons and may apt-get install)")
-    rc, out, dt = _run_script("up.sh", UP_TIMEOUT_S)
-    if rc in (2, 3):  # 2: not root, 3: packages missing and apt-get could not install them
-        _skip_loudly(f"up.sh could not install/find slurm (rc={rc}):\n{out[-3000:]}")
-    if rc != 0:
-        pytest.fail(f"tests/slurm/up.sh failed (rc={rc}) after {dt:.1f}s:\n{out[-6000:]}")
-    print(f"\n[test_slurm_cluster] up.sh: {dt:.1f}s", file=sys.stderr, flush=True)
-
-    conf = str(STATE_DIR / "slurm.conf")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
-    try:
+    with slurm_cluster_up("test_slurm_cluster") as conf:
         yield conf
-    finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
-        if os.environ.get("FLODL_SLURM_KEEP") == "1":
-            print("[test_slurm_cluster] FLODL_SLURM_KEEP=1: cluster left up", file=sys.stderr)
-        else:
-            rc, out, dt = _run_script("down.sh", 120)
-            print(f"[test_slurm_cluster] down.sh: {dt:.1f}s (rc={rc})", file=sys.stderr, flush=True)
-            if rc != 0:
-                print(out, file=sys.stderr)
 
 
 def _free_port() -> int:

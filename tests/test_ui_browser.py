@@ -12,7 +12,6 @@ with the reason printed, only where that cannot be done.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
