@@ -45,14 +45,9 @@ def read_cpu_seconds() -> Optional[float]:
 
 def read_rss_bytes() -> Optional[int]:
     """VmRSS of this process in bytes, from /proc/self/status."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    from .data.probe import proc_kib_field
+
+    return proc_kib_field("/proc/self/status", "VmRSS")
 
 
 class GpuProbe:

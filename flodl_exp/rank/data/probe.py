@@ -18,16 +18,21 @@ READERS_ENV = "FLODL_DATA_READERS"
 VRAM_POOL_ENV = "FLODL_VRAM_POOL"
 
 
-def mem_available() -> Optional[int]:
-    """MemAvailable from /proc/meminfo in bytes (None off Linux)."""
+def proc_kib_field(path: str, key: str) -> Optional[int]:
+    """A ``Key:  <n> kB`` line of a /proc file, in bytes (None off Linux or when absent)."""
     try:
-        with open("/proc/meminfo") as fh:
+        with open(path) as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def mem_available() -> Optional[int]:
+    """MemAvailable from /proc/meminfo in bytes (None off Linux)."""
+    return proc_kib_field("/proc/meminfo", "MemAvailable")
 
 
 def forced_ram_budget() -> Optional[int]:
