@@ -8,7 +8,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from .config import ConfigError, register_configs, validate
+from .config import ConfigError, register_configs
 
 register_configs()
 
@@ -26,8 +26,6 @@ def _is_multirun() -> bool:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        for w in validate(cfg):
-            print(f"warning: {w}", file=sys.stderr)
         from .progress import follow, summary
         from .runner import RunFailed, launch
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from typing import Any, Optional
@@ -235,7 +236,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     """Validate, create the MLflow run, submit the job; returns at once with a RunHandle."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
-    validate(cfg)
+    for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
+        print(f"warning: {w}", file=sys.stderr)
     root = os.path.abspath(root or os.getcwd())
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming

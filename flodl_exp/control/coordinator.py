@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 from ..config import effective_easgd_alpha, is_progressive, parse_callback_rank
 from ..wire import Message
-from .actions import STABLE, ConvergenceAction
 from .checkpointing import Checkpointing
 from .dispatch import Dispatcher
 from .elche import ElChe
@@ -84,7 +83,7 @@ class Coordinator(AveragingCycle, FaultHandling, Checkpointing):
         self.version = 0
         self.accs: dict[int, EpochAccumulator] = {}
         self.coverage: dict[int, list[list[int]]] = {}
-        self.last_action: ConvergenceAction = STABLE
+        self.roles_elected = False
         self.phase = "connecting"
         self.final_pending: set[str] = set()
         self.final_eval: dict[str, float] = {}
@@ -92,7 +91,6 @@ class Coordinator(AveragingCycle, FaultHandling, Checkpointing):
         self.failure: Optional[str] = None
         self.t_start = time.monotonic()
         self.last_hb_out = 0.0
-        self.last_progress = time.monotonic()
         self.eval_history: list[dict] = []
         self.stem = spec["checkpoint_stem"]
         self.shuffle_seed = int(spec.get("shuffle_seed", cfg["seed"]))
@@ -253,9 +251,8 @@ class Coordinator(AveragingCycle, FaultHandling, Checkpointing):
             self.ledger[r].add(float(f["ms"]), float(f["d"]), f.get("loss"))
             cid = int(f.get("c", -1))
             self.chunk_progress[r][cid] = self.chunk_progress[r].get(cid, 0) + 1
-            if "lr" in f and r == min(self.alive_ranks(), default=r):
+            if "lr" in f and not any(self.alive[q] for q in range(r)):  # the lowest live rank speaks for LR
                 self.lr_seen = float(f["lr"])
-            self.last_progress = time.monotonic()
         elif k == "sync_ack":
             if self.cycle is not None and self.cycle.backend == "nccl" and r in self.cycle.members:
                 self.cycle.acks[r] = f

@@ -51,6 +51,8 @@ class Ledger:
     window_batches: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
+    throttled: bool = False
+    """A Throttle was sent this window (cpu backend, max_batch_diff); cleared at every finish."""
 
     def add(self, batch_ms: float, data_ms: float, loss: Optional[float] = None) -> None:
         if loss is not None and math.isfinite(loss):
@@ -99,8 +101,8 @@ class AveragingCycle:
             return
         low = min(self.ledger[r].steps for r in self.alive_ranks())
         for r in self.alive_ranks():
-            if self.ledger[r].steps > low + int(mbd) and not getattr(self.ledger[r], "throttled", False):
-                self.ledger[r].throttled = True  # type: ignore[attr-defined]
+            if self.ledger[r].steps > low + int(mbd) and not self.ledger[r].throttled:
+                self.ledger[r].throttled = True
                 self.send(r, Message("throttle", {}))
 
     def _trigger(self: "Coordinator", final: bool = False) -> None:
@@ -176,8 +178,8 @@ class AveragingCycle:
                 sync_ms=sync_ms,
                 delivered_coherent=capable and bool(movers) and all(led[r].delivered_batches >= 1 for r in movers),
             ))
-            if self.fixed_callback is None and self.elche.is_calibrated and not getattr(self, "_roles_elected", False):
-                self._roles_elected = True  # sticky: re-elected only on death
+            if self.fixed_callback is None and self.elche.is_calibrated and not self.roles_elected:
+                self.roles_elected = True  # sticky: re-elected only on death
                 self.elect_callback_rank()
             deltas = [float(div.get(r) or 0.0) for r in range(self.W)]
             pres = [pre.get(r) for r in range(self.W)]
@@ -192,7 +194,6 @@ class AveragingCycle:
             self.elche.apply_verdict(action, relax_up=self.policy == "async" and bool(self.cfg["mode"]["relax_up"]))
             if self.dispatch is not None:
                 self.dispatch.on_verdict(action)
-        self.last_action = action
         self.version += 1
         k_used = sum(n.values())
         self.global_step += k_used
@@ -201,8 +202,7 @@ class AveragingCycle:
             self.ledger[r].steps = max(0, self.ledger[r].steps - nr)
         for led in self.ledger:
             led.reset_timing()
-            if hasattr(led, "throttled"):
-                led.throttled = False  # type: ignore[attr-defined]
+            led.throttled = False
         self.cycle = None
         self.window_t0 = time.monotonic()
         self.broadcast(Message("set_global_step", {"global_step": self.global_step}))
@@ -213,7 +213,6 @@ class AveragingCycle:
                 log.info("anchor %d -> %d", old_anchor, self.elche.anchor)
             self.maybe_at_epoch_checkpoint()
             self.dispatch.after_finish()
-        self.last_progress = time.monotonic()
 
     def _window_record(self: "Coordinator", n: dict[int, int], k_used: int, sync_ms: float, div: dict, force_epoch: Optional[int] = None) -> None:
         """A sub-epoch report at this reduce boundary when it closes a slice of the epoch's work."""

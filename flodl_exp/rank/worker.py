@@ -121,7 +121,6 @@ class RankWorker:
                 timeout_s=float(cfg["cluster"]["heartbeat_timeout_s"]),
             )
         self.cpu = CoordinatorBackend(bf16_wire=bool(cfg["mode"]["bf16_wire"]))
-        self.alpha: Optional[float] = None
         self.inbox: "queue.Queue[Message | BaseException]" = queue.Queue()
         self.plans: deque[Message] = deque()
         self.stopping = False
@@ -133,7 +132,6 @@ class RankWorker:
         self.fault = parse_fault(os.environ.get("FLODL_FAULT_INJECT"), rank)
         self.deferred: deque[Message] = deque()
         self.in_regroup_wait = False
-        self.regroup_pending: Optional[dict] = None
         self.chunk_extra: list[int] = []
         self.resume_from(spec)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
