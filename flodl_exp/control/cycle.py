@@ -91,6 +91,9 @@ class AveragingCycle:
             if s > 0:
                 any_mover = True
             hit = s >= 1 if self.policy == "sync" else s >= counts[r]
+            # A throttled rank is held at max_batch_diff ahead of the slowest on purpose: it waits for
+            # this reduce, so it counts as arrived (else the gate and the throttle wait on each other).
+            hit = hit or self.ledger[r].throttled
             if not (hit or (self.progressive and self.dispatch.quiesced(r))):
                 return False
         return any_mover
