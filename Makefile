@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned here (dev/CI) to the CPU wheel; the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
+FAST := not e2e and not slurm and not gpu
 
-.PHONY: run test ui venv clean
+.PHONY: run test test-fast lint typecheck ui venv clean clean-all
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,11 +21,27 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m flodl_exp $(ARGS)
 
+# The full suite: unit tests, end-to-end runs on real processes, a real SLURM, a real browser.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Unit tests only (no process, no cluster): for iteration, well under 2 minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "$(FAST)" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check flodl_exp experiments tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy flodl_exp
 
 ui: $(STAMP)
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db --default-artifact-root $(CURDIR)/outputs/mlartifacts
 
+# Keeps the MLflow store (outputs/mlflow.db, outputs/mlartifacts) and every bundle; `make clean-all` removes them too.
 clean:
-	rm -rf outputs .pytest_cache
+	rm -rf outputs/jobs outputs/reports outputs/bench multirun .pytest_cache .mypy_cache .ruff_cache
+	@echo "kept outputs/mlflow.db, outputs/mlartifacts and checkpoint bundles (make clean-all removes them)"
+
+clean-all:
+	rm -rf outputs multirun .pytest_cache .mypy_cache .ruff_cache

@@ -138,7 +138,7 @@ def run_flodl_inprocess(name: str, overrides: list[str], a: argparse.Namespace) 
     from omegaconf import OmegaConf
 
     from flodl_exp.config import register_configs, validate
-    from flodl_exp.runner import RunFailed, launch
+    from flodl_exp.jobs.launcher import RunFailed, launch
 
     os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]  # submitit's rank processes import experiments.*
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from .config import ConfigError, register_configs
+from .constants import PARENT_ENV
 
 register_configs()
 
@@ -27,11 +28,11 @@ def _is_multirun() -> bool:
 def main(cfg: DictConfig) -> None:
     try:
         from .progress import follow, summary
-        from .runner import RunFailed, launch
+        from .jobs.launcher import RunFailed, launch
 
         t0 = time.monotonic()
         multirun = _is_multirun()
-        handle = launch(cfg, parent_run_id=os.environ.get("FLODL_PARENT_RUN_ID") if multirun else None)
+        handle = launch(cfg, parent_run_id=os.environ.get(PARENT_ENV) if multirun else None)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         if _is_multirun():

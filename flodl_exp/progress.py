@@ -5,7 +5,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from .runner import RunHandle
+from .jobs.launcher import RunHandle
 
 
 def _fmt_epoch(ev: dict, epochs: int) -> str:

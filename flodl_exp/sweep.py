@@ -15,9 +15,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .constants import PARENT_ENV
+
 log = logging.getLogger(__name__)
 
-PARENT_ENV = "FLODL_PARENT_RUN_ID"
 
 
 class MlflowSweepCallback(Callback):

@@ -106,7 +106,7 @@ def assert_exact_coverage(result: dict, batch_size: int) -> None:
 
 def launch_run(store: dict, experiment: str, *overrides: str):
     """Launch in-process (flodl_exp.launch) with the session store; returns the RunHandle."""
-    from flodl_exp.runner import launch
+    from flodl_exp.jobs.launcher import launch
 
     return launch(compose([*base_overrides(store, experiment), *overrides]))
 

@@ -43,7 +43,7 @@ def test_sigkill_of_one_rank_of_three_recovers(store, mode, monkeypatch):
 def test_max_failure_saves_a_bundle_that_resumes(store, monkeypatch):
     monkeypatch.setenv("FLODL_FAULT_INJECT", "1:25:kill")
     h = _launch(store, "mode=cpu_cadence", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.max_failure=1")
-    from flodl_exp.runner import RunFailed
+    from flodl_exp.jobs.launcher import RunFailed
 
     with pytest.raises(RunFailed, match="max_failure_exceeded"):
         h.wait()
@@ -76,7 +76,7 @@ def test_killing_the_coordinator_ends_every_rank(store):
     ranks = [e["pid"] for e in read_events(job) if e.get("event") == "joined"]
     os.kill(coord, signal.SIGKILL)
     _wait_for(lambda: not any(alive(p) for p in ranks), timeout=30, what="ranks to exit after coordinator loss")
-    from flodl_exp.runner import RunFailed
+    from flodl_exp.jobs.launcher import RunFailed
 
     with pytest.raises(RunFailed):
         h.wait()

@@ -62,7 +62,7 @@ def test_hostile_peers_are_dropped_and_the_run_finishes(store):
 def test_crashed_rank_fails_the_run_with_its_error(store, kind, monkeypatch):
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"1:10:{kind}")
     h = _launch(store, "mode=nccl_sync", "experiment.epochs=3", "cluster.heartbeat_timeout_s=10")
-    from flodl_exp.runner import RunFailed
+    from flodl_exp.jobs.launcher import RunFailed
 
     t0 = time.monotonic()
     with pytest.raises(RunFailed) as err:

@@ -34,7 +34,7 @@ def test_sweep_is_one_parent_with_a_child_per_job_and_a_report(store, tmp_path):
 
 
 def test_windows_reductions_record_log_and_dashboard(store, tmp_path):
-    from flodl_exp.runner import launch
+    from flodl_exp.jobs.launcher import launch
 
     epochs = 3
     h = launch(compose([*base_overrides(store, "observability"), "mode=cpu_sync", f"experiment.epochs={epochs}",

@@ -30,7 +30,7 @@ slurm = pytest.mark.slurm
 def _sbatch_text(*overrides: str) -> str:
     from submitit.slurm.slurm import _make_sbatch_string
 
-    from flodl_exp.launch.executor import slurm_parameters
+    from flodl_exp.jobs.executor import slurm_parameters
 
     cfg = compose(["cluster=slurm", *overrides])
     return _make_sbatch_string(command="python -m submitit.core._submit /x", folder="/tmp/x",
@@ -57,7 +57,7 @@ def test_sbatch_script_small_limits_and_no_gpus():
     assert "#SBATCH --signal=USR2@15" in text  # the 90 s default would fire at once under a 1-minute limit
     assert "--gpus-per-node" not in text  # not asked for: sites without GRES refuse the flag
     assert "#SBATCH --time=1" in text
-    from flodl_exp.launch.executor import signal_delay_s
+    from flodl_exp.jobs.executor import signal_delay_s
 
     assert [signal_delay_s(m) for m in (1, 2, 6, 60)] == [15, 30, 90, 90]
     text = _sbatch_text("+cluster.slurm.additional_parameters.signal=USR2@300")
@@ -67,8 +67,8 @@ def test_sbatch_script_small_limits_and_no_gpus():
 def test_coordinator_address_and_stale_rendezvous(tmp_path, monkeypatch):
     import socket
 
-    from flodl_exp.launch.job import coordinator_host
-    from flodl_exp.launch.rendezvous import RendezvousTimeout, incarnation, wait_rendezvous, write_rendezvous
+    from flodl_exp.jobs.job import coordinator_host
+    from flodl_exp.jobs.rendezvous import RendezvousTimeout, incarnation, wait_rendezvous, write_rendezvous
 
     spec = {"config": {"cluster": {"executor": "slurm", "nodes": 1, "host": None}}}
     assert coordinator_host(spec) == socket.gethostname()

@@ -14,7 +14,7 @@ EPOCHS = 6
 
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_on_heterogeneous_ranks(store, mode):
-    from flodl_exp.runner import launch
+    from flodl_exp.jobs.launcher import launch
 
     h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", "cluster=local_hetero",
                         "experiment=digits_mlp", f"experiment.epochs={EPOCHS}"]))

@@ -10,7 +10,7 @@
   snapshotted (in-flight chunks count as uncovered) and the consensus is saved
   before any new chunk is handed out; resuming trains only the uncovered picks.
 * The end of training writes the final bundle (see Coordinator._finish_run).
-* Preemption / time limit (``SIGUSR1`` from task 0, see launch/job.py): in
+* Preemption / time limit (``SIGUSR1`` from task 0, see jobs/job.py): in
   progressive modes the coverage of every open epoch is snapshotted at the next
   reduce finish, exactly like ``at_epoch``; otherwise one consensus reduce, then
   an epoch-granular bundle (the open epoch restarts on resume). Every live rank
@@ -28,6 +28,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Optional
 
+from ..constants import PREEMPT_MARK
 from ..wire import Message
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flodl_exp.coordinator")
 
-PREEMPT_MARK = "preempted.json"  # == launch.job.PREEMPT_MARK (kept import-free here)
 PREEMPT_ARM_FALLBACK_S = 10.0
 """Progressive modes wait this long for a reduce finish before saving an epoch-granular bundle."""
 PREEMPT_SAVE_DEADLINE_S = 45.0

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-PREEMPT_EXIT = 3  # == launch.job.PREEMPT_EXIT
+from ..constants import PREEMPT_EXIT
 
 
 class _Signals:
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
 
     from .. import wire
     from ..checkpoint import atomic_json
-    from ..launch.rendezvous import incarnation, write_rendezvous
+    from ..jobs.rendezvous import incarnation, write_rendezvous
     from ..tracking import MlflowSink
     from .coordinator import Coordinator, RunFailure
     from .server import RankServer, start_store

@@ -21,42 +21,17 @@ from typing import Any, Optional
 import torch
 
 from .. import wire
+from ..constants import FAULT_ENV
 from ..averaging import float_buffers
 from ..experiment import build_experiment
 from ..wire import Message
 from .backends import CollectiveBackend, CoordinatorBackend
+from .fault_inject import inject_fault, parse_fault
 from .trainer import EpochState, RankTrainer
 
 log = logging.getLogger("flodl_exp.rank")
 
 HEARTBEAT_S = 1.0
-
-
-def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
-    """``FLODL_FAULT_INJECT="<rank>:<step>:<kind>[,...]"`` (kind: raise | exit | kill | hang) -> (step, kind) for this rank.
-
-    The test hook for failure paths: a rank fails on purpose after its
-    ``step``-th batch, the way a real crash, OOM kill or hung device would.
-    """
-    for item in (spec or "").split(","):
-        parts = item.strip().split(":")
-        if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) == rank:
-            return int(parts[1]), parts[2]
-    return None
-
-
-def inject_fault(kind: str, rank: int, step: int) -> None:
-    import signal
-
-    log.error("rank %d: injected fault %r at step %d", rank, kind, step)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if kind == "exit":
-        os._exit(3)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "hang":
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class CoordinatorLost(RuntimeError):
@@ -129,7 +104,7 @@ class RankWorker:
         self.snapshot_n = 0
         self.last_coord = time.monotonic()
         self.chunk: Optional[EpochState] = None
-        self.fault = parse_fault(os.environ.get("FLODL_FAULT_INJECT"), rank)
+        self.fault = parse_fault(os.environ.get(FAULT_ENV), rank)
         self.deferred: deque[Message] = deque()
         self.in_regroup_wait = False
         self.chunk_extra: list[int] = []

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, mode_name, validate, world_size
+from ..config import ConfigError, mode_name, validate, world_size
 
 
 class RunFailed(RuntimeError):
@@ -29,7 +29,7 @@ def run_name(cfg: Any) -> str:
 
 
 def _tags(cfg: Any, root: str) -> dict[str, str]:
-    from .tracking import git_commit
+    from ..tracking import git_commit
 
     tags = {
         "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": cfg.guard.kind,
@@ -157,7 +157,7 @@ class RunHandle:
 
     def wait(self) -> dict:
         """Wait for every task; end the MLflow run; return result.json. Raises RunFailed."""
-        from .tracking import end_run
+        from ..tracking import end_run
 
         error: Optional[str] = None
         while not self.done():
@@ -180,7 +180,7 @@ class RunHandle:
             # Tasks of ranks the coordinator declared dead and recovered from fail in submitit's eyes;
             # the run itself finished, so it is FINISHED with the deaths recorded.
             if error is not None:
-                from .tracking import client
+                from ..tracking import client
 
                 client(self.tracking_uri).set_tag(self.run_id, "recovered_task_errors", _tail_lines(error, 20)[:5000])
             end_run(self.tracking_uri, self.run_id, "FINISHED")
@@ -196,13 +196,13 @@ class RunHandle:
     def join(self) -> dict:
         """Wait for the run and return the final consensus model state (from the bundle)."""
         self.wait()
-        from .checkpoint import load_model_state
+        from ..checkpoint import load_model_state
 
         return load_model_state(self.stem)
 
     def shutdown(self) -> None:
         """Cancel the job (Ctrl-C path) and mark the run KILLED."""
-        from .tracking import end_run
+        from ..tracking import end_run
 
         try:
             self.job.cancel(check=False)
@@ -232,6 +232,22 @@ def _gpus_for_local(cfg: Any) -> int:
         return 0
 
 
+def experiment_import_paths(root: str) -> list[str]:
+    """Where every task imports experiment modules from: the launch directory (Hydra's original
+    working directory, which holds ``experiments/``), then ``PYTHONPATH``. On SLURM these must be
+    on storage every node shares, like the job folder."""
+    paths = [root]
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            paths.insert(0, os.path.abspath(HydraConfig.get().runtime.cwd))
+    except Exception:
+        pass
+    paths += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return list(dict.fromkeys(paths))
+
+
 def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str] = None) -> RunHandle:
     """Validate, create the MLflow run, submit the job; returns at once with a RunHandle."""
     if not isinstance(cfg, DictConfig):
@@ -239,13 +255,17 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
         print(f"warning: {w}", file=sys.stderr)
     root = os.path.abspath(root or os.getcwd())
+    import_paths = experiment_import_paths(root)
+    for path in reversed(import_paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
-        from .checkpoint import validate_resume
+        from ..checkpoint import validate_resume
 
         resume = validate_resume(cfg)
-    from .launch.executor import make_executor
-    from .tracking import create_run, resolve_tracking
+    from .executor import make_executor
+    from ..tracking import create_run, resolve_tracking
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     uri, art = resolve_tracking(cfg.tracking, root)
@@ -255,23 +275,24 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     os.makedirs(job_dir, exist_ok=True)
     stem = cfg.checkpoint.save_path or os.path.join(job_dir, "checkpoints", "final")
     spec = {"config": resolved, "run_id": run_id, "tracking_uri": uri, "job_dir": job_dir,
-            "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed), "resume": resume}
+            "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed), "resume": resume,
+            "import_paths": import_paths}
     spec_path = os.path.join(job_dir, "spec.json")
     with open(spec_path, "w") as fh:
         json.dump(spec, fh, indent=1)
     with open(os.path.join(job_dir, "config.yaml"), "w") as fh:
         fh.write(OmegaConf.to_yaml(cfg, resolve=True))
-    from .tracking import client
+    from ..tracking import client
 
     client(uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
     ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min,
                        _gpus_for_local(cfg) if cfg.cluster.executor == "local" else 0, run_name(cfg))
-    from .launch.job import run_task
+    from .job import run_task
 
     try:
         job = ex.submit(run_task, spec_path)
     except Exception as e:
-        from .tracking import end_run
+        from ..tracking import end_run
 
         end_run(uri, run_id, "FAILED", error=f"submit failed: {e}")
         raise

@@ -41,11 +41,8 @@ from typing import Any, Optional
 
 import submitit
 
-COORDINATOR_LOG = "coordinator.log"
-PREEMPT_EXIT = 3
-"""Coordinator exit status: PREEMPTED (bundle written, MLflow run still RUNNING)."""
-PREEMPT_MARK = "preempted.json"
-"""Written by the coordinator once the preemption bundle is complete: ``{attempt, stem, epoch}``."""
+from ..constants import COORDINATOR_LOG, PREEMPT_EXIT, PREEMPT_MARK
+
 PREEMPT_WAIT_S = 120.0
 """How long task 0 waits for the coordinator's preemption bundle before giving up."""
 COORD_EXIT_WAIT_S = 120.0
@@ -160,6 +157,14 @@ class _RunEnded(BaseException):
     """Raised out of the signal handler when the run finished while the signal was handled."""
 
 
+def add_import_paths(spec: dict) -> None:
+    """Make the launch directory importable here: experiment modules (``experiments.digits``, a
+    user's ``my_task``) are found from where the user launched, not installed into site-packages."""
+    for path in reversed(spec.get("import_paths") or []):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
 class RunTask(submitit.helpers.Checkpointable):
     """``run_task(spec_path)``: one task of the job (see the module doc). Picklable, stateless until called."""
 
@@ -178,6 +183,7 @@ class RunTask(submitit.helpers.Checkpointable):
             spec = json.load(fh)
         job_dir = os.path.dirname(os.path.abspath(spec_path))
         attempt = int(spec.get("attempt", 0))
+        add_import_paths(spec)
         if spec["config"]["cluster"]["device"] != "cuda":
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         if attempt:

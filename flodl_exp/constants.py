@@ -1,0 +1,14 @@
+"""Values shared by the launcher, the job tasks and the coordinator (import-free on purpose:
+the coordinator imports this before torch, and each value has exactly one definition)."""
+from __future__ import annotations
+
+COORDINATOR_LOG = "coordinator.log"
+"""The coordinator's stdout/stderr, in the job folder."""
+PREEMPT_EXIT = 3
+"""Coordinator exit status: PREEMPTED (bundle written, MLflow run still RUNNING)."""
+PREEMPT_MARK = "preempted.json"
+"""Written by the coordinator once the preemption bundle is complete: ``{attempt, stem, epoch}``."""
+PARENT_ENV = "FLODL_PARENT_RUN_ID"
+"""Set by the sweep callback for the jobs of a ``-m`` sweep: their MLflow parent run."""
+FAULT_ENV = "FLODL_FAULT_INJECT"
+"""Test hook: ``<rank>:<step>:<kind>`` makes a rank fail on purpose (see rank/fault_inject.py)."""
