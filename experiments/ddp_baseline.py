@@ -45,7 +45,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

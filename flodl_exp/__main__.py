@@ -27,8 +27,8 @@ def _is_multirun() -> bool:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        from .progress import follow, summary
         from .jobs.launcher import RunFailed, launch
+        from .progress import follow, summary
 
         t0 = time.monotonic()
         multirun = _is_multirun()

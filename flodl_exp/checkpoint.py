@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -120,7 +120,7 @@ def validate_resume(cfg: Any) -> Optional[dict]:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    exp = OmegaConf.to_container(cfg.experiment, resolve=True)
+    exp = cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True))  # a DictConfig gives a dict
     try:
         saved = load_model_state(stem)
     except Exception as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -64,9 +65,6 @@ class ModeConfig:
     """Linear LR scaling: lr x (1 + (W - 1) x ratio); 0 turns it off."""
     max_grad_norm: Optional[float] = None
     """Global-L2 gradient clip before each optimizer step."""
-    snapshot_timeout_s: float = 5.0
-    """Kept for parity with the reference; 0.7.0 semantics: the cpu cycle waits for
-    every live rank (liveness is the heartbeat's job) up to the stall ceiling."""
     partition_ratios: Optional[List[float]] = None
     """Fixed per-rank data shares (non-progressive runs only); must sum to ~1."""
     meta_controller: bool = True
@@ -81,7 +79,6 @@ class GuardConfig:
     """none | trend | msf."""
     threshold: Optional[float] = None
     """TrendGuard threshold; unset = 0.05, or 0.3 when easgd_alpha is set."""
-    window: int = 5
     msf_alpha: float = 0.9
     suppress_threshold: float = 1e-3
     suppress_sustain: int = 3
@@ -265,6 +262,34 @@ def world_size(cfg: Any) -> int:
     return int(cfg.cluster.nodes) * int(cfg.cluster.ranks_per_node)
 
 
+def load_config(resolved: Any) -> Config:
+    """The typed config from the resolved dict a job spec carries (coordinator and ranks):
+    the same dataclasses the launcher validated, so every process reads attributes, not keys."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(Config), resolved)
+    return typing.cast(Config, OmegaConf.to_object(merged))
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """Values derived from the config, computed once (every process reads them from here)."""
+
+    world_size: int
+    progressive: bool
+    """Progressive dispatch (chunks from a pool), only meaningful with 2+ ranks."""
+    easgd_alpha: Optional[float]
+    """The EASGD blend as run (cpu_async's default 0.5 filled in), None = full overwrite."""
+    fixed_callback_rank: Optional[int]
+    """``eval.callback_rank`` as an index, None = the fastest rank."""
+
+    @classmethod
+    def of(cls, cfg: Any) -> RunShape:
+        w = world_size(cfg)
+        return cls(world_size=w, progressive=is_progressive(cfg) and w >= 2, easgd_alpha=effective_easgd_alpha(cfg),
+                   fixed_callback_rank=parse_callback_rank(cfg.eval.callback_rank))
+
+
 def is_progressive(cfg: Any) -> bool:
     """Progressive dispatch: explicit override, else on for cadence/async, off for sync."""
     if cfg.mode.progressive_dispatch is not None:
@@ -414,8 +439,6 @@ def validate(cfg: Any) -> List[str]:
         raise _err("mode.lr_scale_ratio", m.lr_scale_ratio, "a finite number >= 0")
     if m.max_grad_norm is not None and not (m.max_grad_norm > 0):
         raise _err("mode.max_grad_norm", m.max_grad_norm, "a number > 0 or null")
-    if not _finite_positive(m.snapshot_timeout_s):
-        raise _err("mode.snapshot_timeout_s", m.snapshot_timeout_s, "a number > 0")
     if m.policy == "async" and m.progressive_dispatch is False:
         raise _err("mode.progressive_dispatch", False, "true or null with policy=async (async streams chunks)")
 
@@ -428,8 +451,6 @@ def validate(cfg: Any) -> List[str]:
         raise _err("guard.msf_alpha", g.msf_alpha, "a number in (0, 1)")
     if not (0 < g.nudge_factor < 1):
         raise _err("guard.nudge_factor", g.nudge_factor, "a number in (0, 1)")
-    if g.window < 3:
-        raise _err("guard.window", g.window, "an integer >= 3")
 
     if c.rank_speeds is not None:
         speeds = list(c.rank_speeds)

@@ -119,8 +119,8 @@ def svg_chart(title: str, series: Sequence[Series], xlabel: str, ylabel: str, *,
         lx += width
     top = ly + 10
     pw, ph = W - PAD_L - PAD_R, H - top - PAD_B
-    sx = lambda x: PAD_L + (x - x0) / ((x1 - x0) or 1) * pw  # noqa: E731
-    sy = lambda y: top + ph - (y - y0) / ((y1 - y0) or 1) * ph  # noqa: E731
+    sx = lambda x: PAD_L + (x - x0) / ((x1 - x0) or 1) * pw
+    sy = lambda y: top + ph - (y - y0) / ((y1 - y0) or 1) * ph
     out = [head, *legend]
     for t in yt:
         out.append(f'<line class="grid" x1="{PAD_L}" x2="{W - PAD_R}" y1="{sy(t):.1f}" y2="{sy(t):.1f}"/>'
@@ -245,7 +245,9 @@ def write_dashboard(path: str, title: str, epochs: list[dict], windows: list[dic
 
 def load_events(path: str) -> tuple[list[dict], list[dict], list[dict]]:
     """(epochs, windows, evals) from a coordinator ``events.jsonl`` (torn last line ignored)."""
-    epochs, windows, evals = [], [], []
+    epochs: list[dict] = []
+    windows: list[dict] = []
+    evals: list[dict] = []
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             try:

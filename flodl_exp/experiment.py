@@ -25,8 +25,12 @@ class Experiment:
 
 
 def _to_container(node: Any) -> Any:
+    import dataclasses
+
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.asdict(node)
     if isinstance(node, (DictConfig, ListConfig)):
         return OmegaConf.to_container(node, resolve=True)
     return node

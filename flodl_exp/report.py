@@ -172,7 +172,7 @@ def _fmt_delta(v: Optional[float], solo: Optional[float], acc: bool) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    esc = lambda c: str(c).replace("|", "\\|")  # noqa: E731
+    esc = lambda c: str(c).replace("|", "\\|")
     return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
 

@@ -43,7 +43,7 @@ class MlflowSweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         os.environ.pop(PARENT_ENV, None)
-        if not self.parent_id:
+        if not self.parent_id or self.uri is None or self.experiment is None:  # all three are set together
             return
         from .tracking import client
 

@@ -110,7 +110,7 @@ class MlflowSink:
     def __init__(self, uri: str, run_id: str) -> None:
         self.uri = uri
         self.run_id = run_id
-        self._q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="mlflow-sink", daemon=True)
         self._client = None
         self.errors = 0

@@ -104,7 +104,7 @@ def encode_buffers(msg: Message) -> list[bytes | memoryview]:
         if dname is None:
             raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported on the wire")
         flat = t.detach().cpu().contiguous().reshape(-1)
-        raw = memoryview(flat.view(torch.uint8).numpy())  # bf16/bool ride as bytes
+        raw = flat.view(torch.uint8).numpy().data  # bf16/bool ride as bytes
         descs.append({"name": name, "dtype": dname, "shape": list(t.shape), "nbytes": raw.nbytes})
         raws.append(raw)
     try:
@@ -317,7 +317,7 @@ class Connection:
             ms = None if wait is None else max(0, math.ceil(wait * 1000))
             if not self._poll.poll(ms):
                 if not started:
-                    raise socket.timeout(f"no message from {self.peer} within {wait:.3g}s")
+                    raise TimeoutError(f"no message from {self.peer} within {wait:.3g}s")
                 raise WireError(f"{self.peer} stalled mid-frame; stream abandoned")
             try:
                 n = self.sock.recv_into(view[got:])

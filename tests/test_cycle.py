@@ -1,25 +1,64 @@
-"""The averaging gate of the coordinator, driven without processes."""
+"""The averaging gate and throttle of the coordinator's cycle, driven without processes."""
 from __future__ import annotations
 
-from types import SimpleNamespace
+from typing import Any
 
 from flodl_exp.control.cycle import AveragingCycle, Ledger
+from flodl_exp.control.guards import build_guard
+from flodl_exp.protocol import Throttle
 
 
-def _coordinator(policy: str, steps: list[int], counts: list[int], throttled: list[bool]):
-    ledger = [Ledger(steps=s, throttled=t) for s, t in zip(steps, throttled)]
-    return SimpleNamespace(W=len(steps), cycle=None, policy=policy, progressive=False, counts=counts, ledger=ledger,
-                           alive_ranks=lambda: list(range(len(steps))), dispatch=None)
+class _Out:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, Any]] = []
+
+    def send(self, r: int, p: Any) -> bool:
+        self.sent.append((r, p))
+        return True
+
+    def broadcast(self, p: Any) -> None:
+        self.sent.append((-1, p))
+
+
+class _FixedCounts(AveragingCycle):
+    """ElChe's counts pinned by the test."""
+
+    fixed: list[int] = []
+
+    @property
+    def counts(self) -> list[int]:
+        return self.fixed
+
+
+def _cycle(policy: str, steps: list[int], counts: list[int], throttled: list[bool], max_batch_diff: Any = None) -> _FixedCounts:
+    c = _FixedCounts(world_size=len(steps), policy=policy, backend="cpu", gamma=1.0, alpha=None, progressive=False,
+                     elche=None, guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=max_batch_diff,
+                     outbox=_Out(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    c.fixed = counts
+    c.ledger = [Ledger(steps=s, throttled=t) for s, t in zip(steps, throttled)]
+    return c
+
+
+def _gate(policy: str, steps: list[int], counts: list[int], throttled: list[bool]) -> bool:
+    return _cycle(policy, steps, counts, throttled).should_average(list(range(len(steps))), lambda r: False)
 
 
 def test_cadence_gate_waits_for_every_count():
-    assert not AveragingCycle._should_average(_coordinator("cadence", [29, 10], [30, 10], [False, False]))
-    assert AveragingCycle._should_average(_coordinator("cadence", [30, 10], [30, 10], [False, False]))
-    assert AveragingCycle._should_average(_coordinator("sync", [1, 3], [30, 10], [False, False]))
-    assert not AveragingCycle._should_average(_coordinator("sync", [0, 3], [30, 10], [False, False]))
+    assert not _gate("cadence", [29, 10], [30, 10], [False, False])
+    assert _gate("cadence", [30, 10], [30, 10], [False, False])
+    assert _gate("sync", [1, 3], [30, 10], [False, False])
+    assert not _gate("sync", [0, 3], [30, 10], [False, False])
 
 
 def test_a_throttled_rank_counts_as_arrived():
     """max_batch_diff holds the fast rank short of its count until the reduce: the gate must not wait for it."""
-    assert AveragingCycle._should_average(_coordinator("cadence", [13, 10], [30, 10], [True, False]))
-    assert not AveragingCycle._should_average(_coordinator("cadence", [13, 9], [30, 10], [True, False]))
+    assert _gate("cadence", [13, 10], [30, 10], [True, False])
+    assert not _gate("cadence", [13, 9], [30, 10], [True, False])
+
+
+def test_throttle_holds_ranks_ahead_of_the_slowest_once():
+    c = _cycle("cadence", [13, 10], [30, 10], [False, False], max_batch_diff=2)
+    c.throttle([0, 1])
+    c.throttle([0, 1])
+    out = c._out.sent  # type: ignore[attr-defined]
+    assert [(r, type(p)) for r, p in out] == [(0, Throttle)] and c.ledger[0].throttled

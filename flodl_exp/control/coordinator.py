@@ -1,378 +1,575 @@
 """The coordinator: one event loop that paces N rank processes.
 
-It owns the window ledger, the averaging cycle, epoch dispatch (``Dispatcher``),
-ElChe, the convergence guard, metrics aggregation, liveness and the end of the
-run. Each tick: drain rank events, heartbeat, check liveness, fire a reduce
-when the policy's gate says so, aggregate finished epochs, advance or shut down.
+It composes components that each own their state and change it only through
+their own methods:
 
-The averaging cycle lives in ``cycle.py``, dead ranks in ``faults.py``, bundles
-in ``checkpointing.py``: mixins of this class, each owning one concern.
+* :class:`~.lifecycle.Lifecycle`: the phase and the run's end status (the only writer);
+* :class:`~.cohort.Cohort`: liveness, deaths, errors, the callback role;
+* :class:`~.cycle.AveragingCycle`: the window ledger, the reduce in flight, version and
+  global step, ElChe, the guard and the meta-controller;
+* :class:`~.dispatch.Dispatcher`: chunks and plans, pools, epoch accumulators, coverage;
+* :class:`~.checkpoints.BundleWriter` / :class:`~.checkpoints.Checkpoints`: saves, metas,
+  periodic and at_epoch bundles;
+* :class:`~.preemption.Preemption`: preemption, time limits, SIGTERM.
+
+The coordinator itself routes rank messages to them, applies the fault rules and
+the end of the run, and keeps the reference's tick order (algorithms.md 3.1) in
+:meth:`Coordinator.tick`. Time comes from an injected clock, so tests drive it
+with fakes (tests/test_control_*.py): events in, messages out, no processes.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
+import math
 import os
 import queue
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
-from ..config import effective_easgd_alpha, is_progressive, parse_callback_rank
+from ..config import RunShape, load_config
+from ..protocol import (
+    Batch,
+    ChunkMetrics,
+    CoordHeartbeat,
+    EvalResult,
+    ExecuteEval,
+    Exiting,
+    Heartbeat,
+    ProtocolError,
+    RankError,
+    Save,
+    SaveResult,
+    Snapshot,
+    SyncAck,
+    Telemetry,
+    decode,
+)
+from ..protocol import Shutdown as ShutdownMsg
 from ..wire import Message
-from .checkpointing import Checkpointing
-from .dispatch import Dispatcher
+from .channels import EventLog, Outbox, Transport
+from .checkpoints import BundleWriter, Checkpoints, MetaFacts
+from .cohort import Cohort
+from .cycle import AveragingCycle, ReduceOutcome
+from .dispatch import Dispatcher, Gate
 from .elche import ElChe
-from .epoch_metrics import EpochAccumulator
-from .cycle import AveragingCycle, Cycle, Ledger
-from .faults import FaultHandling
-from .guards import build_guard
+from .faults import SAVE_DEADLINE_S, SHUTDOWN_GRACE_S, regroup_plan, unrecoverable_reason
+from .guards import ConvergenceGuard, build_guard
+from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
 from .meta import LrEventMeta
+from .preemption import Preemption
 from .records import RecordLog, WindowReporter
-from .server import RankServer
 
 log = logging.getLogger("flodl_exp.coordinator")
 
 COORD_HEARTBEAT_S = 1.0
 
+Event = tuple[Any, ...]
+"""From the rank server: ``("join", rank, hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
 
-class RunFailure(RuntimeError):
-    pass
+
+_GATE_FOR = {Phase.TRAINING: Gate.OPEN, Phase.CHECKPOINTING: Gate.HOLD_EPOCH}
 
 
-class Coordinator(AveragingCycle, FaultHandling, Checkpointing):
-    def __init__(self, spec: dict, server: RankServer, events: "queue.Queue[tuple]", sink: Any, job_dir: str) -> None:
-        cfg = spec["config"]
-        self.cfg = cfg
-        self.spec = spec
-        self.server = server
-        self.events = events
+def build_elche(mode: Any, world_size: int) -> ElChe:
+    e = ElChe(world_size, mode.anchor, overhead_target=mode.overhead_target, max_anchor=mode.max_anchor,
+              min_anchor=mode.min_anchor, max_batch_diff=mode.max_batch_diff,
+              window_growth_applicable=mode.policy != "sync")
+    if mode.speed_hint_rank is not None:
+        e.with_speed_ratio(int(mode.speed_hint_rank), float(mode.speed_hint_ratio))
+    ratios = mode.partition_ratios
+    if ratios:
+        e.with_initial_anchor(min(range(world_size), key=lambda r: ratios[r]))
+    return e
+
+
+def build_run_guard(g: Any, alpha: Optional[float]) -> ConvergenceGuard:
+    msf: dict[str, Any] = {}
+    if g.kind == "msf":
+        msf = {"msf_alpha": g.msf_alpha, "msf_suppress_threshold": g.suppress_threshold,
+               "msf_suppress_sustain": g.suppress_sustain, "msf_nudge_threshold": g.nudge_threshold,
+               "msf_nudge_sustain": g.nudge_sustain, "msf_nudge_factor": g.nudge_factor, "msf_nudge": g.nudge}
+    return build_guard(g.kind, threshold=g.threshold, easgd_alpha=alpha, **msf)
+
+
+class Coordinator:
+    def __init__(self, spec: dict[str, Any], server: Transport, events: queue.Queue[Event], sink: Any, job_dir: str,
+                 *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
+        cfg = load_config(spec["config"])
+        shape = RunShape.of(cfg)
+        self.cfg, self.shape, self.spec = cfg, shape, spec
+        self.inbox = events
         self.sink = sink
         self.job_dir = job_dir
-        m = cfg["mode"]
-        self.W = int(cfg["cluster"]["nodes"]) * int(cfg["cluster"]["ranks_per_node"])
-        self.policy, self.backend = m["policy"], m["backend"]
-        self.gamma = float(m["gamma"])
-        self.alpha = effective_easgd_alpha(_Dot(cfg))
-        self.epochs = int(cfg["experiment"]["epochs"])
-        self.batch_size = int(cfg["experiment"]["batch_size"])
-        self.hb_timeout = float(cfg["cluster"]["heartbeat_timeout_s"])
+        self.clock = clock
+        self._rejected = rejected
+        w = shape.world_size
+        self.W = w
+        self.epochs = cfg.experiment.epochs
+        self.hb_timeout = cfg.cluster.heartbeat_timeout_s
         self.stall_ceiling = max(10 * self.hb_timeout, 300.0)
-        self.eval_every = int(cfg["eval"]["every"])
-        self.fixed_callback = parse_callback_rank(cfg["eval"]["callback_rank"])
-        self.callback_rank = self.fixed_callback if self.fixed_callback is not None else 0
-        self.alive = [False] * self.W
-        self.exited = [False] * self.W
-        self.finals: dict[int, dict] = {}
-        self.last_seen = [time.monotonic()] * self.W
-        self.ledger = [Ledger() for _ in range(self.W)]
-        self.elche: Optional[ElChe] = self._build_elche(m) if self.W >= 2 else None
-        self.guard = build_guard(
-            cfg["guard"]["kind"], threshold=cfg["guard"]["threshold"], easgd_alpha=self.alpha,
-            **({"msf_alpha": cfg["guard"]["msf_alpha"], "msf_suppress_threshold": cfg["guard"]["suppress_threshold"],
-                "msf_suppress_sustain": cfg["guard"]["suppress_sustain"], "msf_nudge_threshold": cfg["guard"]["nudge_threshold"],
-                "msf_nudge_sustain": cfg["guard"]["nudge_sustain"], "msf_nudge_factor": cfg["guard"]["nudge_factor"],
-                "msf_nudge": cfg["guard"]["nudge"]} if cfg["guard"]["kind"] == "msf" else {}),
-        )
-        self.meta = LrEventMeta() if (m["meta_controller"] and self.elche is not None) else None
-        self.lr_seen: Optional[float] = None
-        self.progressive = is_progressive(_Dot(cfg)) and self.W >= 2
-        self.total_picks = 0
-        self.dispatch: Optional[Dispatcher] = None
-        self.cycle: Optional[Cycle] = None
-        self.global_step = 0
-        self.version = 0
-        self.accs: dict[int, EpochAccumulator] = {}
-        self.coverage: dict[int, list[list[int]]] = {}
-        self.roles_elected = False
-        self.phase = "connecting"
-        self.final_pending: set[str] = set()
-        self.final_eval: dict[str, float] = {}
-        self.status = "RUNNING"
-        self.failure: Optional[str] = None
-        self.t_start = time.monotonic()
-        self.last_hb_out = 0.0
-        self.eval_history: list[dict] = []
-        self.stem = spec["checkpoint_stem"]
-        self.shuffle_seed = int(spec.get("shuffle_seed", cfg["seed"]))
-        self.errors: dict[int, dict] = {}
-        self.deaths: list[dict] = []
-        self.chunk_progress: list[dict[int, int]] = [{} for _ in range(self.W)]
-        self.generation = 0
-        self.save_dispatched = False
-        self.saved_stem: Optional[str] = None
-        self.save_deadline = 0.0
-        self.ckpt: Optional[dict] = None
-        self.pending_meta: Optional[tuple] = None
-        self.at_epoch_done = False
-        rl = cfg.get("record_log") or {}
-        self.records = RecordLog(os.path.abspath(rl["dir"]) if rl.get("dir") else None, int(rl.get("max_bytes", 4 << 20)))
-        self.scalar_reductions: dict[str, str] = dict(cfg.get("scalar_reductions") or {})
+        self.t_start = clock()
+        self.life = Lifecycle()
+        self.cohort = Cohort(w, shape.fixed_callback_rank, clock())
+        self.records = RecordLog(os.path.abspath(cfg.record_log.dir) if cfg.record_log.dir else None, cfg.record_log.max_bytes)
+        self.events = EventLog(job_dir, self.records, clock)
+        self.outbox = Outbox(server, self.cohort)
+        elche = build_elche(cfg.mode, w) if w >= 2 else None
+        self.cycle = AveragingCycle(
+            world_size=w, policy=cfg.mode.policy, backend=cfg.mode.backend, gamma=cfg.mode.gamma, alpha=shape.easgd_alpha,
+            progressive=shape.progressive, elche=elche, guard=build_run_guard(cfg.guard, shape.easgd_alpha),
+            meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None, relax_up=cfg.mode.relax_up,
+            max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock)
+        self.dispatch = Dispatcher(
+            world_size=w, batch_size=cfg.experiment.batch_size, epochs=self.epochs, policy=cfg.mode.policy,
+            progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot, partition_ratios=cfg.mode.partition_ratios,
+            scalar_reductions=dict(cfg.scalar_reductions), cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=clock)
+        self.writer = BundleWriter(
+            stem=spec["checkpoint_stem"], cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, outbox=self.outbox,
+            sink=sink, facts=MetaFacts(world_size=w, epochs=self.epochs, experiment=cfg.experiment.name,
+                                       guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
+                                       shuffle_seed=int(spec.get("shuffle_seed", cfg.seed))))
+        self.checkpoints = Checkpoints(
+            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs, progressive=shape.progressive,
+            world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, events=self.events)
+        self.preemption = Preemption(
+            attempt=int(spec.get("attempt", 0)), progressive=shape.progressive, world_size=w, job_dir=job_dir,
+            life=self.life, enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.shutdown_with_save,
+            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, checkpoints=self.checkpoints,
+            outbox=self.outbox, events=self.events, sink=sink, clock=clock)
         self.windows = WindowReporter(0, 1)
         self.last_window_loss = float("nan")
+        self.total_picks = 0
+        self.eval_history: list[dict[str, Any]] = []
+        self.final_eval: dict[str, float] = {}
+        self.final_eval_rank: Optional[int] = None
+        """Finishing: the rank running the final eval and writing the consensus model (None once it reported)."""
         self.final_overwrite_done = False
-        self.resume = spec.get("resume")
+        self.failure_stem: Optional[str] = None
+        """ShutdownWithSave: the stem of the failure bundle."""
+        self.save_deadline = 0.0
+        self.last_beacon = -math.inf
+        self.resume: Optional[dict[str, Any]] = spec.get("resume")
         if self.resume:
             self._restore(self.resume["meta"])
+        self._handlers: dict[type, Callable[[int, Any], None]] = {
+            Batch: self._on_batch, SyncAck: self._on_ack, Snapshot: self._on_snapshot, ChunkMetrics: self._on_metrics,
+            EvalResult: self._on_eval, SaveResult: self._on_save_result, RankError: self._on_error,
+            Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: lambda r, p: None,
+        }
 
-    def _restore(self, meta: dict) -> None:
+    def _restore(self, meta: dict[str, Any]) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
-        self.global_step = int(meta["global_step"])
-        self.version = int(meta["sync_round"])
-        if self.elche is not None and meta.get("elche_state"):
+        self.cycle.restore(int(meta["global_step"]), int(meta["sync_round"]))
+        if self.cycle.elche is not None and meta.get("elche_state"):
             st = dict(meta["elche_state"])
             st.pop("trend_history", None)
-            self.elche.load_state_dict(st)
-        if meta.get("guard_state") and meta.get("guard_kind") == self.cfg["guard"]["kind"]:
-            self.guard.load_state_dict(meta["guard_state"])
+            self.cycle.elche.load_state_dict(st)
+        if meta.get("guard_state") and meta.get("guard_kind") == self.cfg.guard.kind:
+            self.cycle.guard.load_state_dict(meta["guard_state"])
 
-    # -- construction helpers -----------------------------------------
-    def _build_elche(self, m: dict) -> ElChe:
-        e = ElChe(self.W, int(m["anchor"]), overhead_target=float(m["overhead_target"]), max_anchor=int(m["max_anchor"]),
-                  min_anchor=m["min_anchor"], max_batch_diff=m["max_batch_diff"],
-                  window_growth_applicable=m["policy"] != "sync")
-        if m.get("speed_hint_rank") is not None:
-            e.with_speed_ratio(int(m["speed_hint_rank"]), float(m["speed_hint_ratio"]))
-        ratios = m.get("partition_ratios")
-        if ratios:
-            e.with_initial_anchor(min(range(self.W), key=lambda r: ratios[r]))
-        return e
+    # -- phase ------------------------------------------------------------
+    def enter(self, phase: Phase) -> None:
+        """The one way the phase changes: the lifecycle checks the transition, dispatch follows the phase."""
+        self.life.move(phase)
+        self.dispatch.gate = _GATE_FOR.get(phase, Gate.CLOSED)
 
-    @property
-    def counts(self) -> list[int]:
-        return self.elche.batch_counts if self.elche is not None else [1] * self.W
+    def current_epoch(self) -> int:
+        return self.dispatch.current_epoch()
 
-    def alive_ranks(self) -> list[int]:
-        return [r for r in range(self.W) if self.alive[r]]
+    def start(self) -> None:
+        """Every rank said hello: plan the first epoch (or the resumed coverage)."""
+        self.enter(Phase.TRAINING)
+        self.windows = WindowReporter(self.cfg.reports_per_epoch, self.total_picks // self.cfg.experiment.batch_size)
+        self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
+        self.dispatch.start(self.total_picks, self.resume["meta"] if self.resume else None)
 
-    def send(self, r: int, msg: Message) -> bool:
-        return self.server.send(r, msg)
+    # -- main loop ----------------------------------------------------------
+    def run(self, connect_timeout: float) -> Status:
+        deadline = self.clock() + connect_timeout
+        while self.life.is_(Phase.CONNECTING):
+            self.pump(0.1)
+            if self.cohort.all_joined():
+                self.start()
+            elif self.clock() > deadline:
+                raise RunFailure(f"ranks {self.cohort.missing()} did not connect within {connect_timeout:.0f}s")
+        while not self.life.is_(Phase.DONE):
+            self.pump(0.02)
+            self.tick()
+        return self.life.status
 
-    def broadcast(self, msg: Message) -> None:
-        for r in self.alive_ranks():
-            self.send(r, msg)
-
-    def emit(self, event: dict) -> None:
-        """Append a progress event for the launcher (job folder, shared storage on SLURM)."""
-        event = dict(event, t=round(time.monotonic() - self.t_start, 3))
-        with open(os.path.join(self.job_dir, "events.jsonl"), "a") as fh:
-            fh.write(json.dumps(event) + "\n")
-        self.records.root(event.get("event", "event"), {k: v for k, v in event.items() if k != "event"})
-
-    # -- main loop ------------------------------------------------------
-    def run(self, connect_timeout: float) -> str:
-        deadline = time.monotonic() + connect_timeout
-        while self.phase == "connecting":
-            self._pump(0.1)
-            if all(self.alive):
-                self._start()
-            elif time.monotonic() > deadline:
-                missing = [r for r in range(self.W) if not self.alive[r]]
-                raise RunFailure(f"ranks {missing} did not connect within {connect_timeout:.0f}s")
-        while self.phase != "done":
-            self._pump(0.02)
-            self._tick()
-        return self.status
-
-    def _pump(self, timeout: float) -> None:
+    def pump(self, timeout: float) -> None:
+        """Handle every queued rank event (waiting up to ``timeout`` for the first)."""
         try:
-            ev = self.events.get(timeout=timeout)
+            ev = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
-        self._on_event(ev)
         while True:
+            self.on_event(ev)
             try:
-                ev = self.events.get_nowait()
+                ev = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            self._on_event(ev)
 
-    def _on_event(self, ev: tuple) -> None:
-        kind, rank = ev[0], ev[1]
-        if kind == "join":
-            hello = ev[2]
-            self.alive[rank] = True
-            self.last_seen[rank] = time.monotonic()
-            self.records.hosts[rank] = str(hello.get("host", "unknown"))
-            self.total_picks = int(hello.get("samples", 0)) * max(1, int(self.cfg["data_plane"]["augment"]))
-            log.info("rank %d joined from %s (%s)", rank, hello.get("host"), hello.get("device"))
-            self.emit({"event": "joined", "rank": rank, "pid": hello.get("pid"), "host": hello.get("host"),
-                       "device": hello.get("device")})
-        elif kind == "msg":
-            self.last_seen[rank] = time.monotonic()
-            self._on_msg(rank, ev[2])
-        elif kind == "closed":
-            if self.phase == "connecting" and not self.exited[rank]:
-                self.errors.setdefault(rank, {"error": ev[2]})
-                raise RunFailure(f"rank {rank} failed before training started: {self.errors[rank].get('error')}")
-            self.declare_dead(rank, "connection closed" if ev[2] == "closed" else ev[2])
-
-    def _tick(self) -> None:
-        now = time.monotonic()
-        if now - self.last_hb_out >= COORD_HEARTBEAT_S:
-            self.last_hb_out = now
-            self.broadcast(Message("coord_heartbeat", {"t": now}))
-        for r in self.alive_ranks():
-            if not self.exited[r] and now - self.last_seen[r] > self.hb_timeout:
-                self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
-        self.tick_signals()  # preemption (SIGUSR1) / SIGTERM: checkpointing.py
-        if self.phase == "shutdown":
-            if not [r for r in self.alive_ranks() if not self.exited[r]] or now - self.shutdown_at > 30:
-                self.phase = "done"
+    def tick(self) -> None:
+        """One turn of the loop, in the reference's order (algorithms.md 3.1)."""
+        now = self.clock()
+        self._beacon(now)                                    # 2. coordinator -> rank heartbeat
+        for r in self.cohort.stale(now, self.hb_timeout):    # 3. dead ranks, before any gate
+            self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
+        self.preemption.tick()                               #    signals (SLURM, time limit)
+        if self._tick_ending(now):
             return
-        if self.phase == "saving":
-            if now > self.save_deadline:
-                log.error("ShutdownWithSave: saves still pending after the deadline: %s", sorted(self.final_pending))
-                self._shutdown()
-            return
-        if self.phase == "checkpointing":
-            self.tick_checkpoint()
-        if self.cycle is not None and now - self.cycle.started > self.stall_ceiling:
+        if self.life.is_(Phase.CHECKPOINTING) and self.checkpoints.tick_periodic():
+            self.enter(Phase.TRAINING)
+            self.dispatch.advance()
+        if self.cycle.stalled(now, self.stall_ceiling):      # 6-7. stall ceiling
             self.shutdown_with_save("reduce_stall", f"a reduce waited {self.stall_ceiling:.0f}s with the cohort alive")
             return
-        if self.phase in ("training", "checkpointing"):
-            self._check_throttle()
-            if self._should_average():
-                self._trigger()
-            self.dispatch.aggregate_ready()
-            if self.dispatch.all_aggregated():
-                self.phase = "draining"
-        if self.phase == "draining" and self.cycle is None:
-            blended = self.alpha is not None and not self.final_overwrite_done
-            if self.W > 1 and (blended or any(self.ledger[r].steps > 0 for r in self.alive_ranks())):
-                self.final_overwrite_done = True
-                self._trigger(final=True)
-            else:
-                self._finish_run()
+        if self.life.phase in TRAINING_PHASES:
+            alive = self.cohort.alive_ranks()
+            self.cycle.throttle(alive)                       # 5. max_batch_diff
+            if self.cycle.should_average(alive, self.dispatch.quiesced):
+                self.cycle.trigger(alive)                    # 8. fire a reduce
+            self._aggregate()                                # 10. aggregate ready epochs
+            if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
+                self.enter(Phase.DRAINING)
+        if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None:
+            self._drain_or_finish()                          # 11. end of run (3.14)
 
-    # -- messages -------------------------------------------------------
-    def _on_msg(self, r: int, msg: Message) -> None:
-        k, f = msg.kind, msg.fields
-        if k == "batch":
-            self.ledger[r].add(float(f["ms"]), float(f["d"]), f.get("loss"))
-            cid = int(f.get("c", -1))
-            self.chunk_progress[r][cid] = self.chunk_progress[r].get(cid, 0) + 1
-            if "lr" in f and not any(self.alive[q] for q in range(r)):  # the lowest live rank speaks for LR
-                self.lr_seen = float(f["lr"])
-        elif k == "sync_ack":
-            if self.cycle is not None and self.cycle.backend == "nccl" and r in self.cycle.members:
-                self.cycle.acks[r] = f
-                self._maybe_finish()
-        elif k == "snapshot":
-            if self.cycle is not None and self.cycle.backend == "cpu" and r in self.cycle.members:
-                self.cycle.snapshots[r] = msg
-                self._maybe_finish()
-        elif k == "metrics":
-            self.records.rank(r, "chunk", {key: v for key, v in f.items() if key != "ranges"})
-            self.dispatch.on_metrics(r, f)
-        elif k == "eval_result":
-            self._on_eval(r, f)
-        elif k == "save_result":
-            self.on_save_result(r, f)
-        elif k == "error":
-            self.errors[r] = f
-            log.error("rank %d reported: %s", r, f.get("error"))
-        elif k == "exiting":
-            self.exited[r] = True
-            self.finals[r] = f
-        elif k == "telemetry":
-            if self.dispatch is not None:
-                self.dispatch.on_telemetry(r, f)
-        elif k == "heartbeat":
-            pass
+    def _beacon(self, now: float) -> None:
+        if now - self.last_beacon >= COORD_HEARTBEAT_S:
+            self.last_beacon = now
+            self.outbox.broadcast(CoordHeartbeat())
+
+    def _tick_ending(self, now: float) -> bool:
+        """Shutdown and ShutdownWithSave wait here; True when nothing else may happen this tick."""
+        if self.life.is_(Phase.DONE):
+            return True
+        if self.life.is_(Phase.SHUTDOWN):
+            assert self.life.shutdown_at is not None
+            if not self.cohort.working() or now - self.life.shutdown_at > SHUTDOWN_GRACE_S:
+                self.enter(Phase.DONE)
+            return True
+        if self.life.is_(Phase.SAVING):
+            if now > self.save_deadline:
+                log.error("ShutdownWithSave: saves still pending after the deadline: ranks %s", sorted(self.writer.pending))
+                self.shutdown()
+            return True
+        return self.life.is_(Phase.PREEMPTING)
+
+    def _drain_or_finish(self) -> None:
+        """Every epoch aggregated: one last consensus reduce if replicas may differ, then the final eval and bundle."""
+        alive = self.cohort.alive_ranks()
+        blended = self.shape.easgd_alpha is not None and not self.final_overwrite_done
+        if self.W > 1 and (blended or self.cycle.any_steps(alive)):
+            self.final_overwrite_done = True
+            self.cycle.trigger(alive, final=True)
         else:
-            log.warning("unknown message %r from rank %d ignored", k, r)
+            self._finish_run()
 
-    # -- epochs, eval, end ----------------------------------------------
-    def _start(self) -> None:
-        self.phase = "training"
-        self.window_t0 = time.monotonic()
-        self.windows = WindowReporter(int(self.cfg.get("reports_per_epoch") or 0), self.total_picks // self.batch_size)
-        self.dispatch = Dispatcher(self)
-        self.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
-        self.dispatch.start()
+    # -- events ---------------------------------------------------------------
+    def on_event(self, ev: Event) -> None:
+        kind, rank = ev[0], int(ev[1])
+        if kind == "join":
+            self._on_join(rank, ev[2])
+        elif kind == "msg":
+            self.cohort.seen(rank, self.clock())
+            self.on_message(rank, ev[2])
+        elif kind == "closed":
+            if self.life.is_(Phase.CONNECTING) and not self.cohort.exited(rank):
+                err = (self.cohort.errors.get(rank) or {}).get("error") or ev[2]
+                raise RunFailure(f"rank {rank} failed before training started: {err}")
+            self.declare_dead(rank, "connection closed" if ev[2] == "closed" else str(ev[2]))
 
-    def on_epoch_aggregated(self, e: int, metrics: dict[str, float], ranges: list[list[int]]) -> None:
-        """Called by the dispatcher, in epoch order."""
-        metrics["global_step"] = float(self.global_step)
-        metrics["alive_ranks"] = float(len(self.alive_ranks()))
-        if self.elche is not None:
-            metrics["anchor"] = float(self.elche.anchor)
-        self.coverage[e] = ranges
+    def _on_join(self, r: int, hello: dict[str, Any]) -> None:
+        self.cohort.join(r, self.clock())
+        self.records.hosts[r] = str(hello.get("host", "unknown"))
+        self.total_picks = int(hello.get("samples", 0)) * max(1, self.cfg.data_plane.augment)
+        log.info("rank %d joined from %s (%s)", r, hello.get("host"), hello.get("device"))
+        self.events.emit({"event": "joined", "rank": r, "pid": hello.get("pid"), "host": hello.get("host"),
+                          "device": hello.get("device")})
+
+    def on_message(self, r: int, msg: Message) -> None:
+        try:
+            payload = decode(msg)
+        except ProtocolError as e:
+            log.warning("malformed %s from rank %d dropped: %s", msg.kind, r, e)
+            return
+        if payload is None:
+            log.warning("unknown message %r from rank %d ignored", msg.kind, r)
+            return
+        handler = self._handlers.get(type(payload))
+        if handler is None:
+            log.warning("message %r is not for the coordinator (from rank %d): ignored", msg.kind, r)
+            return
+        handler(r, payload)
+
+    def _on_batch(self, r: int, b: Batch) -> None:
+        self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
+        self.dispatch.on_batch(r, b.chunk)
+
+    def _on_ack(self, r: int, ack: SyncAck) -> None:
+        self.cycle.on_ack(r, ack)
+        self._try_finish_reduce()
+
+    def _on_snapshot(self, r: int, snap: Snapshot) -> None:
+        self.cycle.on_snapshot(r, snap)
+        self._try_finish_reduce()
+
+    def _on_metrics(self, r: int, m: ChunkMetrics) -> None:
+        self.records.rank(r, "chunk", {k: v for k, v in dataclasses.asdict(m).items() if k != "ranges"})
+        self.dispatch.on_metrics(r, m)
+
+    def _on_telemetry(self, r: int, t: Telemetry) -> None:
+        self.dispatch.on_telemetry(r, t)
+
+    def _on_error(self, r: int, e: RankError) -> None:
+        self.cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
+        log.error("rank %d reported: %s", r, e.error)
+
+    def _on_exiting(self, r: int, x: Exiting) -> None:
+        self.cohort.mark_exited(r, {"rank": x.rank, "pid": x.pid, "hash": x.hash, "steps": x.steps,
+                                    "global_step": x.global_step})
+
+    # -- reduces and epochs -----------------------------------------------------
+    def _try_finish_reduce(self) -> None:
+        out = self.cycle.try_finish(self.cohort.alive)
+        if out is not None:
+            self._after_reduce(out)
+
+    def _after_reduce(self, out: ReduceOutcome) -> None:
+        elche = self.cycle.elche
+        if elche is not None and elche.is_calibrated and self.cohort.fixed_callback is None and not self.cohort.roles_elected:
+            self.cohort.roles_elected = True  # sticky: re-elected only on death
+            self.cohort.elect_callback(elche.smoothed_ms)
+        if elche is not None:
+            self.dispatch.on_verdict(out.action)
+        self._window_record(out)
+        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code)
+        if self.preemption.on_reduce_finished():
+            return
+        if self.life.phase in TRAINING_PHASES:
+            self.checkpoints.maybe_coverage_bundle()
+        self.dispatch.after_finish()
+
+    def _aggregate(self) -> None:
+        while self.life.phase in TRAINING_PHASES:
+            agg = self.dispatch.pop_aggregated()
+            if agg is None:
+                return
+            self._on_epoch_aggregated(agg.epoch, agg.metrics)
+            if self.life.is_(Phase.CHECKPOINTING):
+                return  # the next epoch waits for the bundle
+            self.dispatch.advance()
+
+    def _on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
+        metrics["global_step"] = float(self.cycle.global_step)
+        metrics["alive_ranks"] = float(len(self.cohort.alive_ranks()))
+        if self.cycle.elche is not None:
+            metrics["anchor"] = float(self.cycle.elche.anchor)
         for _ in range(self.windows.owed(e)):
-            self._window_record({r: 0 for r in range(self.W)}, 0, 0.0, {}, force_epoch=e)
+            self._window_record(None, force_epoch=e)
         self.sink.log_metrics(metrics, step=e)
-        self.emit({"event": "epoch", "epoch": e, **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
-        last = e == self.epochs - 1
-        if not last and self.eval_every > 0 and (e + 1) % self.eval_every == 0 and self.alive[self.callback_rank]:
-            self.send(self.callback_rank, Message("execute_eval", {"epoch": e}))
-        if self.checkpoint_due(e):
-            self.begin_epoch_checkpoint(e)
+        self.events.emit({"event": "epoch", "epoch": e,
+                          **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
+        cb = self.cohort.callback_rank
+        if e != self.epochs - 1 and self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0 and self.cohort.alive(cb):
+            self.outbox.send(cb, ExecuteEval(epoch=e))
+        if self.checkpoints.periodic_due(e):
+            self.checkpoints.begin_periodic(e)
+            self.enter(Phase.CHECKPOINTING)
 
-    def _on_eval(self, r: int, f: dict) -> None:
-        if f.get("error"):
-            log.warning("eval on rank %d failed: %s", r, f["error"])
-            self.sink.set_tags({"eval_error": f["error"]})
-        metrics = {f"eval/{k}": v for k, v in (f.get("metrics") or {}).items()}
+    def _window_record(self, out: Optional[ReduceOutcome], force_epoch: Optional[int] = None) -> None:
+        """A sub-epoch report at this reduce boundary when it closes a slice of the epoch's work."""
+        k_used = out.k_used if out is not None else 0
+        epoch = force_epoch if force_epoch is not None else self.current_epoch()
+        if force_epoch is None and (epoch >= self.epochs or not self.windows.on_window(epoch, k_used)):
+            return  # the drain reduce after the last epoch belongs to no epoch's slices
+        n = out.n if out is not None else {}
+        loss = out.window_loss if out is not None else self.cycle.window_loss()
+        if loss != loss:  # a flushed slice with no batches: carry the last loss
+            loss = self.last_window_loss
+        self.last_window_loss = loss
+        window_s = out.window_s if out is not None else max(self.clock() - self.cycle.window_t0, 1e-6)
+        rec: dict[str, float] = {
+            "window/loss": loss,
+            "window/samples_per_s": k_used * self.cfg.experiment.batch_size / window_s,
+            "window/sync_ms": out.sync_ms if out is not None else 0.0,
+            "window/epoch": float(epoch),
+        }
+        if self.cycle.elche is not None:
+            rec["window/anchor"] = float(self.cycle.elche.anchor)
+        d_max = out.d_max if out is not None else None
+        if d_max is not None:
+            rec["window/divergence"] = d_max
+        for r in range(self.W):
+            rec[f"window/rank{r}/share"] = n.get(r, 0) / k_used if k_used else 0.0
+            rec[f"window/rank{r}/steps"] = float(n.get(r, 0))
+        rec = {k: v for k, v in rec.items() if v == v}
+        gs = self.cycle.global_step
+        self.sink.log_metrics(rec, step=gs)
+        self.events.emit({"event": "window", "step": gs, **{k[len("window/"):]: v for k, v in rec.items()}})
+        for r in range(self.W):
+            self.records.rank(r, "window", {"step": gs, "steps": n.get(r, 0)})
+
+    # -- eval, saves, end -----------------------------------------------------------
+    def _on_eval(self, r: int, f: EvalResult) -> None:
+        if f.error:
+            log.warning("eval on rank %d failed: %s", r, f.error)
+            self.sink.set_tags({"eval_error": f.error})
+        metrics = {f"eval/{k}": v for k, v in f.metrics.items()}
         if metrics:
-            self.sink.log_metrics(metrics, step=int(f["epoch"]))
-        self.eval_history.append({"epoch": f["epoch"], **metrics})
-        self.emit({"event": "eval", "epoch": f["epoch"], "final": bool(f.get("final")), **metrics})
-        if f.get("final"):
+            self.sink.log_metrics(metrics, step=f.epoch)
+        self.eval_history.append({"epoch": f.epoch, **metrics})
+        self.events.emit({"event": "eval", "epoch": f.epoch, "final": f.final, **metrics})
+        if f.final:
             self.final_eval = metrics
-            self.final_pending.discard("eval")
-            self._maybe_shutdown()
+            self.final_eval_rank = None
+            self._maybe_complete()
+
+    def _on_save_result(self, r: int, res: SaveResult) -> None:
+        self.writer.on_result(r, res)
+        self._after_saves()
+
+    def _after_saves(self) -> None:
+        if not self.writer.settled:
+            return
+        self.checkpoints.on_saves_settled()
+        if self.life.is_(Phase.SAVING):
+            assert self.failure_stem is not None
+            self.writer.log_bundle(self.failure_stem, "checkpoints/failure")
+            self.shutdown()
+        elif self.life.is_(Phase.PREEMPTING):
+            self.preemption.on_saves_settled()
+        self._maybe_complete()
 
     def _finish_run(self) -> None:
         """Every epoch aggregated and the last reduce settled: final eval and bundle, then shutdown."""
-        self.phase = "finishing"
-        cb = self.callback_rank if self.alive[self.callback_rank] else min(self.alive_ranks())
-        self.final_pending = {"eval"} | {f"save{r}" for r in self.alive_ranks()}
-        self.send(cb, Message("execute_eval", {"epoch": self.epochs - 1, "final": True}))
-        for r in self.alive_ranks():
-            self.send(r, Message("save", {"stem": self.stem, "primary": r == cb, "model": r == cb}))
-        self.final_callback = cb
+        self.enter(Phase.FINISHING)
+        cb = self.cohort.primary()
+        self.final_eval_rank = cb
+        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+        self.writer.send_saves(self.writer.stem, model_rank=cb)
 
-    def _maybe_shutdown(self) -> None:
-        if self.phase == "finishing" and not self.final_pending:
-            self.status = "FINISHED"
-            self.write_meta("completed", self.stem, epoch=self.epochs)
-            self._shutdown()
+    def _maybe_complete(self) -> None:
+        if self.life.is_(Phase.FINISHING) and self.final_eval_rank is None and self.writer.settled:
+            self.life.end(Status.FINISHED)
+            self.writer.write_meta("completed", self.writer.stem, epoch=self.epochs)
+            self.shutdown()
 
-    def _shutdown(self) -> None:
-        if self.phase in ("shutdown", "done"):
+    def shutdown(self) -> None:
+        if self.life.ending:
             return
-        self.phase = "shutdown"
-        self.shutdown_at = time.monotonic()
-        self.broadcast(Message("shutdown", {"reason": self.failure or "completed"}))
+        self.enter(Phase.SHUTDOWN)
+        self.life.shutdown_at = self.clock()
+        self.outbox.broadcast(ShutdownMsg(reason=self.life.failure or "completed"))
 
-    def result(self) -> dict:
+    # -- faults -------------------------------------------------------------------
+    def declare_dead(self, r: int, reason: str) -> None:
+        death = self.cohort.mark_dead(r, reason, epoch=self.current_epoch(), global_step=self.cycle.global_step)
+        if death is None:
+            return
+        log.error("rank %d declared dead: %s", r, death.reason)
+        deaths = len(self.cohort.deaths)
+        self.sink.set_tags({f"death.rank{r}": death.reason[:4000], "deaths": deaths})
+        self.sink.log_metrics({"alive_ranks": len(self.cohort.alive_ranks()), "deaths": deaths}, step=self.current_epoch())
+        self.events.emit({"event": "rank_dead", "rank": r, "reason": death.reason})
+        self.cycle.forget(r)
+        if self.life.ending:
+            return
+        if self.life.is_(Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING):
+            self._drop_pending_of(r)
+            return
+        why = unrecoverable_reason(world_size=self.W, alive=len(self.cohort.alive_ranks()), dead=self.cohort.dead_count(),
+                                   max_failure=self.cfg.cluster.max_failure, backend=self.cycle.backend)
+        if why:
+            self.shutdown_with_save(why, f"rank {r} {death.reason}")
+            return
+        if not self.life.is_(Phase.CONNECTING):
+            self.dispatch.on_rank_dead(r)
+        if self.cohort.fixed_callback is None or self.cohort.callback_rank == r:
+            elche = self.cycle.elche
+            self.cohort.elect_callback(elche.smoothed_ms if elche is not None and elche.is_calibrated else None, force=True)
+        if self.cycle.backend == "nccl":
+            self._regroup()
+        self._try_finish_reduce()
+
+    def _regroup(self) -> None:
+        """Survivors re-form the process group: renumbered ranks, fresh store prefix."""
+        survivors = self.cohort.alive_ranks()
+        if len(survivors) < 2:
+            return
+        gen = self.cohort.next_generation()
+        for r, msg in regroup_plan(survivors, gen).items():
+            self.outbox.send(r, msg)
+        self.events.emit({"event": "regroup", "generation": gen, "ranks": survivors})
+        self.sink.set_tags({"regroups": gen})
+        log.warning("regroup generation %d with ranks %s", gen, survivors)
+
+    def _drop_pending_of(self, r: int) -> None:
+        """A rank died while a bundle was being written: its pieces are forfeit; the final eval and
+        the consensus model move to another survivor."""
+        self.writer.drop(r)
+        alive = self.cohort.alive_ranks()
+        if self.life.is_(Phase.FINISHING) and self.final_eval_rank == r and alive:
+            cb = alive[0]
+            self.final_eval_rank = cb
+            self.writer.pending.add(cb)
+            self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+            self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
+            return
+        self._after_saves()
+
+    def shutdown_with_save(self, reason: str, detail: str) -> None:
+        """Unrecoverable: every survivor saves its bundle pieces, the meta records why, the run ends FAILED."""
+        if self.failure_stem is not None or self.life.ending:
+            return
+        self.life.end(Status.FAILED, f"{reason}: {detail}")
+        stem = self.writer.stem_for("failure")
+        self.failure_stem = stem
+        self.sink.set_tags({"save_reason": reason})
+        self.events.emit({"event": "shutdown_with_save", "reason": reason, "stem": stem})
+        log.error("ShutdownWithSave (%s): %s", reason, detail)
+        self.writer.write_meta(reason, stem, epoch=self.current_epoch())
+        if not self.cohort.alive_ranks():
+            self.shutdown()
+            return
+        self.enter(Phase.SAVING)
+        self.save_deadline = self.clock() + SAVE_DEADLINE_S
+        self.writer.send_saves(stem)
+
+    # -- the result ---------------------------------------------------------------
+    @property
+    def saved_stem(self) -> Optional[str]:
+        return self.failure_stem or self.preemption.saved_stem
+
+    def result(self) -> dict[str, Any]:
         return {
-            "status": self.status,
-            "failure": self.failure,
+            "status": self.life.status.value,
+            "failure": self.life.failure,
             "world_size": self.W,
             "epochs": self.epochs,
-            "global_step": self.global_step,
-            "syncs": self.version,
+            "global_step": self.cycle.global_step,
+            "syncs": self.cycle.version,
             "final_eval": self.final_eval,
             "evals": self.eval_history,
-            "finals": {str(r): v for r, v in self.finals.items()},
-            "coverage": {str(e): v for e, v in self.coverage.items()},
+            "finals": {str(r): v for r, v in self.cohort.finals.items()},
+            "coverage": {str(e): v for e, v in self.dispatch.coverage.items()},
             "total_picks": self.total_picks,
-            "wall_s": time.monotonic() - self.t_start,
-            "callback_rank": self.callback_rank,
-            "stem": self.stem,
-            "rejected_connections": self.server.rejected,
-            "deaths": self.deaths,
-            "errors": {str(r): v for r, v in self.errors.items()},
-            "regroups": self.generation,
+            "wall_s": self.clock() - self.t_start,
+            "callback_rank": self.cohort.callback_rank,
+            "stem": self.writer.stem,
+            "rejected_connections": self._rejected(),
+            "deaths": [d.as_dict() for d in self.cohort.deaths],
+            "errors": {str(r): v for r, v in self.cohort.errors.items()},
+            "regroups": self.cohort.generation,
             "saved_stem": self.saved_stem,
             "resumed_from": (self.resume or {}).get("stem"),
         }
 
-
-class _Dot(dict):
-    """Attribute access over the plain config dict, for helpers written against the schema."""
-
-    def __getattr__(self, k: str) -> Any:
-        v = self[k]
-        return _Dot(v) if isinstance(v, dict) else v
+    def fail(self, failure: str) -> None:
+        """The loop raised (RunFailure or a crash): the run ends FAILED and the ranks are told."""
+        self.life.end(Status.FAILED, failure, overwrite=True)
+        self.shutdown()

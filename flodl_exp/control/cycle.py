@@ -1,42 +1,35 @@
-"""The averaging cycle, coordinator side (algorithms.md 3.2-3.11): the window ledger, the
-policy's firing gate, triggering a reduce on either backend, the cpu backend's weighted
-average, and the finish (ElChe feed, guard verdict, global step, window records).
+"""The averaging cycle, coordinator side (algorithms.md 3.2-3.11): the owner of the window
+ledger, the reduce in flight, the version and global step, and the controllers fed at each
+reduce (ElChe, the convergence guard, the LR meta-controller).
 
 Both backends finish when every live member answered:
 * nccl: broadcast ``sync_now``; ranks all_reduce in place and ``sync_ack``.
 * cpu: broadcast ``request_params``; ranks send ``snapshot``; the coordinator
   averages (work weights ``n^gamma``) and sends ``update`` to each rank.
+
+:meth:`AveragingCycle.try_finish` returns a :class:`ReduceOutcome`; what the rest of
+the run does with it (epoch metrics, window records, dispatch, checkpoints) is the
+coordinator's business.
 """
 from __future__ import annotations
 
 import logging
 import math
-import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 
 from ..averaging import divergence, weighted_average
-from ..wire import Message
-from .actions import STABLE
-from .elche import WindowReport
-from .guards import DivergenceReport
-
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
+from ..protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
+from .actions import STABLE, ConvergenceAction
+from .channels import Outbox
+from .elche import ElChe, WindowReport
+from .guards import ConvergenceGuard, DivergenceReport
+from .meta import LrEventMeta
 
 log = logging.getLogger("flodl_exp.coordinator")
-
-
-@dataclass
-class Cycle:
-    backend: str
-    started: float
-    members: set[int]
-    final: bool = False
-    acks: dict[int, dict] = field(default_factory=dict)
-    snapshots: dict[int, Message] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,18 +68,118 @@ class Ledger:
     def reset_timing(self) -> None:
         self.wall_ms, self.first_ms, self.delivered_ms, self.delivered_batches, self.window_batches = 0.0, None, 0.0, 0, 0
         self.loss_sum, self.loss_count = 0.0, 0
+        self.throttled = False
 
+
+@dataclass
+class Reduce:
+    """A reduce in flight: who must answer, and what they answered."""
+
+    backend: str
+    started: float
+    members: set[int]
+    final: bool = False
+    """A consensus reduce (end of training, epoch-boundary bundle, preemption): no EASGD blend."""
+    acks: dict[int, SyncAck] = field(default_factory=dict)
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+
+
+@dataclass
+class ReduceOutcome:
+    n: dict[int, int]
+    """Steps of each member that went into the consensus."""
+    k_used: int
+    sync_ms: float
+    divergence: dict[int, Optional[float]]
+    action: ConvergenceAction
+    anchor_before: int
+    anchor_after: int
+    window_loss: float
+    """Mean training loss over the window (NaN when no batch reported a finite loss)."""
+    window_s: float
+    """Wall time since the previous reduce finished."""
+    final: bool
+
+    @property
+    def d_max(self) -> Optional[float]:
+        return max((float(v) for v in self.divergence.values() if v is not None), default=None)
 
 
 class AveragingCycle:
-    """Mixin of :class:`Coordinator`."""
+    def __init__(self, *, world_size: int, policy: str, backend: str, gamma: float, alpha: Optional[float],
+                 progressive: bool, elche: Optional[ElChe], guard: ConvergenceGuard, meta: Optional[LrEventMeta],
+                 relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float]) -> None:
+        self.world_size = world_size
+        self.policy = policy
+        self.backend = backend
+        self.gamma = gamma
+        self.alpha = alpha
+        self.progressive = progressive
+        self.elche = elche
+        self.guard = guard
+        self.meta = meta
+        self.relax_up = relax_up
+        self.max_batch_diff = max_batch_diff
+        self._out = outbox
+        self._clock = clock
+        self.ledger = [Ledger() for _ in range(world_size)]
+        self.in_flight: Optional[Reduce] = None
+        self.version = 0
+        """Finished reduces (the bundle's ``sync_round``)."""
+        self.global_step = 0
+        """Batches averaged into the consensus so far, all ranks together."""
+        self.lr_seen: Optional[float] = None
+        self.window_t0 = clock()
 
-    def _should_average(self: "Coordinator") -> bool:
-        if self.W < 2 or self.cycle is not None:
+    # -- state ------------------------------------------------------------
+    @property
+    def counts(self) -> list[int]:
+        return self.elche.batch_counts if self.elche is not None else [1] * self.world_size
+
+    def restore(self, global_step: int, version: int) -> None:
+        self.global_step, self.version = global_step, version
+
+    def steps(self, r: int) -> int:
+        return self.ledger[r].steps
+
+    def any_steps(self, ranks: Iterable[int]) -> bool:
+        return any(self.ledger[r].steps > 0 for r in ranks)
+
+    def window_loss(self) -> float:
+        n = sum(led.loss_count for led in self.ledger)
+        return sum(led.loss_sum for led in self.ledger) / n if n else float("nan")
+
+    def stalled(self, now: float, ceiling_s: float) -> bool:
+        return self.in_flight is not None and now - self.in_flight.started > ceiling_s
+
+    # -- rank reports -------------------------------------------------------
+    def on_batch(self, r: int, b: Batch, *, speaks_for_lr: bool) -> None:
+        self.ledger[r].add(b.ms, b.data_ms, b.loss)
+        if speaks_for_lr and b.lr is not None:
+            self.lr_seen = b.lr
+
+    def on_ack(self, r: int, ack: SyncAck) -> None:
+        red = self.in_flight
+        if red is not None and red.backend == "nccl" and r in red.members:
+            red.acks[r] = ack
+
+    def on_snapshot(self, r: int, snap: Snapshot) -> None:
+        red = self.in_flight
+        if red is not None and red.backend == "cpu" and r in red.members:
+            red.snapshots[r] = snap
+
+    def forget(self, r: int) -> None:
+        """A dead rank's unreduced steps never reach the consensus."""
+        self.ledger[r].steps = 0
+
+    # -- the gate -------------------------------------------------------------
+    def should_average(self, alive: list[int], quiesced: Callable[[int], bool]) -> bool:
+        """Every live rank reached its count (sync: stepped once), is throttled, or has no work left."""
+        if self.world_size < 2 or self.in_flight is not None:
             return False
         any_mover = False
         counts = self.counts
-        for r in self.alive_ranks():
+        for r in alive:
             s = self.ledger[r].steps
             if s > 0:
                 any_mover = True
@@ -94,65 +187,71 @@ class AveragingCycle:
             # A throttled rank is held at max_batch_diff ahead of the slowest on purpose: it waits for
             # this reduce, so it counts as arrived (else the gate and the throttle wait on each other).
             hit = hit or self.ledger[r].throttled
-            if not (hit or (self.progressive and self.dispatch.quiesced(r))):
+            if not (hit or (self.progressive and quiesced(r))):
                 return False
         return any_mover
 
-    def _check_throttle(self: "Coordinator") -> None:
-        mbd = self.cfg["mode"]["max_batch_diff"]
-        if self.backend != "cpu" or mbd is None or len(self.alive_ranks()) < self.W or self.W < 2:
+    def throttle(self, alive: list[int]) -> None:
+        """cpu backend, ``max_batch_diff``: hold ranks that ran that far ahead of the slowest (full cohort only)."""
+        mbd = self.max_batch_diff
+        if self.backend != "cpu" or mbd is None or len(alive) < self.world_size or self.world_size < 2:
             return
-        low = min(self.ledger[r].steps for r in self.alive_ranks())
-        for r in self.alive_ranks():
-            if self.ledger[r].steps > low + int(mbd) and not self.ledger[r].throttled:
-                self.ledger[r].throttled = True
-                self.send(r, Message("throttle", {}))
+        low = min(self.ledger[r].steps for r in alive)
+        for r in alive:
+            led = self.ledger[r]
+            if led.steps > low + int(mbd) and not led.throttled:
+                led.throttled = True
+                self._out.send(r, Throttle())
 
-    def _trigger(self: "Coordinator", final: bool = False) -> None:
-        members = set(self.alive_ranks())
-        self.cycle = Cycle(self.backend, time.monotonic(), members, final=final)
+    def trigger(self, members: list[int], *, final: bool = False) -> None:
+        self.in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
         if self.backend == "nccl":
-            self.broadcast(Message("sync_now", {"version": self.version, "divergence": True}))
+            self._out.broadcast(SyncNow(version=self.version, divergence=True))
         else:
-            barrier = final or not self.progressive
-            self.broadcast(Message("request_params", {"version": self.version, "barrier": barrier}))
+            self._out.broadcast(RequestParams(version=self.version, barrier=final or not self.progressive))
 
-    def _maybe_finish(self: "Coordinator") -> None:
-        c = self.cycle
-        live = {r for r in c.members if self.alive[r]}
-        if c.backend == "nccl":
-            if not live.issubset(c.acks):
-                return
-            n = {r: int(c.acks[r]["n"]) for r in live}
-            div = {r: c.acks[r].get("d") for r in live}
-            pre = {r: c.acks[r].get("pre") for r in live}
-            post = next((c.acks[r].get("post") for r in live if c.acks[r].get("post") is not None), None)
+    # -- the finish -----------------------------------------------------------
+    def try_finish(self, alive: Callable[[int], bool]) -> Optional[ReduceOutcome]:
+        """Finish the reduce in flight once every live member answered (None: not yet, or none in flight)."""
+        red = self.in_flight
+        if red is None:
+            return None
+        live = sorted(r for r in red.members if alive(r))
+        if red.backend == "nccl":
+            if not set(live).issubset(red.acks):
+                return None
+            n = {r: red.acks[r].n for r in live}
+            div: dict[int, Optional[float]] = {r: red.acks[r].d for r in live}
+            pre: dict[int, Optional[float]] = {r: red.acks[r].pre for r in live}
+            post = next((red.acks[r].post for r in live if red.acks[r].post is not None), None)
         else:
-            if not live.issubset(c.snapshots):
-                return
-            n, div, pre, post = self._average_cpu(c, sorted(live))
-        sync_ms = (time.monotonic() - c.started) * 1e3
-        self._finish(c, n, div, pre, post, sync_ms)
+            if not set(live).issubset(red.snapshots):
+                return None
+            n, div, pre, post = self._average_cpu(red, live)
+        return self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive)
 
-    def _average_cpu(self: "Coordinator", c: Cycle, ranks: list[int]):
-        snaps = [c.snapshots[r] for r in ranks]
-        n = {r: int(s.fields["n"]) for r, s in zip(ranks, snaps)}
+    def _average_cpu(self, red: Reduce, ranks: list[int]) -> tuple[dict[int, int], dict[int, Optional[float]],
+                                                                   dict[int, Optional[float]], Optional[float]]:
+        snaps = [red.snapshots[r] for r in ranks]
+        n = {r: s.n for r, s in zip(ranks, snaps)}
+        div: dict[int, Optional[float]] = {}
+        pre: dict[int, Optional[float]] = {}
+        post: Optional[float] = None
+        if not ranks:
+            return n, div, pre, post
         n_p = sum(1 for k in snaps[0].tensors if k.startswith("p"))
         n_b = sum(1 for k in snaps[0].tensors if k.startswith("b"))
         params = [[s.tensors[f"p{i}"].float() for i in range(n_p)] for s in snaps]
         bufs = [[s.tensors[f"b{j}"] for j in range(n_b)] for s in snaps]
         res = weighted_average([n[r] for r in ranks], params, bufs, self.gamma)
-        if res is None and c.final and self.alpha is not None:
+        if res is None and red.final and self.alpha is not None:
             # EASGD leaves replicas apart even when nobody stepped: the final consensus is their plain mean.
             res = weighted_average([1] * len(ranks), params, bufs, 1.0)
-        div: dict[int, Optional[float]] = {}
-        pre: dict[int, Optional[float]] = {}
-        post = None
-        alpha = None if c.final else self.alpha
-        if res is None:  # nobody moved: everyone keeps its state
-            for r in ranks:  # release barrier waits; each rank keeps its own state
+        alpha = None if red.final else self.alpha
+        if res is None:  # nobody moved: release barrier waits; each rank keeps its own state
+            for r in ranks:
                 div[r], pre[r] = 0.0, None
-                self.send(r, Message("update", {"n": n[r], "skip": True}, {}))
+                self._out.send(r, Update(n=n[r], skip=True))
             return n, div, pre, post
         avg_p, avg_b = res
         flat_avg = torch.cat([t.reshape(-1).float() for t in avg_p])
@@ -161,89 +260,62 @@ class AveragingCycle:
         for r, ps in zip(ranks, params):
             d, post, pre_n = divergence(torch.cat([t.reshape(-1) for t in ps]), flat_avg)
             div[r], pre[r] = d, pre_n
-            self.send(r, Message("update", {"n": n[r], "alpha": alpha, "version": self.version}, tensors))
+            self._out.send(r, Update(n=n[r], alpha=alpha, tensors=tensors))
         return n, div, pre, post
 
-    def _finish(self: "Coordinator", c: Cycle, n: dict[int, int], div: dict, pre: dict, post: Optional[float], sync_ms: float) -> None:
+    def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
+                post: Optional[float], sync_ms: float, alive: Callable[[int], bool]) -> ReduceOutcome:
         action = STABLE
-        old_anchor = self.elche.anchor if self.elche else 0
+        anchor_before = self.elche.anchor if self.elche is not None else 0
         if self.elche is not None:
-            alive = self.alive_ranks()
-            led = self.ledger
-            movers = [r for r in alive if led[r].window_batches > 0]
-            capable = (self.backend == "cpu" and self.policy in ("cadence", "async")) or (self.backend == "nccl" and self.policy == "cadence")
-            self.elche.report_window(WindowReport(
-                wall_ms=[led[r].wall_ms if self.alive[r] else 0.0 for r in range(self.W)],
-                steps=[led[r].window_batches if self.alive[r] else 0 for r in range(self.W)],
-                delivered_ms=[led[r].delivered_ms for r in range(self.W)],
-                delivered_batches=[led[r].delivered_batches for r in range(self.W)],
-                fill_ms=[led[r].fill_excess() for r in range(self.W)],
-                sync_ms=sync_ms,
-                delivered_coherent=capable and bool(movers) and all(led[r].delivered_batches >= 1 for r in movers),
-            ))
-            if self.fixed_callback is None and self.elche.is_calibrated and not self.roles_elected:
-                self.roles_elected = True  # sticky: re-elected only on death
-                self.elect_callback_rank()
-            deltas = [float(div.get(r) or 0.0) for r in range(self.W)]
-            pres = [pre.get(r) for r in range(self.W)]
-            report = DivergenceReport(deltas, pres if all(p is not None for p in pres) else None, post)
-            k_used, k_max = sum(n.values()), max(n.values(), default=0)
-            action = self.guard.report(report, k_used, k_max)
-            if self.meta is not None and self.lr_seen is not None:
-                meta_action = self.meta.observe(self.lr_seen, self.elche.anchor, action, self.elche.phase)
-                if meta_action is not None:
-                    self.elche.nudge_anchor_down(meta_action.factor)
-                    self.elche.discard_proposed_anchor()
-            self.elche.apply_verdict(action, relax_up=self.policy == "async" and bool(self.cfg["mode"]["relax_up"]))
-            if self.dispatch is not None:
-                self.dispatch.on_verdict(action)
-        self.version += 1
+            action = self._feed_controllers(n, div, pre, post, sync_ms, alive)
+        now = self._clock()
         k_used = sum(n.values())
+        outcome = ReduceOutcome(n=n, k_used=k_used, sync_ms=sync_ms, divergence=div, action=action,
+                                anchor_before=anchor_before, anchor_after=self.elche.anchor if self.elche else 0,
+                                window_loss=self.window_loss(), window_s=max(now - self.window_t0, 1e-6), final=red.final)
+        self.version += 1
         self.global_step += k_used
-        self._window_record(n, k_used, sync_ms, div)
         for r, nr in n.items():
             self.ledger[r].steps = max(0, self.ledger[r].steps - nr)
         for led in self.ledger:
             led.reset_timing()
-            led.throttled = False
-        self.cycle = None
-        self.window_t0 = time.monotonic()
-        self.broadcast(Message("set_global_step", {"global_step": self.global_step}))
-        d_max = max((float(v) for v in div.values() if v is not None), default=None)
-        if self.dispatch is not None:
-            self.dispatch.on_sync(sync_ms, d_max, action.code)
-            if self.elche is not None and self.elche.anchor != old_anchor:
-                log.info("anchor %d -> %d", old_anchor, self.elche.anchor)
-            self.maybe_at_epoch_checkpoint()
-            self.dispatch.after_finish()
+        self.in_flight = None
+        self.window_t0 = now
+        self._out.broadcast(SetGlobalStep(global_step=self.global_step))
+        if outcome.anchor_after != anchor_before:
+            log.info("anchor %d -> %d", anchor_before, outcome.anchor_after)
+        return outcome
 
-    def _window_record(self: "Coordinator", n: dict[int, int], k_used: int, sync_ms: float, div: dict, force_epoch: Optional[int] = None) -> None:
-        """A sub-epoch report at this reduce boundary when it closes a slice of the epoch's work."""
-        epoch = force_epoch if force_epoch is not None else (self.current_epoch() if self.dispatch else 0)
-        if force_epoch is None and (epoch >= self.epochs or not self.windows.on_window(epoch, k_used)):
-            return  # the drain reduce after the last epoch belongs to no epoch's slices
-        now = time.monotonic()
+    def _feed_controllers(self, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
+                          post: Optional[float], sync_ms: float, alive: Callable[[int], bool]) -> ConvergenceAction:
+        """ElChe's timing feed, the guard's verdict, the meta-controller's veto, in the reference's order."""
+        elche = self.elche
+        assert elche is not None
         led = self.ledger
-        loss_n = sum(led[r].loss_count for r in range(self.W))
-        rec: dict[str, float] = {
-            "window/loss": sum(led[r].loss_sum for r in range(self.W)) / loss_n if loss_n else float("nan"),
-            "window/samples_per_s": k_used * self.batch_size / max(now - self.window_t0, 1e-6),
-            "window/sync_ms": sync_ms,
-            "window/epoch": float(epoch),
-        }
-        if self.elche is not None:
-            rec["window/anchor"] = float(self.elche.anchor)
-        d = [float(v) for v in div.values() if v is not None]
-        if d:
-            rec["window/divergence"] = max(d)
-        for r in range(self.W):
-            rec[f"window/rank{r}/share"] = n.get(r, 0) / k_used if k_used else 0.0
-            rec[f"window/rank{r}/steps"] = float(n.get(r, 0))
-        if rec["window/loss"] != rec["window/loss"]:  # a flushed slice with no batches: carry the last loss
-            rec["window/loss"] = self.last_window_loss
-        self.last_window_loss = rec["window/loss"]
-        rec = {k: v for k, v in rec.items() if v == v}
-        self.sink.log_metrics(rec, step=self.global_step)
-        self.emit({"event": "window", "step": self.global_step, **{k[len("window/"):]: v for k, v in rec.items()}})
-        for r in range(self.W):
-            self.records.rank(r, "window", {"step": self.global_step, "steps": n.get(r, 0)})
+        w = range(self.world_size)
+        movers = [r for r in w if alive(r) and led[r].window_batches > 0]
+        capable = (self.backend == "cpu" and self.policy in ("cadence", "async")) or (self.backend == "nccl" and self.policy == "cadence")
+        elche.report_window(WindowReport(
+            wall_ms=[led[r].wall_ms if alive(r) else 0.0 for r in w],
+            steps=[led[r].window_batches if alive(r) else 0 for r in w],
+            delivered_ms=[led[r].delivered_ms for r in w],
+            delivered_batches=[led[r].delivered_batches for r in w],
+            fill_ms=[led[r].fill_excess() for r in w],
+            sync_ms=sync_ms,
+            delivered_coherent=capable and bool(movers) and all(led[r].delivered_batches >= 1 for r in movers),
+        ))
+        pres = [pre.get(r) for r in w]
+        report = DivergenceReport([float(div.get(r) or 0.0) for r in w],
+                                  pres if all(p is not None for p in pres) else None, post)  # type: ignore[arg-type]
+        action = self.guard.report(report, sum(n.values()), max(n.values(), default=0))
+        if self.meta is not None and self.lr_seen is not None:
+            meta_action = self.meta.observe(self.lr_seen, elche.anchor, action, elche.phase)
+            if meta_action is not None:
+                elche.nudge_anchor_down(meta_action.factor)
+                elche.discard_proposed_anchor()
+        elche.apply_verdict(action, relax_up=self.policy == "async" and self.relax_up)
+        return action
+
+    def state_for_meta(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "sync_round": self.version}

@@ -7,75 +7,116 @@
   its reduce window; barrier-paced policies never let a rank cross a reduce or
   an epoch barrier, async may stream ahead within its overshoot budget.
 
-Epochs aggregate strictly in order; each aggregated epoch is handed to the
-coordinator (metrics, eval) and the next one is dispatched.
+Epochs aggregate strictly in order: :meth:`Dispatcher.pop_aggregated` hands the
+coordinator one finished epoch at a time, and :meth:`Dispatcher.advance` starts
+the next unless the gate holds it (an epoch-boundary bundle). The dispatcher owns
+the chunks in flight, the pools, the per-epoch accumulators and the coverage of
+aggregated epochs; it reads liveness from the cohort and counts from the cycle.
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
-import time
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from ..partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
-from ..wire import Message
+from ..protocol import ChunkMetrics, ExtendPartition, StartEpoch, Telemetry
 from .actions import ConvergenceAction
+from .channels import Outbox
 from .chunk_pool import ChunkPool, FinalWindowPlan, OvershootTuner, compute_chunk_batches, reduce_budget, refresh_final_window_plan
+from .cohort import Cohort
+from .cycle import AveragingCycle
 from .epoch_metrics import EpochAccumulator
-
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
 
 log = logging.getLogger("flodl_exp.coordinator")
 
 
+class Gate(enum.Enum):
+    OPEN = "open"
+    HOLD_EPOCH = "hold_epoch"
+    """Chunks of the open epoch go on; no rank crosses into the next (an epoch-boundary bundle)."""
+    CLOSED = "closed"
+    """Nothing is handed out (draining, bundles, shutdown)."""
+
+
+@dataclass
+class Chunk:
+    rank: int
+    epoch: int
+    offset: int
+    size: int
+
+
+@dataclass
+class AggregatedEpoch:
+    epoch: int
+    metrics: dict[str, float]
+    ranges: list[list[int]]
+
+
 class Dispatcher:
-    def __init__(self, co: "Coordinator") -> None:
-        self.co = co
-        self.W = co.W
-        self.bs = co.batch_size
-        self.epochs = co.epochs
-        self.progressive = co.progressive
-        self.barrier_paced = co.policy in ("sync", "cadence")
-        self.is_async = co.policy == "async"
-        mo = co.cfg["mode"]["max_overshoot"]
-        self.overshoot = OvershootTuner.pinned(int(mo)) if mo is not None else OvershootTuner()
+    def __init__(self, *, world_size: int, batch_size: int, epochs: int, policy: str, progressive: bool,
+                 max_overshoot: Optional[int], partition_ratios: Optional[list[float]], scalar_reductions: dict[str, str],
+                 cohort: Cohort, cycle: AveragingCycle, outbox: Outbox, clock: Callable[[], float]) -> None:
+        self.W = world_size
+        self.bs = batch_size
+        self.epochs = epochs
+        self.policy = policy
+        self.progressive = progressive
+        self.barrier_paced = policy in ("sync", "cadence")
+        self.is_async = policy == "async"
+        self.partition_ratios = partition_ratios
+        self.scalar_reductions = scalar_reductions
+        self.overshoot = OvershootTuner.pinned(int(max_overshoot)) if max_overshoot is not None else OvershootTuner()
+        self._cohort = cohort
+        self._cycle = cycle
+        self._out = outbox
+        self._clock = clock
+        self.gate = Gate.CLOSED
+        self.total = 0
+        """Picks per epoch (samples x augment views), known once the ranks said hello."""
         self.last_aggregated = -1
         self.accs: dict[int, EpochAccumulator] = {}
         self.pools: dict[int, ChunkPool] = {}
         self.final_plans: dict[int, Optional[FinalWindowPlan]] = {}
-        self.chunks: dict[int, tuple[int, int, int, int]] = {}
-        """chunk id -> (rank, epoch, offset, size) for every chunk sent and not yet reported."""
+        self.chunks: dict[int, Chunk] = {}
+        """chunk id -> every chunk sent and not yet reported."""
+        self.progress: list[dict[int, int]] = [{} for _ in range(world_size)]
+        """rank -> chunk id -> batches reported trained."""
+        self.coverage: dict[int, list[list[int]]] = {}
+        """Aggregated epoch -> the [offset, size] ranges its chunks covered."""
         self.rank_epoch = [0] * self.W
         self._ids = itertools.count()
 
-    @property
-    def total(self) -> int:
-        return self.co.total_picks
-
     def _open(self, e: int) -> EpochAccumulator:
         if e not in self.accs:
-            self.accs[e] = EpochAccumulator(e, self.W, time.monotonic())
-            if self.co.elche is not None:
-                self.co.elche.set_max_total_batches(self.total // self.bs)
+            self.accs[e] = EpochAccumulator(e, self.W, self._clock())
+            if self._cycle.elche is not None:
+                self._cycle.elche.set_max_total_batches(self.total // self.bs)
         return self.accs[e]
 
     def _send_chunk(self, r: int, e: int, offset: int, size: int) -> bool:
         cid = next(self._ids)
-        self.chunks[cid] = (r, e, offset, size)
+        self.chunks[cid] = Chunk(r, e, offset, size)
         self.rank_epoch[r] = e
-        ok = self.co.send(r, Message("start_epoch", {"epoch": e, "offset": offset, "size": size, "chunk": cid}))
+        ok = self._out.send(r, StartEpoch(epoch=e, offset=offset, size=size, chunk=cid))
         if not ok:
             del self.chunks[cid]
         return ok
 
+    def current_epoch(self) -> int:
+        return self.last_aggregated + 1
+
     def in_flight(self, r: int) -> bool:
-        return any(c[0] == r for c in self.chunks.values())
+        return any(c.rank == r for c in self.chunks.values())
 
     # -- starting epochs ------------------------------------------------
-    def start(self) -> None:
-        resume = self.co.resume
-        meta = resume["meta"] if resume else None
+    def start(self, total_picks: int, resume_meta: Optional[dict[str, Any]]) -> None:
+        self.total = total_picks
+        meta = resume_meta
         start = int(meta["epoch"]) if meta else 0
         recorded = ((meta.get("coverage") or {}).get("per_epoch") or []) if meta else []
         if recorded and self.progressive:
@@ -87,7 +128,7 @@ class Dispatcher:
                 self._open(e)
                 self.pools[e] = ChunkPool.from_coverage(e, int(p["total_samples"]), self.bs, self.W,
                                                         [tuple(rg) for rg in p["uncovered_ranges"]])
-            for r in self.co.alive_ranks():
+            for r in self._cohort.alive_ranks():
                 self.rank_epoch[r] = lowest
                 self.dispatch_next(r)
             return
@@ -99,25 +140,14 @@ class Dispatcher:
         else:
             self._dispatch_plans(start)
 
-    def resume_after_checkpoint(self) -> None:
-        """The epoch-boundary bundle is written: dispatch the held next epoch."""
-        e = self.last_aggregated + 1
-        if e >= self.epochs:
-            return
-        if not self.progressive:
-            self._dispatch_plans(e)
-        elif e not in self.pools:
-            self._start_progressive(e)
-        else:
-            self.after_finish()
-
     def on_rank_dead(self, r: int) -> None:
         """Give the dead rank's unprocessed picks to the survivors; what it trained stays covered."""
-        progress = self.co.chunk_progress[r]
-        survivors = self.co.alive_ranks()
-        for cid, (rr, e, off, size) in sorted(self.chunks.items()):
-            if rr != r:
+        progress = self.progress[r]
+        survivors = self._cohort.alive_ranks()
+        for cid, ch in sorted(self.chunks.items()):
+            if ch.rank != r:
                 continue
+            e, off, size = ch.epoch, ch.offset, ch.size
             del self.chunks[cid]
             done = min(progress.get(cid, 0) * self.bs, size)
             acc = self._open(e)
@@ -141,19 +171,19 @@ class Dispatcher:
 
     def _extend(self, r: int, e: int, offset: int, size: int) -> None:
         cid = next(self._ids)
-        self.chunks[cid] = (r, e, offset, size)
-        if not self.co.send(r, Message("extend_partition", {"epoch": e, "offset": offset, "size": size, "chunk": cid})):
+        self.chunks[cid] = Chunk(r, e, offset, size)
+        if not self._out.send(r, ExtendPartition(epoch=e, offset=offset, size=size, chunk=cid)):
             del self.chunks[cid]
 
     def _dispatch_plans(self, e: int) -> None:
         self._open(e)
-        alive = self.co.alive_ranks()
+        alive = self._cohort.alive_ranks()
         n_batches = self.total // self.bs
-        ratios = self.co.cfg["mode"].get("partition_ratios")
-        elche = self.co.elche
+        ratios = self.partition_ratios
+        elche = self._cycle.elche
         if ratios:
             sizes = ratio_to_sizes(ratios, n_batches)
-        elif self.co.policy != "sync" and elche is not None and (elche.is_calibrated or elche.has_speed_hint()):
+        elif self.policy != "sync" and elche is not None and (elche.is_calibrated or elche.has_speed_hint()):
             sizes = throughput_sizes([max(elche.smoothed_ms(r), 1e-3) if elche.is_calibrated else 1.0 / c
                                       for r, c in enumerate(elche.batch_counts)], n_batches)
         else:
@@ -170,9 +200,10 @@ class Dispatcher:
 
     def _start_progressive(self, e: int) -> None:
         self._open(e)
-        counts = self.co.counts if self.co.elche is not None and (self.co.elche.is_calibrated or self.co.elche.has_speed_hint()) else [1] * self.W
-        self.pools[e] = ChunkPool(e, self.total, self.bs, counts, now_ms=time.monotonic() * 1e3)
-        for r in self.co.alive_ranks():
+        elche = self._cycle.elche
+        counts = self._cycle.counts if elche is not None and (elche.is_calibrated or elche.has_speed_hint()) else [1] * self.W
+        self.pools[e] = ChunkPool(e, self.total, self.bs, counts, now_ms=self._clock() * 1e3)
+        for r in self._cohort.alive_ranks():
             if not self.in_flight(r):
                 self.rank_epoch[r] = e
                 self.dispatch_next(r)
@@ -181,17 +212,18 @@ class Dispatcher:
     def _final_alloc(self, e: int) -> Optional[list[int]]:
         pool = self.pools[e]
         plan = refresh_final_window_plan(
-            self.final_plans.get(e), epoch=e, rem=pool.remaining() // self.bs, counts=self.co.counts,
-            alive=list(self.co.alive), barrier_paced=self.barrier_paced)
+            self.final_plans.get(e), epoch=e, rem=pool.remaining() // self.bs, counts=self._cycle.counts,
+            alive=[self._cohort.alive(r) for r in range(self.W)], barrier_paced=self.barrier_paced)
         self.final_plans[e] = plan
-        return plan.alloc if plan is not None else None
+        return list(plan.alloc) if plan is not None else None
 
     def _chunk_from(self, r: int, e: int) -> bool:
         pool = self.pools[e]
-        elche = self.co.elche
+        elche = self._cycle.elche
+        assert elche is not None, "progressive dispatch needs ElChe (2+ ranks)"
         nb = compute_chunk_batches(
-            rank=r, rem_batches=pool.remaining() // self.bs, counts=self.co.counts,
-            steps=[led.steps for led in self.co.ledger], barrier_paced=self.barrier_paced, is_async=self.is_async,
+            rank=r, rem_batches=pool.remaining() // self.bs, counts=self._cycle.counts,
+            steps=[self._cycle.steps(q) for q in range(self.W)], barrier_paced=self.barrier_paced, is_async=self.is_async,
             max_overshoot=self.overshoot.value, calibrated=elche.is_calibrated, has_speed_hint=elche.has_speed_hint(),
             total_samples=self.total, world_size=self.W, batch_size=self.bs, final_alloc=self._final_alloc(e))
         if nb <= 0:
@@ -206,12 +238,12 @@ class Dispatcher:
 
     def dispatch_next(self, r: int) -> None:
         """algorithms.md 5.4: hand rank r its next chunk unless a barrier holds it."""
-        if not self.co.alive[r] or self.co.phase not in ("training", "checkpointing"):
+        if not self._cohort.alive(r) or self.gate is Gate.CLOSED:
             return
         if self.barrier_paced and self.in_flight(r):
             return
-        b = reduce_budget(r, self.co.counts, self.is_async, self.overshoot.value)
-        if b > 0 and self.co.ledger[r].steps >= b:
+        b = reduce_budget(r, self._cycle.counts, self.is_async, self.overshoot.value)
+        if b > 0 and self._cycle.steps(r) >= b:
             return
         e = self.rank_epoch[r]
         pool = self.pools.get(e)
@@ -220,13 +252,13 @@ class Dispatcher:
             return
         first_live = self.last_aggregated + 1
         nxt = max(e + 1, first_live)
-        if nxt >= self.epochs or (self.barrier_paced and e >= first_live) or self.co.phase == "checkpointing":
+        if nxt >= self.epochs or (self.barrier_paced and e >= first_live) or self.gate is Gate.HOLD_EPOCH:
             return
         if self.is_async and self.overshoot.value == 0:
             return
         if nxt not in self.pools:
             self._open(nxt)
-            self.pools[nxt] = ChunkPool(nxt, self.total, self.bs, self.co.counts, now_ms=time.monotonic() * 1e3)
+            self.pools[nxt] = ChunkPool(nxt, self.total, self.bs, self._cycle.counts, now_ms=self._clock() * 1e3)
         self.rank_epoch[r] = nxt
         self._chunk_from(r, nxt)
 
@@ -243,23 +275,28 @@ class Dispatcher:
         return plan is not None and plan.alloc[r] == 0
 
     # -- reports ----------------------------------------------------------
-    def on_metrics(self, r: int, f: dict) -> None:
-        chunk = self.chunks.pop(int(f.get("chunk", -1)), None)
-        for extra in f.get("extra_chunks") or []:
+    def on_batch(self, r: int, chunk: int) -> None:
+        self.progress[r][chunk] = self.progress[r].get(chunk, 0) + 1
+
+    def on_metrics(self, r: int, m: ChunkMetrics) -> None:
+        chunk = self.chunks.pop(m.chunk, None)
+        for extra in m.extra_chunks:
             self.chunks.pop(int(extra), None)
-        e = int(f["epoch"])
-        self._open(e).add_chunk(r, f)
-        if self.progressive and chunk is not None and e in self.pools:
-            self.pools[e].mark_completed(r, chunk[3])
+        self._open(m.epoch).add_chunk(r, m)
+        if self.progressive and chunk is not None and m.epoch in self.pools:
+            self.pools[m.epoch].mark_completed(r, chunk.size)
             self.dispatch_next(r)
 
-    def on_telemetry(self, r: int, f: dict) -> None:
-        e = min((e for e in self.accs if e > self.last_aggregated), default=None)
+    def _open_epoch(self) -> Optional[int]:
+        return min((e for e in self.accs if e > self.last_aggregated), default=None)
+
+    def on_telemetry(self, r: int, t: Telemetry) -> None:
+        e = self._open_epoch()
         if e is not None:
-            self.accs[e].add_telemetry(r, f)
+            self.accs[e].add_telemetry(r, t.values())
 
     def on_sync(self, ms: float, d_max: Optional[float], code: int) -> None:
-        e = min((e for e in self.accs if e > self.last_aggregated), default=None)
+        e = self._open_epoch()
         if e is not None:
             self.accs[e].add_sync(ms, d_max, code)
 
@@ -269,35 +306,48 @@ class Dispatcher:
 
     def after_finish(self) -> None:
         if self.progressive:
-            for r in self.co.alive_ranks():
+            for r in self._cohort.alive_ranks():
                 if not self.in_flight(r):
                     self.dispatch_next(r)
 
     def _ready(self, e: int) -> bool:
-        if e not in self.accs or any(c[1] == e for c in self.chunks.values()):
+        if e not in self.accs or any(c.epoch == e for c in self.chunks.values()):
             return False
         if self.progressive:
             pool = self.pools.get(e)
             return pool is not None and pool.is_epoch_done()
-        return all(r in self.accs[e].reported for r in self.co.alive_ranks())
+        return all(r in self.accs[e].reported for r in self._cohort.alive_ranks())
 
-    def aggregate_ready(self) -> None:
-        while self.last_aggregated + 1 < self.epochs and self._ready(self.last_aggregated + 1):
-            e = self.last_aggregated + 1
-            acc = self.accs[e]
-            metrics = acc.summary(time.monotonic() - acc.started, self.co.scalar_reductions)
-            self.last_aggregated = e
-            self.co.on_epoch_aggregated(e, metrics, acc.ranges)
-            self.pools.pop(e - 1, None)
-            if self.co.phase == "checkpointing":
-                return  # the next epoch waits for the bundle (resume_after_checkpoint)
-            if e + 1 < self.epochs:
-                if not self.progressive:
-                    self._dispatch_plans(e + 1)
-                elif e + 1 not in self.pools:
-                    self._start_progressive(e + 1)
-                else:
-                    self.after_finish()
+    def pop_aggregated(self) -> Optional[AggregatedEpoch]:
+        """The next epoch in order once every pick of it is reported; None when it is not ready."""
+        e = self.last_aggregated + 1
+        if e >= self.epochs or not self._ready(e):
+            return None
+        acc = self.accs[e]
+        metrics = acc.summary(self._clock() - acc.started, self.scalar_reductions)
+        self.last_aggregated = e
+        self.coverage[e] = acc.ranges
+        self.pools.pop(e - 1, None)
+        return AggregatedEpoch(e, metrics, acc.ranges)
+
+    def advance(self) -> None:
+        """After an aggregation: start the next epoch (or keep streaming into it)."""
+        e = self.last_aggregated
+        if e + 1 >= self.epochs or self.gate is not Gate.OPEN:
+            return
+        if not self.progressive:
+            if e + 1 not in self.accs:
+                self._dispatch_plans(e + 1)
+        elif e + 1 not in self.pools:
+            self._start_progressive(e + 1)
+        else:
+            self.after_finish()
+
+    def open_coverage(self) -> list[dict[str, Any]]:
+        """Coverage of every open epoch (in-flight chunks count as uncovered): what a mid-epoch bundle resumes."""
+        return [{"epoch": e, "total_samples": pool.total_samples,
+                 "uncovered_ranges": [list(rg) for rg in pool.uncovered_ranges()]}
+                for e, pool in sorted(self.pools.items()) if e > self.last_aggregated]
 
     def all_aggregated(self) -> bool:
         return self.last_aggregated >= self.epochs - 1

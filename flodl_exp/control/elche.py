@@ -133,14 +133,14 @@ class ElChe:
             self.with_max_batch_diff(max_batch_diff)
 
     # ---------------------------------------------------------------- knobs
-    def with_overhead_target(self, target: float) -> "ElChe":
+    def with_overhead_target(self, target: float) -> ElChe:
         """Per-window fixed-overhead fraction the anchor grows to stay under."""
         if not math.isfinite(target):
             raise ValueError(f"overhead_target must be finite (got {target})")
         self._overhead_target = min(max(float(target), 0.01), 0.50)
         return self
 
-    def with_max_anchor(self, m: int) -> "ElChe":
+    def with_max_anchor(self, m: int) -> ElChe:
         """Staleness ceiling. Lowers ``min_anchor`` (and the anchor) if they exceed it."""
         self._max_anchor = max(int(m), 1)
         if self._min_anchor > self._max_anchor:
@@ -149,7 +149,7 @@ class ElChe:
             self._resync_cold_counts()
         return self
 
-    def with_min_anchor(self, m: int) -> "ElChe":
+    def with_min_anchor(self, m: int) -> ElChe:
         """Growth floor (capped at ``max_anchor``); lifts the anchor to it. ``NudgeDown``
         bypasses it, so a hard pin also needs the guard disabled."""
         self._min_anchor = min(max(int(m), 1), self._max_anchor)
@@ -158,7 +158,7 @@ class ElChe:
             self._resync_cold_counts()
         return self
 
-    def with_max_batch_diff(self, d: Optional[int]) -> "ElChe":
+    def with_max_batch_diff(self, d: Optional[int]) -> ElChe:
         """Per-update change cap on each count (also the coordinator's throttle
         threshold); 0 = lockstep, None = unbounded."""
         if d is not None and d < 0:
@@ -166,7 +166,7 @@ class ElChe:
         self._max_batch_diff = None if d is None else int(d)
         return self
 
-    def with_speed_ratio(self, slow_rank: int, ratio: float) -> "ElChe":
+    def with_speed_ratio(self, slow_rank: int, ratio: float) -> ElChe:
         """Cold-start guess: ``slow_rank`` runs ``anchor``, the others ``anchor*ratio``.
         Pins the anchor rank; the first measurements correct a wrong guess."""
         self._check_rank(slow_rank)
@@ -178,13 +178,13 @@ class ElChe:
         self._anchor_rank = slow_rank
         return self
 
-    def with_initial_anchor(self, rank: int) -> "ElChe":
+    def with_initial_anchor(self, rank: int) -> ElChe:
         """Pin the cold-start anchor rank without touching counts (held until Stable)."""
         self._check_rank(rank)
         self._anchor_rank = rank
         return self
 
-    def with_window_growth_applicable(self, applicable: bool) -> "ElChe":
+    def with_window_growth_applicable(self, applicable: bool) -> ElChe:
         """False under Sync: no window to amortise, growth would only pollute the anchor."""
         self._window_growth_applicable = bool(applicable)
         return self

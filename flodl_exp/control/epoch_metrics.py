@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
+
+from ..protocol import ChunkMetrics
 
 
 @dataclass
@@ -22,7 +24,9 @@ class RankSums:
     starve_ms: float = 0.0
     chunks: int = 0
     scalars: dict[str, list[float]] = field(default_factory=dict)
+    """name -> [sum, count]"""
     telemetry: dict[str, list[float]] = field(default_factory=dict)
+    """name -> [sum, count]"""
 
 
 class EpochAccumulator:
@@ -39,26 +43,26 @@ class EpochAccumulator:
         self.guard_action = 0
         self.reported: set[int] = set()
 
-    def add_chunk(self, rank: int, f: dict[str, Any]) -> None:
+    def add_chunk(self, rank: int, m: ChunkMetrics) -> None:
         s = self.ranks[rank]
-        b = int(f["batches"])
+        b = m.batches
         s.batches += b
-        s.samples += int(f["samples"])
-        s.loss_sum += float(f["avg_loss"]) * b
-        s.epoch_ms += float(f["epoch_ms"])
-        s.share_ms += float(f["share_complete_ms"])
-        s.compute_ms += float(f["compute_only_ms"])
-        s.starve_ms += float(f["data_starve_ms"])
+        s.samples += m.samples
+        s.loss_sum += m.avg_loss * b
+        s.epoch_ms += m.epoch_ms
+        s.share_ms += m.share_complete_ms
+        s.compute_ms += m.compute_only_ms
+        s.starve_ms += m.data_starve_ms
         s.chunks += 1
-        for k, (sm, c) in (f.get("scalars") or {}).items():
+        for k, (sm, c) in m.scalars.items():
             acc = s.scalars.setdefault(k, [0.0, 0])
             acc[0] += float(sm)
             acc[1] += int(c)
-        for off, size in f.get("ranges") or []:
+        for off, size in m.ranges:
             self.ranges.append([int(off), int(size)])
         self.reported.add(rank)
 
-    def add_telemetry(self, rank: int, f: dict[str, Any]) -> None:
+    def add_telemetry(self, rank: int, f: dict[str, float]) -> None:
         """Resource samples (gpu_util, mem_gb, cpu_pct, rss_gb, ...): averaged per rank over the epoch."""
         for k, v in f.items():
             if isinstance(v, (int, float)) and math.isfinite(v):

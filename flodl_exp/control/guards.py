@@ -11,7 +11,6 @@ blind. MsfGuard state round-trips too, but is not required by the reference.
 from __future__ import annotations
 
 import abc
-
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -87,13 +86,13 @@ class ConvergenceGuard(abc.ABC):
     def telemetry(self) -> list[tuple[str, float]]:
         return []
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027  (optional hook; the default is a no-op)
         """Forget history (mode/run boundary). Default: nothing to forget."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027  (optional hook; the default is a no-op)
         """Restore what ``state_dict`` produced. Default: stateless."""
 
 
@@ -227,16 +226,16 @@ class MsfGuard(ConvergenceGuard):
         self.nudge_streak = 0
         self.last_sample: Optional[LambdaSample] = None
 
-    def with_alpha(self, alpha: float) -> "MsfGuard":
+    def with_alpha(self, alpha: float) -> MsfGuard:
         self.estimator = LambdaEstimator(alpha)
         return self
 
-    def with_suppress(self, threshold: float, sustain: int) -> "MsfGuard":
+    def with_suppress(self, threshold: float, sustain: int) -> MsfGuard:
         _check_sustain("msf suppress_sustain", sustain)
         self.suppress_threshold, self.suppress_sustain = float(threshold), int(sustain)
         return self
 
-    def with_nudge(self, threshold: float, sustain: int, factor: float) -> "MsfGuard":
+    def with_nudge(self, threshold: float, sustain: int, factor: float) -> MsfGuard:
         _check_sustain("msf nudge_sustain", sustain)
         if not 0.0 < factor <= 1.0:
             raise ValueError(f"msf nudge_factor: expected a value in (0, 1], got {factor!r}")
@@ -244,7 +243,7 @@ class MsfGuard(ConvergenceGuard):
         self.nudge_factor = float(factor)
         return self
 
-    def without_nudge(self) -> "MsfGuard":
+    def without_nudge(self) -> MsfGuard:
         """Only SuppressGrowth can fire (an infinite threshold never arms)."""
         self.nudge_threshold = math.inf
         return self
@@ -324,9 +323,10 @@ def build_guard(
     k = str(kind).strip().lower()
     if k not in GUARD_KINDS:
         raise ValueError(f"guard kind: unknown {kind!r} (expected one of: none, trend, msf)")
-    msf = {"alpha": msf_alpha, "suppress_threshold": msf_suppress_threshold,
-           "suppress_sustain": msf_suppress_sustain, "nudge_threshold": msf_nudge_threshold,
-           "nudge_sustain": msf_nudge_sustain, "nudge_factor": msf_nudge_factor}
+    # Mixed float/int options, forwarded as MsfGuard keyword arguments.
+    msf: dict[str, Any] = {"alpha": msf_alpha, "suppress_threshold": msf_suppress_threshold,
+                           "suppress_sustain": msf_suppress_sustain, "nudge_threshold": msf_nudge_threshold,
+                           "nudge_sustain": msf_nudge_sustain, "nudge_factor": msf_nudge_factor}
     msf = {name: v for name, v in msf.items() if v is not None}
     if k != "msf" and (msf or not msf_nudge):
         name = next(iter(msf), "nudge")

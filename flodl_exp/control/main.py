@@ -8,7 +8,7 @@ MLflow, and writes ``result.json``. Exit status 0 = FINISHED, 3 = PREEMPTED
 Signals: ``SIGUSR1`` = save a bundle and stop for requeue (sent by task 0 on
 submitit's preemption / time-limit signal); ``SIGUSR2`` (SLURM's ``--signal``
 reaches every process of the step) is logged and left to task 0; ``SIGTERM``
-on SLURM ends the run before the cluster's SIGKILL (see checkpointing.py).
+on SLURM ends the run before the cluster's SIGKILL (see preemption.py).
 """
 from __future__ import annotations
 
@@ -19,15 +19,20 @@ import queue
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..constants import PREEMPT_EXIT
+from .lifecycle import Phase, RunFailure  # import-light: the handlers go in before torch loads
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
 
 
 class _Signals:
     """Signal handlers installed first thing (imports take seconds); they only set flags."""
 
     def __init__(self, slurm: bool) -> None:
-        self.co = None
+        self.co: Optional[Coordinator] = None
         self.preempt = False
         self.term = False
         signal.signal(signal.SIGUSR1, self._usr1)
@@ -35,101 +40,105 @@ class _Signals:
         if slurm:
             signal.signal(signal.SIGTERM, self._term)
 
-    def attach(self, co) -> None:
+    def attach(self, co: Coordinator) -> None:
         self.co = co
         if self.preempt:
-            co.request_preempt()
+            co.preemption.request_preempt()
         if self.term:
-            co.request_terminate()
+            co.preemption.request_terminate()
 
-    def _usr1(self, signum, frame) -> None:
+    def _usr1(self, signum: int, frame: Any) -> None:
         logging.getLogger("flodl_exp.coordinator").warning("SIGUSR1: preemption / time limit: bundle, then stop for requeue")
         self.preempt = True
         if self.co is not None:
-            self.co.request_preempt()
+            self.co.preemption.request_preempt()
 
-    def _usr2(self, signum, frame) -> None:
+    def _usr2(self, signum: int, frame: Any) -> None:
         logging.getLogger("flodl_exp.coordinator").info("SIGUSR2 from the cluster: task 0 asks for the bundle")
 
-    def _term(self, signum, frame) -> None:
+    def _term(self, signum: int, frame: Any) -> None:
         logging.getLogger("flodl_exp.coordinator").warning("SIGTERM: the job step is being terminated")
         self.term = True
         if self.co is not None:
-            self.co.request_terminate()
-            if self.co.phase == "connecting":
-                from .coordinator import RunFailure
-
+            self.co.preemption.request_terminate()
+            if self.co.life.is_(Phase.CONNECTING):
                 raise RunFailure("the job was terminated (SIGTERM) before every rank connected")
 
 
 def main(argv: list[str]) -> int:
     spec_path, host = argv[1], argv[2]
     with open(spec_path) as fh:
-        slurm = json.load(fh)["config"]["cluster"]["executor"] == "slurm"
+        spec = json.load(fh)
+    raw_cluster = spec["config"]["cluster"]
+    slurm = raw_cluster["executor"] == "slurm"
     signals = _Signals(slurm)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s", stream=sys.stderr)
-    log = logging.getLogger("flodl_exp.coordinator")
-    with open(spec_path) as fh:
-        spec = json.load(fh)
     job_dir = os.path.dirname(os.path.abspath(spec_path))
-    cfg = spec["config"]
-    w = int(cfg["cluster"]["nodes"]) * int(cfg["cluster"]["ranks_per_node"])
 
     from .. import wire
-    from ..checkpoint import atomic_json
+    from ..config import RunShape, load_config
     from ..jobs.rendezvous import incarnation, write_rendezvous
     from ..tracking import MlflowSink
-    from .coordinator import Coordinator, RunFailure
+    from .coordinator import Coordinator
     from .server import RankServer, start_store
 
+    cfg = load_config(spec["config"])
+    w = RunShape.of(cfg).world_size
     token = wire.new_token()
-    events: "queue.Queue[tuple]" = queue.Queue()
+    events: queue.Queue[tuple[Any, ...]] = queue.Queue()
     server = RankServer(host, token, w, events)
-    store = start_store(host, w) if cfg["mode"]["backend"] == "nccl" and w > 1 else None
+    store = start_store(host, w) if cfg.mode.backend == "nccl" and w > 1 else None
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(int(spec.get("attempt", 0)))})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
     sink = MlflowSink(spec["tracking_uri"], spec["run_id"])
-    co = Coordinator(spec, server, events, sink, job_dir)
+    co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if slurm:
-        srun_args = [str(a) for a in cfg["cluster"]["slurm"].get("srun_args") or []]
-        co.kill_on_bad_exit = any(a in ("--kill-on-bad-exit", "--kill-on-bad-exit=1", "-K", "-K1") for a in srun_args)
+        srun_args = [str(a) for a in cfg.cluster.slurm.srun_args]
+        co.preemption.kill_on_bad_exit = any(a in ("--kill-on-bad-exit", "--kill-on-bad-exit=1", "-K", "-K1") for a in srun_args)
     if os.environ.get("SLURM_JOB_ID"):
         sink.set_tags({"slurm_job_id": os.environ["SLURM_JOB_ID"], "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
                        "slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST", "")})
     if spec.get("attempt"):
-        co.emit({"event": "resumed", "attempt": int(spec["attempt"]), "stem": spec["resume"]["stem"],
-                 "epoch": int(spec["resume"]["meta"]["epoch"]), "global_step": co.global_step})
+        co.events.emit({"event": "resumed", "attempt": int(spec["attempt"]), "stem": spec["resume"]["stem"],
+                        "epoch": int(spec["resume"]["meta"]["epoch"]), "global_step": co.cycle.global_step})
     try:
-        status = co.run(float(cfg["cluster"]["rendezvous_timeout_s"]))
+        status = co.run(cfg.cluster.rendezvous_timeout_s).value
     except RunFailure as e:
-        co.failure, co.status = str(e), "FAILED"
-        co._shutdown()
+        co.fail(str(e))
         status = "FAILED"
     except BaseException as e:
         log.exception("coordinator crashed")
-        co.failure, co.status = f"coordinator crashed: {type(e).__name__}: {e}", "FAILED"
-        co._shutdown()
+        co.fail(f"coordinator crashed: {type(e).__name__}: {e}")
         status = "FAILED"
+    return _close(co, spec, cfg, job_dir, sink, server, status, slurm)
+
+
+def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: Any, server: Any, status: str,
+           slurm: bool) -> int:
+    """Write result.json, end the MLflow run (terminal status first where SIGKILL may follow), log artifacts."""
+    from ..checkpoint import atomic_json
+
+    failure = co.life.failure
     result = co.result()
     result["attempt"] = int(spec.get("attempt", 0))
-    if getattr(co, "end_reason", None):
-        result["end_reason"] = co.end_reason
+    if co.life.end_reason:
+        result["end_reason"] = co.life.end_reason
     atomic_json(result, os.path.join(job_dir, "result.json"))
-    co.emit({"event": "end", "status": status, "failure": co.failure})
-    if getattr(co, "terminated", False) and status in ("FAILED", "KILLED"):
+    co.events.emit({"event": "end", "status": status, "failure": failure})
+    if co.preemption.terminated and status in ("FAILED", "KILLED"):
         # SIGTERM on SLURM: SIGKILL follows within KillWait. The terminal status first, the rest never.
-        tags = {"end_reason": co.end_reason, "global_step": co.global_step}
-        if co.failure:
-            tags["error"] = co.failure[:5000]
+        tags: dict[str, Any] = {"end_reason": co.life.end_reason, "global_step": co.cycle.global_step}
+        if failure:
+            tags["error"] = failure[:5000]
         sink.set_tags(tags)
         sink.close(status, timeout=3.0)
         server.close()
         return 1
     if status == "PREEMPTED":
         # Bundle written; the requeued job resumes into this run, which stays RUNNING.
-        sink.log_artifact(os.path.join(job_dir, "events.jsonl"), "run")
+        sink.log_artifact(co.events.path, "run")
         sink.close(None, timeout=10.0)
         server.close()
         return PREEMPT_EXIT
@@ -140,30 +149,29 @@ def main(argv: list[str]) -> int:
             from ..tracking import client
 
             c = client(spec["tracking_uri"])
-            if co.failure:
-                c.set_tag(spec["run_id"], "error", co.failure[:5000])
+            if failure:
+                c.set_tag(spec["run_id"], "error", failure[:5000])
             c.set_terminated(spec["run_id"], status=status)
         except Exception as e:
             log.warning("could not end the MLflow run early: %s", e)
-    if co.failure:
-        sink.set_tags({"error": co.failure[:5000]})
-    sink.set_tags({"global_step": co.global_step, "syncs": co.version})
+    if failure:
+        sink.set_tags({"error": failure[:5000]})
+    sink.set_tags({"global_step": co.cycle.global_step, "syncs": co.cycle.version})
     sink.log_artifact(os.path.join(job_dir, "result.json"), "run")
-    sink.log_artifact(os.path.join(job_dir, "events.jsonl"), "run")
-    if co.records.enabled and os.path.isdir(co.records.dir):
+    sink.log_artifact(co.events.path, "run")
+    if co.records.dir is not None and os.path.isdir(co.records.dir):
         sink.log_artifact(co.records.dir, "record_log")
-    dash = (cfg.get("dashboard") or {}).get("html")
-    if dash:
+    if cfg.dashboard.html:
         try:
             from ..dashboard import load_events, write_dashboard
 
-            epochs, windows, evals = load_events(os.path.join(job_dir, "events.jsonl"))
-            path = write_dashboard(dash, f"flodl_exp {spec['run_id'][:8]} {cfg['experiment']['name']}", epochs, windows,
-                                   evals, theme=cfg["dashboard"]["theme"])
+            epochs, windows, evals = load_events(co.events.path)
+            path = write_dashboard(cfg.dashboard.html, f"flodl_exp {spec['run_id'][:8]} {cfg.experiment.name}", epochs, windows,
+                                   evals, theme=cfg.dashboard.theme)
             sink.log_artifact(path, "dashboard")
         except Exception as e:  # the dashboard is a report, never a reason to fail the run
             log.warning("dashboard not written: %s", e)
-    stem = spec["checkpoint_stem"]
+    stem = co.writer.stem
     if status == "FINISHED":
         for suffix in (".pt", ".optim.pt", ".meta.json"):
             if os.path.exists(stem + suffix):
@@ -173,6 +181,8 @@ def main(argv: list[str]) -> int:
     time.sleep(0.05)
     return 0 if status == "FINISHED" else 1
 
+
+log = logging.getLogger("flodl_exp.coordinator")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -117,8 +117,9 @@ class LrEventMeta:
         conv = self._effective(BASE_FACTOR[name], trend) if self._sustained(SUSTAIN_K[name]) else None
         if cliff is not None and conv is not None:
             return nudge_down(self._clamp(cliff * conv))
-        if cliff is not None or conv is not None:
-            return nudge_down(cliff if cliff is not None else conv)
+        factor = cliff if cliff is not None else conv
+        if factor is not None:
+            return nudge_down(factor)
         return None
 
     def anchor_trend(self) -> float:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 from typing import Any, Optional
 
@@ -21,7 +20,7 @@ log = logging.getLogger("flodl_exp.coordinator")
 
 
 class RankServer:
-    def __init__(self, host: str, token: str, world_size: int, events: "queue.Queue[tuple]", handshake_timeout: float = 10.0) -> None:
+    def __init__(self, host: str, token: str, world_size: int, events: queue.Queue[tuple], handshake_timeout: float = 10.0) -> None:
         self.host = host
         self.token = token
         self.world_size = world_size
@@ -39,7 +38,7 @@ class RankServer:
         while not self._closed:
             try:
                 conn = wire.accept(self.listener, timeout=0.5)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -63,6 +63,6 @@ def make_executor(cluster: Any, folder: str, timeout_min: int, gpus_per_node: in
 
     # SlurmExecutor directly (not AutoExecutor): its own parameter names, and no silent
     # fallback to the local executor when srun is missing (it raises "Could not detect srun").
-    ex = SlurmExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
-    ex.update_parameters(**slurm_parameters(cluster, job_name))
-    return ex
+    slurm_ex = SlurmExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
+    slurm_ex.update_parameters(**slurm_parameters(cluster, job_name))
+    return slurm_ex

@@ -61,7 +61,7 @@ def _pdeathsig() -> None:  # runs in the child between fork and exec
 
 def _is_loopback(host: str) -> bool:
     try:
-        return all(ai[4][0].startswith("127.") or ai[4][0] == "::1" for ai in socket.getaddrinfo(host, None))
+        return all(str(ai[4][0]).startswith("127.") or ai[4][0] == "::1" for ai in socket.getaddrinfo(host, None))
     except OSError:
         return False
 
@@ -264,7 +264,9 @@ class RunTask(submitit.helpers.Checkpointable):
         return box["out"]
 
     # -- submitit's checkpoint hook (task 0, inside its USR2 handler) -----
-    def checkpoint(self, spec_path: str) -> Optional[submitit.helpers.DelayedSubmission]:
+    # submitit declares checkpoint(*args, **kwargs) -> DelayedSubmission, but it calls it with the
+    # task's own arguments and documents None as "do not requeue": its annotation is too narrow.
+    def checkpoint(self, spec_path: str) -> Optional[submitit.helpers.DelayedSubmission]:  # type: ignore[override]
         live = self._live
         if live is None:  # the signal came before this task started: run again as submitted
             log.warning("preemption signal before the run started: requeueing as submitted")

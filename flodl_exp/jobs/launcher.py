@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -175,7 +175,8 @@ class RunHandle:
         if os.path.exists(path):
             with open(path) as fh:
                 self.result = json.load(fh)
-        status = (self.result or {}).get("status")
+        result = self.result or {}
+        status = result.get("status")
         if status == "FINISHED":
             # Tasks of ranks the coordinator declared dead and recovered from fail in submitit's eyes;
             # the run itself finished, so it is FINISHED with the deaths recorded.
@@ -185,9 +186,9 @@ class RunHandle:
                 client(self.tracking_uri).set_tag(self.run_id, "recovered_task_errors", _tail_lines(error, 20)[:5000])
             end_run(self.tracking_uri, self.run_id, "FINISHED")
             self._ended = True
-            return self.result
-        reason = (self.result or {}).get("failure") or error or "the job ended without a result"
-        if error and (self.result or {}).get("failure") and error not in reason:
+            return result
+        reason = result.get("failure") or error or "the job ended without a result"
+        if error and result.get("failure") and error not in reason:
             reason = f"{reason}\n{error}"
         end_run(self.tracking_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
@@ -264,10 +265,10 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         from ..checkpoint import validate_resume
 
         resume = validate_resume(cfg)
-    from .executor import make_executor
     from ..tracking import create_run, resolve_tracking
+    from .executor import make_executor
 
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig gives a dict
     uri, art = resolve_tracking(cfg.tracking, root)
     run_id = create_run(uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved, _tags(cfg, root), parent_run_id)
     job_root = cfg.run.job_root or os.path.join(root, "outputs", "jobs")

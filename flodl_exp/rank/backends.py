@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..averaging import adopt, divergence, flat_params, float_buffers, mass
-from ..wire import Message
+from ..protocol import Snapshot, Update
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class CollectiveBackend:
                     k = b.numel()
                     b.copy_(bflat[off:off + k].view_as(b).to(b.dtype))
                     off += k
-            if with_divergence:
+            if pre is not None:
                 return divergence(pre, flat_params(model))
         return None, None, None
 
@@ -106,7 +106,7 @@ class CoordinatorBackend:
     def __init__(self, bf16_wire: bool = False) -> None:
         self.bf16_wire = bf16_wire
 
-    def snapshot(self, model: nn.Module, n: int, version: int) -> Message:
+    def snapshot(self, model: nn.Module, n: int) -> Snapshot:
         tensors: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
@@ -114,10 +114,10 @@ class CoordinatorBackend:
                 tensors[f"p{i}"] = t.to(torch.bfloat16) if self.bf16_wire else t.float()
             for j, b in enumerate(float_buffers(model)):
                 tensors[f"b{j}"] = b.detach().to("cpu").float()
-        return Message("snapshot", {"n": int(n), "version": int(version)}, tensors)
+        return Snapshot(n=int(n), tensors=tensors)
 
     @staticmethod
-    def adopt_update(model: nn.Module, msg: Message, alpha: Optional[float]) -> None:
+    def adopt_update(model: nn.Module, msg: Update, alpha: Optional[float]) -> None:
         n_p = sum(1 for _ in model.parameters())
         n_b = len(float_buffers(model))
         params = [msg.tensors[f"p{i}"].float() for i in range(n_p)]

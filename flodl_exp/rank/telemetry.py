@@ -54,7 +54,7 @@ class GpuProbe:
     """NVML handle for the rank's CUDA device; ``sample()`` -> (util %, used GiB)."""
 
     def __init__(self, device: torch.device) -> None:
-        import pynvml  # noqa: F401  (ImportError when nvidia-ml-py is missing)
+        import pynvml  # ImportError when nvidia-ml-py is missing
 
         self.nvml = pynvml
         pynvml.nvmlInit()
@@ -163,7 +163,7 @@ class Telemetry:
                     except Exception:  # connection closed: the rank is going down
                         return
 
-    def start(self) -> "Telemetry":
+    def start(self) -> Telemetry:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rank-telemetry", daemon=True)
             self._thread.start()

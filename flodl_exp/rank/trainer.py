@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from .. import protocol
 from ..experiment import Experiment
 from ..partition import make_partition
 from ..scalars import drain_scalars
@@ -82,15 +83,12 @@ class ChunkMetrics:
     scalars: dict[str, tuple[float, int]]
     ranges: list[list[int]]
 
-    def to_fields(self) -> dict:
-        return {
-            "epoch": self.epoch, "avg_loss": self.avg_loss, "batches": self.batches,
-            "samples": self.samples, "epoch_ms": self.epoch_ms,
-            "share_complete_ms": self.share_complete_ms, "compute_only_ms": self.compute_only_ms,
-            "data_starve_ms": self.data_starve_ms,
-            "scalars": {k: [s, c] for k, (s, c) in self.scalars.items()},
-            "ranges": self.ranges,
-        }
+    def to_payload(self, chunk: int, extra_chunks: list[int]) -> protocol.ChunkMetrics:
+        return protocol.ChunkMetrics(
+            epoch=self.epoch, chunk=chunk, avg_loss=self.avg_loss, batches=self.batches, samples=self.samples,
+            epoch_ms=self.epoch_ms, share_complete_ms=self.share_complete_ms, compute_only_ms=self.compute_only_ms,
+            data_starve_ms=self.data_starve_ms, scalars={k: [float(s), float(c)] for k, (s, c) in self.scalars.items()},
+            ranges=self.ranges, extra_chunks=extra_chunks)
 
 
 class RankTrainer:
@@ -258,7 +256,3 @@ class RankTrainer:
             return {k: float(v) for k, v in self.exp.eval_fn(self.model, self.exp.eval_data, self.device).items()}
         finally:
             self.model.train(was)
-
-    def param_norm(self) -> float:
-        with torch.no_grad():
-            return float(torch.sqrt(sum((p.detach().float() ** 2).sum() for p in self.model.parameters())))

@@ -9,6 +9,7 @@ save, shutdown. The rank is mode-agnostic: policies live in the coordinator.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -16,14 +17,41 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from .. import wire
-from ..constants import FAULT_ENV
 from ..averaging import float_buffers
+from ..config import RunShape, load_config
+from ..constants import FAULT_ENV
 from ..experiment import build_experiment
+from ..protocol import Batch as BatchReport
+from ..protocol import (
+    CoordHeartbeat,
+    EvalResult,
+    ExecuteEval,
+    Exiting,
+    ExtendPartition,
+    Heartbeat,
+    Payload,
+    ProtocolError,
+    RankError,
+    Regroup,
+    RequestParams,
+    Save,
+    SaveResult,
+    SetGlobalStep,
+    Shutdown,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+    decode,
+    encode,
+)
 from ..wire import Message
 from .backends import CollectiveBackend, CoordinatorBackend
 from .fault_inject import inject_fault, parse_fault
@@ -58,46 +86,43 @@ def state_hash(model: torch.nn.Module) -> str:
 
 
 class RankWorker:
-    def __init__(self, spec: dict, rank: int, local_rank: int, rendezvous: dict) -> None:
-        cfg = spec["config"]
+    def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any]) -> None:
+        cfg = load_config(spec["config"])
         self.cfg = cfg
         self.spec = spec
         self.rank = rank
-        self.world_size = int(cfg["cluster"]["nodes"]) * int(cfg["cluster"]["ranks_per_node"])
-        self.device = pick_device(cfg["cluster"]["device"], local_rank)
+        self.world_size = RunShape.of(cfg).world_size
+        self.device = pick_device(cfg.cluster.device, local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(1)
-        speeds = cfg["cluster"].get("rank_speeds") or [1.0] * self.world_size
-        exp_cfg = cfg["experiment"]
-        augment = max(1, int(cfg["data_plane"]["augment"]))
-        exp = build_experiment(exp_cfg, world_size=self.world_size, device=self.device, seed=int(cfg["seed"]), augment=augment)
+        speeds = cfg.cluster.rank_speeds or [1.0] * self.world_size
+        augment = max(1, cfg.data_plane.augment)
+        exp = build_experiment(cfg.experiment, world_size=self.world_size, device=self.device, seed=cfg.seed, augment=augment)
         self.trainer = RankTrainer(
-            exp, device=self.device, world_size=self.world_size, seed=int(spec.get("shuffle_seed", cfg["seed"])),
-            augment=augment, batch_size=int(exp_cfg["batch_size"]), speed=float(speeds[rank]),
-            lr_scale_ratio=float(cfg["mode"]["lr_scale_ratio"]), max_grad_norm=cfg["mode"]["max_grad_norm"],
+            exp, device=self.device, world_size=self.world_size, seed=int(spec.get("shuffle_seed", cfg.seed)),
+            augment=augment, batch_size=cfg.experiment.batch_size, speed=float(speeds[rank]),
+            lr_scale_ratio=cfg.mode.lr_scale_ratio, max_grad_norm=cfg.mode.max_grad_norm,
         )
-        self.gamma = float(cfg["mode"]["gamma"])
-        self.backend_kind = cfg["mode"]["backend"]
-        self.coord_timeout = float(cfg["cluster"]["heartbeat_timeout_s"])
-        self.conn = wire.dial(rendezvous["host"], int(rendezvous["port"]), timeout=float(cfg["cluster"]["rendezvous_timeout_s"]))
+        self.gamma = cfg.mode.gamma
+        self.coord_timeout = cfg.cluster.heartbeat_timeout_s
+        self.conn = wire.dial(rendezvous["host"], int(rendezvous["port"]), timeout=cfg.cluster.rendezvous_timeout_s)
         model_bytes = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
         self.welcome = wire.client_handshake(
             self.conn, rendezvous["token"],
             {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(), "device": str(self.device),
              "model_bytes": model_bytes, "samples": len(exp.train_data)},
-            timeout=float(cfg["cluster"]["rendezvous_timeout_s"]),
+            timeout=cfg.cluster.rendezvous_timeout_s,
         )
         self.conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
         self.collective: Optional[CollectiveBackend] = None
-        if self.backend_kind == "nccl" and self.world_size > 1:
+        if cfg.mode.backend == "nccl" and self.world_size > 1:
             self.collective = CollectiveBackend(
                 host=rendezvous["host"], store_port=int(rendezvous["store_port"]), rank=rank,
-                world_size=self.world_size, device=self.device,
-                timeout_s=float(cfg["cluster"]["heartbeat_timeout_s"]),
+                world_size=self.world_size, device=self.device, timeout_s=cfg.cluster.heartbeat_timeout_s,
             )
-        self.cpu = CoordinatorBackend(bf16_wire=bool(cfg["mode"]["bf16_wire"]))
-        self.inbox: "queue.Queue[Message | BaseException]" = queue.Queue()
-        self.plans: deque[Message] = deque()
+        self.cpu = CoordinatorBackend(bf16_wire=cfg.mode.bf16_wire)
+        self.inbox: queue.Queue[Message | BaseException] = queue.Queue()
+        self.plans: deque[StartEpoch] = deque()
         self.stopping = False
         self.throttled = False
         self.awaiting_update = False
@@ -105,9 +130,10 @@ class RankWorker:
         self.last_coord = time.monotonic()
         self.chunk: Optional[EpochState] = None
         self.fault = parse_fault(os.environ.get(FAULT_ENV), rank)
-        self.deferred: deque[Message] = deque()
+        self.deferred: deque[Payload] = deque()
         self.in_regroup_wait = False
         self.chunk_extra: list[int] = []
+        self._handlers = self._handler_table()
         self.resume_from(spec)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rank-heartbeat", daemon=True).start()
@@ -116,13 +142,13 @@ class RankWorker:
         from .telemetry import Telemetry
 
         self.trainer.attach_pipeline(
-            build_pipeline(cfg["data_plane"], exp.train_data, device=self.device, batch_size=int(exp_cfg["batch_size"]),
-                           augment=augment, seed=self.trainer.seed, ranks_per_node=int(cfg["cluster"]["ranks_per_node"]),
+            build_pipeline(cfg.data_plane, exp.train_data, device=self.device, batch_size=cfg.experiment.batch_size,
+                           augment=augment, seed=self.trainer.seed, ranks_per_node=cfg.cluster.ranks_per_node,
                            rank=rank),
             on_wait=self.drain, should_stop=lambda: self.stopping)
         self.telemetry = Telemetry(self.conn.send, self.device, rank=rank).start()
 
-    def resume_from(self, spec: dict) -> None:
+    def resume_from(self, spec: dict[str, Any]) -> None:
         """Load model and optimizer state from the resume bundle (validated by the launcher)."""
         resume = spec.get("resume")
         if not resume:
@@ -149,26 +175,33 @@ class RankWorker:
         while not self.stopping:
             time.sleep(HEARTBEAT_S)
             try:
-                self.conn.send(Message("heartbeat", {"s": self.trainer.step_count}))
+                self.conn.send(encode(Heartbeat()))
             except Exception:
                 return
 
     # -- control --------------------------------------------------------
-    def _next(self, block: bool) -> Optional[Message]:
+    def _next(self, block: bool) -> Optional[Payload]:
         if self.deferred and not self.in_regroup_wait:
             return self.deferred.popleft()
         try:
             item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
         except queue.Empty:
             if time.monotonic() - self.last_coord > self.coord_timeout:
-                raise CoordinatorLost(f"no word from the coordinator for {self.coord_timeout:.0f}s")
+                raise CoordinatorLost(f"no word from the coordinator for {self.coord_timeout:.0f}s") from None
             return None
         if isinstance(item, BaseException):
             if self.stopping:
                 return None
-            raise CoordinatorLost(f"coordinator connection lost: {item}")
+            raise CoordinatorLost(f"coordinator connection lost: {item}") from item
         self.last_coord = time.monotonic()
-        return item
+        try:
+            payload = decode(item)
+        except ProtocolError as e:
+            log.warning("rank %d: malformed %s from the coordinator dropped: %s", self.rank, item.kind, e)
+            return None
+        if payload is None:
+            log.warning("rank %d: unknown control message %r ignored", self.rank, item.kind)
+        return payload
 
     def drain(self) -> None:
         """Handle every control message already queued (between batches)."""
@@ -178,80 +211,84 @@ class RankWorker:
                 return
             self.handle(msg)
 
-    def wait_until(self, done) -> None:
+    def wait_until(self, done: Callable[[], bool]) -> None:
         """Block handling control messages until ``done()`` (throttle, barrier, idle)."""
         while not self.stopping and not done():
             msg = self._next(block=True)
             if msg is not None:
                 self.handle(msg)
 
-    def handle(self, msg: Message) -> None:
-        k, f = msg.kind, msg.fields
-        if k == "start_epoch":
-            self.plans.append(msg)
-        elif k == "extend_partition":
-            # Survivors take over a dead rank's remainder: append it to the running chunk of
-            # that epoch, or run it as a chunk of its own when none is running.
-            if self.chunk is not None and self.chunk.epoch == int(f["epoch"]):
-                self.chunk.extend(int(f["offset"]), self._picks(int(f["epoch"]), int(f["offset"]), int(f["size"])))
-                self.chunk_extra.append(int(f["chunk"]))
-            else:
-                self.plans.append(Message("start_epoch", dict(f)))
-        elif k == "regroup":
-            self._regroup(f)
-        elif k == "sync_now":
-            self._sync_collective(bool(f.get("divergence", True)))
-        elif k == "request_params":
-            n = self.trainer.steps_since_avg
-            self.snapshot_n = n
-            self.conn.send(self.cpu.snapshot(self.trainer.model, n, int(f.get("version", 0))))
-            if f.get("barrier"):
-                self.awaiting_update = True
-                self.wait_until(lambda: not self.awaiting_update)
-        elif k == "update":
-            alpha = f.get("alpha")
-            if not f.get("skip"):
-                self.cpu.adopt_update(self.trainer.model, msg, None if alpha is None else float(alpha))
-            self.trainer.steps_since_avg = max(0, self.trainer.steps_since_avg - int(f.get("n", self.snapshot_n)))
-            self.awaiting_update = False
-            self.throttled = False
-            if "next_plan" in f:
-                self.plans.append(Message("start_epoch", f["next_plan"]))
-        elif k == "set_global_step":
-            self.trainer.global_step = int(f["global_step"])
-        elif k == "throttle":
-            if not self.throttled:
-                self.throttled = True
-                self.wait_until(lambda: not self.throttled)
-        elif k == "execute_eval":
-            t0 = time.perf_counter()
-            try:
-                res, err = self.trainer.evaluate(), None
-            except Exception as e:  # a broken eval must not kill training
-                res, err = {}, f"{type(e).__name__}: {e}"
-            self.conn.send(Message("eval_result", {"epoch": f["epoch"], "metrics": res, "error": err,
-                                                   "final": bool(f.get("final")),
-                                                   "elapsed_ms": (time.perf_counter() - t0) * 1e3}))
-        elif k == "save":
-            self._save(f)
-        elif k == "shutdown":
-            self.stopping = True
-        elif k == "coord_heartbeat":
-            pass
-        else:
-            log.warning("rank %d: unknown control message %r ignored", self.rank, k)
+    def handle(self, msg: Payload) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("rank %d: message %r is not for a rank: ignored", self.rank, msg.KIND.value)
+            return
+        handler(msg)
 
-    def _picks(self, epoch: int, offset: int, size: int):
+    def _handler_table(self) -> dict[type, Callable[[Any], None]]:
+        return {
+            StartEpoch: self.plans.append, ExtendPartition: self._on_extend, Regroup: self._regroup,
+            SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
+            SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
+            Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
+        }
+
+    def _on_extend(self, m: ExtendPartition) -> None:
+        """Survivors take over a dead rank's remainder: append it to the running chunk of that
+        epoch, or run it as a chunk of its own when none is running."""
+        if self.chunk is not None and self.chunk.epoch == m.epoch:
+            self.chunk.extend(m.offset, self._picks(m.epoch, m.offset, m.size))
+            self.chunk_extra.append(m.chunk)
+        else:
+            self.plans.append(StartEpoch(epoch=m.epoch, offset=m.offset, size=m.size, chunk=m.chunk))
+
+    def _on_request_params(self, m: RequestParams) -> None:
+        n = self.trainer.steps_since_avg
+        self.snapshot_n = n
+        self.conn.send(encode(self.cpu.snapshot(self.trainer.model, n)))
+        if m.barrier:
+            self.awaiting_update = True
+            self.wait_until(lambda: not self.awaiting_update)
+
+    def _on_update(self, m: Update) -> None:
+        if not m.skip:
+            self.cpu.adopt_update(self.trainer.model, m, m.alpha)
+        self.trainer.steps_since_avg = max(0, self.trainer.steps_since_avg - m.n)
+        self.awaiting_update = False
+        self.throttled = False
+
+    def _on_global_step(self, m: SetGlobalStep) -> None:
+        self.trainer.global_step = m.global_step
+
+    def _on_throttle(self, m: Throttle) -> None:
+        if not self.throttled:
+            self.throttled = True
+            self.wait_until(lambda: not self.throttled)
+
+    def _on_eval(self, m: ExecuteEval) -> None:
+        t0 = time.perf_counter()
+        err: Optional[str] = None
+        try:
+            res = self.trainer.evaluate()
+        except Exception as e:  # a broken eval must not kill training
+            res, err = {}, f"{type(e).__name__}: {e}"
+        self.conn.send(encode(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final,
+                                         elapsed_ms=(time.perf_counter() - t0) * 1e3)))
+
+    def _on_shutdown(self, m: Shutdown) -> None:
+        self.stopping = True
+
+    def _picks(self, epoch: int, offset: int, size: int) -> Any:
         from ..partition import make_partition
 
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
-    def _regroup(self, f: dict) -> None:
+    def _regroup(self, m: Regroup) -> None:
         """Re-form the process group with the survivors (fresh store prefix, renumbered ranks)."""
         if self.collective is None:
             return
-        self.collective.rebuild(int(f["generation"]), int(f["new_rank"]), int(f["world_size"]))
-        log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, f["new_rank"], f["world_size"], f["generation"])
+        self.collective.rebuild(m.generation, m.new_rank, m.world_size)
+        log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, m.new_rank, m.world_size, m.generation)
 
     def _await_regroup(self, deadline_s: float = 60.0) -> bool:
         """After a failed collective: wait for the coordinator's regroup (other work is deferred)."""
@@ -262,14 +299,14 @@ class RankWorker:
                 msg = self._next(block=True)
                 if msg is None:
                     continue
-                if msg.kind == "regroup":
+                if isinstance(msg, Regroup):
                     try:
-                        self._regroup(msg.fields)
+                        self._regroup(msg)
                         return True
                     except Exception as e:  # a member vanished during init: wait for the next generation
                         log.warning("rank %d: regroup failed: %s", self.rank, e)
                         continue
-                if msg.kind in ("shutdown", "save", "coord_heartbeat", "set_global_step"):
+                if isinstance(msg, (Shutdown, Save, CoordHeartbeat, SetGlobalStep)):
                     self.handle(msg)
                 else:
                     self.deferred.append(msg)
@@ -277,10 +314,12 @@ class RankWorker:
         finally:
             self.in_regroup_wait = False
 
-    def _sync_collective(self, with_div: bool) -> None:
+    def _sync_collective(self, m: SyncNow) -> None:
+        with_div = m.divergence
         n = self.trainer.steps_since_avg
-        t0 = time.perf_counter()
-        d, post, pre = 0.0, None, None
+        d: Optional[float] = 0.0
+        post: Optional[float] = None
+        pre: Optional[float] = None
         if self.collective is not None:
             model = self.trainer.model
             scratch = [t.detach().clone() for t in list(model.parameters()) + float_buffers(model)]
@@ -299,26 +338,24 @@ class RankWorker:
                         return
         self.trainer.steps_since_avg = 0
         self.trainer.step_count += 1
-        self.conn.send(Message("sync_ack", {"s": self.trainer.step_count, "n": n, "d": d, "post": post, "pre": pre,
-                                            "ms": (time.perf_counter() - t0) * 1e3}))
+        self.conn.send(encode(SyncAck(n=n, d=d, post=post, pre=pre)))
 
-    def _save(self, f: dict) -> None:
+    def _save(self, m: Save) -> None:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
         from ..checkpoint import save_rank_pieces
 
         err = None
         try:
-            save_rank_pieces(f["stem"], self.trainer.model, self.trainer.optimizer, rank=self.rank,
-                             primary=bool(f.get("primary")), write_model=bool(f.get("model")))
+            save_rank_pieces(m.stem, self.trainer.model, self.trainer.optimizer, rank=self.rank,
+                             primary=m.primary, write_model=m.model)
         except Exception as e:  # save errors are reported, never fatal
             err = f"{type(e).__name__}: {e}"
-        self.conn.send(Message("save_result", {"stem": f["stem"], "error": err, "model": bool(f.get("model"))}))
+        self.conn.send(encode(SaveResult(stem=m.stem, error=err)))
 
     # -- the managed loop ---------------------------------------------
-    def run_chunk(self, plan: Message) -> None:
-        f = plan.fields
+    def run_chunk(self, plan: StartEpoch) -> None:
         tr = self.trainer
-        st = tr.begin_epoch(int(f["epoch"]), int(f["offset"]), int(f["size"]))
+        st = tr.begin_epoch(plan.epoch, plan.offset, plan.size)
         self.chunk = st
         while True:
             if st.cursor + tr.batch_size > len(st.picks):
@@ -335,17 +372,11 @@ class RankWorker:
             tr.after_step(st, batch, loss, ms)
             if self.fault is not None and tr.step_count >= self.fault[0]:
                 inject_fault(self.fault[1], self.rank, tr.step_count)
-            fields = {"s": tr.step_count, "ms": ms, "d": batch.data_ms, "loss": loss, "e": st.epoch,
-                      "c": int(f.get("chunk", 0)), "lr": tr.current_lr()}
-            if tr.steps_since_avg % 10 == 0:
-                fields["pn"] = tr.param_norm()  # periodic parameter norm (cheap, every 10th batch)
-            self.conn.send(Message("batch", fields))
+            self.conn.send(encode(BatchReport(ms=ms, data_ms=batch.data_ms, chunk=plan.chunk, loss=loss, lr=tr.current_lr())))
         self.chunk = None
         m = tr.end_epoch(st)
-        fields = m.to_fields()
-        fields["chunk"] = int(f.get("chunk", 0))
-        fields["extra_chunks"], self.chunk_extra = self.chunk_extra, []
-        self.conn.send(Message("metrics", fields))
+        extra, self.chunk_extra = self.chunk_extra, []
+        self.conn.send(encode(m.to_payload(plan.chunk, extra)))
 
     def run(self) -> dict[str, Any]:
         try:
@@ -354,17 +385,17 @@ class RankWorker:
                     self.run_chunk(self.plans.popleft())
                     continue
                 self.wait_until(lambda: bool(self.plans))
-            final = {"rank": self.rank, "pid": os.getpid(), "hash": state_hash(self.trainer.model), "steps": self.trainer.step_count,
-                     "global_step": self.trainer.global_step}
-            self.conn.send(Message("exiting", final))
-            return final
+            final = Exiting(rank=self.rank, pid=os.getpid(), hash=state_hash(self.trainer.model),
+                            steps=self.trainer.step_count, global_step=self.trainer.global_step)
+            self.conn.send(encode(final))
+            return dataclasses.asdict(final)
         except BaseException as e:
             if not isinstance(e, CoordinatorLost):
                 import traceback
 
                 try:  # tell the coordinator why, before the connection drops
-                    self.conn.send(Message("error", {"error": f"{type(e).__name__}: {e}",
-                                                     "traceback": traceback.format_exc()[-4000:]}))
+                    self.conn.send(encode(RankError(error=f"{type(e).__name__}: {e}",
+                                                    traceback=traceback.format_exc()[-4000:])))
                 except Exception:
                     pass
             raise

@@ -79,7 +79,7 @@ class Layout:
         return int(sum(self.row_bytes))
 
     @staticmethod
-    def of(batch: Any, n: int) -> tuple[Optional["Layout"], str]:
+    def of(batch: Any, n: int) -> tuple[Optional[Layout], str]:
         """The layout of a batch of ``n`` samples, or (None, why it cannot be retained)."""
         leaves, spec = flatten(batch)
         if not leaves:

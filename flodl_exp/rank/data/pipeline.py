@@ -61,7 +61,7 @@ class _Ready:
 class Feed:
     """One chunk's ordered stream of batches (created by ``DataPipeline.open``)."""
 
-    def __init__(self, pipe: "DataPipeline", epoch: int, picks: np.ndarray, depth: int) -> None:
+    def __init__(self, pipe: DataPipeline, epoch: int, picks: np.ndarray, depth: int) -> None:
         self.pipe = pipe
         self.epoch = int(epoch)
         self.picks = np.asarray(picks)

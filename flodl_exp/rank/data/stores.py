@@ -217,7 +217,7 @@ class DiskStage:
                 continue
             raw = lf.detach().to("cpu").contiguous().reshape(len(slots), -1).view(torch.uint8).numpy()
             for i, s, n in runs:
-                buf = memoryview(np.ascontiguousarray(raw[i:i + n])).cast("B")
+                buf = np.ascontiguousarray(raw[i:i + n]).data.cast("B")
                 done = 0
                 while done < len(buf):
                     done += os.pwrite(self.fd, buf[done:], base + s * rb + done)
@@ -231,7 +231,7 @@ class DiskStage:
             buf = np.empty((len(slots), rb), dtype=np.uint8)
             for j, s in enumerate(slots):
                 if os.preadv(self.fd, [buf[j]], base + int(s) * rb) != rb:
-                    raise IOError(f"disk stage {self.path}: short read at slot {int(s)}")
+                    raise OSError(f"disk stage {self.path}: short read at slot {int(s)}")
             rows = torch.from_numpy(buf).view(dt).reshape(len(slots), *shape)
             o.index_copy_(0, dst_idx.to(o.device), rows.to(o.device, non_blocking=True))
 

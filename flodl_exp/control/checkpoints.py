@@ -1,0 +1,211 @@
+"""Checkpoint bundles on the coordinator side (algorithms.md 8): who writes which piece, the
+meta, and the periodic and coverage-granular bundles.
+
+* :class:`BundleWriter` owns the saves in flight: it sends ``save`` to every live rank
+  (the primary writes the model and ``.optim.pt``, the others ``.optim.r<N>.pt``),
+  collects ``save_result``s, writes ``<stem>.meta.json`` and logs the pieces to MLflow.
+* :class:`Checkpoints` owns ``checkpoint.every`` (after epoch e with (e+1) % N == 0 is
+  aggregated, the next epoch is held, a consensus reduce settles every live rank's
+  steps, the bundle is written, training resumes: exactly the consensus at the epoch
+  boundary) and ``checkpoint.at_epoch`` (progressive modes: at the first reduce finish
+  where a live rank has reached epoch E, the coverage of every open epoch is snapshotted,
+  in-flight chunks counting as uncovered; resuming trains only the uncovered picks).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..protocol import Save, SaveResult
+from .channels import EventLog, Outbox
+from .cohort import Cohort
+from .cycle import AveragingCycle
+from .dispatch import Dispatcher
+
+log = logging.getLogger("flodl_exp.coordinator")
+
+BUNDLE_SUFFIXES = (".pt", ".optim.pt", ".meta.json")
+
+
+@dataclass(frozen=True)
+class MetaFacts:
+    """What every meta records about the run itself (fixed for the run)."""
+
+    world_size: int
+    epochs: int
+    experiment: str
+    guard_kind: str
+    batch_size: int
+    shuffle_seed: int
+
+
+class BundleWriter:
+    def __init__(self, *, stem: str, facts: MetaFacts, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
+                 outbox: Outbox, sink: Any) -> None:
+        self.stem = stem
+        self.facts = facts
+        self._cohort = cohort
+        self._cycle = cycle
+        self._dispatch = dispatch
+        self._out = outbox
+        self._sink = sink
+        self.pending: set[int] = set()
+        """Ranks whose ``save_result`` for the bundle in progress has not arrived."""
+
+    def stem_for(self, kind: str, epoch: Optional[int] = None) -> str:
+        if kind == "final":
+            return self.stem
+        if kind == "epoch":
+            return f"{self.stem}_epoch{epoch}"
+        if kind == "at_epoch":
+            return f"{self.stem}_at{epoch}"
+        return f"{self.stem}_{kind}"
+
+    @property
+    def settled(self) -> bool:
+        return not self.pending
+
+    def send_saves(self, stem: str, *, model_rank: Optional[int] = None) -> None:
+        alive = self._cohort.alive_ranks()
+        primary = self._cohort.primary() if model_rank is None else model_rank
+        self.pending = set(alive)
+        for r in alive:
+            self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary))
+
+    def on_result(self, r: int, res: SaveResult) -> None:
+        if res.error:
+            log.warning("rank %d could not save %s: %s", r, res.stem, res.error)
+            self._sink.set_tags({f"save_error.rank{r}": str(res.error)[:2000]})
+        self.pending.discard(r)
+
+    def drop(self, r: int) -> None:
+        self.pending.discard(r)
+
+    def write_meta(self, reason: str, stem: Optional[str] = None, *, epoch: Optional[int] = None,
+                   coverage_epochs: Optional[list[dict[str, Any]]] = None) -> None:
+        from ..checkpoint import write_meta
+        from ..partition import PERMUTATION_ALGORITHM
+
+        f = self.facts
+        guard = self._cycle.guard
+        elche = self._cycle.elche
+        trend = guard.state_dict().get("trend_history") or None
+        write_meta(stem or self.stem, {
+            "epoch": f.epochs if epoch is None else int(epoch),
+            **self._cycle.state_for_meta(),
+            "world_size_at_save": f.world_size,
+            "save_reason": reason,
+            "unix_time": time.time(),
+            "experiment": f.experiment,
+            "total_picks": self._dispatch.total,
+            "elche_state": dict(elche.state_dict(), trend_history=trend) if elche else None,
+            "guard_kind": f.guard_kind,
+            "guard_state": guard.state_dict(),
+            "coverage": {"seed": f.shuffle_seed, "algorithm": PERMUTATION_ALGORITHM,
+                         "batch_size": f.batch_size, "per_epoch": coverage_epochs or []},
+        })
+
+    def log_bundle(self, stem: str, artifact_path: str) -> None:
+        d, name = os.path.dirname(stem), os.path.basename(stem)
+        if not os.path.isdir(d):
+            return
+        for fn in sorted(os.listdir(d)):
+            if fn.startswith(name + ".") and not fn.startswith(".tmp"):
+                rest = fn[len(name):]
+                if rest in BUNDLE_SUFFIXES or (rest.startswith(".optim.r") and rest.endswith(".pt")):
+                    self._sink.log_artifact(os.path.join(d, fn), artifact_path)
+
+
+@dataclass
+class PeriodicBundle:
+    epoch: int
+    """The epoch a resume starts from (the one after the aggregated boundary)."""
+    stem: str
+    saving: bool = False
+    """False while the consensus reduce settles; True once the saves went out."""
+
+
+@dataclass
+class CoverageBundle:
+    stem: str
+    epoch: int
+    coverage: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Checkpoints:
+    def __init__(self, *, every: int, at_epoch: Optional[int], epochs: int, progressive: bool, world_size: int,
+                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, events: EventLog) -> None:
+        self.every = every
+        self.at_epoch = at_epoch
+        self.epochs = epochs
+        self.progressive = progressive
+        self.world_size = world_size
+        self._writer = writer
+        self._cohort = cohort
+        self._cycle = cycle
+        self._dispatch = dispatch
+        self._events = events
+        self.periodic: Optional[PeriodicBundle] = None
+        self.coverage_bundle: Optional[CoverageBundle] = None
+        """An at_epoch bundle whose pieces are being written (its meta follows)."""
+        self.at_epoch_done = False
+
+    @property
+    def busy(self) -> bool:
+        return self.periodic is not None or self.coverage_bundle is not None
+
+    def periodic_due(self, e: int) -> bool:
+        return self.every > 0 and (e + 1) % self.every == 0 and e + 1 < self.epochs
+
+    def begin_periodic(self, e: int) -> None:
+        """Hold dispatch of epoch e+1 (the caller moves to CHECKPOINTING) until the bundle of epoch e is written."""
+        self.periodic = PeriodicBundle(e + 1, self._writer.stem_for("epoch", e + 1))
+
+    def tick_periodic(self) -> bool:
+        """Advance the periodic bundle; True when it is complete (the caller resumes training)."""
+        ck = self.periodic
+        if ck is None or self._cycle.in_flight is not None:
+            return False
+        if not ck.saving:
+            alive = self._cohort.alive_ranks()
+            if self.world_size > 1 and self._cycle.any_steps(alive):
+                self._cycle.trigger(alive, final=True)
+                return False
+            ck.saving = True
+            self._writer.send_saves(ck.stem)
+            return False
+        if not self._writer.settled:
+            return False
+        self._writer.write_meta("periodic", ck.stem, epoch=ck.epoch)
+        self._writer.log_bundle(ck.stem, f"checkpoints/epoch{ck.epoch}")
+        self._events.emit({"event": "checkpoint", "stem": ck.stem, "epoch": ck.epoch})
+        self.periodic = None
+        return True
+
+    def maybe_coverage_bundle(self) -> None:
+        """At a reduce finish, before any new chunk is dispatched: the at_epoch bundle when its epoch is reached."""
+        at = self.at_epoch
+        if at is None or self.at_epoch_done or not self.progressive or self.busy:
+            return
+        alive = self._cohort.alive_ranks()
+        if max((self._dispatch.rank_epoch[r] for r in alive), default=-1) < at:
+            return
+        self.at_epoch_done = True
+        coverage = self._dispatch.open_coverage()
+        lowest = min((p["epoch"] for p in coverage), default=self._dispatch.current_epoch())
+        self.coverage_bundle = CoverageBundle(self._writer.stem_for("at_epoch", at), lowest, coverage)
+        self._writer.send_saves(self.coverage_bundle.stem)
+        self._events.emit({"event": "checkpoint_armed", "stem": self.coverage_bundle.stem, "epoch": at})
+
+    def on_saves_settled(self) -> None:
+        """Every piece of the bundle in progress is written: finish an at_epoch bundle."""
+        cb = self.coverage_bundle
+        if cb is None:
+            return
+        self.coverage_bundle = None
+        self._writer.write_meta("at_epoch", cb.stem, epoch=cb.epoch, coverage_epochs=cb.coverage)
+        self._writer.log_bundle(cb.stem, "checkpoints/at_epoch")
+        self._events.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch})

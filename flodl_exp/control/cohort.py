@@ -1,0 +1,124 @@
+"""The cohort: who is alive, who left cleanly, who died and why, and who holds the callback role.
+
+Liveness (algorithms.md 7.1): a rank is alive from its hello until its
+connection closes or its messages stop for the heartbeat timeout; a clean
+``exiting`` latches it as finished (never counted dead). The callback rank
+(eval, primary optimizer piece) is the fastest calibrated live rank, sticky:
+re-elected only on death, or pinned by ``eval.callback_rank``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class Death:
+    rank: int
+    reason: str
+    epoch: int
+    global_step: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "reason": self.reason, "epoch": self.epoch, "global_step": self.global_step}
+
+
+class Cohort:
+    def __init__(self, world_size: int, fixed_callback: Optional[int], now: float) -> None:
+        self.world_size = world_size
+        self.fixed_callback = fixed_callback
+        self.callback_rank = fixed_callback if fixed_callback is not None else 0
+        self.roles_elected = False
+        """Fastest-rank election happened (sticky until a death)."""
+        self._alive = [False] * world_size
+        self._exited = [False] * world_size
+        self._last_seen = [now] * world_size
+        self.finals: dict[int, dict[str, Any]] = {}
+        """rank -> its clean-exit report (hash, steps, global_step)."""
+        self.errors: dict[int, dict[str, Any]] = {}
+        """rank -> the error it reported before failing."""
+        self.deaths: list[Death] = []
+        self.generation = 0
+        """Process-group generation (nccl): bumped at each regroup, the store prefix of the new group."""
+
+    # -- queries ----------------------------------------------------------
+    def alive(self, r: int) -> bool:
+        return self._alive[r]
+
+    def exited(self, r: int) -> bool:
+        return self._exited[r]
+
+    def alive_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if self._alive[r]]
+
+    def all_joined(self) -> bool:
+        return all(self._alive)
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.world_size) if not self._alive[r]]
+
+    def working(self) -> list[int]:
+        """Alive and not yet exited."""
+        return [r for r in range(self.world_size) if self._alive[r] and not self._exited[r]]
+
+    def dead_count(self) -> int:
+        return self.world_size - len(self.alive_ranks()) - sum(self._exited)
+
+    def stale(self, now: float, timeout: float) -> list[int]:
+        return [r for r in self.working() if now - self._last_seen[r] > timeout]
+
+    def lowest_alive(self) -> Optional[int]:
+        return next((r for r in range(self.world_size) if self._alive[r]), None)
+
+    def primary(self) -> int:
+        """The rank that writes the model and the primary optimizer piece: the callback rank, else the lowest live one."""
+        if self._alive[self.callback_rank]:
+            return self.callback_rank
+        low = self.lowest_alive()
+        return self.callback_rank if low is None else low
+
+    # -- events -----------------------------------------------------------
+    def join(self, r: int, now: float) -> None:
+        self._alive[r] = True
+        self._last_seen[r] = now
+
+    def seen(self, r: int, now: float) -> None:
+        self._last_seen[r] = now
+
+    def record_error(self, r: int, report: dict[str, Any]) -> None:
+        self.errors[r] = report
+
+    def mark_exited(self, r: int, final: dict[str, Any]) -> None:
+        self._exited[r] = True
+        self.finals[r] = final
+
+    def mark_dead(self, r: int, reason: str, *, epoch: int, global_step: int) -> Optional[Death]:
+        """Take ``r`` out of the cohort. Returns the Death, or None when it was already gone or had exited cleanly."""
+        if not self._alive[r]:
+            return None
+        self._alive[r] = False
+        if self._exited[r]:
+            return None
+        err = (self.errors.get(r) or {}).get("error")
+        death = Death(r, f"{reason}: {err}" if err else reason, epoch, global_step)
+        self.deaths.append(death)
+        return death
+
+    def next_generation(self) -> int:
+        self.generation += 1
+        return self.generation
+
+    def elect_callback(self, smoothed_ms: Optional[Callable[[int], Optional[float]]], *, force: bool = False) -> None:
+        """Fastest calibrated live rank (``smoothed_ms`` given), else the lowest live one when forced or
+        when the holder died; a pinned rank keeps the role while it lives."""
+        alive = self.alive_ranks()
+        if not alive:
+            return
+        if self.fixed_callback is not None and self._alive[self.fixed_callback]:
+            self.callback_rank = self.fixed_callback
+            return
+        if smoothed_ms is not None:
+            self.callback_rank = min(alive, key=lambda q: (smoothed_ms(q) or math.inf, q))
+        elif force or not self._alive[self.callback_rank]:
+            self.callback_rank = alive[0]

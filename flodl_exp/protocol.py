@@ -1,0 +1,340 @@
+"""The coordinator <-> rank protocol: one enum of message kinds, one small dataclass per payload.
+
+``wire.py`` frames a :class:`~flodl_exp.wire.Message` (kind, JSON fields, raw
+tensors) and authenticates the connection; this module says what each kind
+carries, and turns payloads into messages and back (:func:`encode`,
+:func:`decode`). Both processes dispatch on the payload's type, so a field is
+read by name in one place and an unread field is visible as dead code.
+
+Decoding is strict about what is there and lenient about what is extra: a
+missing required field or a wrong JSON type raises :class:`ProtocolError`
+(the receiver logs it and drops that message); fields a newer peer adds are
+ignored; an unknown kind decodes to ``None`` (logged and ignored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Union
+
+import torch
+
+from .wire import Message, WireError
+
+
+class ProtocolError(WireError):
+    """A message whose kind is known but whose fields do not fit its payload."""
+
+
+class Kind(str, enum.Enum):
+    # coordinator -> rank
+    START_EPOCH = "start_epoch"
+    EXTEND_PARTITION = "extend_partition"
+    REGROUP = "regroup"
+    SYNC_NOW = "sync_now"
+    REQUEST_PARAMS = "request_params"
+    UPDATE = "update"
+    SET_GLOBAL_STEP = "set_global_step"
+    THROTTLE = "throttle"
+    EXECUTE_EVAL = "execute_eval"
+    SAVE = "save"
+    SHUTDOWN = "shutdown"
+    COORD_HEARTBEAT = "coord_heartbeat"
+    # rank -> coordinator
+    BATCH = "batch"
+    SYNC_ACK = "sync_ack"
+    SNAPSHOT = "snapshot"
+    METRICS = "metrics"
+    EVAL_RESULT = "eval_result"
+    SAVE_RESULT = "save_result"
+    ERROR = "error"
+    EXITING = "exiting"
+    TELEMETRY = "telemetry"
+    HEARTBEAT = "heartbeat"
+
+
+# ------------------------------------------------------------ coordinator -> rank
+@dataclass
+class StartEpoch:
+    """Train picks ``[offset, offset + size)`` of epoch ``epoch``'s permutation as chunk ``chunk``."""
+
+    KIND: ClassVar[Kind] = Kind.START_EPOCH
+    epoch: int
+    offset: int
+    size: int
+    chunk: int
+
+
+@dataclass
+class ExtendPartition:
+    """A dead rank's remainder: append it to the running chunk of that epoch (or run it alone)."""
+
+    KIND: ClassVar[Kind] = Kind.EXTEND_PARTITION
+    epoch: int
+    offset: int
+    size: int
+    chunk: int
+
+
+@dataclass
+class Regroup:
+    """Re-form the process group: this rank becomes ``new_rank`` of ``world_size`` (generation = store prefix)."""
+
+    KIND: ClassVar[Kind] = Kind.REGROUP
+    generation: int
+    new_rank: int
+    world_size: int
+    ranks: list[int]
+
+
+@dataclass
+class SyncNow:
+    """nccl backend: all_reduce now (read the divergence when ``divergence``)."""
+
+    KIND: ClassVar[Kind] = Kind.SYNC_NOW
+    version: int
+    divergence: bool = True
+
+
+@dataclass
+class RequestParams:
+    """cpu backend: send a snapshot; with ``barrier`` wait for the update before training on."""
+
+    KIND: ClassVar[Kind] = Kind.REQUEST_PARAMS
+    version: int
+    barrier: bool
+
+
+@dataclass
+class Update:
+    """cpu backend: the consensus (``p<i>``/``b<j>`` tensors) to adopt, blended by ``alpha`` when set;
+    ``skip`` = nobody moved, keep your state. ``n`` = the steps of yours this reduce consumed."""
+
+    KIND: ClassVar[Kind] = Kind.UPDATE
+    n: int
+    alpha: Optional[float] = None
+    skip: bool = False
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class SetGlobalStep:
+    KIND: ClassVar[Kind] = Kind.SET_GLOBAL_STEP
+    global_step: int
+
+
+@dataclass
+class Throttle:
+    """cpu backend, ``max_batch_diff``: stop training until the next update."""
+
+    KIND: ClassVar[Kind] = Kind.THROTTLE
+
+
+@dataclass
+class ExecuteEval:
+    KIND: ClassVar[Kind] = Kind.EXECUTE_EVAL
+    epoch: int
+    final: bool = False
+
+
+@dataclass
+class Save:
+    """Write this rank's bundle pieces under ``stem``: the model when ``model``, the optimizer as
+    ``.optim.pt`` when ``primary`` (else ``.optim.r<N>.pt``)."""
+
+    KIND: ClassVar[Kind] = Kind.SAVE
+    stem: str
+    primary: bool
+    model: bool
+
+
+@dataclass
+class Shutdown:
+    KIND: ClassVar[Kind] = Kind.SHUTDOWN
+    reason: str
+
+
+@dataclass
+class CoordHeartbeat:
+    """The coordinator's beacon: a rank that hears nothing for the heartbeat timeout exits."""
+
+    KIND: ClassVar[Kind] = Kind.COORD_HEARTBEAT
+
+
+# ------------------------------------------------------------ rank -> coordinator
+@dataclass
+class Batch:
+    """One trained batch: its compute wall ``ms`` and data wait ``data_ms`` (ElChe's cost feed)."""
+
+    KIND: ClassVar[Kind] = Kind.BATCH
+    ms: float
+    data_ms: float
+    chunk: int
+    loss: Optional[float] = None
+    lr: Optional[float] = None
+
+
+@dataclass
+class SyncAck:
+    """nccl backend: the all_reduce is done. ``n`` steps were averaged in; ``d``/``pre``/``post`` = divergence read-out."""
+
+    KIND: ClassVar[Kind] = Kind.SYNC_ACK
+    n: int
+    d: Optional[float] = None
+    pre: Optional[float] = None
+    post: Optional[float] = None
+
+
+@dataclass
+class Snapshot:
+    """cpu backend: this rank's parameters (``p<i>``) and float buffers (``b<j>``) after ``n`` steps."""
+
+    KIND: ClassVar[Kind] = Kind.SNAPSHOT
+    n: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ChunkMetrics:
+    """A finished chunk (algorithms.md 9.3); ``ranges`` = the [offset, size] it covered."""
+
+    KIND: ClassVar[Kind] = Kind.METRICS
+    epoch: int
+    chunk: int
+    avg_loss: float
+    batches: int
+    samples: int
+    epoch_ms: float
+    share_complete_ms: float
+    compute_only_ms: float
+    data_starve_ms: float
+    scalars: dict[str, list[float]] = field(default_factory=dict)
+    ranges: list[list[int]] = field(default_factory=list)
+    extra_chunks: list[int] = field(default_factory=list)
+    """ExtendPartition chunks this chunk absorbed."""
+
+
+@dataclass
+class EvalResult:
+    KIND: ClassVar[Kind] = Kind.EVAL_RESULT
+    epoch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: Optional[str] = None
+    final: bool = False
+    elapsed_ms: float = 0.0
+
+
+@dataclass
+class SaveResult:
+    KIND: ClassVar[Kind] = Kind.SAVE_RESULT
+    stem: str
+    error: Optional[str] = None
+
+
+@dataclass
+class RankError:
+    """The rank is failing: why, before its connection drops."""
+
+    KIND: ClassVar[Kind] = Kind.ERROR
+    error: str
+    traceback: str = ""
+
+
+@dataclass
+class Exiting:
+    """A clean exit: the replica's hash (equal hashes = identical replicas) and counters."""
+
+    KIND: ClassVar[Kind] = Kind.EXITING
+    rank: int
+    pid: int
+    hash: str
+    steps: int
+    global_step: int
+
+
+@dataclass
+class Telemetry:
+    """Resource samples averaged over the last period (absent on hosts that cannot measure them)."""
+
+    KIND: ClassVar[Kind] = Kind.TELEMETRY
+    cpu_pct: Optional[float] = None
+    rss_gb: Optional[float] = None
+    gpu_util: Optional[float] = None
+    mem_gb: Optional[float] = None
+
+    def values(self) -> dict[str, float]:
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass
+class Heartbeat:
+    KIND: ClassVar[Kind] = Kind.HEARTBEAT
+
+
+Payload = Union[
+    StartEpoch, ExtendPartition, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
+    Save, Shutdown, CoordHeartbeat, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
+    Exiting, Telemetry, Heartbeat,
+]
+PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
+assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"
+
+
+# ------------------------------------------------------------ encode / decode
+def encode(p: Any) -> Message:
+    """The message for payload ``p`` (tensors travel raw, everything else as JSON fields)."""
+    fields: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        if f.name == "tensors":
+            tensors = v
+        else:
+            fields[f.name] = v
+    return Message(p.KIND.value, fields, tensors)
+
+
+_JSON_TYPES: dict[Any, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+
+
+def _check(kind: str, name: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Union:  # Optional[X]
+        if value is None:
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        origin = typing.get_origin(hint)
+    if origin in (list, dict):
+        if not isinstance(value, origin):
+            raise ProtocolError(f"{kind}.{name}: expected a {origin.__name__}, got {type(value).__name__}")
+        return value
+    allowed = _JSON_TYPES.get(hint)
+    if allowed is not None:
+        if isinstance(value, bool) and hint is not bool or not isinstance(value, allowed):
+            raise ProtocolError(f"{kind}.{name}: expected {hint.__name__}, got {value!r}")
+        return float(typing.cast(float, value)) if hint is float else value
+    return value
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def decode(msg: Message) -> Optional[Payload]:
+    """The payload of ``msg``; ``None`` for a kind this version does not know. Raises ProtocolError."""
+    cls = PAYLOADS.get(msg.kind)
+    if cls is None:
+        return None
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "tensors":
+            kwargs["tensors"] = msg.tensors
+        elif f.name in msg.fields:
+            kwargs[f.name] = _check(msg.kind, f.name, hints[f.name], msg.fields[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{msg.kind}: missing field {f.name!r}")
+    return typing.cast(Payload, cls(**kwargs))

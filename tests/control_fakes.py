@@ -1,0 +1,145 @@
+"""Fakes that drive the coordinator without processes: a clock, a transport that records what
+is sent, a sink that records what is logged, and a few helpers that play the ranks' side."""
+from __future__ import annotations
+
+import queue
+from typing import Any, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from flodl_exp.config import Config
+from flodl_exp.control.coordinator import Coordinator
+from flodl_exp.protocol import Batch, ChunkMetrics, Heartbeat, Payload, Snapshot, StartEpoch, SyncAck, decode, encode
+from flodl_exp.wire import Message
+
+SAMPLES = 96
+BATCH = 8
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, Payload]] = []
+
+    def send(self, rank: int, msg: Message) -> bool:
+        p = decode(msg)
+        assert p is not None, msg.kind
+        self.sent.append((rank, p))
+        return True
+
+    def take(self, kind: Optional[type] = None, rank: Optional[int] = None) -> list[tuple[int, Any]]:
+        """Every message sent since the last take (optionally of one type / to one rank); clears all."""
+        out = [(r, p) for r, p in self.sent if (kind is None or isinstance(p, kind)) and (rank is None or r == rank)]
+        self.sent.clear()
+        return out
+
+
+class FakeSink:
+    def __init__(self) -> None:
+        self.tags: dict[str, Any] = {}
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+        self.artifacts: list[tuple[str, str]] = []
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.tags.update(tags)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+    def log_artifact(self, path: str, artifact_path: str) -> None:
+        self.artifacts.append((path, artifact_path))
+
+    def epochs_logged(self) -> list[int]:
+        return [step for step, m in self.metrics if "loss" in m]
+
+
+def make_config(mode: str, world: int, epochs: int = 2, **overrides: Any) -> dict[str, Any]:
+    policy, backend = {"nccl_sync": ("sync", "nccl"), "nccl_cadence": ("cadence", "nccl"), "cpu_sync": ("sync", "cpu"),
+                       "cpu_cadence": ("cadence", "cpu"), "cpu_async": ("async", "cpu")}[mode]
+    cfg = OmegaConf.structured(Config)
+    cfg.mode.name, cfg.mode.policy, cfg.mode.backend = mode, policy, backend
+    cfg.cluster.ranks_per_node = world
+    cfg.experiment.name = "fake"
+    cfg.experiment.model = {"_target_": "fake"}
+    cfg.experiment.optimizer = {"_target_": "fake"}
+    cfg.experiment.train_data = {"_target_": "fake"}
+    cfg.experiment.train_step = "fake"
+    cfg.experiment.batch_size = BATCH
+    cfg.experiment.epochs = epochs
+    cfg.eval.every = 0
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+class Harness:
+    """A coordinator plus the ranks' side of the conversation, in one process."""
+
+    def __init__(self, tmp_path: Any, mode: str, world: int, epochs: int = 2, attempt: int = 0, **overrides: Any) -> None:
+        self.clock = FakeClock()
+        self.transport = FakeTransport()
+        self.sink = FakeSink()
+        self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.job_dir = str(tmp_path)
+        spec = {"config": make_config(mode, world, epochs, **overrides), "checkpoint_stem": str(tmp_path / "ckpt" / "final"),
+                "shuffle_seed": 42, "attempt": attempt}
+        self.co = Coordinator(spec, self.transport, self.events, self.sink, self.job_dir, clock=self.clock)
+        self.world = world
+
+    def start(self) -> dict[int, list[StartEpoch]]:
+        for r in range(self.world):
+            self.co.on_event(("join", r, {"samples": SAMPLES, "host": "h", "pid": 100 + r}))
+        self.co.start()
+        return self.plans()
+
+    def plans(self) -> dict[int, list[StartEpoch]]:
+        out: dict[int, list[StartEpoch]] = {}
+        for r, p in self.transport.take(StartEpoch):
+            out.setdefault(r, []).append(p)
+        return out
+
+    def msg(self, r: int, p: Payload) -> None:
+        self.co.on_event(("msg", r, encode(p)))
+
+    def batches(self, r: int, chunk: int, n: int) -> None:
+        for _ in range(n):
+            self.msg(r, Batch(ms=5.0, data_ms=0.1, chunk=chunk, loss=1.0, lr=0.1))
+
+    def finish_chunk(self, r: int, plan: StartEpoch, trained: Optional[int] = None) -> None:
+        n = plan.size // BATCH if trained is None else trained
+        self.batches(r, plan.chunk, n)
+        self.msg(r, ChunkMetrics(epoch=plan.epoch, chunk=plan.chunk, avg_loss=1.0, batches=n, samples=n * BATCH,
+                                 epoch_ms=5.0 * n, share_complete_ms=5.0 * n, compute_only_ms=5.0 * n, data_starve_ms=0.0,
+                                 ranges=[[plan.offset, n * BATCH]]))
+
+    def ack_all(self, ranks: list[int], n: int = 1) -> None:
+        for r in ranks:
+            self.msg(r, SyncAck(n=n, d=0.01, pre=1.0, post=1.0))
+
+    def snapshot(self, r: int, n: int, value: float) -> None:
+        self.msg(r, Snapshot(n=n, tensors={"p0": torch.full((4,), value)}))
+
+    def pass_time(self, seconds: float, alive: list[int]) -> None:
+        """Let ``seconds`` pass while ``alive`` keep heartbeating (no tick in between)."""
+        left = seconds
+        while left > 0:
+            step = min(10.0, left)
+            self.clock.advance(step)
+            left -= step
+            for r in alive:
+                self.msg(r, Heartbeat())
+
+    def tick(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.co.tick()

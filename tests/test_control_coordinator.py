@@ -1,0 +1,255 @@
+"""The coordinator's invariants, driven with fakes: events in, messages out, an injected clock.
+
+No process, socket or tracker: each test plays the ranks' side of the protocol and checks
+what the coordinator sends, logs and decides.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from control_fakes import BATCH, SAMPLES, Harness
+
+from flodl_exp.control.lifecycle import Phase, Status
+from flodl_exp.control.preemption import PREEMPT_SAVE_DEADLINE_S, TERM_GRACE_S, Stage
+from flodl_exp.protocol import (
+    EvalResult,
+    ExecuteEval,
+    Exiting,
+    ExtendPartition,
+    Regroup,
+    RequestParams,
+    Save,
+    SaveResult,
+    SetGlobalStep,
+    Shutdown,
+    StartEpoch,
+    SyncNow,
+    Update,
+)
+
+
+def _save_all(h: Harness, ranks: list[int]) -> None:
+    for r, p in h.transport.take(Save):
+        assert r in ranks
+        h.msg(r, SaveResult(stem=p.stem))
+
+
+def test_a_death_during_a_reduce_regroups_and_the_reduce_finishes_on_the_survivors(tmp_path):
+    h = Harness(tmp_path, "nccl_sync", world=3)
+    plans = h.start()
+    assert sorted(plans) == [0, 1, 2] and sum(p[0].size for p in plans.values()) == SAMPLES
+    for r in range(3):
+        h.batches(r, plans[r][0].chunk, 1)
+    h.tick()
+    assert [r for r, _ in h.transport.take(SyncNow)] == [0, 1, 2]
+    assert h.co.cycle.in_flight is not None
+    h.ack_all([0, 1])
+    assert h.co.cycle.in_flight is not None, "rank 2 has not answered"
+    h.co.on_event(("closed", 2, "closed"))  # rank 2 dies inside the all_reduce
+    sent = h.transport.take()
+    regroups = {r: p for r, p in sent if isinstance(p, Regroup)}
+    assert regroups == {0: Regroup(1, 0, 2, [0, 1]), 1: Regroup(1, 1, 2, [0, 1])}
+    extends = [p for _, p in sent if isinstance(p, ExtendPartition)]
+    remainder = plans[2][0].size - BATCH  # rank 2 trained one batch before it died
+    assert sum(p.size for p in extends) == remainder
+    assert all(p.offset >= plans[2][0].offset + BATCH for p in extends)
+    # The reduce finished with the live members only: rank 2's unreduced step is not counted.
+    assert h.co.cycle.in_flight is None and h.co.cycle.version == 1 and h.co.cycle.global_step == 2
+    assert any(isinstance(p, SetGlobalStep) and p.global_step == 2 for _, p in sent)
+    assert [d.rank for d in h.co.cohort.deaths] == [2] and h.sink.tags["regroups"] == 1
+    assert h.co.life.phase is Phase.TRAINING and h.co.life.status is Status.RUNNING
+
+
+def test_unrecoverable_loss_ends_with_shutdown_with_save(tmp_path):
+    h = Harness(tmp_path, "nccl_sync", world=2)
+    h.start()
+    h.co.on_event(("closed", 1, "closed"))
+    assert h.co.life.phase is Phase.SAVING and h.co.life.status is Status.FAILED
+    assert h.co.life.failure is not None and h.co.life.failure.startswith("single_survivor: rank 1")
+    saves = h.transport.take(Save)
+    assert [(r, p.primary, p.model) for r, p in saves] == [(0, True, True)]
+    stem = saves[0][1].stem
+    assert stem.endswith("final_failure") and os.path.exists(stem + ".meta.json")
+    assert json.load(open(stem + ".meta.json"))["save_reason"] == "single_survivor"
+    h.msg(0, SaveResult(stem=stem))
+    assert h.co.life.phase is Phase.SHUTDOWN
+    assert [r for r, _ in h.transport.take(Shutdown)] == [0]
+    h.msg(0, Exiting(rank=0, pid=100, hash="x", steps=0, global_step=0))
+    h.tick()
+    assert h.co.life.phase is Phase.DONE and h.co.result()["saved_stem"] == stem
+
+
+def test_shutdown_with_save_gives_up_at_its_deadline(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=3, **{"cluster.max_failure": 1})
+    h.start()
+    h.co.on_event(("closed", 2, "closed"))
+    assert h.co.life.phase is Phase.SAVING and h.co.life.failure.startswith("max_failure_exceeded")
+    h.pass_time(61, alive=[0, 1])
+    h.tick()
+    assert h.co.life.phase is Phase.SHUTDOWN and h.co.life.status is Status.FAILED
+
+
+def test_preemption_in_progressive_modes_snapshots_coverage_at_the_next_reduce(tmp_path):
+    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
+    plans = h.start()
+    h.co.preemption.request_preempt()
+    h.tick()
+    req = h.co.preemption.request
+    assert req is not None and req.stage is Stage.ARMED and h.co.life.phase is Phase.TRAINING
+    for r in (0, 1):  # one window: each rank's first chunk (equal split until ElChe has measured)
+        h.finish_chunk(r, plans[r][0])
+    h.tick()
+    assert [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
+    h.snapshot(0, plans[0][0].size // BATCH, 1.0)
+    h.snapshot(1, plans[1][0].size // BATCH, 3.0)
+    assert req.stage is Stage.SAVING and h.co.life.phase is Phase.PREEMPTING
+    sent = h.transport.take()
+    assert not [p for _, p in sent if isinstance(p, StartEpoch)], "no chunk after the snapshot"
+    assert [r for r, p in sent if isinstance(p, Save)] == [0, 1]
+    lowest = req.coverage[0]
+    trained = sum(plans[r][0].size for r in (0, 1) if plans[r][0].epoch == lowest["epoch"])
+    uncovered = sum(size for _, size in lowest["uncovered_ranges"])
+    assert uncovered == SAMPLES - trained, "what was trained and reduced is covered, the rest is not"
+    assert req.epoch == lowest["epoch"] == h.co.dispatch.current_epoch()
+    for r, p in sent:
+        if isinstance(p, Save):
+            h.msg(r, SaveResult(stem=p.stem))
+    assert h.co.life.status is Status.PREEMPTED and h.co.life.phase is Phase.SHUTDOWN
+    mark = json.load(open(os.path.join(h.job_dir, "preempted.json")))
+    assert mark["stem"] == req.stem and mark["epoch"] == req.epoch
+    meta = json.load(open(req.stem + ".meta.json"))
+    assert meta["save_reason"] == "preempted" and meta["coverage"]["per_epoch"] == req.coverage
+
+
+def test_preemption_without_progressive_dispatch_runs_one_consensus_reduce_first(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=2)
+    plans = h.start()
+    h.batches(0, plans[0][0].chunk, 1)
+    h.co.preemption.request_preempt()
+    h.tick()  # REQUESTED -> REDUCE; rank 1 has not stepped, so the sync gate is closed
+    assert h.co.preemption.request is not None and h.co.preemption.request.stage is Stage.REDUCE
+    h.tick()  # the consensus reduce
+    reqs = h.transport.take(RequestParams)
+    assert [r for r, _ in reqs] == [0, 1] and all(p.barrier for _, p in reqs)
+    h.snapshot(0, 1, 2.0)
+    h.snapshot(1, 0, 0.0)
+    updates = h.transport.take(Update)
+    assert [(r, p.alpha) for r, p in updates] == [(0, None), (1, None)]
+    h.tick()
+    assert h.co.life.phase is Phase.PREEMPTING
+    _save_all(h, [0, 1])
+    assert h.co.life.status is Status.PREEMPTED
+
+
+def test_a_preemption_bundle_not_written_in_time_fails_the_run(tmp_path):
+    h = Harness(tmp_path, "cpu_cadence", world=2)
+    h.start()
+    h.co.preemption.request_preempt()
+    h.tick()
+    h.pass_time(PREEMPT_SAVE_DEADLINE_S + 1, alive=[0, 1])  # no reduce finished, and the fallback save never completes
+    h.tick()
+    assert h.co.life.phase is Phase.PREEMPTING  # the 10 s fallback: an epoch-granular save went out
+    h.transport.take()
+    h.tick()
+    assert h.co.life.status is Status.FAILED and h.co.life.end_reason == "time_limit"
+    assert h.co.life.phase is Phase.SHUTDOWN
+
+
+def test_sigterm_while_saving_ends_at_once_with_the_failure(tmp_path):
+    h = Harness(tmp_path, "nccl_sync", world=2, **{"cluster.executor": "slurm"})
+    h.start()
+    h.co.on_event(("closed", 1, "closed"))
+    assert h.co.life.phase is Phase.SAVING
+    h.co.preemption.request_terminate()
+    h.tick()
+    assert h.co.life.phase is Phase.DONE and h.co.life.status is Status.FAILED
+    assert "then the job step was terminated: SIGTERM" in (h.co.life.failure or "")
+    assert h.co.life.end_reason == "rank_failure"
+
+
+def test_sigterm_without_a_failure_is_a_cancel_after_the_grace(tmp_path):
+    h = Harness(tmp_path, "nccl_sync", world=2)
+    h.start()
+    h.co.preemption.request_terminate()
+    h.tick()
+    assert h.co.life.phase is Phase.TRAINING, "a preemption request may still follow"
+    h.clock.advance(TERM_GRACE_S + 0.1)
+    h.tick()
+    assert h.co.life.phase is Phase.DONE and h.co.life.status is Status.KILLED and h.co.life.end_reason == "cancelled"
+
+
+def test_epochs_aggregate_in_order_behind_a_straggler(tmp_path):
+    h = Harness(tmp_path, "nccl_sync", world=2, epochs=2)
+    plans = h.start()
+    h.finish_chunk(0, plans[0][0], trained=0)
+    h.tick()
+    assert h.sink.epochs_logged() == [] and h.plans() == {}, "epoch 0 waits for rank 1"
+    h.finish_chunk(1, plans[1][0], trained=0)
+    h.tick()
+    assert h.sink.epochs_logged() == [0]
+    nxt = h.plans()
+    assert sorted(nxt) == [0, 1] and all(p[0].epoch == 1 for p in nxt.values())
+    assert h.co.dispatch.coverage[0] == [[plans[0][0].offset, 0], [plans[1][0].offset, 0]]
+
+
+def test_the_run_ends_only_after_the_last_reduce_settles(tmp_path):
+    h = Harness(tmp_path, "nccl_sync", world=2, epochs=1)
+    plans = h.start()
+    for r in (0, 1):
+        h.finish_chunk(r, plans[r][0], trained=1)  # one step each, never reduced
+    h.transport.take()
+    h.tick()  # the sync gate fires (both stepped) and the epoch aggregates
+    assert h.transport.take(SyncNow) and h.co.life.phase is Phase.DRAINING
+    h.tick(3)
+    assert h.co.life.phase is Phase.DRAINING and not h.transport.take(ExecuteEval), "no final eval before the reduce settles"
+    h.ack_all([0, 1])
+    h.tick()
+    assert h.co.life.phase is Phase.FINISHING
+    sent = h.transport.take()
+    evals = [(r, p) for r, p in sent if isinstance(p, ExecuteEval)]
+    assert len(evals) == 1 and evals[0][1].final
+    saves = [(r, p) for r, p in sent if isinstance(p, Save)]
+    assert sorted(r for r, _ in saves) == [0, 1] and sum(p.model for _, p in saves) == 1
+    for r, p in saves:
+        h.msg(r, SaveResult(stem=p.stem))
+    assert h.co.life.phase is Phase.FINISHING, "the final eval is outstanding"
+    h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
+    assert h.co.life.status is Status.FINISHED and h.co.life.phase is Phase.SHUTDOWN
+    assert json.load(open(h.co.writer.stem + ".meta.json"))["save_reason"] == "completed"
+    for r in (0, 1):
+        h.msg(r, Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=2))
+    h.tick()
+    assert h.co.life.phase is Phase.DONE and h.co.result()["global_step"] == 2
+
+
+def test_the_final_eval_moves_when_its_rank_dies(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=3, epochs=1)
+    plans = h.start()
+    for r in range(3):
+        h.finish_chunk(r, plans[r][0], trained=0)
+    h.transport.take()
+    h.tick()
+    h.tick()
+    evals = h.transport.take(ExecuteEval)
+    assert h.co.life.phase is Phase.FINISHING and len(evals) == 1
+    cb = evals[0][0]
+    h.co.on_event(("closed", cb, "closed"))
+    moved = h.transport.take()
+    new_cb = next(r for r, p in moved if isinstance(p, ExecuteEval))
+    assert new_cb != cb and any(isinstance(p, Save) and p.model and r == new_cb for r, p in moved)
+
+
+@pytest.mark.parametrize("kind", ["closed", "stale"])
+def test_a_rank_lost_while_connecting_fails_the_run_naming_it(tmp_path, kind):
+    from flodl_exp.control.lifecycle import RunFailure
+
+    h = Harness(tmp_path, "nccl_sync", world=2)
+    h.co.on_event(("join", 0, {"samples": SAMPLES}))
+    if kind == "closed":
+        with pytest.raises(RunFailure, match="rank 1 failed before training started"):
+            h.co.on_event(("closed", 1, "closed"))
+    else:
+        with pytest.raises(RunFailure, match=r"ranks \[1\] did not connect"):
+            h.co.run(connect_timeout=-1.0)  # the fake clock never moves: a deadline already past
