@@ -258,8 +258,13 @@ def _err(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config error: {key}={value!r} is not allowed: {allowed}")
 
 
+def cluster_size(cluster: Any) -> int:
+    """Ranks in the job: ``nodes x ranks_per_node`` (the one place this product is written)."""
+    return int(cluster.nodes) * int(cluster.ranks_per_node)
+
+
 def world_size(cfg: Any) -> int:
-    return int(cfg.cluster.nodes) * int(cfg.cluster.ranks_per_node)
+    return cluster_size(cfg.cluster)
 
 
 def load_config(resolved: Any) -> Config:
@@ -269,6 +274,14 @@ def load_config(resolved: Any) -> Config:
 
     merged = OmegaConf.merge(OmegaConf.structured(Config), resolved)
     return typing.cast(Config, OmegaConf.to_object(merged))
+
+
+def load_cluster(resolved_cluster: Any) -> ClusterConfig:
+    """Just the typed ``cluster`` section (the job's task code reads nothing else before torch loads)."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(ClusterConfig), resolved_cluster)
+    return typing.cast(ClusterConfig, OmegaConf.to_object(merged))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from typing import Sequence
 
 import numpy as np
 
-SHUFFLE_BASE_SEED = 42
 PERMUTATION_ALGORITHM = "numpy-pcg64-permutation"
 
 

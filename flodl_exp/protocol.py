@@ -223,7 +223,6 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)
     error: Optional[str] = None
     final: bool = False
-    elapsed_ms: float = 0.0
 
 
 @dataclass

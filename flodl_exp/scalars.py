@@ -33,5 +33,3 @@ def drain_scalars() -> dict[str, tuple[float, int]]:
     return out
 
 
-def scalar_means(acc: dict[str, tuple[float, int]]) -> dict[str, float]:
-    return {k: s / c for k, (s, c) in acc.items() if c > 0}

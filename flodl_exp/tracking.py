@@ -15,7 +15,7 @@ import queue
 import subprocess
 import threading
 import time
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,3 @@ class MlflowSink:
                 client(self.uri).set_terminated(self.run_id, status=status)
             except Exception as e:
                 log.warning("mlflow sink: could not end run: %s", e)
-
-
-def log_metric_series(uri: str, run_id: str, series: Iterable[tuple[str, float, int]]) -> None:
-    from mlflow.entities import Metric
-
-    ts = int(time.time() * 1000)
-    client(uri).log_batch(run_id, metrics=[Metric(k, float(v), ts, int(s)) for k, v, s in series])

@@ -6,6 +6,7 @@ import os
 
 from flodl_exp.control.epoch_metrics import EpochAccumulator
 from flodl_exp.control.records import RecordLog, RingLog, WindowReporter
+from flodl_exp.protocol import ChunkMetrics
 
 
 def test_window_reporter_fires_once_per_slice_and_flushes_the_rest():
@@ -43,8 +44,8 @@ def test_record_log_files_per_node(tmp_path):
 def test_scalar_reductions():
     acc = EpochAccumulator(0, 2, 0.0)
     for r, v in ((0, 1.0), (1, 3.0)):
-        acc.add_chunk(r, {"batches": 10, "samples": 320, "avg_loss": 1.0, "epoch_ms": 10, "share_complete_ms": 10,
-                          "compute_only_ms": 8, "data_starve_ms": 2, "scalars": {"s": [v * 10, 10], "m": [v * 10, 10]}})
+        acc.add_chunk(r, ChunkMetrics(epoch=0, chunk=r, batches=10, samples=320, avg_loss=1.0, epoch_ms=10, share_complete_ms=10,
+                                      compute_only_ms=8, data_starve_ms=2, scalars={"s": [v * 10, 10], "m": [v * 10, 10]}))
     m = acc.summary(1.0, {"s": "sum"})
     assert m["s"] == 4.0 and m["m"] == 2.0 and m["rank1/s"] == 3.0
     assert acc.summary(1.0, {"s": "max"})["s"] == 3.0 and acc.summary(1.0, {"s": "min"})["s"] == 1.0

@@ -20,10 +20,6 @@ class ConvergenceAction:
     factor: float = 1.0
 
     @property
-    def is_stable(self) -> bool:
-        return self.kind == "stable"
-
-    @property
     def code(self) -> int:
         """Numeric code for metrics: 0 stable, 1 suppress_growth, 2 nudge_down."""
         return {"stable": 0, "suppress_growth": 1, "nudge_down": 2}[self.kind]

@@ -51,15 +51,14 @@ from ..wire import Message
 from .channels import EventLog, Outbox, Transport
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
+from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle, ReduceOutcome
 from .dispatch import Dispatcher, Gate
-from .elche import ElChe
-from .faults import SAVE_DEADLINE_S, SHUTDOWN_GRACE_S, regroup_plan, unrecoverable_reason
-from .guards import ConvergenceGuard, build_guard
+from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
 from .meta import LrEventMeta
 from .preemption import Preemption
-from .records import RecordLog, WindowReporter
+from .records import RecordLog, WindowRecorder
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -70,27 +69,6 @@ Event = tuple[Any, ...]
 
 
 _GATE_FOR = {Phase.TRAINING: Gate.OPEN, Phase.CHECKPOINTING: Gate.HOLD_EPOCH}
-
-
-def build_elche(mode: Any, world_size: int) -> ElChe:
-    e = ElChe(world_size, mode.anchor, overhead_target=mode.overhead_target, max_anchor=mode.max_anchor,
-              min_anchor=mode.min_anchor, max_batch_diff=mode.max_batch_diff,
-              window_growth_applicable=mode.policy != "sync")
-    if mode.speed_hint_rank is not None:
-        e.with_speed_ratio(int(mode.speed_hint_rank), float(mode.speed_hint_ratio))
-    ratios = mode.partition_ratios
-    if ratios:
-        e.with_initial_anchor(min(range(world_size), key=lambda r: ratios[r]))
-    return e
-
-
-def build_run_guard(g: Any, alpha: Optional[float]) -> ConvergenceGuard:
-    msf: dict[str, Any] = {}
-    if g.kind == "msf":
-        msf = {"msf_alpha": g.msf_alpha, "msf_suppress_threshold": g.suppress_threshold,
-               "msf_suppress_sustain": g.suppress_sustain, "msf_nudge_threshold": g.nudge_threshold,
-               "msf_nudge_sustain": g.nudge_sustain, "msf_nudge_factor": g.nudge_factor, "msf_nudge": g.nudge}
-    return build_guard(g.kind, threshold=g.threshold, easgd_alpha=alpha, **msf)
 
 
 class Coordinator:
@@ -133,22 +111,24 @@ class Coordinator:
         self.checkpoints = Checkpoints(
             every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs, progressive=shape.progressive,
             world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, events=self.events)
+        self.faults = FaultHandler(
+            world_size=w, max_failure=cfg.cluster.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
+            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
+            events=self.events, sink=sink, clock=clock)
         self.preemption = Preemption(
             attempt=int(spec.get("attempt", 0)), progressive=shape.progressive, world_size=w, job_dir=job_dir,
             life=self.life, enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.shutdown_with_save,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, checkpoints=self.checkpoints,
             outbox=self.outbox, events=self.events, sink=sink, clock=clock)
-        self.windows = WindowReporter(0, 1)
-        self.last_window_loss = float("nan")
+        self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=w, epochs=self.epochs,
+                                      batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
+                                      records=self.records, clock=clock)
         self.total_picks = 0
         self.eval_history: list[dict[str, Any]] = []
         self.final_eval: dict[str, float] = {}
         self.final_eval_rank: Optional[int] = None
         """Finishing: the rank running the final eval and writing the consensus model (None once it reported)."""
         self.final_overwrite_done = False
-        self.failure_stem: Optional[str] = None
-        """ShutdownWithSave: the stem of the failure bundle."""
-        self.save_deadline = 0.0
         self.last_beacon = -math.inf
         self.resume: Optional[dict[str, Any]] = spec.get("resume")
         if self.resume:
@@ -181,7 +161,7 @@ class Coordinator:
     def start(self) -> None:
         """Every rank said hello: plan the first epoch (or the resumed coverage)."""
         self.enter(Phase.TRAINING)
-        self.windows = WindowReporter(self.cfg.reports_per_epoch, self.total_picks // self.cfg.experiment.batch_size)
+        self.windows.start(self.total_picks)
         self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
         self.dispatch.start(self.total_picks, self.resume["meta"] if self.resume else None)
 
@@ -253,8 +233,7 @@ class Coordinator:
                 self.enter(Phase.DONE)
             return True
         if self.life.is_(Phase.SAVING):
-            if now > self.save_deadline:
-                log.error("ShutdownWithSave: saves still pending after the deadline: ranks %s", sorted(self.writer.pending))
+            if self.faults.saving_overdue(now):
                 self.shutdown()
             return True
         return self.life.is_(Phase.PREEMPTING)
@@ -346,7 +325,7 @@ class Coordinator:
             self.cohort.elect_callback(elche.smoothed_ms)
         if elche is not None:
             self.dispatch.on_verdict(out.action)
-        self._window_record(out)
+        self.windows.on_reduce(out, self.current_epoch())
         self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code)
         if self.preemption.on_reduce_finished():
             return
@@ -369,8 +348,7 @@ class Coordinator:
         metrics["alive_ranks"] = float(len(self.cohort.alive_ranks()))
         if self.cycle.elche is not None:
             metrics["anchor"] = float(self.cycle.elche.anchor)
-        for _ in range(self.windows.owed(e)):
-            self._window_record(None, force_epoch=e)
+        self.windows.flush_epoch(e)
         self.sink.log_metrics(metrics, step=e)
         self.events.emit({"event": "epoch", "epoch": e,
                           **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
@@ -380,39 +358,6 @@ class Coordinator:
         if self.checkpoints.periodic_due(e):
             self.checkpoints.begin_periodic(e)
             self.enter(Phase.CHECKPOINTING)
-
-    def _window_record(self, out: Optional[ReduceOutcome], force_epoch: Optional[int] = None) -> None:
-        """A sub-epoch report at this reduce boundary when it closes a slice of the epoch's work."""
-        k_used = out.k_used if out is not None else 0
-        epoch = force_epoch if force_epoch is not None else self.current_epoch()
-        if force_epoch is None and (epoch >= self.epochs or not self.windows.on_window(epoch, k_used)):
-            return  # the drain reduce after the last epoch belongs to no epoch's slices
-        n = out.n if out is not None else {}
-        loss = out.window_loss if out is not None else self.cycle.window_loss()
-        if loss != loss:  # a flushed slice with no batches: carry the last loss
-            loss = self.last_window_loss
-        self.last_window_loss = loss
-        window_s = out.window_s if out is not None else max(self.clock() - self.cycle.window_t0, 1e-6)
-        rec: dict[str, float] = {
-            "window/loss": loss,
-            "window/samples_per_s": k_used * self.cfg.experiment.batch_size / window_s,
-            "window/sync_ms": out.sync_ms if out is not None else 0.0,
-            "window/epoch": float(epoch),
-        }
-        if self.cycle.elche is not None:
-            rec["window/anchor"] = float(self.cycle.elche.anchor)
-        d_max = out.d_max if out is not None else None
-        if d_max is not None:
-            rec["window/divergence"] = d_max
-        for r in range(self.W):
-            rec[f"window/rank{r}/share"] = n.get(r, 0) / k_used if k_used else 0.0
-            rec[f"window/rank{r}/steps"] = float(n.get(r, 0))
-        rec = {k: v for k, v in rec.items() if v == v}
-        gs = self.cycle.global_step
-        self.sink.log_metrics(rec, step=gs)
-        self.events.emit({"event": "window", "step": gs, **{k[len("window/"):]: v for k, v in rec.items()}})
-        for r in range(self.W):
-            self.records.rank(r, "window", {"step": gs, "steps": n.get(r, 0)})
 
     # -- eval, saves, end -----------------------------------------------------------
     def _on_eval(self, r: int, f: EvalResult) -> None:
@@ -438,9 +383,7 @@ class Coordinator:
             return
         self.checkpoints.on_saves_settled()
         if self.life.is_(Phase.SAVING):
-            assert self.failure_stem is not None
-            self.writer.log_bundle(self.failure_stem, "checkpoints/failure")
-            self.shutdown()
+            self.faults.on_saves_settled()
         elif self.life.is_(Phase.PREEMPTING):
             self.preemption.on_saves_settled()
         self._maybe_complete()
@@ -468,45 +411,13 @@ class Coordinator:
 
     # -- faults -------------------------------------------------------------------
     def declare_dead(self, r: int, reason: str) -> None:
-        death = self.cohort.mark_dead(r, reason, epoch=self.current_epoch(), global_step=self.cycle.global_step)
-        if death is None:
-            return
-        log.error("rank %d declared dead: %s", r, death.reason)
-        deaths = len(self.cohort.deaths)
-        self.sink.set_tags({f"death.rank{r}": death.reason[:4000], "deaths": deaths})
-        self.sink.log_metrics({"alive_ranks": len(self.cohort.alive_ranks()), "deaths": deaths}, step=self.current_epoch())
-        self.events.emit({"event": "rank_dead", "rank": r, "reason": death.reason})
-        self.cycle.forget(r)
-        if self.life.ending:
+        death = self.faults.record_death(r, reason)
+        if death is None or self.life.ending:
             return
         if self.life.is_(Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING):
             self._drop_pending_of(r)
-            return
-        why = unrecoverable_reason(world_size=self.W, alive=len(self.cohort.alive_ranks()), dead=self.cohort.dead_count(),
-                                   max_failure=self.cfg.cluster.max_failure, backend=self.cycle.backend)
-        if why:
-            self.shutdown_with_save(why, f"rank {r} {death.reason}")
-            return
-        if not self.life.is_(Phase.CONNECTING):
-            self.dispatch.on_rank_dead(r)
-        if self.cohort.fixed_callback is None or self.cohort.callback_rank == r:
-            elche = self.cycle.elche
-            self.cohort.elect_callback(elche.smoothed_ms if elche is not None and elche.is_calibrated else None, force=True)
-        if self.cycle.backend == "nccl":
-            self._regroup()
-        self._try_finish_reduce()
-
-    def _regroup(self) -> None:
-        """Survivors re-form the process group: renumbered ranks, fresh store prefix."""
-        survivors = self.cohort.alive_ranks()
-        if len(survivors) < 2:
-            return
-        gen = self.cohort.next_generation()
-        for r, msg in regroup_plan(survivors, gen).items():
-            self.outbox.send(r, msg)
-        self.events.emit({"event": "regroup", "generation": gen, "ranks": survivors})
-        self.sink.set_tags({"regroups": gen})
-        log.warning("regroup generation %d with ranks %s", gen, survivors)
+        elif self.faults.recover(death):
+            self._try_finish_reduce()
 
     def _drop_pending_of(self, r: int) -> None:
         """A rank died while a bundle was being written: its pieces are forfeit; the final eval and
@@ -523,27 +434,12 @@ class Coordinator:
         self._after_saves()
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
-        """Unrecoverable: every survivor saves its bundle pieces, the meta records why, the run ends FAILED."""
-        if self.failure_stem is not None or self.life.ending:
-            return
-        self.life.end(Status.FAILED, f"{reason}: {detail}")
-        stem = self.writer.stem_for("failure")
-        self.failure_stem = stem
-        self.sink.set_tags({"save_reason": reason})
-        self.events.emit({"event": "shutdown_with_save", "reason": reason, "stem": stem})
-        log.error("ShutdownWithSave (%s): %s", reason, detail)
-        self.writer.write_meta(reason, stem, epoch=self.current_epoch())
-        if not self.cohort.alive_ranks():
-            self.shutdown()
-            return
-        self.enter(Phase.SAVING)
-        self.save_deadline = self.clock() + SAVE_DEADLINE_S
-        self.writer.send_saves(stem)
+        self.faults.shutdown_with_save(reason, detail)
 
     # -- the result ---------------------------------------------------------------
     @property
     def saved_stem(self) -> Optional[str]:
-        return self.failure_stem or self.preemption.saved_stem
+        return self.faults.failure_stem or self.preemption.saved_stem
 
     def result(self) -> dict[str, Any]:
         return {

@@ -184,11 +184,6 @@ class ElChe:
         self._anchor_rank = rank
         return self
 
-    def with_window_growth_applicable(self, applicable: bool) -> ElChe:
-        """False under Sync: no window to amortise, growth would only pollute the anchor."""
-        self._window_growth_applicable = bool(applicable)
-        return self
-
     def set_max_total_batches(self, n: Optional[int]) -> None:
         """Cap ``sum(batch_counts)`` (the epoch's batch count) so a window never spans
         more than one epoch; 0/None removes the cap."""

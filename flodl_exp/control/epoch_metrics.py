@@ -39,7 +39,6 @@ class EpochAccumulator:
         self.syncs = 0
         self.sync_ms: list[float] = []
         self.div_max = 0.0
-        self.div_last: Optional[float] = None
         self.guard_action = 0
         self.reported: set[int] = set()
 
@@ -75,7 +74,6 @@ class EpochAccumulator:
         self.sync_ms.append(ms)
         if div is not None and math.isfinite(div):
             self.div_max = max(self.div_max, div)
-            self.div_last = div
         self.guard_action = max(self.guard_action, action_code)
 
     def summary(self, wall_s: float, reductions: Optional[dict[str, str]] = None) -> dict[str, float]:

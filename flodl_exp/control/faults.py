@@ -11,9 +11,19 @@ the coordinator the meta with the reason, and the run ends FAILED.
 """
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from collections.abc import Callable
+from typing import Any, Optional
 
 from ..protocol import Regroup
+from .channels import EventLog, Outbox
+from .checkpoints import BundleWriter
+from .cohort import Cohort, Death
+from .cycle import AveragingCycle
+from .dispatch import Dispatcher
+from .lifecycle import Lifecycle, Phase, Status
+
+log = logging.getLogger("flodl_exp.coordinator")
 
 SAVE_DEADLINE_S = 60.0
 """ShutdownWithSave: how long the survivors get to write their pieces."""
@@ -37,3 +47,100 @@ def regroup_plan(survivors: list[int], generation: int) -> dict[int, Regroup]:
     """Each survivor's place in the re-formed process group: renumbered in rank order."""
     return {r: Regroup(generation=generation, new_rank=i, world_size=len(survivors), ranks=list(survivors))
             for i, r in enumerate(survivors)}
+
+
+class FaultHandler:
+    """Applies the rules above: records a death, recovers from it, or ends the run with a bundle.
+    Owns the ShutdownWithSave state (the failure bundle's stem and its deadline)."""
+
+    def __init__(self, *, world_size: int, max_failure: Optional[int], life: Lifecycle, enter: Callable[[Phase], None],
+                 shutdown: Callable[[], None], cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
+                 writer: BundleWriter, outbox: Outbox, events: EventLog, sink: Any, clock: Callable[[], float]) -> None:
+        self.world_size = world_size
+        self.max_failure = max_failure
+        self._life = life
+        self._enter = enter
+        self._shutdown = shutdown
+        self._cohort = cohort
+        self._cycle = cycle
+        self._dispatch = dispatch
+        self._writer = writer
+        self._out = outbox
+        self._events = events
+        self._sink = sink
+        self._clock = clock
+        self.failure_stem: Optional[str] = None
+        """ShutdownWithSave: the stem of the failure bundle."""
+        self.save_deadline = 0.0
+
+    def record_death(self, r: int, reason: str) -> Optional[Death]:
+        """Take ``r`` out of the cohort and the gate; None when it was already gone or had exited cleanly."""
+        epoch = self._dispatch.current_epoch()
+        death = self._cohort.mark_dead(r, reason, epoch=epoch, global_step=self._cycle.global_step)
+        if death is None:
+            return None
+        log.error("rank %d declared dead: %s", r, death.reason)
+        deaths = len(self._cohort.deaths)
+        self._sink.set_tags({f"death.rank{r}": death.reason[:4000], "deaths": deaths})
+        self._sink.log_metrics({"alive_ranks": len(self._cohort.alive_ranks()), "deaths": deaths}, step=epoch)
+        self._events.emit({"event": "rank_dead", "rank": r, "reason": death.reason})
+        self._cycle.forget(r)
+        return death
+
+    def recover(self, death: Death) -> bool:
+        """The run goes on without the rank (True), or ends with ShutdownWithSave (False)."""
+        r = death.rank
+        why = unrecoverable_reason(world_size=self.world_size, alive=len(self._cohort.alive_ranks()),
+                                   dead=self._cohort.dead_count(), max_failure=self.max_failure, backend=self._cycle.backend)
+        if why:
+            self.shutdown_with_save(why, f"rank {r} {death.reason}")
+            return False
+        if not self._life.is_(Phase.CONNECTING):
+            self._dispatch.on_rank_dead(r)
+        if self._cohort.fixed_callback is None or self._cohort.callback_rank == r:
+            elche = self._cycle.elche
+            self._cohort.elect_callback(elche.smoothed_ms if elche is not None and elche.is_calibrated else None, force=True)
+        if self._cycle.backend == "nccl":
+            self._regroup()
+        return True
+
+    def _regroup(self) -> None:
+        """Survivors re-form the process group: renumbered ranks, fresh store prefix."""
+        survivors = self._cohort.alive_ranks()
+        if len(survivors) < 2:
+            return
+        gen = self._cohort.next_generation()
+        for r, msg in regroup_plan(survivors, gen).items():
+            self._out.send(r, msg)
+        self._events.emit({"event": "regroup", "generation": gen, "ranks": survivors})
+        self._sink.set_tags({"regroups": gen})
+        log.warning("regroup generation %d with ranks %s", gen, survivors)
+
+    def shutdown_with_save(self, reason: str, detail: str) -> None:
+        """Unrecoverable: every survivor saves its bundle pieces, the meta records why, the run ends FAILED."""
+        if self.failure_stem is not None or self._life.ending:
+            return
+        self._life.end(Status.FAILED, f"{reason}: {detail}")
+        stem = self._writer.stem_for("failure")
+        self.failure_stem = stem
+        self._sink.set_tags({"save_reason": reason})
+        self._events.emit({"event": "shutdown_with_save", "reason": reason, "stem": stem})
+        log.error("ShutdownWithSave (%s): %s", reason, detail)
+        self._writer.write_meta(reason, stem, epoch=self._dispatch.current_epoch())
+        if not self._cohort.alive_ranks():
+            self._shutdown()
+            return
+        self._enter(Phase.SAVING)
+        self.save_deadline = self._clock() + SAVE_DEADLINE_S
+        self._writer.send_saves(stem)
+
+    def saving_overdue(self, now: float) -> bool:
+        if now <= self.save_deadline:
+            return False
+        log.error("ShutdownWithSave: saves still pending after the deadline: ranks %s", sorted(self._writer.pending))
+        return True
+
+    def on_saves_settled(self) -> None:
+        if self._life.is_(Phase.SAVING) and self.failure_stem is not None:
+            self._writer.log_bundle(self.failure_stem, "checkpoints/failure")
+            self._shutdown()

@@ -4,6 +4,7 @@
   one of the ``reports_per_epoch`` slices of the epoch's work; slices still
   owed when the epoch is aggregated are flushed then, so an epoch always
   yields exactly ``n`` window records.
+* :class:`WindowRecorder` writes them (MLflow ``window/*``, events, record log).
 * :class:`RingLog` is an append-only JSONL file that never exceeds
   ``max_bytes``: the oldest records are dropped first (a drop-oldest ring).
 * :class:`RecordLog` keeps one ring per record node: ``root.log`` for the
@@ -15,7 +16,12 @@ import json
 import os
 import tempfile
 from collections import deque
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # records.py is imported by channels.py; these only annotate
+    from .channels import EventLog
+    from .cycle import AveragingCycle, ReduceOutcome
 
 
 class WindowReporter:
@@ -43,6 +49,68 @@ class WindowReporter:
         n = self.per_epoch - self.fired.get(epoch, 0)
         self.fired[epoch] = self.per_epoch
         return max(0, n)
+
+
+class WindowRecorder:
+    """Writes the window records: MLflow metrics under ``window/`` (step = global step), an event,
+    and a per-rank record-log line, at the reduces that close a slice and for slices still owed
+    when an epoch is aggregated."""
+
+    def __init__(self, *, reports_per_epoch: int, world_size: int, epochs: int, batch_size: int, cycle: AveragingCycle,
+                 sink: Any, events: EventLog, records: RecordLog, clock: Callable[[], float]) -> None:
+        self.per_epoch = reports_per_epoch
+        self.world_size = world_size
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self._cycle = cycle
+        self._sink = sink
+        self._events = events
+        self._records = records
+        self._clock = clock
+        self.reporter = WindowReporter(0, 1)
+        self.last_loss = float("nan")
+
+    def start(self, total_picks: int) -> None:
+        self.reporter = WindowReporter(self.per_epoch, total_picks // self.batch_size)
+
+    def on_reduce(self, out: ReduceOutcome, epoch: int) -> None:
+        if epoch >= self.epochs or not self.reporter.on_window(epoch, out.k_used):
+            return  # the drain reduce after the last epoch belongs to no epoch's slices
+        self._write(out, epoch)
+
+    def flush_epoch(self, epoch: int) -> None:
+        for _ in range(self.reporter.owed(epoch)):
+            self._write(None, epoch)
+
+    def _write(self, out: Optional[ReduceOutcome], epoch: int) -> None:
+        cycle = self._cycle
+        k_used = out.k_used if out is not None else 0
+        n = out.n if out is not None else {}
+        loss = out.window_loss if out is not None else cycle.window_loss()
+        if loss != loss:  # a flushed slice with no batches: carry the last loss
+            loss = self.last_loss
+        self.last_loss = loss
+        window_s = out.window_s if out is not None else max(self._clock() - cycle.window_t0, 1e-6)
+        rec: dict[str, float] = {
+            "window/loss": loss,
+            "window/samples_per_s": k_used * self.batch_size / window_s,
+            "window/sync_ms": out.sync_ms if out is not None else 0.0,
+            "window/epoch": float(epoch),
+        }
+        if cycle.elche is not None:
+            rec["window/anchor"] = float(cycle.elche.anchor)
+        d_max = out.d_max if out is not None else None
+        if d_max is not None:
+            rec["window/divergence"] = d_max
+        for r in range(self.world_size):
+            rec[f"window/rank{r}/share"] = n.get(r, 0) / k_used if k_used else 0.0
+            rec[f"window/rank{r}/steps"] = float(n.get(r, 0))
+        rec = {k: v for k, v in rec.items() if v == v}
+        gs = cycle.global_step
+        self._sink.log_metrics(rec, step=gs)
+        self._events.emit({"event": "window", "step": gs, **{k[len("window/"):]: v for k, v in rec.items()}})
+        for r in range(self.world_size):
+            self._records.rank(r, "window", {"step": gs, "steps": n.get(r, 0)})
 
 
 class RingLog:

@@ -54,7 +54,9 @@ def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
 def make_executor(cluster: Any, folder: str, timeout_min: int, gpus_per_node: int, job_name: str):
     import submitit
 
-    w = int(cluster.nodes) * int(cluster.ranks_per_node)
+    from ..config import cluster_size
+
+    w = cluster_size(cluster)
     if cluster.executor == "local":
         ex = submitit.LocalExecutor(folder=folder)
         ex.update_parameters(nodes=1, tasks_per_node=w, timeout_min=int(timeout_min), gpus_per_node=gpus_per_node)

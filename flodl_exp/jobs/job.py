@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import submitit
 
+from ..config import load_cluster
 from ..constants import COORDINATOR_LOG, PREEMPT_EXIT, PREEMPT_MARK
 
 PREEMPT_WAIT_S = 120.0
@@ -88,13 +89,13 @@ def coordinator_host(spec: dict) -> str:
     (Debian's ``127.0.1.1`` line) and the job spans nodes, the address on the route to
     the other nodes instead.
     """
-    cluster = spec["config"]["cluster"]
-    if cluster.get("host"):
-        return str(cluster["host"])
-    if cluster["executor"] == "local":
+    cluster = load_cluster(spec["config"]["cluster"])
+    if cluster.host:
+        return str(cluster.host)
+    if cluster.executor == "local":
         return "127.0.0.1"
     name = socket.gethostname()
-    if int(cluster["nodes"]) > 1 and _is_loopback(name):
+    if cluster.nodes > 1 and _is_loopback(name):
         try:
             me = submitit.JobEnvironment()
             others = [h for h in me.hostnames if h != name and h != me.hostname]
@@ -184,7 +185,7 @@ class RunTask(submitit.helpers.Checkpointable):
         job_dir = os.path.dirname(os.path.abspath(spec_path))
         attempt = int(spec.get("attempt", 0))
         add_import_paths(spec)
-        if spec["config"]["cluster"]["device"] != "cuda":
+        if load_cluster(spec["config"]["cluster"]).device != "cuda":
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         if attempt:
             log.info("attempt %d (requeued): resuming from %s", attempt, (spec.get("resume") or {}).get("stem"))
@@ -323,7 +324,7 @@ class RunTask(submitit.helpers.Checkpointable):
 def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int, coord_dead) -> dict:
     from .rendezvous import wait_rendezvous
 
-    rdv = wait_rendezvous(job_dir, float(spec["config"]["cluster"]["rendezvous_timeout_s"]), coord_dead, attempt=attempt)
+    rdv = wait_rendezvous(job_dir, load_cluster(spec["config"]["cluster"]).rendezvous_timeout_s, coord_dead, attempt=attempt)
     from ..rank.worker import RankWorker
 
     return RankWorker(spec, rank, local_rank, rdv).run()

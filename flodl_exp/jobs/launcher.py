@@ -65,7 +65,6 @@ class RunHandle:
         self.result: Optional[dict] = None
         self._ended = False
         self._last_force = 0.0
-        self._last_queue: tuple[float, str] = (0.0, "")
 
     @property
     def job_id(self) -> str:

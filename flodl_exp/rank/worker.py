@@ -126,7 +126,6 @@ class RankWorker:
         self.stopping = False
         self.throttled = False
         self.awaiting_update = False
-        self.snapshot_n = 0
         self.last_coord = time.monotonic()
         self.chunk: Optional[EpochState] = None
         self.fault = parse_fault(os.environ.get(FAULT_ENV), rank)
@@ -244,7 +243,6 @@ class RankWorker:
 
     def _on_request_params(self, m: RequestParams) -> None:
         n = self.trainer.steps_since_avg
-        self.snapshot_n = n
         self.conn.send(encode(self.cpu.snapshot(self.trainer.model, n)))
         if m.barrier:
             self.awaiting_update = True
@@ -266,14 +264,12 @@ class RankWorker:
             self.wait_until(lambda: not self.throttled)
 
     def _on_eval(self, m: ExecuteEval) -> None:
-        t0 = time.perf_counter()
         err: Optional[str] = None
         try:
             res = self.trainer.evaluate()
         except Exception as e:  # a broken eval must not kill training
             res, err = {}, f"{type(e).__name__}: {e}"
-        self.conn.send(encode(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final,
-                                         elapsed_ms=(time.perf_counter() - t0) * 1e3)))
+        self.conn.send(encode(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final)))
 
     def _on_shutdown(self, m: Shutdown) -> None:
         self.stopping = True

@@ -98,9 +98,6 @@ class SampleCache:
                  budget_bytes / B.MIB)
         return pool.capacity
 
-    def held_bytes(self) -> int:
-        return sum(t.nbytes for k, t in self.tiers.items() if k == RAM)
-
     def rows(self) -> dict[str, int]:
         names = {DEVICE: "device", RAM: "ram", DISK: "disk"}
         return {names[k]: t.used for k, t in self.tiers.items()}
