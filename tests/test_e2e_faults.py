@@ -67,14 +67,21 @@ def test_max_failure_saves_a_bundle_that_resumes(store, monkeypatch):
     assert res2["final_eval"]["eval/accuracy"] >= 0.90
 
 
-def test_killing_the_coordinator_ends_every_rank(store):
-    h = _launch(store, "mode=nccl_cadence", "experiment.epochs=50", "cluster.rank_speeds=[0.3,0.3]",
-                "cluster.heartbeat_timeout_s=10")
+def test_killing_the_coordinator_ends_every_rank(store, tmp_path, monkeypatch):
+    # Both ranks wait at their first batch until the gate opens, so the run cannot be over before the kill
+    # (however fast the machine); the gate opens right after it, and the ranks must notice the lost coordinator.
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:1:gate:{gate},1:1:gate:{gate}")
+    h = _launch(store, "mode=nccl_cadence", "experiment.epochs=3", "cluster.heartbeat_timeout_s=10")
     job = Path(h.job_dir)
-    _wait_for(lambda: len([e for e in read_events(job) if e.get("event") == "joined"]) == 2, what="ranks joined")
-    coord = json.loads((job / "rendezvous.json").read_text())["pid"]
-    ranks = [e["pid"] for e in read_events(job) if e.get("event") == "joined"]
-    os.kill(coord, signal.SIGKILL)
+    try:
+        _wait_for(lambda: len([e for e in read_events(job) if e.get("event") == "joined"]) == 2, what="ranks joined")
+        coord = json.loads((job / "rendezvous.json").read_text())["pid"]
+        ranks = [e["pid"] for e in read_events(job) if e.get("event") == "joined"]
+        assert not any(e.get("event") == "end" for e in read_events(job))
+        os.kill(coord, signal.SIGKILL)
+    finally:
+        gate.touch()
     _wait_for(lambda: not any(alive(p) for p in ranks), timeout=30, what="ranks to exit after coordinator loss")
     from flodl_exp.jobs.launcher import RunFailed
 
@@ -83,18 +90,36 @@ def test_killing_the_coordinator_ends_every_rank(store):
     assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "FAILED"
 
 
+AT_EPOCH_EPOCHS = 12
+AT_EPOCH_GATE_STEP = 220
+"""Each rank stops at its 220th batch until the test opens the gate. 12 epochs of 44 batches: one of the two ranks
+trains at least 264 batches, so the gate is always reached before the run can end; and a rank at its 220th batch
+means at least 220 batches (5 epochs) trained in all, long after the at_epoch=2 bundle (saved at the first reduce
+after a rank enters epoch 2; windows are capped by max_anchor), whatever the machine's speed."""
+
+
 @pytest.mark.parametrize("mode", ["cpu_cadence"])
-def test_at_epoch_bundle_resumes_exactly(store, mode):
-    common = [f"mode={mode}", "experiment.epochs=4", "cluster=local_hetero", "seed=7"]
+def test_at_epoch_bundle_resumes_exactly(store, mode, tmp_path, monkeypatch):
+    common = [f"mode={mode}", f"experiment.epochs={AT_EPOCH_EPOCHS}", "cluster=local_hetero", "seed=7", "mode.max_anchor=20"]
     ref = _launch(store, *common).wait()
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:{AT_EPOCH_GATE_STEP}:gate:{gate},1:{AT_EPOCH_GATE_STEP}:gate:{gate}")
     h = _launch(store, *common, "checkpoint.at_epoch=2", "cluster.rank_speeds=[0.5,0.2]")
+    monkeypatch.delenv("FLODL_FAULT_INJECT")
     job = Path(h.job_dir)
-    _wait_for(lambda: any(e.get("event") == "checkpoint" for e in read_events(job)), timeout=120, what="at_epoch bundle")
-    h.shutdown()
+    try:
+        _wait_for(lambda: any(e.get("event") == "checkpoint" for e in read_events(job)), timeout=120, what="at_epoch bundle")
+        assert not any(e.get("event") == "end" for e in read_events(job)), "the gate should hold the run open"
+        pids = [e["pid"] for e in read_events(job) if e.get("event") == "joined"]
+        h.shutdown()
+        _wait_for(lambda: not any(alive(p) for p in pids), timeout=60, what="the held run's ranks to exit after the cancel")
+    finally:
+        gate.touch()  # released only now: the bundle exists and the run was cancelled mid-way
+    assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "KILLED"
     stem = next(e["stem"] for e in read_events(job) if e.get("event") == "checkpoint")
     meta = json.loads(Path(stem + ".meta.json").read_text())
     per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
-    assert 2 in per and meta["epoch"] == 2
+    assert 2 in per and meta["epoch"] == 2, f"at_epoch=2 bundle: meta epoch {meta['epoch']}, coverage epochs {sorted(per)}"
     res = _launch(store, *common, f"checkpoint.resume_from={stem}").wait()
     total = (res["total_picks"] // 32) * 32
     hits = [0] * total

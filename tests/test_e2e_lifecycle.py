@@ -22,8 +22,48 @@ def _launch(store, *overrides):
 _wait_for = wait_for
 
 
-def test_hostile_peers_are_dropped_and_the_run_finishes(store):
-    h = _launch(store, "mode=cpu_sync", "experiment.epochs=6", "cluster.rank_speeds=[0.5,0.5]")
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly n bytes (the socket's timeout bounds each read), or AssertionError at EOF."""
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, f"EOF after {len(buf)} of {n} bytes"
+        buf += chunk
+    return buf
+
+
+def _recv_until_eof(s: socket.socket, limit: int = 1 << 20) -> bytes:
+    """Everything the peer sends until it closes (b"" read) or resets; bounded in bytes and by the socket timeout."""
+    got = b""
+    try:
+        while len(got) < limit:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    except ConnectionResetError:  # closed with our garbage unread: RST instead of FIN, still a drop
+        pass
+    return got
+
+
+def test_hostile_peers_are_dropped_and_the_run_finishes(store, tmp_path, monkeypatch):
+    # Both ranks wait at their first batch until the gate opens: the run is in progress (rank 1 connected) for
+    # every hostile peer below, however fast the machine; the gate opens once they are done.
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:1:gate:{gate},1:1:gate:{gate}")
+    h = _launch(store, "mode=cpu_sync", "experiment.epochs=2")
+    try:
+        _hostile_peers(h)
+    finally:
+        gate.touch()
+    res = h.wait()
+    assert res["status"] == "FINISHED"
+    assert res["rejected_connections"] >= 3
+    assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "FINISHED"
+    assert not any(alive(p) for p in pids_of(__import__("pathlib").Path(h.job_dir)))
+
+
+def _hostile_peers(h) -> None:
     rdv_path = os.path.join(h.job_dir, "rendezvous.json")
     _wait_for(lambda: os.path.exists(rdv_path), what="rendezvous.json")
     rdv = json.loads(open(rdv_path).read())
@@ -31,11 +71,17 @@ def test_hostile_peers_are_dropped_and_the_run_finishes(store):
     _wait_for(lambda: any(e.get("event") == "started" for e in h.poll_events() + h.events), what="run start")
     from flodl_exp import wire
 
-    # 1. random bytes
+    # 1. random bytes: the server speaks first (a challenge frame), then drops us on the garbage
     s = socket.create_connection((rdv["host"], rdv["port"]), timeout=5)
-    s.sendall(os.urandom(4096))
     s.settimeout(10)
-    assert s.recv(65536) is not None  # the challenge, then EOF when we're dropped
+    prefix = _recv_exact(s, 12)
+    magic, header_len, payload_len = struct.unpack(">4sII", prefix)
+    assert magic == b"FDL1" and 0 < header_len < 65536 and payload_len == 0, prefix
+    challenge = wire.decode(prefix + _recv_exact(s, header_len), 65536)
+    assert challenge.kind == "challenge" and not challenge.tensors
+    assert len(bytes.fromhex(challenge.fields["nonce"])) == 32
+    s.sendall(b"JUNK" + os.urandom(4092))  # never a valid magic
+    assert _recv_until_eof(s) == b""  # nothing more, then EOF: dropped
     s.close()
     # 2. an oversized frame (claims 3 GiB)
     s = socket.create_connection((rdv["host"], rdv["port"]), timeout=5)
@@ -51,11 +97,7 @@ def test_hostile_peers_are_dropped_and_the_run_finishes(store):
     with pytest.raises(wire.WireError):
         wire.client_handshake(conn, rdv["token"], {"rank": 1, "model_bytes": 10}, timeout=5)
     conn.close()
-    res = h.wait()
-    assert res["status"] == "FINISHED"
-    assert res["rejected_connections"] >= 3
-    assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "FINISHED"
-    assert not any(alive(p) for p in pids_of(__import__("pathlib").Path(h.job_dir)))
+    assert not any(e.get("event") == "end" for e in h.poll_events() + h.events), "the gate should hold the run open"
 
 
 @pytest.mark.parametrize("kind", ["raise", "kill"])
@@ -80,16 +122,27 @@ def test_crashed_rank_fails_the_run_with_its_error(store, kind, monkeypatch):
     _wait_for(lambda: not any(alive(p) for p in pids_of(Path(h.job_dir))), timeout=30, what="every process to exit")
 
 
-def test_cancel_leaves_no_process(store):
-    h = _launch(store, "mode=cpu_cadence", "experiment.epochs=50", "cluster.rank_speeds=[0.3,0.3]")
+def test_cancel_leaves_no_process(store, tmp_path, monkeypatch):
+    # Both ranks block at their first batch until the gate file exists: the run is held open by a mechanism,
+    # so the cancel always lands mid-run however fast the machine is. The gate is opened only after the cancel.
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:1:gate:{gate},1:1:gate:{gate}")
+    h = _launch(store, "mode=cpu_cadence", "experiment.epochs=3")
     from pathlib import Path
 
-    _wait_for(lambda: len([e for e in read_events(Path(h.job_dir)) if e.get("event") == "joined"]) == 2, what="ranks joined")
-    pids = pids_of(Path(h.job_dir))
-    assert len(pids) == 3
-    h.shutdown()
-    _wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what="every process to exit after cancel")
-    assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "KILLED"
+    job = Path(h.job_dir)
+    try:
+        _wait_for(lambda: len([e for e in read_events(job) if e.get("event") == "joined"]) == 2, what="ranks joined")
+        _wait_for(lambda: any(e.get("event") == "started" for e in read_events(job)), what="run start")
+        pids = pids_of(job)
+        assert len(pids) == 3
+        assert not any(e.get("event") in ("epoch", "end") for e in read_events(job)), "the gate should hold epoch 0 open"
+        h.shutdown()
+        _wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what="every process to exit after cancel")
+        assert not any(e.get("event") == "epoch" for e in read_events(job)), "no epoch can end while the gate is shut"
+        assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "KILLED"
+    finally:
+        gate.touch()  # never leave a rank waiting on the gate (it would give up on its own after its bound)
 
 
 def test_run_handle_streams_metrics_and_joins_the_consensus(store):

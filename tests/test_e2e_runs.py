@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import assert_exact_coverage, base_overrides, job_dir_of, pids_of, alive, read_result, run_cli, run_id_of
+from conftest import alive, assert_exact_coverage, base_overrides, job_dir_of, pids_of, read_result, run_cli, run_id_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

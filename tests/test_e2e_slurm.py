@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import slurm_cluster_up, base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of
+from conftest import base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of, slurm_cluster_up
 
 slurm = pytest.mark.slurm
 
@@ -262,7 +262,7 @@ def test_detached_runs_end_finished_on_their_own(cluster, store):
     assert cluster["detached"], "test_detached_submission_returns_at_once did not submit"
     c = MlflowClient(store["uri"])
     for run_id, job_id in cluster["detached"]:
-        _wait_for(lambda: c.get_run(run_id).info.status != "RUNNING", 200, f"run {run_id} (job {job_id}) to end", every=1.0)
+        _wait_for(lambda run_id=run_id: c.get_run(run_id).info.status != "RUNNING", 200, f"run {run_id} (job {job_id}) to end", every=1.0)
         run = c.get_run(run_id)
         assert run.info.status == "FINISHED", run.data.tags.get("error")
         assert run.data.tags["slurm_job_id"] == job_id

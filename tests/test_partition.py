@@ -4,8 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flodl_exp.partition import (batch_aligned_plans, decode_pick, epoch_permutation, equal_sizes, make_partition,
-                                 ratio_to_sizes, throughput_sizes)
+from flodl_exp.partition import (
+    batch_aligned_plans,
+    decode_pick,
+    epoch_permutation,
+    equal_sizes,
+    make_partition,
+    ratio_to_sizes,
+    throughput_sizes,
+)
 
 
 def test_permutation_is_a_pure_function_of_seed_epoch_total():

@@ -12,7 +12,7 @@ import torch
 from flodl_exp.rank import telemetry as T
 from flodl_exp.wire import Message
 
-from conftest import base_overrides, run_cli, run_id_of
+from conftest import base_overrides, run_cli, run_id_of, wait_for
 
 CUDA = torch.cuda.is_available()
 
@@ -24,31 +24,97 @@ def test_proc_probes():
     assert rss is not None and rss > 10 * 2**20
 
 
-def test_cpu_pct_follows_a_busy_thread():
+class _Clock:
+    """A fake monotonic clock and a process CPU-seconds counter the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.cpu = 5.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+def test_cpu_pct_is_cpu_time_over_wall_time(monkeypatch):
+    clk = _Clock()
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(monotonic=clk.monotonic))
+    monkeypatch.setattr(T, "read_cpu_seconds", lambda: clk.cpu)
+    tel = T.Telemetry(lambda m: None, torch.device("cpu"), probe_gpu=False)
+    clk.t += 0.5
+    clk.cpu += 0.5  # one core busy for the whole interval
+    busy = tel.sample()
+    clk.t += 0.5
+    clk.cpu += 0.0  # idle
+    idle = tel.sample()
+    clk.t += 0.25
+    clk.cpu += 0.5  # two cores busy
+    both = tel.sample()
+    assert busy["cpu_pct"] == pytest.approx(100.0)
+    assert idle["cpu_pct"] == pytest.approx(0.0)
+    assert both["cpu_pct"] == pytest.approx(200.0)
+    assert 0 < busy["rss_gb"] < 64 and "gpu_util" not in busy
+    no_time = tel.sample()  # no wall time passed: no cpu_pct rather than a division by zero
+    assert "cpu_pct" not in no_time and "rss_gb" in no_time
+
+
+def test_cpu_pct_is_positive_after_real_cpu_work():
+    """The real /proc probe: spin until the process has used CPU time (bounded), whatever the machine's speed."""
     tel = T.Telemetry(lambda m: None, torch.device("cpu"), probe_gpu=False)
     tel.sample()
-    end = time.monotonic() + 0.3
+    start = T.read_cpu_seconds()
+    assert start is not None
+    deadline = time.monotonic() + 60
     x = 0
-    while time.monotonic() < end:
+    while (T.read_cpu_seconds() or 0.0) - start < 0.05 and time.monotonic() < deadline:
         x += 1
     busy = tel.sample()
-    time.sleep(0.3)
-    idle = tel.sample()
-    assert busy["cpu_pct"] > 50, busy
-    assert idle["cpu_pct"] < 30, idle
-    assert 0 < busy["rss_gb"] < 64 and "gpu_util" not in busy
+    assert busy["cpu_pct"] > 0, busy
+    assert 0 < busy["rss_gb"] < 64
 
 
-def test_thread_sends_means_about_once_per_report():
+def test_thread_reports_once_per_report_interval(monkeypatch):
+    """_run on a fake clock: sampled every 0.25 s, reported every 1 s -> exactly one mean of 4 samples a second."""
+    clk = _Clock()
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(monotonic=clk.monotonic))
+    monkeypatch.setattr(T, "read_cpu_seconds", lambda: clk.cpu)
+
+    class Stop:  # stands in for the thread's Event: each wait moves the clock; stops after 16 waits
+        left = 16
+
+        def wait(self, dt):
+            if self.left == 0:
+                return True
+            self.left -= 1
+            clk.t += dt
+            clk.cpu += dt / 2  # half a core
+            return False
+
+    sent: list[Message] = []
+    tel = T.Telemetry(sent.append, torch.device("cpu"), sample_s=0.25, report_s=1.0, probe_gpu=False)
+    tel._stop = Stop()  # type: ignore[assignment]
+    tel._run()
+    assert len(sent) == 4 and tel.sent == 4
+    for m in sent:
+        assert m.kind == "telemetry"
+        assert set(m.fields) == {"cpu_pct", "rss_gb"}
+        assert m.fields["cpu_pct"] == pytest.approx(50.0)
+
+
+def test_thread_sends_telemetry_messages_until_closed():
     sent: list[Message] = []
     tel = T.Telemetry(sent.append, torch.device("cpu"), sample_s=0.05, report_s=0.2, probe_gpu=False).start()
-    time.sleep(0.75)
-    tel.close()
-    assert 2 <= len(sent) <= 5, len(sent)
+    try:
+        wait_for(lambda: len(sent) >= 2, timeout=60, what="two telemetry reports")
+    finally:
+        tel.close()
+    assert tel._thread is not None and not tel._thread.is_alive()
+    n = len(sent)
+    assert tel.sent == n
     for m in sent:
         assert m.kind == "telemetry"
         assert set(m.fields) == {"cpu_pct", "rss_gb"}
         assert all(isinstance(v, float) for v in m.fields.values())
+    assert len(sent) == n  # closed: no more reports
 
 
 def test_report_is_the_mean_of_samples():
@@ -64,8 +130,9 @@ def test_a_closed_connection_ends_the_thread_quietly():
         raise ConnectionError("closed")
 
     tel = T.Telemetry(send, torch.device("cpu"), sample_s=0.02, report_s=0.02, probe_gpu=False).start()
-    time.sleep(0.2)
-    assert tel._thread is not None and not tel._thread.is_alive()
+    assert tel._thread is not None
+    tel._thread.join(timeout=60)  # the first report hits the closed connection and the thread returns
+    assert not tel._thread.is_alive()
     tel.close()
 
 
@@ -125,8 +192,10 @@ def test_gpu_probe_reads_utilisation_and_memory():
     assert 0.0 <= util <= 100.0 and mem > 0
     sent: list[Message] = []
     tel = T.Telemetry(sent.append, torch.device("cuda:0"), sample_s=0.05, report_s=0.1).start()
-    time.sleep(0.4)
-    tel.close()
+    try:
+        wait_for(lambda: len(sent) >= 1, timeout=60, what="a telemetry report")
+    finally:
+        tel.close()
     probe.close()
     del x
     assert sent and {"gpu_util", "mem_gb", "cpu_pct", "rss_gb"} <= set(sent[-1].fields)

@@ -34,7 +34,8 @@ def test_record_scalar_is_a_per_thread_sum_and_count():
     record_scalar("b", 2)
     seen = {}
     t = threading.Thread(target=lambda: (record_scalar("a", 100.0), seen.update(drain_scalars())))
-    t.start(); t.join()
+    t.start()
+    t.join()
     assert seen == {"a": (100.0, 1)}
     assert drain_scalars() == {"a": (4.0, 2), "b": (2.0, 1)}
     assert drain_scalars() == {}

@@ -132,8 +132,8 @@ def chromium(request) -> str:
 def _links_js(run_ids: list[str]) -> str:
     """JS: the run ids among ``run_ids`` that the runs table shows as row links."""
     return ("(() => { const hrefs = [...document.querySelectorAll('[role=row] a[href*=\"/runs/\"]')]"
-            ".map(a => a.getAttribute('href')); return %s.filter(id => hrefs.some(h => h.endsWith('/runs/' + id))); })()"
-            % json.dumps(run_ids))
+            ".map(a => a.getAttribute('href')); return " + json.dumps(run_ids)
+            + ".filter(id => hrefs.some(h => h.endsWith('/runs/' + id))); })()")
 
 
 LOSS_CELLS_JS = """(() => {

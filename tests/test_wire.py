@@ -18,9 +18,24 @@ import torch
 
 from flodl_exp import wire
 from flodl_exp.wire import (
-    HANDSHAKE_MAX_FRAME, AuthError, Connection, ConnectionClosed, FrameTooLarge, Message,
-    WireError, accept, client_handshake, decode, dial, encode, frame_ceiling, listen, new_token,
-    server_accept, server_handshake, server_reject,
+    HANDSHAKE_MAX_FRAME,
+    AuthError,
+    Connection,
+    ConnectionClosed,
+    FrameTooLarge,
+    Message,
+    WireError,
+    accept,
+    client_handshake,
+    decode,
+    dial,
+    encode,
+    frame_ceiling,
+    listen,
+    new_token,
+    server_accept,
+    server_handshake,
+    server_reject,
 )
 
 MiB = 2**20
@@ -253,7 +268,7 @@ def test_close_wakes_blocked_recv(pair):
     def reader():
         try:
             b.recv(timeout=10)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
     t = threading.Thread(target=reader)
     t.start()
@@ -341,7 +356,7 @@ class Server:
                 self.result = fn(conn)
             finally:
                 conn.close()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             self.error = e
         finally:
             self.listener.close()

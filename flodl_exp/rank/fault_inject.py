@@ -2,37 +2,98 @@
 
 ``FLODL_FAULT_INJECT="<rank>:<step>:<kind>[,...]"`` makes a rank fail on purpose
 after its ``step``-th batch, the way a real crash, OOM kill or hung device would.
+
+Kinds: ``raise`` | ``exit`` | ``kill`` | ``hang``, and ``gate:<path>``: at/after
+its ``step``-th batch the rank blocks until the file ``<path>`` exists (polled
+every :data:`GATE_POLL_S`, for at most :data:`GATE_MAX_WAIT_S`), then trains on.
+A test holds a run open with it (by a mechanism, not by hoping the machine is
+slow) and releases it by creating the file. The path may contain ``:`` but not
+``,`` (the entry separator).
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 log = logging.getLogger("flodl_exp.rank")
 
+GATE_POLL_S = 0.05
+"""How often a gated rank looks for its gate file."""
+GATE_MAX_WAIT_S = 600.0
+"""A gate never opened gives up after this long (with a log line) and the rank trains on."""
+
+KINDS = ("raise", "exit", "kill", "hang", "gate")
+
+_gates_done: set[str] = set()
+"""Gate paths this process already passed (released or given up): later steps do not wait again."""
+
 
 def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
-    """``FLODL_FAULT_INJECT="<rank>:<step>:<kind>[,...]"`` (kind: raise | exit | kill | hang) -> (step, kind) for this rank.
+    """``FLODL_FAULT_INJECT="<rank>:<step>:<kind>[,...]"`` -> (step, kind) for this rank, or None.
+
+    kind is ``raise`` | ``exit`` | ``kill`` | ``hang`` | ``gate:<path>``; the gate's
+    path stays in the kind string (``(step, "gate:/tmp/open")``), so callers pass
+    ``kind`` to :func:`inject_fault` unchanged. The first entry for ``rank`` wins.
 
     The test hook for failure paths: a rank fails on purpose after its
     ``step``-th batch, the way a real crash, OOM kill or hung device would.
     """
     for item in (spec or "").split(","):
-        parts = item.strip().split(":")
-        if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) == rank:
-            return int(parts[1]), parts[2]
+        parts = item.strip().split(":", 2)
+        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) != rank or not parts[1].isdigit():
+            continue
+        kind = parts[2]
+        if split_kind(kind)[0] not in KINDS or kind in ("gate", "gate:"):
+            log.warning("rank %d: ignoring fault spec %r (kind: raise|exit|kill|hang|gate:<path>)", rank, item.strip())
+            continue
+        return int(parts[1]), kind
     return None
 
 
-def inject_fault(kind: str, rank: int, step: int) -> None:
+def split_kind(kind: str) -> tuple[str, Optional[str]]:
+    """``"gate:/tmp/x"`` -> ("gate", "/tmp/x"); ``"raise"`` -> ("raise", None)."""
+    name, sep, arg = kind.partition(":")
+    return name, (arg if sep else None)
+
+
+def wait_gate(path: str, rank: int, step: int, max_wait_s: float = GATE_MAX_WAIT_S, poll_s: float = GATE_POLL_S,
+              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Block until ``path`` exists (True) or ``max_wait_s`` passed (False, logged). Bounded in time and count."""
+    if os.path.exists(path):
+        return True
+    log.warning("rank %d: gated at step %d until %s exists (at most %.0f s)", rank, step, path, max_wait_s)
+    deadline = clock() + max_wait_s
+    for _ in range(int(max_wait_s / max(poll_s, 1e-3)) + 2):
+        if os.path.exists(path):
+            log.warning("rank %d: gate %s open, training on", rank, path)
+            return True
+        if clock() >= deadline:
+            break
+        sleep(poll_s)
+    if os.path.exists(path):
+        return True
+    log.error("rank %d: gate %s did not open within %.0f s; giving up and training on", rank, path, max_wait_s)
+    return False
+
+
+def inject_fault(kind: str, rank: int, step: int, max_wait_s: float = GATE_MAX_WAIT_S) -> None:
+    """Do the fault ``kind`` (as returned by :func:`parse_fault`); called after every step from ``step`` on."""
+    name, arg = split_kind(kind)
+    if name == "gate":
+        if arg is None or arg in _gates_done:
+            return
+        wait_gate(arg, rank, step, max_wait_s=max_wait_s)
+        _gates_done.add(arg)
+        return
     log.error("rank %d: injected fault %r at step %d", rank, kind, step)
-    if kind == "raise":
+    if name == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    if kind == "exit":
+    if name == "exit":
         os._exit(3)
-    if kind == "kill":
+    if name == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "hang":
+    if name == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)

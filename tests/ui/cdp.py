@@ -113,7 +113,7 @@ class Browser:
             raise CDPError(f"{method}: {reply['error']}")
         return reply.get("result", {})
 
-    def page(self) -> "Page":
+    def page(self) -> Page:
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         p = Page(self, session)
@@ -141,7 +141,7 @@ class Browser:
         self._reader.join(timeout=5)
         self._log.close()
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -188,7 +188,8 @@ class Page:
             time.sleep(interval)
 
     def wait_for_text(self, needles: list[str], timeout: float = 60) -> str:
-        js = "(() => { const t = document.body ? document.body.innerText : ''; return %s.every(n => t.includes(n)) ? t : ''; })()" % json.dumps(needles)
+        js = ("(() => { const t = document.body ? document.body.innerText : ''; return " + json.dumps(needles)
+              + ".every(n => t.includes(n)) ? t : ''; })()")
         return self.wait_for(js, timeout=timeout, what=f"page text containing {needles}")
 
     def click(self, selector_js: str, what: str = "", timeout: float = 30) -> None:
@@ -197,9 +198,10 @@ class Page:
         ``selector_js`` is a JS expression giving an Element or null; it is waited for, scrolled into
         view, and must have a non-empty box.
         """
-        js = ("(() => { const el = (%s); if (!el) return null; el.scrollIntoView({block: 'center', inline: 'center'});"
+        js = ("(() => { const el = (" + selector_js + "); if (!el) return null;"
+              " el.scrollIntoView({block: 'center', inline: 'center'});"
               " const r = el.getBoundingClientRect(); return (r.width > 0 && r.height > 0) ?"
-              " [r.left + r.width / 2, r.top + r.height / 2] : null; })()" % selector_js)
+              " [r.left + r.width / 2, r.top + r.height / 2] : null; })()")
         x, y = self.wait_for(js, timeout=timeout, what=what or selector_js)
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
             ev = {"type": kind, "x": x, "y": y}
