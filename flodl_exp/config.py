@@ -139,7 +139,10 @@ class ClusterConfig:
     """Simulated heterogeneity: rank r waits (1/s - 1) x step time after each step."""
     heartbeat_timeout_s: float = 30.0
     max_failure: Optional[int] = None
-    """Dead ranks tolerated before ShutdownWithSave (unset = down to the backend floor)."""
+    """Dead ranks that end the run with ShutdownWithSave (unset = down to the backend floor)."""
+    max_failure_pct: Optional[float] = None
+    """The same as a share of the world in (0, 1]: ceil(pct x world size) dead ranks end the run
+    (algorithms.md 7.3; 0.2 of 32 ranks = 7). With both set, the lower limit wins."""
     rendezvous_timeout_s: float = 120.0
     """How long ranks wait for rendezvous.json and the coordinator waits for ranks."""
     host: Optional[str] = None
@@ -295,12 +298,18 @@ class RunShape:
     """The EASGD blend as run (cpu_async's default 0.5 filled in), None = full overwrite."""
     fixed_callback_rank: Optional[int]
     """``eval.callback_rank`` as an index, None = the fastest rank."""
+    max_failure: Optional[int]
+    """Dead ranks that end the run: the lower of ``cluster.max_failure`` and ``ceil(max_failure_pct x W)``."""
 
     @classmethod
     def of(cls, cfg: Any) -> RunShape:
         w = world_size(cfg)
+        limits = [int(cfg.cluster.max_failure)] if cfg.cluster.max_failure is not None else []
+        if cfg.cluster.max_failure_pct is not None:
+            limits.append(max(1, math.ceil(float(cfg.cluster.max_failure_pct) * w - 1e-9)))
         return cls(world_size=w, progressive=is_progressive(cfg) and w >= 2, easgd_alpha=effective_easgd_alpha(cfg),
-                   fixed_callback_rank=parse_callback_rank(cfg.eval.callback_rank))
+                   fixed_callback_rank=parse_callback_rank(cfg.eval.callback_rank),
+                   max_failure=min(limits) if limits else None)
 
 
 def is_progressive(cfg: Any) -> bool:
@@ -477,6 +486,8 @@ def validate(cfg: Any) -> List[str]:
         raise _err("cluster.rendezvous_timeout_s", c.rendezvous_timeout_s, "a number > 0")
     if c.max_failure is not None and c.max_failure < 1:
         raise _err("cluster.max_failure", c.max_failure, "an integer >= 1 or null")
+    if c.max_failure_pct is not None and not (math.isfinite(c.max_failure_pct) and 0 < c.max_failure_pct <= 1):
+        raise _err("cluster.max_failure_pct", c.max_failure_pct, "a share of the world in (0, 1] or null")
 
     e = cfg.experiment
     if e.batch_size < 1:

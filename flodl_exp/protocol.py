@@ -166,7 +166,8 @@ class CoordHeartbeat:
 # ------------------------------------------------------------ rank -> coordinator
 @dataclass
 class Batch:
-    """One trained batch: its compute wall ``ms`` and data wait ``data_ms`` (ElChe's cost feed)."""
+    """One trained batch: its compute wall ``ms`` and data wait ``data_ms``, control work handled while waiting
+    included (ElChe's delivered-cost feed, algorithms.md 9.1)."""
 
     KIND: ClassVar[Kind] = Kind.BATCH
     ms: float

@@ -170,6 +170,9 @@ REFUSED = [
     case("rendezvous-negative", "cluster.rendezvous_timeout_s", "-5.0", "cluster.rendezvous_timeout_s=-5"),
     case("max_failure-zero", "cluster.max_failure", "0", "cluster.max_failure=0"),
     case("max_failure-negative", "cluster.max_failure", "-1", "cluster.max_failure=-1"),
+    case("max_failure_pct-zero", "cluster.max_failure_pct", "0.0", "cluster.max_failure_pct=0"),
+    case("max_failure_pct-above-1", "cluster.max_failure_pct", "1.5", "cluster.max_failure_pct=1.5"),
+    case("max_failure_pct-nan", "cluster.max_failure_pct", "nan", "cluster.max_failure_pct=nan"),
     # experiment
     case("batch_size-zero", "experiment.batch_size", "0", "experiment.batch_size=0"),
     case("batch_size-negative", "experiment.batch_size", "-32", "experiment.batch_size=-32"),
@@ -290,6 +293,7 @@ ACCEPTED = [
     pytest.param(["mode=cpu_async", "checkpoint.at_epoch=2"], id="at_epoch-async"),
     pytest.param(["cluster.rank_speeds=[1.0,0.01]"], id="speeds-edges"),
     pytest.param(["cluster.max_failure=1"], id="max_failure-1"),
+    pytest.param(["cluster.max_failure_pct=0.5"], id="max_failure_pct-half"),
     pytest.param(["guard.threshold=0.3"], id="guard-threshold"),
     pytest.param(["guard=msf", "guard.msf_alpha=0.5", "guard.nudge_factor=0.9", "guard.nudge=false"], id="msf-tuned"),
     pytest.param(["data_plane=disk_overflow", "data_plane.disk_stage_gb=0.5", "data_plane.augment=3"],
@@ -518,3 +522,18 @@ def test_presets_only_use_schema_keys():
         for key in flatten_keys(body, walk_dicts=True):
             dotted = f"{group}.{key}"
             assert dotted in frozen or any(dotted.startswith(k + ".") for k in frozen), f"{path}: {dotted}"
+
+
+@pytest.mark.parametrize(("count", "pct", "world", "limit"), [
+    (None, None, 4, None), (2, None, 4, 2), (None, 0.2, 32, 7), (None, 0.5, 3, 2), (None, 1.0, 2, 2),
+    (5, 0.1, 32, 4), (1, 0.9, 4, 1), (None, 0.01, 4, 1),
+])
+def test_max_failure_limit_from_count_and_share(count, pct, world, limit):
+    """algorithms.md 7.3: Percent(p) -> ceil(p x W); with both set the lower limit wins."""
+    from flodl_exp.config import Config, RunShape
+
+    cfg = OmegaConf.structured(Config)
+    cfg.cluster.ranks_per_node = world
+    cfg.cluster.max_failure = count
+    cfg.cluster.max_failure_pct = pct
+    assert RunShape.of(cfg).max_failure == limit

@@ -18,6 +18,7 @@ from flodl_exp.protocol import (
     ExecuteEval,
     Exiting,
     ExtendPartition,
+    RankError,
     Regroup,
     RequestParams,
     Save,
@@ -26,6 +27,7 @@ from flodl_exp.protocol import (
     Shutdown,
     StartEpoch,
     SyncNow,
+    Telemetry,
     Update,
 )
 
@@ -253,3 +255,87 @@ def test_a_rank_lost_while_connecting_fails_the_run_naming_it(tmp_path, kind):
     else:
         with pytest.raises(RunFailure, match=r"ranks \[1\] did not connect"):
             h.co.run(connect_timeout=-1.0)  # the fake clock never moves: a deadline already past
+
+
+def test_batches_trained_after_a_cpu_snapshot_do_not_carry_into_the_next_window(tmp_path):
+    """The update overwrites (or blends away) what a rank trained after its snapshot: the reference resets
+    the window at adoption, so those batches weigh nothing in the next reduce and do not open its gate."""
+    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
+    plans = h.start()
+    for r in (0, 1):
+        h.finish_chunk(r, plans[r][0])
+    h.tick()
+    assert [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
+    n = [plans[r][0].size // BATCH for r in (0, 1)]
+    h.snapshot(0, n[0], 1.0)
+    h.batches(0, plans[0][0].chunk, 2)  # trained while the other snapshot is on the way
+    h.snapshot(1, n[1], 3.0)
+    assert h.co.cycle.version == 1 and h.co.cycle.global_step == sum(n)
+    assert [h.co.cycle.steps(r) for r in (0, 1)] == [0, 0]
+
+
+def test_a_death_is_recorded_beside_the_bundle_and_logged(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=3)
+    plans = h.start()
+    h.batches(2, plans[2][0].chunk, 3)
+    h.msg(2, RankError(error="RuntimeError: injected", traceback="Traceback ...\nRuntimeError: injected"))
+    h.co.on_event(("closed", 2, "closed"))
+    path = h.co.writer.stem + ".death.json"
+    rec = json.load(open(path))["deaths"]
+    assert [(d["rank"], d["last_step"], d["epoch"]) for d in rec] == [(2, 3, 0)]
+    assert rec[0]["reason"] == "connection closed: RuntimeError: injected" and "Traceback" in rec[0]["traceback"]
+    assert rec[0]["unix_time"] > 0 and (path, "deaths") in h.sink.artifacts
+    assert h.co.life.phase is Phase.TRAINING, "one loss of three is recoverable on cpu"
+
+
+@pytest.mark.parametrize(("pct", "ends"), [(0.3, True), (0.5, False)])
+def test_max_failure_as_a_share_of_the_world(tmp_path, pct, ends):
+    """ceil(0.3 x 3) = 1 dead rank ends the run; ceil(0.5 x 3) = 2 tolerates one."""
+    h = Harness(tmp_path, "cpu_sync", world=3, **{"cluster.max_failure_pct": pct})
+    h.start()
+    h.co.on_event(("closed", 1, "closed"))
+    assert (h.co.life.phase is Phase.SAVING) is ends
+    if ends:
+        assert (h.co.life.failure or "").startswith("max_failure_exceeded")
+
+
+def test_the_stall_watchdog_dumps_at_15_and_120_seconds(tmp_path):
+    h = Harness(tmp_path, "nccl_sync", world=2)
+    plans = h.start()
+    h.batches(0, plans[0][0].chunk, 1)  # rank 1 never steps: the sync gate stays closed
+    h.tick()
+    h.pass_time(14, alive=[0, 1])
+    h.tick()
+    assert h.co.watchdog.paths == []
+    h.pass_time(2, alive=[0, 1])
+    h.tick()
+    assert len(h.co.watchdog.paths) == 1
+    dump = json.load(open(h.co.watchdog.paths[0]))
+    assert dump["phase"] == "training" and dump["global_step"] == 0 and dump["idle_s"] >= 15
+    assert [(r["rank"], r["batches"], r["window_steps"]) for r in dump["ranks"]] == [(0, 1, 1), (1, 0, 0)]
+    h.pass_time(100, alive=[0, 1])
+    h.tick()
+    assert len(h.co.watchdog.paths) == 1
+    h.pass_time(5, alive=[0, 1])
+    h.tick()
+    assert len(h.co.watchdog.paths) == 2, "again at 120 s"
+    h.batches(1, plans[1][0].chunk, 1)
+    h.tick()  # the reduce fires; once it finishes the global step moves and the clock restarts
+    h.ack_all([0, 1])
+    h.pass_time(14, alive=[0, 1])
+    h.tick()
+    assert len(h.co.watchdog.paths) == 2
+
+
+def test_telemetry_after_the_last_epoch_is_logged_at_that_epoch(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
+    plans = h.start()
+    h.msg(0, Telemetry(cpu_pct=80.0, rss_gb=0.5))  # epoch 0 is open: it goes into its means
+    for r in (0, 1):
+        h.finish_chunk(r, plans[r][0], trained=0)
+    h.tick()
+    assert h.sink.epochs_logged() == [0]
+    step, logged = next((s, m) for s, m in h.sink.metrics if "loss" in m)
+    assert logged["rank0/cpu_pct"] == 80.0 and "rank1/cpu_pct" not in logged
+    h.msg(1, Telemetry(cpu_pct=40.0, rss_gb=0.25))  # the flush at rank 1's exit, after the epoch closed
+    assert (0, {"rank1/cpu_pct": 40.0, "rank1/rss_gb": 0.25}) in h.sink.metrics

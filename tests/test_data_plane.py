@@ -310,7 +310,7 @@ class Gated(Synth):
         return super().get_batch(ids)
 
 
-def test_data_wall_excludes_control_work_and_stop_returns_none():
+def test_data_wall_excludes_control_work_the_cost_feed_keeps_it_and_stop_returns_none():
     ds = Gated(100, dim=4)
     tr = make_trainer(ds, ram_max_usage=0.5, readers=1)
     control_s: list[float] = []
@@ -330,6 +330,8 @@ def test_data_wall_excludes_control_work_and_stop_returns_none():
     assert len(control_s) >= 3, "control should be drained while waiting"
     # data_ms is the wait minus the control work done during it: never more than the wall less that work.
     assert 0.0 <= b.data_ms <= wall - sum(control_s) * 1e3 + 1e-6, (b.data_ms, wall, control_s)
+    # The cost feed (wait_ms) keeps the control work in, as the reference does (algorithms.md 9.1).
+    assert b.data_ms + sum(control_s) * 1e3 - 1e-6 <= b.wait_ms <= wall + 1e-6, (b.wait_ms, b.data_ms, control_s)
     tr.after_step(st, b, 0.0, 0.0)
     # Shutdown seen by the drain while waiting: no batch, the cursor stays put.
     tr.pipeline.close()

@@ -217,3 +217,12 @@ def test_e2e_telemetry_reaches_mlflow_for_every_rank(store):
         assert f"rank{rank}/cpu_pct" in m and f"rank{rank}/rss_gb" in m, sorted(m)
         assert 0 < m[f"rank{rank}/rss_gb"] < 64 and m[f"rank{rank}/cpu_pct"] >= 0
         assert f"rank{rank}/gpu_util" not in m
+
+
+def test_close_with_flush_sends_one_last_report_even_before_the_first_period():
+    sent: list[Message] = []
+    tel = T.Telemetry(sent.append, torch.device("cpu"), sample_s=30.0, report_s=60.0, probe_gpu=False).start()
+    tel.close(flush=True)
+    assert len(sent) == 1 and set(sent[0].fields) >= {"rss_gb"} and tel.sent == 1
+    tel.close(flush=True)
+    assert len(sent) == 1, "closed once: no second flush"

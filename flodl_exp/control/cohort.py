@@ -9,6 +9,7 @@ re-elected only on death, or pinned by ``eval.callback_rank``.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -19,9 +20,17 @@ class Death:
     reason: str
     epoch: int
     global_step: int
+    last_step: int = 0
+    """Batches the rank had reported trained."""
+    unix_time: float = 0.0
+    traceback: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "reason": self.reason, "epoch": self.epoch, "global_step": self.global_step}
+
+    def record(self) -> dict[str, Any]:
+        """The ``.death.json`` entry: who, when, last step, error."""
+        return {**self.as_dict(), "last_step": self.last_step, "unix_time": self.unix_time, "traceback": self.traceback}
 
 
 class Cohort:
@@ -39,6 +48,8 @@ class Cohort:
         self.errors: dict[int, dict[str, Any]] = {}
         """rank -> the error it reported before failing."""
         self.deaths: list[Death] = []
+        self.batches = [0] * world_size
+        """Batches each rank reported trained (its last step, for death records and stall dumps)."""
         self.generation = 0
         """Process-group generation (nccl): bumped at each regroup, the store prefix of the new group."""
 
@@ -64,6 +75,9 @@ class Cohort:
 
     def dead_count(self) -> int:
         return self.world_size - len(self.alive_ranks()) - sum(self._exited)
+
+    def silent_for(self, r: int, now: float) -> float:
+        return now - self._last_seen[r]
 
     def stale(self, now: float, timeout: float) -> list[int]:
         return [r for r in self.working() if now - self._last_seen[r] > timeout]
@@ -100,8 +114,10 @@ class Cohort:
         self._alive[r] = False
         if self._exited[r]:
             return None
-        err = (self.errors.get(r) or {}).get("error")
-        death = Death(r, f"{reason}: {err}" if err else reason, epoch, global_step)
+        report = self.errors.get(r) or {}
+        err = report.get("error")
+        death = Death(r, f"{reason}: {err}" if err else reason, epoch, global_step, last_step=self.batches[r],
+                      unix_time=time.time(), traceback=str(report.get("traceback") or ""))
         self.deaths.append(death)
         return death
 

@@ -59,6 +59,7 @@ from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
 from .meta import LrEventMeta
 from .preemption import Preemption
 from .records import RecordLog, WindowRecorder
+from .watchdog import StallWatchdog
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -112,7 +113,7 @@ class Coordinator:
             every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs, progressive=shape.progressive,
             world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, events=self.events)
         self.faults = FaultHandler(
-            world_size=w, max_failure=cfg.cluster.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
+            world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
             events=self.events, sink=sink, clock=clock)
         self.preemption = Preemption(
@@ -120,6 +121,7 @@ class Coordinator:
             life=self.life, enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.shutdown_with_save,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, checkpoints=self.checkpoints,
             outbox=self.outbox, events=self.events, sink=sink, clock=clock)
+        self.watchdog = StallWatchdog(job_dir, clock)
         self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=w, epochs=self.epochs,
                                       batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
                                       records=self.records, clock=clock)
@@ -212,6 +214,8 @@ class Coordinator:
             self.cycle.throttle(alive)                       # 5. max_batch_diff
             if self.cycle.should_average(alive, self.dispatch.quiesced):
                 self.cycle.trigger(alive)                    # 8. fire a reduce
+            if self.watchdog.check(self.cycle.global_step, self.stall_state):  # 9. stall watchdog
+                self.events.emit({"event": "stall", "global_step": self.cycle.global_step, "dump": self.watchdog.paths[-1]})
             self._aggregate()                                # 10. aggregate ready epochs
             if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
                 self.enter(Phase.DRAINING)
@@ -286,6 +290,7 @@ class Coordinator:
         handler(r, payload)
 
     def _on_batch(self, r: int, b: Batch) -> None:
+        self.cohort.batches[r] += 1
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
         self.dispatch.on_batch(r, b.chunk)
 
@@ -302,7 +307,9 @@ class Coordinator:
         self.dispatch.on_metrics(r, m)
 
     def _on_telemetry(self, r: int, t: Telemetry) -> None:
-        self.dispatch.on_telemetry(r, t)
+        if self.dispatch.on_telemetry(r, t) is None and self.dispatch.last_aggregated >= 0:
+            # No epoch open (the run's tail, or epochs shorter than a report): the last epoch gets it.
+            self.sink.log_metrics({f"rank{r}/{k}": v for k, v in t.values().items()}, step=self.dispatch.last_aggregated)
 
     def _on_error(self, r: int, e: RankError) -> None:
         self.cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
@@ -435,6 +442,26 @@ class Coordinator:
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
         self.faults.shutdown_with_save(reason, detail)
+
+    def stall_state(self) -> dict[str, Any]:
+        """What the coordinator knows of itself and every rank (the stall watchdog's dump)."""
+        now = self.clock()
+        red = self.cycle.in_flight
+        counts = self.cycle.counts
+        in_flight = {r: sorted(cid for cid, c in self.dispatch.chunks.items() if c.rank == r) for r in range(self.W)}
+        return {
+            "phase": self.life.phase.value, "global_step": self.cycle.global_step, "syncs": self.cycle.version,
+            "epoch": self.current_epoch(), "dispatch_gate": self.dispatch.gate.value,
+            "reduce": None if red is None else {
+                "backend": red.backend, "final": red.final, "age_s": round(now - red.started, 3),
+                "members": sorted(red.members), "answered": sorted(set(red.acks) | set(red.snapshots))},
+            "pending_saves": sorted(self.writer.pending),
+            "ranks": [{"rank": r, "alive": self.cohort.alive(r), "exited": self.cohort.exited(r),
+                       "silent_s": round(self.cohort.silent_for(r, now), 3), "batches": self.cohort.batches[r],
+                       "window_steps": self.cycle.steps(r), "count": counts[r],
+                       "throttled": self.cycle.ledger[r].throttled, "chunks_in_flight": in_flight[r],
+                       "epoch": self.dispatch.rank_epoch[r]} for r in range(self.W)],
+        }
 
     # -- the result ---------------------------------------------------------------
     @property

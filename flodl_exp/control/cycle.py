@@ -276,8 +276,10 @@ class AveragingCycle:
                                 window_loss=self.window_loss(), window_s=max(now - self.window_t0, 1e-6), final=red.final)
         self.version += 1
         self.global_step += k_used
-        for r, nr in n.items():
-            self.ledger[r].steps = max(0, self.ledger[r].steps - nr)
+        for r in n:
+            # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
+            # were overwritten (or blended away) by the update, so they count toward no later window.
+            self.ledger[r].steps = 0
         for led in self.ledger:
             led.reset_timing()
         self.in_flight = None

@@ -290,10 +290,13 @@ class Dispatcher:
     def _open_epoch(self) -> Optional[int]:
         return min((e for e in self.accs if e > self.last_aggregated), default=None)
 
-    def on_telemetry(self, r: int, t: Telemetry) -> None:
+    def on_telemetry(self, r: int, t: Telemetry) -> Optional[int]:
+        """Attribute a report by arrival time to the epoch in progress; returns that epoch, or None
+        when none is open (after the last aggregation: the caller logs it at the last epoch)."""
         e = self._open_epoch()
         if e is not None:
             self.accs[e].add_telemetry(r, t.values())
+        return e
 
     def on_sync(self, ms: float, d_max: Optional[float], code: int) -> None:
         e = self._open_epoch()

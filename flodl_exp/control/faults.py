@@ -12,6 +12,7 @@ the coordinator the meta with the reason, and the run ends FAILED.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -84,8 +85,21 @@ class FaultHandler:
         self._sink.set_tags({f"death.rank{r}": death.reason[:4000], "deaths": deaths})
         self._sink.log_metrics({"alive_ranks": len(self._cohort.alive_ranks()), "deaths": deaths}, step=epoch)
         self._events.emit({"event": "rank_dead", "rank": r, "reason": death.reason})
+        self._write_death_record()
         self._cycle.forget(r)
         return death
+
+    def _write_death_record(self) -> None:
+        """``<stem>.death.json`` beside the bundle: every death so far (who, when, last step, error), logged to MLflow."""
+        from ..checkpoint import atomic_json
+
+        path = self._writer.stem + ".death.json"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_json({"deaths": [d.record() for d in self._cohort.deaths]}, path)
+            self._sink.log_artifact(path, "deaths")
+        except OSError as e:  # a full disk must not take the coordinator down with the rank
+            log.warning("could not write %s: %s", path, e)
 
     def recover(self, death: Death) -> bool:
         """The run goes on without the rank (True), or ends with ShutdownWithSave (False)."""

@@ -169,10 +169,24 @@ class Telemetry:
             self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, flush: bool = False) -> None:
+        """Stop sampling; with ``flush``, first send one last report (a sample now plus what the
+        last period collected), so a run shorter than a report interval still logs its telemetry."""
+        already = self._stop.is_set()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+        if flush and not already:
+            from ..wire import Message
+
+            self.add(self.sample())
+            fields = self.report()
+            if fields:
+                try:
+                    self.send(Message("telemetry", fields))
+                    self.sent += 1
+                except Exception:  # connection closed: nothing to flush to
+                    pass
         if self.gpu is not None:
             self.gpu.close()
             self.gpu = None

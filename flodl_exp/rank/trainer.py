@@ -65,7 +65,10 @@ class EpochState:
 class Batch:
     data: Any
     data_ms: float
+    """Data wait without control work (per-chunk ``data_starve_ms``)."""
     ids: np.ndarray
+    wait_ms: float = 0.0
+    """Data wait with control work: what the coordinator's cost feed gets (algorithms.md 9.1)."""
 
 
 @dataclass
@@ -180,7 +183,7 @@ class RankTrainer:
         if got is None:
             return None
         st.cursor += self.batch_size
-        return Batch(data=got.data, data_ms=got.data_ms, ids=got.ids)
+        return Batch(data=got.data, data_ms=got.data_ms, ids=got.ids, wait_ms=got.wait_ms)
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

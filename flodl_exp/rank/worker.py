@@ -251,7 +251,7 @@ class RankWorker:
     def _on_update(self, m: Update) -> None:
         if not m.skip:
             self.cpu.adopt_update(self.trainer.model, m, m.alpha)
-        self.trainer.steps_since_avg = max(0, self.trainer.steps_since_avg - m.n)
+        self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
         self.awaiting_update = False
         self.throttled = False
 
@@ -368,7 +368,7 @@ class RankWorker:
             tr.after_step(st, batch, loss, ms)
             if self.fault is not None and tr.step_count >= self.fault[0]:
                 inject_fault(self.fault[1], self.rank, tr.step_count)
-            self.conn.send(encode(BatchReport(ms=ms, data_ms=batch.data_ms, chunk=plan.chunk, loss=loss, lr=tr.current_lr())))
+            self.conn.send(encode(BatchReport(ms=ms, data_ms=batch.wait_ms, chunk=plan.chunk, loss=loss, lr=tr.current_lr())))
         self.chunk = None
         m = tr.end_epoch(st)
         extra, self.chunk_extra = self.chunk_extra, []
@@ -381,6 +381,7 @@ class RankWorker:
                     self.run_chunk(self.plans.popleft())
                     continue
                 self.wait_until(lambda: bool(self.plans))
+            self.telemetry.close(flush=True)  # the last report goes out before the exit, so it is counted
             final = Exiting(rank=self.rank, pid=os.getpid(), hash=state_hash(self.trainer.model),
                             steps=self.trainer.step_count, global_step=self.trainer.global_step)
             self.conn.send(encode(final))

@@ -46,8 +46,12 @@ POLL_S = 0.010
 class Delivered:
     data: Any
     data_ms: float
-    """Wall blocked waiting for (or synchronously fetching) the batch, control work excluded."""
+    """Wall blocked waiting for (or synchronously fetching) the batch, control work excluded
+    (the user's ``data_starve_ms``)."""
     ids: np.ndarray
+    wait_ms: float = 0.0
+    """The same wait with the control work done during it: the delivered cost ElChe schedules on
+    (algorithms.md 9.1), so a rank that services parameter traffic while waiting is not seen as faster."""
 
 
 @dataclass
@@ -123,7 +127,8 @@ class Feed:
         data = pipe.deliver(item, self.epoch)
         pipe._measure(item.data)
         pipe.delivered += 1
-        return Delivered(data=data, data_ms=max(0.0, time.perf_counter() - t0 - control) * 1e3, ids=ids)
+        wait = time.perf_counter() - t0
+        return Delivered(data=data, data_ms=max(0.0, wait - control) * 1e3, ids=ids, wait_ms=wait * 1e3)
 
     def close(self) -> None:
         with self.pipe.cond:
