@@ -10,7 +10,20 @@ from omegaconf import OmegaConf
 
 from flodl_exp.config import Config
 from flodl_exp.control.coordinator import Coordinator
-from flodl_exp.protocol import Batch, ChunkMetrics, Heartbeat, Payload, Snapshot, StartEpoch, SyncAck, decode, encode
+from flodl_exp.protocol import (
+    Batch,
+    ChunkMetrics,
+    ExtendPartition,
+    Heartbeat,
+    Payload,
+    RequestParams,
+    Snapshot,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    decode,
+    encode,
+)
 from flodl_exp.wire import Message
 
 SAMPLES = 96
@@ -97,9 +110,9 @@ class Harness:
         self.co = Coordinator(spec, self.transport, self.events, self.sink, self.job_dir, clock=self.clock)
         self.world = world
 
-    def start(self) -> dict[int, list[StartEpoch]]:
+    def start(self, samples: int = SAMPLES) -> dict[int, list[StartEpoch]]:
         for r in range(self.world):
-            self.co.on_event(("join", r, {"samples": SAMPLES, "host": "h", "pid": 100 + r}))
+            self.co.on_event(("join", r, {"samples": samples, "host": "h", "pid": 100 + r}))
         self.co.start()
         return self.plans()
 
@@ -139,6 +152,27 @@ class Harness:
             left -= step
             for r in alive:
                 self.msg(r, Heartbeat())
+
+    def play(self, alive: list[int], until: Any, pending: Optional[list[tuple[int, Any]]] = None,
+             rounds: int = 500) -> None:
+        """Answer like well-behaved ranks (train every chunk, snapshot/ack every reduce) until ``until()``."""
+        todo = list(pending or [])
+        for _ in range(rounds):
+            if until():
+                return
+            todo += self.transport.take()
+            for r, p in todo:
+                if r not in alive or not self.co.cohort.alive(r):
+                    continue
+                if isinstance(p, (StartEpoch, ExtendPartition)):
+                    self.finish_chunk(r, StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
+                elif isinstance(p, RequestParams):
+                    self.snapshot(r, self.co.cycle.steps(r), float(r))
+                elif isinstance(p, SyncNow):
+                    self.msg(r, SyncAck(n=self.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+            todo = []
+            self.tick()
+        raise AssertionError("play: the condition never held")
 
     def tick(self, times: int = 1) -> None:
         for _ in range(times):

@@ -451,3 +451,15 @@ def test_overshoot_tuner_pinned():
         assert t.value == 7
     assert OvershootTuner.pinned(0).value == 0
     assert OvershootTuner(initial=20, ceiling=15).value == 15
+
+
+def test_reopen_serves_a_completed_range_again_before_anything_else():
+    pool = ChunkPool(0, 96, 8, [1, 1])
+    a = pool.take_chunk(16, 0)
+    assert a == (0, 16)
+    pool.mark_completed(0, 16)
+    assert pool.reopen(0, 8, 8) == 8  # the last batch of that chunk never reached a reduce
+    assert pool.completed == [8, 0] and pool.dispatched == [8, 0]
+    assert not pool.is_epoch_done() and (8, 8) in pool.uncovered_ranges()
+    assert pool.take_chunk(16, 1) == (8, 8), "reclaimed work first"
+    assert pool.reopen(1, 0, 100) == 0, "nothing completed: nothing to reopen"

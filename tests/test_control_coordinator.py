@@ -54,9 +54,9 @@ def test_a_death_during_a_reduce_regroups_and_the_reduce_finishes_on_the_survivo
     regroups = {r: p for r, p in sent if isinstance(p, Regroup)}
     assert regroups == {0: Regroup(1, 0, 2, [0, 1]), 1: Regroup(1, 1, 2, [0, 1])}
     extends = [p for _, p in sent if isinstance(p, ExtendPartition)]
-    remainder = plans[2][0].size - BATCH  # rank 2 trained one batch before it died
-    assert sum(p.size for p in extends) == remainder
-    assert all(p.offset >= plans[2][0].offset + BATCH for p in extends)
+    # Rank 2 trained one batch that no reduce holds: the survivors retrain its whole plan.
+    assert sum(p.size for p in extends) == plans[2][0].size
+    assert min(p.offset for p in extends) == plans[2][0].offset
     # The reduce finished with the live members only: rank 2's unreduced step is not counted.
     assert h.co.cycle.in_flight is None and h.co.cycle.version == 1 and h.co.cycle.global_step == 2
     assert any(isinstance(p, SetGlobalStep) and p.global_step == 2 for _, p in sent)
@@ -339,3 +339,47 @@ def test_telemetry_after_the_last_epoch_is_logged_at_that_epoch(tmp_path):
     assert logged["rank0/cpu_pct"] == 80.0 and "rank1/cpu_pct" not in logged
     h.msg(1, Telemetry(cpu_pct=40.0, rss_gb=0.25))  # the flush at rank 1's exit, after the epoch closed
     assert (0, {"rank1/cpu_pct": 40.0, "rank1/rss_gb": 0.25}) in h.sink.metrics
+
+
+def _covered_once(ranges: list[list[int]], total: int) -> bool:
+    marks = [0] * total
+    for off, n in ranges:
+        for i in range(off, off + n):
+            marks[i] += 1
+    return all(m == 1 for m in marks)
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence", "cpu_async"])
+@pytest.mark.parametrize("finish_one", [False, True])
+def test_a_dead_ranks_unreduced_batches_are_retrained_by_the_survivors(tmp_path, mode, finish_one):
+    """Rank 2 dies mid-window: what it trained since its last reduce never reached the consensus, so it
+    goes back to the pool (a finished chunk is reopened, the running one forfeited whole) and the epoch
+    still covers every pick exactly once, with only rank 2's reduced work on its books."""
+    samples = 960
+    h = Harness(tmp_path, mode, world=3, epochs=1)
+    plans = h.start(samples=samples)
+    h.play([0, 1, 2], lambda: h.co.cycle.version >= 1, pending=[(r, p) for r, ps in plans.items() for p in ps])
+    reduced = h.co.dispatch.accs[0].ranks[2].samples
+    assert reduced > 0
+    pending = h.transport.take()
+    chunks2 = [p for r, p in pending if r == 2 and isinstance(p, StartEpoch)]
+    assert chunks2, "rank 2 got its next chunk"
+    if finish_one:
+        h.finish_chunk(2, chunks2[0])  # a whole chunk finished and reported, then ...
+        pending += h.transport.take()
+        more = [p for r, p in pending if r == 2 and isinstance(p, StartEpoch) and p is not chunks2[0]]
+        if more:
+            h.batches(2, more[0].chunk, 1)  # ... one batch of the next
+    else:
+        h.batches(2, chunks2[0].chunk, 2)  # two batches of the running chunk
+    unreduced = h.co.cycle.steps(2)
+    assert unreduced > 0
+    h.co.on_event(("closed", 2, "closed"))
+    assert h.co.cohort.deaths[0].unreduced_steps == unreduced
+    h.play([0, 1], lambda: 0 in h.sink.epochs_logged(), pending=[(r, p) for r, p in pending if r != 2])
+    cov = h.co.dispatch.coverage[0]
+    assert _covered_once(cov, samples), cov
+    acc = h.co.dispatch.accs[0]
+    assert acc.ranks[2].samples == reduced, "rank 2 keeps only what a reduce took in"
+    assert acc.ranks[0].samples + acc.ranks[1].samples + reduced == samples
+    assert h.co.dispatch.lost_picks == 0

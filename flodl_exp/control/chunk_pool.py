@@ -176,6 +176,17 @@ class ChunkPool:
                 front[1] -= left
                 left = 0
 
+    def reopen(self, rank: int, offset: int, size: int) -> int:
+        """A range ``rank`` completed whose training never reached the consensus (it died before
+        the reduce): un-complete it and serve it again, first, from the reclaimed queue.
+        Returns the samples reopened (clamped to what the rank had completed)."""
+        size = max(0, min(int(size), self._completed[rank]))
+        if size:
+            self._completed[rank] -= size
+            self._dispatched[rank] -= size
+            self._reclaimed.append((int(offset), size))
+        return size
+
     def forfeit(self, rank: int) -> int:
         """Dead rank: move its outstanding chunks (dispatch order) to the back of
         ``reclaimed`` and un-dispatch them. Returns samples moved; idempotent."""

@@ -24,13 +24,16 @@ class Death:
     """Batches the rank had reported trained."""
     unix_time: float = 0.0
     traceback: str = ""
+    unreduced_steps: int = 0
+    """Batches it trained that no finished reduce holds: survivors retrain those picks."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "reason": self.reason, "epoch": self.epoch, "global_step": self.global_step}
 
     def record(self) -> dict[str, Any]:
         """The ``.death.json`` entry: who, when, last step, error."""
-        return {**self.as_dict(), "last_step": self.last_step, "unix_time": self.unix_time, "traceback": self.traceback}
+        return {**self.as_dict(), "last_step": self.last_step, "unreduced_steps": self.unreduced_steps,
+                "unix_time": self.unix_time, "traceback": self.traceback}
 
 
 class Cohort:
@@ -107,7 +110,7 @@ class Cohort:
         self._exited[r] = True
         self.finals[r] = final
 
-    def mark_dead(self, r: int, reason: str, *, epoch: int, global_step: int) -> Optional[Death]:
+    def mark_dead(self, r: int, reason: str, *, epoch: int, global_step: int, unreduced_steps: int = 0) -> Optional[Death]:
         """Take ``r`` out of the cohort. Returns the Death, or None when it was already gone or had exited cleanly."""
         if not self._alive[r]:
             return None
@@ -117,7 +120,7 @@ class Cohort:
         report = self.errors.get(r) or {}
         err = report.get("error")
         death = Death(r, f"{reason}: {err}" if err else reason, epoch, global_step, last_step=self.batches[r],
-                      unix_time=time.time(), traceback=str(report.get("traceback") or ""))
+                      unix_time=time.time(), traceback=str(report.get("traceback") or ""), unreduced_steps=unreduced_steps)
         self.deaths.append(death)
         return death
 

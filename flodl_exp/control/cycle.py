@@ -168,6 +168,12 @@ class AveragingCycle:
         if red is not None and red.backend == "cpu" and r in red.members:
             red.snapshots[r] = snap
 
+    def unreduced_steps(self, r: int) -> int:
+        """Steps of ``r`` that are in no finished reduce (an nccl ack already put its share in the consensus)."""
+        red = self.in_flight
+        acked = red.acks[r].n if red is not None and red.backend == "nccl" and r in red.acks else 0
+        return max(0, self.ledger[r].steps - acked)
+
     def forget(self, r: int) -> None:
         """A dead rank's unreduced steps never reach the consensus."""
         self.ledger[r].steps = 0
@@ -220,6 +226,8 @@ class AveragingCycle:
         if red.backend == "nccl":
             if not set(live).issubset(red.acks):
                 return None
+            # A member that acked and died since: the collective completed with its share in the consensus.
+            live = sorted(set(live) | set(red.acks))
             n = {r: red.acks[r].n for r in live}
             div: dict[int, Optional[float]] = {r: red.acks[r].d for r in live}
             pre: dict[int, Optional[float]] = {r: red.acks[r].pre for r in live}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -86,6 +86,10 @@ class Dispatcher:
         """chunk id -> every chunk sent and not yet reported."""
         self.progress: list[dict[int, int]] = [{} for _ in range(world_size)]
         """rank -> chunk id -> batches reported trained."""
+        self.unreduced_chunks: list[list[tuple[int, list[tuple[int, int]]]]] = [[] for _ in range(world_size)]
+        """rank -> (epoch, trained ranges) of each chunk it finished since its last reduce."""
+        self.lost_picks = 0
+        """Trained picks of dead ranks that no reduce holds and no survivor could retrain (epoch already aggregated)."""
         self.coverage: dict[int, list[list[int]]] = {}
         """Aggregated epoch -> the [offset, size] ranges its chunks covered."""
         self.rank_epoch = [0] * self.W
@@ -140,34 +144,71 @@ class Dispatcher:
         else:
             self._dispatch_plans(start)
 
-    def on_rank_dead(self, r: int) -> None:
-        """Give the dead rank's unprocessed picks to the survivors; what it trained stays covered."""
-        progress = self.progress[r]
+    def on_rank_dead(self, r: int, unreduced_batches: int = 0) -> None:
+        """Give a dead rank's work back to the survivors (algorithms.md 5.1, 7.2): its untrained picks,
+        and the picks it trained since its last reduce (the last ``unreduced_batches``: they never
+        reached the consensus). What it trained before that stays covered."""
+        back = unreduced_batches * self.bs  # samples to take back, most recent first
         survivors = self._cohort.alive_ranks()
-        for cid, ch in sorted(self.chunks.items()):
-            if ch.rank != r:
-                continue
-            e, off, size = ch.epoch, ch.offset, ch.size
+        for cid, ch in sorted(((c, ch) for c, ch in self.chunks.items() if ch.rank == r), key=lambda x: x[0], reverse=True):
             del self.chunks[cid]
-            done = min(progress.get(cid, 0) * self.bs, size)
-            acc = self._open(e)
-            if done:
-                acc.ranges.append([off, done])
-                acc.ranks[r].batches += done // self.bs
-                acc.ranks[r].samples += done
-            if self.progressive and e in self.pools:
-                self.pools[e].mark_completed(r, done)
-            elif size - done > 0 and survivors:
-                # ExtendPartition: split the remainder in whole batches over the survivors, in rank order.
-                rest_off, rest_batches = off + done, (size - done) // self.bs
-                for i, nb in enumerate(equal_sizes(len(survivors), rest_batches)):
-                    if nb > 0:
-                        self._extend(survivors[i], e, rest_off, nb * self.bs)
-                        rest_off += nb * self.bs
+            trained = min(self.progress[r].get(cid, 0) * self.bs, ch.size)
+            undo = min(back, trained)
+            back -= undo
+            keep = trained - undo
+            acc = self._open(ch.epoch)
+            if keep:
+                acc.ranges.append([ch.offset, keep])
+                acc.ranks[r].batches += keep // self.bs
+                acc.ranks[r].samples += keep
+            if self.progressive and ch.epoch in self.pools:
+                self.pools[ch.epoch].mark_completed(r, keep)  # the rest of the chunk is forfeited below
+            elif ch.size > keep:
+                self._extend_over(survivors, ch.epoch, ch.offset + keep, ch.size - keep)
+        lost = 0
+        for epoch, ranges in reversed(self.unreduced_chunks[r]):
+            for off, n in reversed(ranges):
+                undo = min(back, n)
+                if undo <= 0:
+                    continue
+                back -= undo
+                if epoch <= self.last_aggregated:  # already aggregated and logged: cannot be retrained into it
+                    lost += undo
+                    continue
+                self._uncover(r, epoch, off, n, undo)
+                if self.progressive and epoch in self.pools:
+                    self.pools[epoch].reopen(r, off + n - undo, undo)
+                else:
+                    self._extend_over(survivors, epoch, off + n - undo, undo)
+        self.unreduced_chunks[r].clear()
+        if lost:
+            self.lost_picks += lost
+            log.warning("rank %d died with %d trained picks of an aggregated epoch in no reduce: they are lost", r, lost)
         if self.progressive:
             for pool in self.pools.values():
                 pool.forfeit(r)
             self.after_finish()
+
+    def _uncover(self, r: int, epoch: int, off: int, n: int, undo: int) -> None:
+        """Take the last ``undo`` picks of a reported range [off, off+n) off the epoch's books."""
+        acc = self.accs[epoch]
+        for rg in acc.ranges:
+            if rg[0] == off and rg[1] == n:
+                rg[1] -= undo
+                break
+        acc.ranges[:] = [rg for rg in acc.ranges if rg[1] > 0]
+        acc.ranks[r].batches -= undo // self.bs
+        acc.ranks[r].samples -= undo
+
+    def _extend_over(self, survivors: list[int], e: int, offset: int, size: int) -> None:
+        """ExtendPartition: split [offset, offset+size) in whole batches over the survivors, in rank order."""
+        if not survivors:
+            return
+        rest_off = offset
+        for i, nb in enumerate(equal_sizes(len(survivors), size // self.bs)):
+            if nb > 0:
+                self._extend(survivors[i], e, rest_off, nb * self.bs)
+                rest_off += nb * self.bs
 
     def _extend(self, r: int, e: int, offset: int, size: int) -> None:
         cid = next(self._ids)
@@ -278,8 +319,15 @@ class Dispatcher:
     def on_batch(self, r: int, chunk: int) -> None:
         self.progress[r][chunk] = self.progress[r].get(chunk, 0) + 1
 
+    def on_reduce_finished(self, members: Iterable[int]) -> None:
+        """What the members trained so far is in the consensus: their finished chunks are safe."""
+        for r in members:
+            self.unreduced_chunks[r].clear()
+
     def on_metrics(self, r: int, m: ChunkMetrics) -> None:
         chunk = self.chunks.pop(m.chunk, None)
+        if m.ranges:
+            self.unreduced_chunks[r].append((m.epoch, [(int(o), int(n)) for o, n in m.ranges]))
         for extra in m.extra_chunks:
             self.chunks.pop(int(extra), None)
         self._open(m.epoch).add_chunk(r, m)
