@@ -28,6 +28,20 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
+def consensus_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with parameters (``p<i>``) and float buffers (``b<j>``) taken from a
+    cpu-backend consensus frame, in the same order the snapshot and the update use."""
+    state = dict(model.state_dict())
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if f"p{i}" in tensors:
+            state[name] = tensors[f"p{i}"].to(p.dtype)
+    float_names = [name for name, b in model.named_buffers() if b.is_floating_point()]
+    for j, name in enumerate(float_names):
+        if f"b{j}" in tensors:
+            state[name] = tensors[f"b{j}"].to(state[name].dtype)
+    return state
+
+
 def flat_params(model: nn.Module) -> torch.Tensor:
     """All parameters as one float32 vector (a copy)."""
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])

@@ -57,9 +57,11 @@ def atomic_json(obj: Any, path: str) -> None:
 
 
 def save_rank_pieces(stem: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
-                     primary: bool, write_model: bool) -> None:
+                     primary: bool, write_model: bool, model_state: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """This rank's pieces; ``model_state`` replaces the replica's state dict in the model piece."""
     if write_model:
-        atomic_torch_save({k: v.detach().to("cpu") for k, v in model.state_dict().items()}, model_path(stem))
+        state = model_state if model_state is not None else model.state_dict()
+        atomic_torch_save({k: v.detach().to("cpu") for k, v in state.items()}, model_path(stem))
     atomic_torch_save(optimizer.state_dict(), optim_path(stem, rank, primary))
 
 

@@ -148,6 +148,9 @@ class Save:
     stem: str
     primary: bool
     model: bool
+    consensus: bool = False
+    """cpu backend: write the model piece from the last consensus adopted, not the replica
+    (EASGD keeps replicas apart from it; the bundle holds the consensus, as the reference's CPU path)."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 from control_fakes import BATCH, SAMPLES, Harness
@@ -26,6 +27,7 @@ from flodl_exp.protocol import (
     SetGlobalStep,
     Shutdown,
     StartEpoch,
+    SyncAck,
     SyncNow,
     Telemetry,
     Update,
@@ -383,3 +385,61 @@ def test_a_dead_ranks_unreduced_batches_are_retrained_by_the_survivors(tmp_path,
     assert acc.ranks[2].samples == reduced, "rank 2 keeps only what a reduce took in"
     assert acc.ranks[0].samples + acc.ranks[1].samples + reduced == samples
     assert h.co.dispatch.lost_picks == 0
+
+
+def _play_to_the_end(h: Harness, ranks: list[int], samples: int = SAMPLES) -> list[tuple[int, Any]]:
+    """Play well-behaved ranks through every epoch; returns every message the coordinator sent."""
+    seen: list[tuple[int, Any]] = []
+    plans = h.start(samples=samples)
+    todo = [(r, p) for r, ps in plans.items() for p in ps]
+    seen += todo
+    for _ in range(2000):
+        if h.co.life.phase is Phase.FINISHING:
+            return seen + h.transport.take()
+        batch = h.transport.take()
+        seen += batch
+        todo += batch
+        for r, p in todo:
+            if isinstance(p, (StartEpoch, ExtendPartition)):
+                h.finish_chunk(r, StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
+            elif isinstance(p, RequestParams):
+                h.snapshot(r, h.co.cycle.steps(r), float(r))
+            elif isinstance(p, SyncNow):
+                h.msg(r, SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+            elif isinstance(p, Save):
+                h.msg(r, SaveResult(stem=p.stem))
+        todo = []
+        h.tick()
+    raise AssertionError(f"the run did not reach FINISHING (phase {h.co.life.phase})")
+
+
+def test_periodic_checkpoints_do_not_change_cpu_async_training(tmp_path):
+    """checkpoint.every takes the bundle at a reduce finish from the state the ranks hold: no extra consensus
+    reduce, no hold of the next epoch, and the EASGD blend stays on every training reduce."""
+    h = Harness(tmp_path, "cpu_async", world=2, epochs=4, **{"checkpoint.every": 1})
+    sent = _play_to_the_end(h, [0, 1], samples=480)
+    assert Phase.CHECKPOINTING not in h.co.life.history
+    barrier_versions = {p.version for _, p in sent if isinstance(p, RequestParams) and p.barrier}
+    last = max(p.version for _, p in sent if isinstance(p, RequestParams))
+    assert barrier_versions == {last}, "one consensus (barrier) reduce: the drain after the last epoch, none for the bundles"
+    updates = [p for _, p in sent if isinstance(p, Update) and not p.skip]
+    assert {p.alpha for p in updates[:-2]} == {0.5} and {p.alpha for p in updates[-2:]} == {None}, \
+        "the blend on every training reduce; the full overwrite only at the end"
+    for e in (1, 2, 3):
+        meta = json.load(open(h.co.writer.stem_for("epoch", e) + ".meta.json"))
+        assert meta["save_reason"] == "periodic" and meta["epoch"] <= e
+        per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
+        assert meta["epoch"] == min(per), "a coverage-granular bundle: the resume trains only what it lacked"
+    saves = [p for _, p in sent if isinstance(p, Save)]
+    assert all(p.consensus for p in saves), "cpu backend bundles hold the consensus, not a blended replica"
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async", "nccl_cadence"])
+def test_at_epoch_bundle_lands_inside_the_epoch_asked_for(tmp_path, mode):
+    """Epochs far shorter than a window: the bundle still records epoch 2 (held open until it is taken)."""
+    h = Harness(tmp_path, mode, world=2, epochs=5, **{"checkpoint.at_epoch": 2})
+    _play_to_the_end(h, [0, 1], samples=48)
+    meta = json.load(open(h.co.writer.stem_for("at_epoch", 2) + ".meta.json"))
+    per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
+    assert meta["save_reason"] == "at_epoch" and meta["epoch"] == 2 and 2 in per, meta
+    assert h.co.dispatch.epoch_ceiling is None and h.sink.epochs_logged() == [0, 1, 2, 3, 4]

@@ -16,6 +16,7 @@ def _worker(steps_since_avg: int) -> RankWorker:
     w.cpu = CoordinatorBackend()
     w.awaiting_update = True
     w.throttled = True
+    w.last_consensus = {}
     return w
 
 
@@ -34,3 +35,25 @@ def test_a_blended_update_moves_the_replica_halfway():
         model.bias.fill_(1.0)
     w._on_update(Update(n=4, alpha=0.5, tensors={"p0": torch.full((1, 2), 3.0), "p1": torch.full((1,), 3.0)}))
     assert torch.allclose(model.weight, torch.full((1, 2), 2.0)) and w.trainer.steps_since_avg == 0
+
+
+def test_a_consensus_save_writes_the_consensus_not_the_blended_replica(tmp_path):
+    from flodl_exp.checkpoint import load_model_state
+    from flodl_exp.protocol import Save
+
+    w = _worker(0)
+    w.rank = 0
+    w.trainer.optimizer = torch.optim.SGD(w.trainer.model.parameters(), lr=0.1)  # type: ignore[attr-defined]
+    sent: list = []
+    w.conn = SimpleNamespace(send=sent.append)  # type: ignore[assignment]
+    with torch.no_grad():
+        w.trainer.model.weight.fill_(1.0)
+    consensus = {"p0": torch.full((1, 2), 3.0), "p1": torch.full((1,), 3.0)}
+    w._on_update(Update(n=1, alpha=0.5, tensors=consensus))  # the replica is now halfway: 2.0
+    stem = str(tmp_path / "b")
+    w._save(Save(stem=stem, primary=True, model=True, consensus=True))
+    state = load_model_state(stem, map_location="cpu")
+    assert torch.equal(state["weight"], consensus["p0"]) and torch.equal(state["bias"], consensus["p1"])
+    assert torch.allclose(w.trainer.model.weight, torch.full((1, 2), 2.0)), "the replica itself is untouched"
+    w._save(Save(stem=stem, primary=True, model=True, consensus=False))
+    assert torch.allclose(load_model_state(stem, map_location="cpu")["weight"], torch.full((1, 2), 2.0))

@@ -72,8 +72,9 @@ class BundleWriter:
         alive = self._cohort.alive_ranks()
         primary = self._cohort.primary() if model_rank is None else model_rank
         self.pending = set(alive)
+        consensus = self._cycle.backend == "cpu"  # the consensus frame, not a blended replica
         for r in alive:
-            self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary))
+            self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=consensus))
 
     def on_result(self, r: int, res: SaveResult) -> None:
         if res.error:
@@ -132,14 +133,31 @@ class PeriodicBundle:
 class CoverageBundle:
     stem: str
     epoch: int
+    """The lowest open epoch: where a resume starts (only the uncovered picks are trained)."""
+    reason: str
+    """``at_epoch`` or ``periodic`` (the meta's save_reason)."""
+    artifact_path: str
     coverage: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Checkpoints:
+    """Periodic and at_epoch bundles.
+
+    Progressive modes take both at a reduce finish, from the state the ranks hold then (no extra
+    reduce, no hold, EASGD untouched): ``checkpoint.every=N`` at the first finish after the cohort
+    reached epoch k*N (algorithms.md 8.3, "arm at the first reduce whose cohort epoch crosses a
+    multiple of N"), ``checkpoint.at_epoch=E`` at the first finish after a rank reached epoch E. Both
+    record the coverage of every open epoch, so a resume trains exactly the picks they lacked.
+    While the at_epoch bundle is pending no rank crosses into epoch E+1 and epoch E is not
+    aggregated, so the bundle lands inside epoch E however short epochs are.
+    Non-progressive modes keep the epoch-boundary consensus bundle (hold, one consensus reduce,
+    save, resume): exact, and harmless there since those modes never blend.
+    """
+
     def __init__(self, *, every: int, at_epoch: Optional[int], epochs: int, progressive: bool, world_size: int,
                  writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, events: EventLog) -> None:
         self.every = every
-        self.at_epoch = at_epoch
+        self.at_epoch = at_epoch if progressive else None
         self.epochs = epochs
         self.progressive = progressive
         self.world_size = world_size
@@ -149,16 +167,22 @@ class Checkpoints:
         self._dispatch = dispatch
         self._events = events
         self.periodic: Optional[PeriodicBundle] = None
+        """Non-progressive: the epoch-boundary bundle in progress."""
+        self.next_periodic: Optional[int] = every if progressive and 0 < every < epochs else None
+        """Progressive: the epoch whose first reduce finish takes the next periodic bundle."""
         self.coverage_bundle: Optional[CoverageBundle] = None
-        """An at_epoch bundle whose pieces are being written (its meta follows)."""
+        """A coverage bundle whose pieces are being written (its meta follows)."""
         self.at_epoch_done = False
+        if self.at_epoch is not None:
+            dispatch.epoch_ceiling = self.at_epoch
 
     @property
     def busy(self) -> bool:
         return self.periodic is not None or self.coverage_bundle is not None
 
     def periodic_due(self, e: int) -> bool:
-        return self.every > 0 and (e + 1) % self.every == 0 and e + 1 < self.epochs
+        """Non-progressive: after aggregating epoch e, hold and write the boundary bundle."""
+        return not self.progressive and self.every > 0 and (e + 1) % self.every == 0 and e + 1 < self.epochs
 
     def begin_periodic(self, e: int) -> None:
         """Hold dispatch of epoch e+1 (the caller moves to CHECKPOINTING) until the bundle of epoch e is written."""
@@ -186,26 +210,37 @@ class Checkpoints:
         return True
 
     def maybe_coverage_bundle(self) -> None:
-        """At a reduce finish, before any new chunk is dispatched: the at_epoch bundle when its epoch is reached."""
-        at = self.at_epoch
-        if at is None or self.at_epoch_done or not self.progressive or self.busy:
+        """At a reduce finish, before any new chunk is dispatched: an at_epoch or periodic bundle when due."""
+        if not self.progressive or self.busy:
             return
         alive = self._cohort.alive_ranks()
-        if max((self._dispatch.rank_epoch[r] for r in alive), default=-1) < at:
-            return
-        self.at_epoch_done = True
+        reached = max((self._dispatch.rank_epoch[r] for r in alive), default=-1)
+        if self.at_epoch is not None and not self.at_epoch_done and reached >= self.at_epoch:
+            self.at_epoch_done = True
+            self._take(self._writer.stem_for("at_epoch", self.at_epoch), "at_epoch", "checkpoints/at_epoch", self.at_epoch)
+        elif self.next_periodic is not None and reached >= self.next_periodic:
+            due = self.next_periodic
+            nxt = (reached // self.every + 1) * self.every
+            self.next_periodic = nxt if nxt < self.epochs else None
+            self._take(self._writer.stem_for("epoch", due), "periodic", f"checkpoints/epoch{due}", due)
+
+    def _take(self, stem: str, reason: str, artifact_path: str, asked: int) -> None:
         coverage = self._dispatch.open_coverage()
         lowest = min((p["epoch"] for p in coverage), default=self._dispatch.current_epoch())
-        self.coverage_bundle = CoverageBundle(self._writer.stem_for("at_epoch", at), lowest, coverage)
-        self._writer.send_saves(self.coverage_bundle.stem)
-        self._events.emit({"event": "checkpoint_armed", "stem": self.coverage_bundle.stem, "epoch": at})
+        self.coverage_bundle = CoverageBundle(stem, lowest, reason, artifact_path, coverage)
+        self._writer.send_saves(stem)
+        self._events.emit({"event": "checkpoint_armed", "stem": stem, "epoch": asked, "reason": reason})
 
     def on_saves_settled(self) -> None:
-        """Every piece of the bundle in progress is written: finish an at_epoch bundle."""
+        """Every piece of the bundle in progress is written: its meta, its artifacts; release the epoch ceiling."""
         cb = self.coverage_bundle
         if cb is None:
             return
         self.coverage_bundle = None
-        self._writer.write_meta("at_epoch", cb.stem, epoch=cb.epoch, coverage_epochs=cb.coverage)
-        self._writer.log_bundle(cb.stem, "checkpoints/at_epoch")
-        self._events.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch})
+        self._writer.write_meta(cb.reason, cb.stem, epoch=cb.epoch, coverage_epochs=cb.coverage)
+        self._writer.log_bundle(cb.stem, cb.artifact_path)
+        self._events.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch, "reason": cb.reason})
+        if self.at_epoch_done:
+            self._dispatch.epoch_ceiling = None
+        elif self.at_epoch is not None and not self._cycle.any_steps(self._cohort.alive_ranks()):
+            self.maybe_coverage_bundle()  # the at_epoch bundle waited on this one, and nothing moved since

@@ -76,6 +76,8 @@ class Dispatcher:
         self._out = outbox
         self._clock = clock
         self.gate = Gate.CLOSED
+        self.epoch_ceiling: Optional[int] = None
+        """Set while an at_epoch bundle is pending: no chunk beyond this epoch, and it is not aggregated."""
         self.total = 0
         """Picks per epoch (samples x augment views), known once the ranks said hello."""
         self.last_aggregated = -1
@@ -293,6 +295,8 @@ class Dispatcher:
             return
         first_live = self.last_aggregated + 1
         nxt = max(e + 1, first_live)
+        if self.epoch_ceiling is not None and nxt > self.epoch_ceiling:
+            return
         if nxt >= self.epochs or (self.barrier_paced and e >= first_live) or self.gate is Gate.HOLD_EPOCH:
             return
         if self.is_async and self.overshoot.value == 0:
@@ -372,7 +376,7 @@ class Dispatcher:
     def pop_aggregated(self) -> Optional[AggregatedEpoch]:
         """The next epoch in order once every pick of it is reported; None when it is not ready."""
         e = self.last_aggregated + 1
-        if e >= self.epochs or not self._ready(e):
+        if e >= self.epochs or not self._ready(e) or (self.epoch_ceiling is not None and e >= self.epoch_ceiling):
             return None
         acc = self.accs[e]
         metrics = acc.summary(self._clock() - acc.started, self.scalar_reductions)
@@ -385,6 +389,8 @@ class Dispatcher:
         """After an aggregation: start the next epoch (or keep streaming into it)."""
         e = self.last_aggregated
         if e + 1 >= self.epochs or self.gate is not Gate.OPEN:
+            return
+        if self.epoch_ceiling is not None and e + 1 > self.epoch_ceiling:
             return
         if not self.progressive:
             if e + 1 not in self.accs:

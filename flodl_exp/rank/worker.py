@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from .. import wire
-from ..averaging import float_buffers
+from ..averaging import consensus_state, float_buffers
 from ..config import RunShape, load_config
 from ..constants import FAULT_ENV
 from ..experiment import build_experiment
@@ -132,6 +132,8 @@ class RankWorker:
         self.deferred: deque[Payload] = deque()
         self.in_regroup_wait = False
         self.chunk_extra: list[int] = []
+        self.last_consensus: dict[str, torch.Tensor] = {}
+        """cpu backend: the last consensus frame adopted (bundles save it, not the blended replica)."""
         self._handlers = self._handler_table()
         self.resume_from(spec)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
@@ -251,6 +253,7 @@ class RankWorker:
     def _on_update(self, m: Update) -> None:
         if not m.skip:
             self.cpu.adopt_update(self.trainer.model, m, m.alpha)
+            self.last_consensus = dict(m.tensors)
         self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
         self.awaiting_update = False
         self.throttled = False
@@ -342,8 +345,11 @@ class RankWorker:
 
         err = None
         try:
+            state = None
+            if m.model and m.consensus and self.last_consensus:
+                state = consensus_state(self.trainer.model, self.last_consensus)
             save_rank_pieces(m.stem, self.trainer.model, self.trainer.optimizer, rank=self.rank,
-                             primary=m.primary, write_model=m.model)
+                             primary=m.primary, write_model=m.model, model_state=state)
         except Exception as e:  # save errors are reported, never fatal
             err = f"{type(e).__name__}: {e}"
         self.conn.send(encode(SaveResult(stem=m.stem, error=err)))
