@@ -443,3 +443,26 @@ def test_at_epoch_bundle_lands_inside_the_epoch_asked_for(tmp_path, mode):
     per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
     assert meta["save_reason"] == "at_epoch" and meta["epoch"] == 2 and 2 in per, meta
     assert h.co.dispatch.epoch_ceiling is None and h.sink.epochs_logged() == [0, 1, 2, 3, 4]
+
+
+def test_a_rank_lost_before_it_joined_is_named_at_once(tmp_path):
+    """Its task wrote who runs it, then died before dialing in: the run fails naming that rank, without
+    waiting for the connect timeout or for the joined ranks' process-group timeout."""
+    import subprocess
+    import sys
+
+    from flodl_exp.control.lifecycle import RunFailure
+    from flodl_exp.jobs.rendezvous import rank_marker_path, write_rank_marker
+
+    h = Harness(tmp_path, "nccl_sync", world=2)
+    h.co.on_event(("join", 0, {"samples": SAMPLES}))
+    write_rank_marker(h.job_dir, 1, 0)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    marker = json.load(open(rank_marker_path(h.job_dir, 1)))
+    marker["pid"] = int(gone.stdout)
+    json.dump(marker, open(rank_marker_path(h.job_dir, 1), "w"))
+    with pytest.raises(RunFailure, match=rf"rank 1 was lost before training started: its process {marker['pid']} .* exited"):
+        h.co.run(connect_timeout=600.0)
+    # A joined rank that then fails (its process-group setup timed out) does not take the blame.
+    with pytest.raises(RunFailure, match="rank 1 was lost before training started"):
+        h.co.on_event(("closed", 0, "closed"))

@@ -122,6 +122,28 @@ def test_crashed_rank_fails_the_run_with_its_error(store, kind, monkeypatch):
     _wait_for(lambda: not any(alive(p) for p in pids_of(Path(h.job_dir))), timeout=30, what="every process to exit")
 
 
+def test_a_rank_lost_during_rendezvous_is_named_and_the_job_ends(store, monkeypatch):
+    """Rank 1's task dies before it dials in; ranks 0 and 2 joined and wait in process-group setup for it.
+    The run fails naming rank 1 (not a peer that timed out later), and every process is gone within
+    about the heartbeat timeout (the process-group setup's own timeout)."""
+    from pathlib import Path
+
+    from flodl_exp.jobs.launcher import RunFailed
+
+    monkeypatch.setenv("FLODL_FAULT_INJECT", "1:connect:kill")
+    h = _launch(store, "mode=nccl_cadence", "cluster.ranks_per_node=3", "experiment.epochs=2",
+                "cluster.heartbeat_timeout_s=10")
+    with pytest.raises(RunFailed) as err:
+        h.wait()
+    msg = str(err.value)
+    assert "rank 1 was lost before training started" in msg and "exited before it connected" in msg, msg
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert run.info.status == "FAILED" and "rank 1 was lost" in run.data.tags.get("error", "")
+    job = Path(h.job_dir)
+    pids = pids_of(job) + [json.loads(p.read_text())["pid"] for p in (job / "ranks").glob("rank*.json")]
+    _wait_for(lambda: not any(alive(p) for p in pids), timeout=40, what="every process to exit")
+
+
 def test_cancel_leaves_no_process(store, tmp_path, monkeypatch):
     # Both ranks block at their first batch until the gate file exists: the run is held open by a mechanism,
     # so the cancel always lands mid-run however fast the machine is. The gate is opened only after the cancel.

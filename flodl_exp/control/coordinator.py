@@ -170,16 +170,29 @@ class Coordinator:
     # -- main loop ----------------------------------------------------------
     def run(self, connect_timeout: float) -> Status:
         deadline = self.clock() + connect_timeout
+        next_check = self.clock()
         while self.life.is_(Phase.CONNECTING):
             self.pump(0.1)
             if self.cohort.all_joined():
                 self.start()
             elif self.clock() > deadline:
                 raise RunFailure(f"ranks {self.cohort.missing()} did not connect within {connect_timeout:.0f}s")
+            elif self.clock() >= next_check:
+                next_check = self.clock() + 1.0
+                self._check_lost_before_join()
         while not self.life.is_(Phase.DONE):
             self.pump(0.02)
             self.tick()
         return self.life.status
+
+    def _check_lost_before_join(self) -> None:
+        """A task whose process is gone before its rank said hello can never join: fail now, naming it."""
+        from ..jobs.rendezvous import lost_before_join
+
+        for r in self.cohort.missing():
+            why = lost_before_join(self.job_dir, r, int(self.spec.get("attempt", 0)))
+            if why:
+                raise RunFailure(f"rank {r} was lost before training started: {why}")
 
     def pump(self, timeout: float) -> None:
         """Handle every queued rank event (waiting up to ``timeout`` for the first)."""
@@ -263,7 +276,10 @@ class Coordinator:
         elif kind == "closed":
             if self.life.is_(Phase.CONNECTING) and not self.cohort.exited(rank):
                 err = (self.cohort.errors.get(rank) or {}).get("error") or ev[2]
-                raise RunFailure(f"rank {rank} failed before training started: {err}")
+                self._check_lost_before_join()  # a peer that never joined is the cause, not this rank
+                missing = [r for r in self.cohort.missing() if r != rank]
+                cause = f" (ranks {missing} never connected)" if missing else ""
+                raise RunFailure(f"rank {rank} failed before training started{cause}: {err}")
             self.declare_dead(rank, "connection closed" if ev[2] == "closed" else str(ev[2]))
 
     def _on_join(self, r: int, hello: dict[str, Any]) -> None:

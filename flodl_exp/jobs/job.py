@@ -42,7 +42,7 @@ from typing import Any, Optional
 import submitit
 
 from ..config import load_cluster
-from ..constants import COORDINATOR_LOG, PREEMPT_EXIT, PREEMPT_MARK
+from ..constants import COORDINATOR_LOG, FAULT_ENV, PREEMPT_EXIT, PREEMPT_MARK
 
 PREEMPT_WAIT_S = 120.0
 """How long task 0 waits for the coordinator's preemption bundle before giving up."""
@@ -322,8 +322,13 @@ class RunTask(submitit.helpers.Checkpointable):
 
 
 def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int, coord_dead) -> dict:
-    from .rendezvous import wait_rendezvous
+    from ..rank.fault_inject import CONNECT_STEP, inject_fault, parse_fault
+    from .rendezvous import wait_rendezvous, write_rank_marker
 
+    write_rank_marker(job_dir, rank, attempt)
+    fault = parse_fault(os.environ.get(FAULT_ENV), rank)
+    if fault is not None and fault[0] == CONNECT_STEP:
+        inject_fault(fault[1], rank, CONNECT_STEP)  # test hook: a rank lost during rendezvous
     rdv = wait_rendezvous(job_dir, load_cluster(spec["config"]["cluster"]).rendezvous_timeout_s, coord_dead, attempt=attempt)
     from ..rank.worker import RankWorker
 

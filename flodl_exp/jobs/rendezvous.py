@@ -68,3 +68,40 @@ def wait_rendezvous(job_dir: str, timeout: float, alive: Optional[Callable[[], O
                 f"no {FILENAME} in {job_dir} after {timeout:.0f}s: the coordinator did not start "
                 "(see its log in the job folder); raise cluster.rendezvous_timeout_s if the cluster is slow")
         time.sleep(0.1)
+
+
+def rank_marker_path(job_dir: str, rank: int) -> str:
+    return os.path.join(job_dir, "ranks", f"rank{rank}.json")
+
+
+def write_rank_marker(job_dir: str, rank: int, attempt: int) -> None:
+    """Each task says who runs rank ``rank`` (pid, host, incarnation) before it dials the coordinator, so a
+    rank lost before it connected can be named at once instead of after a process-group timeout."""
+    path = rank_marker_path(job_dir, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".rank-", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"pid": os.getpid(), "host": os.uname().nodename, "incarnation": incarnation(attempt)}, fh)
+    os.replace(tmp, path)
+
+
+def lost_before_join(job_dir: str, rank: int, attempt: int) -> Optional[str]:
+    """Why ``rank`` can no longer connect (its task's process on this host is gone), or None when
+    it may still: no marker yet, a marker of another incarnation, or a process on another host."""
+    try:
+        with open(rank_marker_path(job_dir, rank)) as fh:
+            info = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if str(info.get("incarnation")) != incarnation(attempt) or info.get("host") != os.uname().nodename:
+        return None
+    pid = int(info.get("pid", 0))
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"its process {pid} on {info.get('host')} exited before it connected"
+    except PermissionError:
+        return None
+    return None

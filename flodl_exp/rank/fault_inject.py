@@ -8,7 +8,8 @@ its ``step``-th batch the rank blocks until the file ``<path>`` exists (polled
 every :data:`GATE_POLL_S`, for at most :data:`GATE_MAX_WAIT_S`), then trains on.
 A test holds a run open with it (by a mechanism, not by hoping the machine is
 slow) and releases it by creating the file. The path may contain ``:`` but not
-``,`` (the entry separator).
+``,`` (the entry separator). ``<step>`` = ``connect`` fires in the task before the
+rank dials the coordinator (a rank lost during rendezvous); parsed as step -1.
 """
 from __future__ import annotations
 
@@ -43,7 +44,11 @@ def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
     """
     for item in (spec or "").split(","):
         parts = item.strip().split(":", 2)
-        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) != rank or not parts[1].isdigit():
+        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) != rank:
+            continue
+        if parts[1] == "connect":
+            parts[1] = "-1"
+        elif not parts[1].isdigit():
             continue
         kind = parts[2]
         if split_kind(kind)[0] not in KINDS or kind in ("gate", "gate:"):
@@ -51,6 +56,10 @@ def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
             continue
         return int(parts[1]), kind
     return None
+
+
+CONNECT_STEP = -1
+"""The step :func:`parse_fault` returns for ``<rank>:connect:<kind>``."""
 
 
 def split_kind(kind: str) -> tuple[str, Optional[str]]:

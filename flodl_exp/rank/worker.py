@@ -128,7 +128,8 @@ class RankWorker:
         self.awaiting_update = False
         self.last_coord = time.monotonic()
         self.chunk: Optional[EpochState] = None
-        self.fault = parse_fault(os.environ.get(FAULT_ENV), rank)
+        fault = parse_fault(os.environ.get(FAULT_ENV), rank)
+        self.fault = fault if fault is not None and fault[0] >= 0 else None  # "connect" faults fire in the task
         self.deferred: deque[Payload] = deque()
         self.in_regroup_wait = False
         self.chunk_extra: list[int] = []
