@@ -466,3 +466,25 @@ def test_a_rank_lost_before_it_joined_is_named_at_once(tmp_path):
     # A joined rank that then fails (its process-group setup timed out) does not take the blame.
     with pytest.raises(RunFailure, match="rank 1 was lost before training started"):
         h.co.on_event(("closed", 0, "closed"))
+
+
+def test_a_failed_model_piece_is_written_by_another_live_rank(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=3, epochs=1)
+    plans = h.start()
+    for r in range(3):
+        h.finish_chunk(r, plans[r][0], trained=0)
+    h.transport.take()
+    h.tick(2)
+    sent = h.transport.take()
+    evals = [(r, p) for r, p in sent if isinstance(p, ExecuteEval)]
+    saves = [(r, p) for r, p in sent if isinstance(p, Save)]
+    writer = next(r for r, p in saves if p.model)
+    for r, p in saves:
+        h.msg(r, SaveResult(stem=p.stem, error="OSError: [Errno 28] No space left on device" if r == writer else None))
+    retry = h.transport.take(Save)
+    assert len(retry) == 1 and retry[0][0] != writer and retry[0][1].model and retry[0][1].primary
+    assert h.sink.tags[f"save_error.rank{writer}"].startswith("OSError")
+    h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
+    assert h.co.life.phase is Phase.FINISHING, "the retried piece is outstanding"
+    h.msg(retry[0][0], SaveResult(stem=retry[0][1].stem))
+    assert h.co.life.status is Status.FINISHED

@@ -54,6 +54,10 @@ class BundleWriter:
         self._sink = sink
         self.pending: set[int] = set()
         """Ranks whose ``save_result`` for the bundle in progress has not arrived."""
+        self.stem_in_progress: Optional[str] = None
+        self.model_rank: Optional[int] = None
+        """The rank writing the bundle's model piece (a failed write moves to another live rank)."""
+        self.model_tried: set[int] = set()
 
     def stem_for(self, kind: str, epoch: Optional[int] = None) -> str:
         if kind == "final":
@@ -72,15 +76,37 @@ class BundleWriter:
         alive = self._cohort.alive_ranks()
         primary = self._cohort.primary() if model_rank is None else model_rank
         self.pending = set(alive)
-        consensus = self._cycle.backend == "cpu"  # the consensus frame, not a blended replica
+        self.stem_in_progress, self.model_rank, self.model_tried = stem, primary, {primary}
         for r in alive:
-            self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=consensus))
+            self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=self._consensus))
+
+    @property
+    def _consensus(self) -> bool:
+        return self._cycle.backend == "cpu"  # the consensus frame, not a blended replica
 
     def on_result(self, r: int, res: SaveResult) -> None:
         if res.error:
             log.warning("rank %d could not save %s: %s", r, res.stem, res.error)
             self._sink.set_tags({f"save_error.rank{r}": str(res.error)[:2000]})
         self.pending.discard(r)
+        if res.error and r == self.model_rank and res.stem == self.stem_in_progress:
+            self._retry_model_piece(res.stem, res.error)
+
+    def _retry_model_piece(self, stem: str, error: str) -> None:
+        """The model piece failed on its rank: write it from another live rank (its replica is the same
+        consensus after a reduce), before the bundle gives up on it."""
+        left = [q for q in self._cohort.alive_ranks() if q not in self.model_tried]
+        if not left:
+            log.error("bundle %s: no live rank could write the model piece (last error: %s)", stem, error)
+            self._sink.set_tags({"save_failed": stem[-200:]})
+            self.model_rank = None
+            return
+        q = left[0]
+        self.model_rank = q
+        self.model_tried.add(q)
+        self.pending.add(q)
+        log.warning("bundle %s: the model piece goes to rank %d instead", stem, q)
+        self._out.send(q, Save(stem=stem, primary=True, model=True, consensus=self._consensus))
 
     def drop(self, r: int) -> None:
         self.pending.discard(r)
