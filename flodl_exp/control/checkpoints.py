@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -52,8 +53,8 @@ class BundleWriter:
         self._dispatch = dispatch
         self._out = outbox
         self._sink = sink
-        self.pending: set[int] = set()
-        """Ranks whose ``save_result`` for the bundle in progress has not arrived."""
+        self._pending: Counter[int] = Counter()
+        """rank -> ``save_result``s outstanding for the bundle in progress (a retried piece adds one)."""
         self.stem_in_progress: Optional[str] = None
         self.model_rank: Optional[int] = None
         """The rank writing the bundle's model piece (a failed write moves to another live rank)."""
@@ -70,12 +71,24 @@ class BundleWriter:
 
     @property
     def settled(self) -> bool:
-        return not self.pending
+        return not +self._pending
+
+    @property
+    def pending(self) -> list[int]:
+        """Ranks with a save outstanding."""
+        return sorted(r for r, n in self._pending.items() if n > 0)
+
+    def expect(self, r: int) -> None:
+        self._pending[r] += 1
+
+    def _settle(self, r: int) -> None:
+        if self._pending[r] > 0:
+            self._pending[r] -= 1
 
     def send_saves(self, stem: str, *, model_rank: Optional[int] = None) -> None:
         alive = self._cohort.alive_ranks()
         primary = self._cohort.primary() if model_rank is None else model_rank
-        self.pending = set(alive)
+        self._pending = Counter(alive)
         self.stem_in_progress, self.model_rank, self.model_tried = stem, primary, {primary}
         for r in alive:
             self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=self._consensus))
@@ -88,7 +101,7 @@ class BundleWriter:
         if res.error:
             log.warning("rank %d could not save %s: %s", r, res.stem, res.error)
             self._sink.set_tags({f"save_error.rank{r}": str(res.error)[:2000]})
-        self.pending.discard(r)
+        self._settle(r)
         if res.error and r == self.model_rank and res.stem == self.stem_in_progress:
             self._retry_model_piece(res.stem, res.error)
 
@@ -104,12 +117,12 @@ class BundleWriter:
         q = left[0]
         self.model_rank = q
         self.model_tried.add(q)
-        self.pending.add(q)
+        self.expect(q)
         log.warning("bundle %s: the model piece goes to rank %d instead", stem, q)
         self._out.send(q, Save(stem=stem, primary=True, model=True, consensus=self._consensus))
 
     def drop(self, r: int) -> None:
-        self.pending.discard(r)
+        self._pending.pop(r, None)
 
     def write_meta(self, reason: str, stem: Optional[str] = None, *, epoch: Optional[int] = None,
                    coverage_epochs: Optional[list[dict[str, Any]]] = None) -> None:

@@ -451,7 +451,7 @@ class Coordinator:
         if self.life.is_(Phase.FINISHING) and self.final_eval_rank == r and alive:
             cb = alive[0]
             self.final_eval_rank = cb
-            self.writer.pending.add(cb)
+            self.writer.expect(cb)
             self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
             self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
             return
@@ -472,7 +472,7 @@ class Coordinator:
             "reduce": None if red is None else {
                 "backend": red.backend, "final": red.final, "age_s": round(now - red.started, 3),
                 "members": sorted(red.members), "answered": sorted(set(red.acks) | set(red.snapshots))},
-            "pending_saves": sorted(self.writer.pending),
+            "pending_saves": self.writer.pending,
             "ranks": [{"rank": r, "alive": self.cohort.alive(r), "exited": self.cohort.exited(r),
                        "silent_s": round(self.cohort.silent_for(r, now), 3), "batches": self.cohort.batches[r],
                        "window_steps": self.cycle.steps(r), "count": counts[r],

@@ -152,7 +152,7 @@ class FaultHandler:
     def saving_overdue(self, now: float) -> bool:
         if now <= self.save_deadline:
             return False
-        log.error("ShutdownWithSave: saves still pending after the deadline: ranks %s", sorted(self._writer.pending))
+        log.error("ShutdownWithSave: saves still pending after the deadline: ranks %s", self._writer.pending)
         return True
 
     def on_saves_settled(self) -> None:

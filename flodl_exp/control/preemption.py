@@ -134,7 +134,7 @@ class Preemption:
             else:
                 self._save(p, coverage=False)
         elif p.stage in (Stage.ARMED, Stage.REDUCE, Stage.SAVING) and now > p.deadline:
-            pending = sorted(self._writer.pending)
+            pending = self._writer.pending
             self._life.end(Status.FAILED, f"time limit / preemption: the bundle {p.stem} was not complete after "
                                           f"{PREEMPT_SAVE_DEADLINE_S:.0f}s (pending saves of ranks {pending})",
                            end_reason="time_limit", overwrite=True)
