@@ -488,3 +488,26 @@ def test_a_failed_model_piece_is_written_by_another_live_rank(tmp_path):
     assert h.co.life.phase is Phase.FINISHING, "the retried piece is outstanding"
     h.msg(retry[0][0], SaveResult(stem=retry[0][1].stem))
     assert h.co.life.status is Status.FINISHED
+
+
+def test_a_cpu_async_run_with_periodic_checkpoints_trains_exactly_like_one_without(tmp_path):
+    """Driven by the same well-behaved ranks, the two runs send the same reduces (version, barrier), the same
+    updates (alpha) and the same chunks, and end at the same global step: the bundles change nothing."""
+    def trace(h: Harness) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = []
+        for r, p in _play_to_the_end(h, [0, 1], samples=480):
+            if isinstance(p, RequestParams):
+                out.append(("reduce", r, p.version, p.barrier))
+            elif isinstance(p, Update):
+                out.append(("update", r, p.n, p.alpha, p.skip))
+            elif isinstance(p, StartEpoch):
+                out.append(("chunk", r, p.epoch, p.offset, p.size))
+        return out
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    plain = Harness(tmp_path / "plain", "cpu_async", world=2, epochs=4)
+    ckpt = Harness(tmp_path / "ckpt", "cpu_async", world=2, epochs=4, **{"checkpoint.every": 1})
+    assert trace(plain) == trace(ckpt)
+    assert plain.co.cycle.global_step == ckpt.co.cycle.global_step and plain.co.cycle.version == ckpt.co.cycle.version
+    assert os.path.exists(ckpt.co.writer.stem_for("epoch", 3) + ".meta.json")
