@@ -42,7 +42,9 @@ class Kind(str, enum.Enum):
     SAVE = "save"
     SHUTDOWN = "shutdown"
     COORD_HEARTBEAT = "coord_heartbeat"
+    REQUEST_SESSION = "request_session"
     # rank -> coordinator
+    SESSION_READY = "session_ready"
     BATCH = "batch"
     SYNC_ACK = "sync_ack"
     SNAPSHOT = "snapshot"
@@ -87,6 +89,8 @@ class Regroup:
     new_rank: int
     world_size: int
     ranks: list[int]
+    session: str = ""
+    """The generator rank's session id: the new group's store prefix (the NCCL unique id's place)."""
 
 
 @dataclass
@@ -157,6 +161,21 @@ class Save:
 class Shutdown:
     KIND: ClassVar[Kind] = Kind.SHUTDOWN
     reason: str
+
+
+@dataclass
+class RequestSession:
+    """Regroup, step 1 (algorithms.md 7.4): the chosen generator makes the new group's session id."""
+
+    KIND: ClassVar[Kind] = Kind.REQUEST_SESSION
+    generation: int
+
+
+@dataclass
+class SessionReady:
+    KIND: ClassVar[Kind] = Kind.SESSION_READY
+    generation: int
+    session: str
 
 
 @dataclass
@@ -278,7 +297,7 @@ class Heartbeat:
 
 Payload = Union[
     StartEpoch, ExtendPartition, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
-    Save, Shutdown, CoordHeartbeat, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
+    Save, Shutdown, CoordHeartbeat, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}

@@ -17,6 +17,8 @@ from flodl_exp.protocol import (
     Heartbeat,
     Payload,
     RequestParams,
+    RequestSession,
+    SessionReady,
     Snapshot,
     StartEpoch,
     SyncAck,
@@ -170,6 +172,8 @@ class Harness:
                     self.snapshot(r, self.co.cycle.steps(r), float(r))
                 elif isinstance(p, SyncNow):
                     self.msg(r, SyncAck(n=self.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+                elif isinstance(p, RequestSession):
+                    self.msg(r, SessionReady(generation=p.generation, session=f"s{p.generation}"))
             todo = []
             self.tick()
         raise AssertionError("play: the condition never held")

@@ -22,8 +22,10 @@ from flodl_exp.protocol import (
     RankError,
     Regroup,
     RequestParams,
+    RequestSession,
     Save,
     SaveResult,
+    SessionReady,
     SetGlobalStep,
     Shutdown,
     StartEpoch,
@@ -53,8 +55,12 @@ def test_a_death_during_a_reduce_regroups_and_the_reduce_finishes_on_the_survivo
     assert h.co.cycle.in_flight is not None, "rank 2 has not answered"
     h.co.on_event(("closed", 2, "closed"))  # rank 2 dies inside the all_reduce
     sent = h.transport.take()
-    regroups = {r: p for r, p in sent if isinstance(p, Regroup)}
-    assert regroups == {0: Regroup(1, 0, 2, [0, 1]), 1: Regroup(1, 1, 2, [0, 1])}
+    # Regroup, step 1: the generator (equal step times: the lowest rank) makes the session id ...
+    assert [(r, p) for r, p in sent if isinstance(p, RequestSession)] == [(0, RequestSession(generation=1))]
+    h.msg(0, SessionReady(generation=1, session="s1"))
+    # ... step 2: every survivor gets its new rank and the session.
+    regroups = {r: p for r, p in h.transport.take(Regroup)}
+    assert regroups == {0: Regroup(1, 0, 2, [0, 1], "s1"), 1: Regroup(1, 1, 2, [0, 1], "s1")}
     extends = [p for _, p in sent if isinstance(p, ExtendPartition)]
     # Rank 2 trained one batch that no reduce holds: the survivors retrain its whole plan.
     assert sum(p.size for p in extends) == plans[2][0].size
@@ -511,3 +517,39 @@ def test_a_cpu_async_run_with_periodic_checkpoints_trains_exactly_like_one_witho
     assert trace(plain) == trace(ckpt)
     assert plain.co.cycle.global_step == ckpt.co.cycle.global_step and plain.co.cycle.version == ckpt.co.cycle.version
     assert os.path.exists(ckpt.co.writer.stem_for("epoch", 3) + ".meta.json")
+
+
+def test_a_silent_or_dead_regroup_generator_is_passed_over(tmp_path):
+    """algorithms.md 7.4: a generator that died or gave no session within 5 s is replaced by the next
+    survivor; answers from a passed-over rank are ignored; no reduce fires while the regroup is pending."""
+    from flodl_exp.control.faults import REGROUP_RETRY_S
+
+    h = Harness(tmp_path, "nccl_cadence", world=4)
+    h.start()
+    h.transport.take()
+    h.co.on_event(("closed", 3, "closed"))
+    assert [r for r, _ in h.transport.take(RequestSession)] == [0]
+    h.pass_time(REGROUP_RETRY_S + 0.5, alive=[0, 1, 2])
+    h.tick()
+    assert [r for r, _ in h.transport.take(RequestSession)] == [1], "rank 0 stayed silent: rank 1 is asked"
+    h.co.on_event(("closed", 1, "closed"))  # the new generator dies too
+    h.tick()
+    assert [r for r, _ in h.transport.take(RequestSession)] == [2]
+    h.msg(0, SessionReady(generation=1, session="late"))  # passed over: ignored
+    assert h.transport.take(Regroup) == [] and h.co.faults.regroup is not None
+    h.msg(2, SessionReady(generation=1, session="s"))
+    regroups = {r: p for r, p in h.transport.take(Regroup)}
+    assert regroups == {0: Regroup(1, 0, 2, [0, 2], "s"), 2: Regroup(1, 1, 2, [0, 2], "s")}
+    assert h.co.faults.regroup is None
+
+
+def test_no_generator_left_ends_the_run_with_a_bundle(tmp_path):
+    from flodl_exp.control.faults import REGROUP_RETRY_S
+
+    h = Harness(tmp_path, "nccl_cadence", world=3)
+    h.start()
+    h.co.on_event(("closed", 2, "closed"))
+    for _ in range(2):
+        h.pass_time(REGROUP_RETRY_S + 0.5, alive=[0, 1])
+        h.tick()
+    assert h.co.life.phase is Phase.SAVING and (h.co.life.failure or "").startswith("single_survivor: no survivor produced")

@@ -41,6 +41,7 @@ from ..protocol import (
     RankError,
     Save,
     SaveResult,
+    SessionReady,
     Snapshot,
     SyncAck,
     Telemetry,
@@ -89,6 +90,7 @@ class Coordinator:
         self.hb_timeout = cfg.cluster.heartbeat_timeout_s
         self.stall_ceiling = max(10 * self.hb_timeout, 300.0)
         self.t_start = clock()
+        self._node = os.uname().nodename
         self.life = Lifecycle()
         self.cohort = Cohort(w, shape.fixed_callback_rank, clock())
         self.records = RecordLog(os.path.abspath(cfg.record_log.dir) if cfg.record_log.dir else None, cfg.record_log.max_bytes)
@@ -115,7 +117,7 @@ class Coordinator:
         self.faults = FaultHandler(
             world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
-            events=self.events, sink=sink, clock=clock)
+            events=self.events, sink=sink, clock=clock, is_local=self._is_local)
         self.preemption = Preemption(
             attempt=int(spec.get("attempt", 0)), progressive=shape.progressive, world_size=w, job_dir=job_dir,
             life=self.life, enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.shutdown_with_save,
@@ -138,6 +140,7 @@ class Coordinator:
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             Batch: self._on_batch, SyncAck: self._on_ack, Snapshot: self._on_snapshot, ChunkMetrics: self._on_metrics,
             EvalResult: self._on_eval, SaveResult: self._on_save_result, RankError: self._on_error,
+            SessionReady: self.faults.on_session_ready,
             Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: lambda r, p: None,
         }
 
@@ -156,6 +159,9 @@ class Coordinator:
         """The one way the phase changes: the lifecycle checks the transition, dispatch follows the phase."""
         self.life.move(phase)
         self.dispatch.gate = _GATE_FOR.get(phase, Gate.CLOSED)
+
+    def _is_local(self, r: int) -> bool:
+        return self.records.hosts.get(r) == self._node
 
     def current_epoch(self) -> int:
         return self.dispatch.current_epoch()
@@ -213,6 +219,7 @@ class Coordinator:
         self._beacon(now)                                    # 2. coordinator -> rank heartbeat
         for r in self.cohort.stale(now, self.hb_timeout):    # 3. dead ranks, before any gate
             self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
+        self.faults.tick(now)                                # 4. regroup retries (a silent generator)
         self.preemption.tick()                               #    signals (SLURM, time limit)
         if self._tick_ending(now):
             return
@@ -225,7 +232,7 @@ class Coordinator:
         if self.life.phase in TRAINING_PHASES:
             alive = self.cohort.alive_ranks()
             self.cycle.throttle(alive)                       # 5. max_batch_diff
-            if self.cycle.should_average(alive, self.dispatch.quiesced):
+            if self.faults.regroup is None and self.cycle.should_average(alive, self.dispatch.quiesced):
                 self.cycle.trigger(alive)                    # 8. fire a reduce
             if self.watchdog.check(self.cycle.global_step, self.stall_state):  # 9. stall watchdog
                 self.events.emit({"event": "stall", "global_step": self.cycle.global_step, "dump": self.watchdog.paths[-1]})

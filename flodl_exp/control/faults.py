@@ -12,11 +12,13 @@ the coordinator the meta with the reason, and the run ends FAILED.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..protocol import Regroup
+from ..protocol import Regroup, RequestSession, SessionReady
 from .channels import EventLog, Outbox
 from .checkpoints import BundleWriter
 from .cohort import Cohort, Death
@@ -44,10 +46,28 @@ def unrecoverable_reason(*, world_size: int, alive: int, dead: int, max_failure:
     return None
 
 
-def regroup_plan(survivors: list[int], generation: int) -> dict[int, Regroup]:
+REGROUP_RETRY_S = 5.0
+"""A generator that has not answered this long is passed over for the next survivor (algorithms.md 7.4)."""
+
+
+def regroup_plan(survivors: list[int], generation: int, session: str = "") -> dict[int, Regroup]:
     """Each survivor's place in the re-formed process group: renumbered in rank order."""
-    return {r: Regroup(generation=generation, new_rank=i, world_size=len(survivors), ranks=list(survivors))
+    return {r: Regroup(generation=generation, new_rank=i, world_size=len(survivors), ranks=list(survivors), session=session)
             for i, r in enumerate(survivors)}
+
+
+def generator_order(alive: list[int], local: list[bool], step_ms: list[Optional[float]]) -> list[int]:
+    """Who makes the new group's session id, best first (algorithms.md 7.4): ranks co-located with the
+    coordinator (lowest first), then the smallest per-batch compute wall this window (no data last)."""
+    return sorted(alive, key=lambda r: (not local[r], step_ms[r] if step_ms[r] is not None else math.inf, r))
+
+
+@dataclass
+class PendingRegroup:
+    generation: int
+    generator: int
+    asked_at: float
+    tried: list[int] = field(default_factory=list)
 
 
 class FaultHandler:
@@ -56,7 +76,8 @@ class FaultHandler:
 
     def __init__(self, *, world_size: int, max_failure: Optional[int], life: Lifecycle, enter: Callable[[Phase], None],
                  shutdown: Callable[[], None], cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 writer: BundleWriter, outbox: Outbox, events: EventLog, sink: Any, clock: Callable[[], float]) -> None:
+                 writer: BundleWriter, outbox: Outbox, events: EventLog, sink: Any, clock: Callable[[], float],
+                 is_local: Callable[[int], bool] = lambda r: False) -> None:
         self.world_size = world_size
         self.max_failure = max_failure
         self._life = life
@@ -70,6 +91,9 @@ class FaultHandler:
         self._events = events
         self._sink = sink
         self._clock = clock
+        self._is_local = is_local
+        self.regroup: Optional[PendingRegroup] = None
+        """A regroup waiting for its generator's session id."""
         self.failure_stem: Optional[str] = None
         """ShutdownWithSave: the stem of the failure bundle."""
         self.save_deadline = 0.0
@@ -120,16 +144,53 @@ class FaultHandler:
         return True
 
     def _regroup(self) -> None:
-        """Survivors re-form the process group: renumbered ranks, fresh store prefix."""
-        survivors = self._cohort.alive_ranks()
-        if len(survivors) < 2:
+        """Survivors re-form the process group: a generator makes the session id, then every survivor
+        gets its new rank and the session (a fresh store prefix). One regroup at a time: a death while
+        one is pending is folded in when the session arrives (the survivors are counted then)."""
+        if self.regroup is not None or len(self._cohort.alive_ranks()) < 2:
             return
         gen = self._cohort.next_generation()
-        for r, msg in regroup_plan(survivors, gen).items():
-            self._out.send(r, msg)
-        self._events.emit({"event": "regroup", "generation": gen, "ranks": survivors})
-        self._sink.set_tags({"regroups": gen})
-        log.warning("regroup generation %d with ranks %s", gen, survivors)
+        self.regroup = PendingRegroup(gen, -1, self._clock())
+        self._ask_next_generator()
+
+    def _ask_next_generator(self) -> None:
+        pr = self.regroup
+        assert pr is not None
+        alive = self._cohort.alive_ranks()
+        w = self.world_size
+        led = self._cycle.ledger
+        step_ms: list[Optional[float]] = [led[r].wall_ms / led[r].window_batches if led[r].window_batches else None
+                                          for r in range(w)]
+        order = [r for r in generator_order(alive, [self._is_local(r) for r in range(w)], step_ms) if r not in pr.tried]
+        if len(alive) < 2 or not order:
+            self.regroup = None
+            self.shutdown_with_save("single_survivor", f"no survivor produced a session for regroup generation {pr.generation}"
+                                    f" (asked ranks {pr.tried})")
+            return
+        pr.generator, pr.asked_at = order[0], self._clock()
+        pr.tried.append(order[0])
+        self._out.send(order[0], RequestSession(generation=pr.generation))
+
+    def tick(self, now: float) -> None:
+        """A generator that died or stayed silent for 5 s is passed over."""
+        pr = self.regroup
+        if pr is not None and (not self._cohort.alive(pr.generator) or now - pr.asked_at > REGROUP_RETRY_S):
+            log.warning("regroup generation %d: rank %d gave no session; asking the next survivor", pr.generation, pr.generator)
+            self._ask_next_generator()
+
+    def on_session_ready(self, r: int, m: SessionReady) -> None:
+        pr = self.regroup
+        if pr is None or m.generation != pr.generation or r != pr.generator:
+            return  # an answer from a rank that was passed over, or for an old generation
+        survivors = self._cohort.alive_ranks()
+        if len(survivors) < 2:
+            return  # the death that got here already decided the run's end
+        self.regroup = None
+        for q, msg in regroup_plan(survivors, pr.generation, m.session).items():
+            self._out.send(q, msg)
+        self._events.emit({"event": "regroup", "generation": pr.generation, "ranks": survivors, "generator": r})
+        self._sink.set_tags({"regroups": pr.generation})
+        log.warning("regroup generation %d with ranks %s (session from rank %d)", pr.generation, survivors, r)
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
         """Unrecoverable: every survivor saves its bundle pieces, the meta records why, the run ends FAILED."""

@@ -45,15 +45,15 @@ class CollectiveBackend:
             log.info("collective backend: %s (%s)", self.backend,
                      "every rank has a CUDA device" if self.backend == "nccl" else "no CUDA device: Gloo on CPU")
 
-    def _init(self, generation: int, rank: int, world_size: int) -> None:
-        pstore = self.dist.PrefixStore(f"gen{generation}", self.store)
+    def _init(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
+        pstore = self.dist.PrefixStore(f"gen{generation}-{session}" if session else f"gen{generation}", self.store)
         self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout)
         self.generation, self.rank, self.world_size = generation, rank, world_size
 
-    def rebuild(self, generation: int, rank: int, world_size: int) -> None:
+    def rebuild(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
         """Elastic regroup: drop the old group, form a new one on a fresh prefix of the same store."""
         self.close()
-        self._init(generation, rank, world_size)
+        self._init(generation, rank, world_size, session)
 
     def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True) -> tuple[Optional[float], Optional[float], Optional[float]]:
         dist = self.dist

@@ -40,8 +40,10 @@ from ..protocol import (
     RankError,
     Regroup,
     RequestParams,
+    RequestSession,
     Save,
     SaveResult,
+    SessionReady,
     SetGlobalStep,
     Shutdown,
     StartEpoch,
@@ -233,6 +235,7 @@ class RankWorker:
             SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
             SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
             Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
+            RequestSession: self._on_request_session,
         }
 
     def _on_extend(self, m: ExtendPartition) -> None:
@@ -275,6 +278,13 @@ class RankWorker:
             res, err = {}, f"{type(e).__name__}: {e}"
         self.conn.send(encode(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final)))
 
+    def _on_request_session(self, m: RequestSession) -> None:
+        """This rank is the regroup's generator: a fresh session id names the new group (on NCCL, the
+        unique id would travel here)."""
+        import secrets
+
+        self.conn.send(encode(SessionReady(generation=m.generation, session=secrets.token_hex(8))))
+
     def _on_shutdown(self, m: Shutdown) -> None:
         self.stopping = True
 
@@ -287,7 +297,7 @@ class RankWorker:
         """Re-form the process group with the survivors (fresh store prefix, renumbered ranks)."""
         if self.collective is None:
             return
-        self.collective.rebuild(m.generation, m.new_rank, m.world_size)
+        self.collective.rebuild(m.generation, m.new_rank, m.world_size, m.session)
         log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, m.new_rank, m.world_size, m.generation)
 
     def _await_regroup(self, deadline_s: float = 60.0) -> bool:
@@ -306,7 +316,7 @@ class RankWorker:
                     except Exception as e:  # a member vanished during init: wait for the next generation
                         log.warning("rank %d: regroup failed: %s", self.rank, e)
                         continue
-                if isinstance(msg, (Shutdown, Save, CoordHeartbeat, SetGlobalStep)):
+                if isinstance(msg, (Shutdown, Save, CoordHeartbeat, SetGlobalStep, RequestSession)):
                     self.handle(msg)
                 else:
                     self.deferred.append(msg)
