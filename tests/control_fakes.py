@@ -18,6 +18,8 @@ from flodl_exp.protocol import (
     Payload,
     RequestParams,
     RequestSession,
+    Save,
+    SaveResult,
     SessionReady,
     Snapshot,
     StartEpoch,
@@ -155,6 +157,20 @@ class Harness:
             for r in alive:
                 self.msg(r, Heartbeat())
 
+    def answer(self, r: int, p: Any) -> None:
+        """What a well-behaved rank answers to ``p``: train a chunk whole, snapshot or ack a reduce,
+        make a session id, write its bundle pieces."""
+        if isinstance(p, (StartEpoch, ExtendPartition)):
+            self.finish_chunk(r, StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
+        elif isinstance(p, RequestParams):
+            self.snapshot(r, self.co.cycle.steps(r), float(r))
+        elif isinstance(p, SyncNow):
+            self.msg(r, SyncAck(n=self.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+        elif isinstance(p, RequestSession):
+            self.msg(r, SessionReady(generation=p.generation, session=f"s{p.generation}"))
+        elif isinstance(p, Save):
+            self.msg(r, SaveResult(stem=p.stem))
+
     def play(self, alive: list[int], until: Any, pending: Optional[list[tuple[int, Any]]] = None,
              rounds: int = 500) -> None:
         """Answer like well-behaved ranks (train every chunk, snapshot/ack every reduce) until ``until()``."""
@@ -164,16 +180,8 @@ class Harness:
                 return
             todo += self.transport.take()
             for r, p in todo:
-                if r not in alive or not self.co.cohort.alive(r):
-                    continue
-                if isinstance(p, (StartEpoch, ExtendPartition)):
-                    self.finish_chunk(r, StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
-                elif isinstance(p, RequestParams):
-                    self.snapshot(r, self.co.cycle.steps(r), float(r))
-                elif isinstance(p, SyncNow):
-                    self.msg(r, SyncAck(n=self.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
-                elif isinstance(p, RequestSession):
-                    self.msg(r, SessionReady(generation=p.generation, session=f"s{p.generation}"))
+                if r in alive and self.co.cohort.alive(r):
+                    self.answer(r, p)
             todo = []
             self.tick()
         raise AssertionError("play: the condition never held")

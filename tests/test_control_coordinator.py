@@ -29,7 +29,6 @@ from flodl_exp.protocol import (
     SetGlobalStep,
     Shutdown,
     StartEpoch,
-    SyncAck,
     SyncNow,
     Telemetry,
     Update,
@@ -406,14 +405,7 @@ def _play_to_the_end(h: Harness, ranks: list[int], samples: int = SAMPLES) -> li
         seen += batch
         todo += batch
         for r, p in todo:
-            if isinstance(p, (StartEpoch, ExtendPartition)):
-                h.finish_chunk(r, StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
-            elif isinstance(p, RequestParams):
-                h.snapshot(r, h.co.cycle.steps(r), float(r))
-            elif isinstance(p, SyncNow):
-                h.msg(r, SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
-            elif isinstance(p, Save):
-                h.msg(r, SaveResult(stem=p.stem))
+            h.answer(r, p)
         todo = []
         h.tick()
     raise AssertionError(f"the run did not reach FINISHING (phase {h.co.life.phase})")

@@ -71,29 +71,6 @@ class Batch:
     """Data wait with control work: what the coordinator's cost feed gets (algorithms.md 9.1)."""
 
 
-@dataclass
-class ChunkMetrics:
-    """Per-chunk metrics (algorithms.md 9.2); sent to the coordinator at end_epoch."""
-
-    epoch: int
-    avg_loss: float
-    batches: int
-    samples: int
-    epoch_ms: float
-    share_complete_ms: float
-    compute_only_ms: float
-    data_starve_ms: float
-    scalars: dict[str, tuple[float, int]]
-    ranges: list[list[int]]
-
-    def to_payload(self, chunk: int, extra_chunks: list[int]) -> protocol.ChunkMetrics:
-        return protocol.ChunkMetrics(
-            epoch=self.epoch, chunk=chunk, avg_loss=self.avg_loss, batches=self.batches, samples=self.samples,
-            epoch_ms=self.epoch_ms, share_complete_ms=self.share_complete_ms, compute_only_ms=self.compute_only_ms,
-            data_starve_ms=self.data_starve_ms, scalars={k: [float(s), float(c)] for k, (s, c) in self.scalars.items()},
-            ranges=self.ranges, extra_chunks=extra_chunks)
-
-
 class RankTrainer:
     """One replica and the per-batch mechanics around the user's train step."""
 
@@ -226,7 +203,8 @@ class RankTrainer:
         self.step_count += 1
         self.last_loss = loss
 
-    def end_epoch(self, st: EpochState) -> ChunkMetrics:
+    def end_epoch(self, st: EpochState, chunk: int = 0) -> protocol.ChunkMetrics:
+        """The chunk's metrics (algorithms.md 9.2) as the wire payload the coordinator gets."""
         wall = (time.perf_counter() - st.started) * 1e3
         # Coverage: the first `batches * batch_size` picks of the (possibly extended) plan.
         left = st.batches * st.batch_size
@@ -236,8 +214,9 @@ class RankTrainer:
             if take > 0:
                 trained.append([off, take])
             left -= take
-        return ChunkMetrics(
+        return protocol.ChunkMetrics(
             epoch=st.epoch,
+            chunk=chunk,
             avg_loss=st.loss_sum / st.batches if st.batches else 0.0,
             batches=st.batches,
             samples=st.batches * st.batch_size,
@@ -245,7 +224,7 @@ class RankTrainer:
             share_complete_ms=st.compute_ms + st.data_ms,
             compute_only_ms=st.compute_ms,
             data_starve_ms=st.data_ms,
-            scalars=drain_scalars(),
+            scalars={k: [float(sm), float(c)] for k, (sm, c) in drain_scalars().items()},
             ranges=trained,
         )
 

@@ -387,9 +387,9 @@ class RankWorker:
                 inject_fault(self.fault[1], self.rank, tr.step_count)
             self.conn.send(encode(BatchReport(ms=ms, data_ms=batch.wait_ms, chunk=plan.chunk, loss=loss, lr=tr.current_lr())))
         self.chunk = None
-        m = tr.end_epoch(st)
-        extra, self.chunk_extra = self.chunk_extra, []
-        self.conn.send(encode(m.to_payload(plan.chunk, extra)))
+        m = tr.end_epoch(st, plan.chunk)
+        m.extra_chunks, self.chunk_extra = self.chunk_extra, []
+        self.conn.send(encode(m))
 
     def run(self) -> dict[str, Any]:
         try:
