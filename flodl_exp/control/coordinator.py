@@ -60,7 +60,7 @@ from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
 from .meta import LrEventMeta
 from .preemption import Preemption
 from .records import RecordLog, WindowRecorder
-from .watchdog import StallWatchdog
+from .watchdog import StallWatchdog, run_state
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -468,24 +468,8 @@ class Coordinator:
         self.faults.shutdown_with_save(reason, detail)
 
     def stall_state(self) -> dict[str, Any]:
-        """What the coordinator knows of itself and every rank (the stall watchdog's dump)."""
-        now = self.clock()
-        red = self.cycle.in_flight
-        counts = self.cycle.counts
-        in_flight = {r: sorted(cid for cid, c in self.dispatch.chunks.items() if c.rank == r) for r in range(self.W)}
-        return {
-            "phase": self.life.phase.value, "global_step": self.cycle.global_step, "syncs": self.cycle.version,
-            "epoch": self.current_epoch(), "dispatch_gate": self.dispatch.gate.value,
-            "reduce": None if red is None else {
-                "backend": red.backend, "final": red.final, "age_s": round(now - red.started, 3),
-                "members": sorted(red.members), "answered": sorted(set(red.acks) | set(red.snapshots))},
-            "pending_saves": self.writer.pending,
-            "ranks": [{"rank": r, "alive": self.cohort.alive(r), "exited": self.cohort.exited(r),
-                       "silent_s": round(self.cohort.silent_for(r, now), 3), "batches": self.cohort.batches[r],
-                       "window_steps": self.cycle.steps(r), "count": counts[r],
-                       "throttled": self.cycle.ledger[r].throttled, "chunks_in_flight": in_flight[r],
-                       "epoch": self.dispatch.rank_epoch[r]} for r in range(self.W)],
-        }
+        return run_state(life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
+                         pending_saves=self.writer.pending, now=self.clock())
 
     # -- the result ---------------------------------------------------------------
     @property
