@@ -265,19 +265,17 @@ def test_a_rank_lost_while_connecting_fails_the_run_naming_it(tmp_path, kind):
 
 
 def test_batches_trained_after_a_cpu_snapshot_do_not_carry_into_the_next_window(tmp_path):
-    """The update overwrites (or blends away) what a rank trained after its snapshot: the reference resets
-    the window at adoption, so those batches weigh nothing in the next reduce and do not open its gate."""
-    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
-    plans = h.start()
-    for r in (0, 1):
-        h.finish_chunk(r, plans[r][0])
-    h.tick()
+    """cpu_async streams on after its snapshot; the blended update keeps those batches at weight (1 - alpha),
+    and the reference resets the window at adoption: they weigh nothing in the next reduce nor open its gate."""
+    h = Harness(tmp_path, "cpu_async", world=2, epochs=3)
+    plans = h.start(samples=480)
+    h.play([0, 1], lambda: h.co.cycle.in_flight is not None, pending=[(r, p) for r, ps in plans.items() for p in ps])
     assert [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
-    n = [plans[r][0].size // BATCH for r in (0, 1)]
+    n = [h.co.cycle.steps(r) for r in (0, 1)]
     h.snapshot(0, n[0], 1.0)
-    h.batches(0, plans[0][0].chunk, 2)  # trained while the other snapshot is on the way
+    h.batches(0, 999, 2)  # trained while the other snapshot is on the way (no barrier in cpu_async)
     h.snapshot(1, n[1], 3.0)
-    assert h.co.cycle.version == 1 and h.co.cycle.global_step == sum(n)
+    assert h.co.cycle.in_flight is None and h.co.cycle.global_step == sum(n)
     assert [h.co.cycle.steps(r) for r in (0, 1)] == [0, 0]
 
 
@@ -545,3 +543,14 @@ def test_no_generator_left_ends_the_run_with_a_bundle(tmp_path):
         h.pass_time(REGROUP_RETRY_S + 0.5, alive=[0, 1])
         h.tick()
     assert h.co.life.phase is Phase.SAVING and (h.co.life.failure or "").startswith("single_survivor: no survivor produced")
+
+
+@pytest.mark.parametrize(("mode", "barrier"), [("cpu_cadence", True), ("cpu_sync", True), ("cpu_async", False)])
+def test_cpu_ranks_wait_for_the_update_unless_it_is_blended(tmp_path, mode, barrier):
+    """Under a full overwrite a batch trained after the snapshot would be trained and in no consensus: the
+    ranks wait for the update. Only EASGD (cpu_async) streams on, its extra batches kept at (1 - alpha)."""
+    h = Harness(tmp_path, mode, world=2, epochs=3)
+    plans = h.start(samples=480)
+    h.play([0, 1], lambda: h.co.cycle.in_flight is not None, pending=[(r, p) for r, ps in plans.items() for p in ps])
+    reqs = h.transport.take(RequestParams)
+    assert reqs and {p.barrier for _, p in reqs} == {barrier}

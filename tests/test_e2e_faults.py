@@ -95,12 +95,12 @@ def test_killing_the_coordinator_ends_every_rank(store, tmp_path, monkeypatch):
     assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "FAILED"
 
 
-AT_EPOCH_EPOCHS = 12
-AT_EPOCH_GATE_STEP = 220
-"""Each rank stops at its 220th batch until the test opens the gate. 12 epochs of 44 batches: one of the two ranks
-trains at least 264 batches, so the gate is always reached before the run can end; and a rank at its 220th batch
-means at least 220 batches (5 epochs) trained in all, long after the at_epoch=2 bundle (saved at the first reduce
-after a rank enters epoch 2; windows are capped by max_anchor), whatever the machine's speed."""
+AT_EPOCH_EPOCHS = 8
+AT_EPOCH_GATE_STEP = 170
+"""Each rank stops at its 170th batch until the test opens the gate. 8 epochs of 44 batches: one of the two ranks
+trains at least 176 batches, so the gate is always reached before the run can end. Until the at_epoch=2 bundle is
+taken no chunk of epoch 3 is handed out, so at most 3 epochs (132 batches) are trained before it: a rank at its
+170th batch proves the bundle exists, whatever the machine's speed."""
 
 
 @pytest.mark.parametrize("mode", ["cpu_cadence"])

@@ -132,7 +132,7 @@ def test_a_rank_lost_during_rendezvous_is_named_and_the_job_ends(store, monkeypa
 
     monkeypatch.setenv("FLODL_FAULT_INJECT", "1:connect:kill")
     h = _launch(store, "mode=nccl_cadence", "cluster.ranks_per_node=3", "experiment.epochs=2",
-                "cluster.heartbeat_timeout_s=10")
+                "cluster.heartbeat_timeout_s=5")
     with pytest.raises(RunFailed) as err:
         h.wait()
     msg = str(err.value)

@@ -214,7 +214,12 @@ class AveragingCycle:
         if self.backend == "nccl":
             self._out.broadcast(SyncNow(version=self.version, divergence=True))
         else:
-            self._out.broadcast(RequestParams(version=self.version, barrier=final or not self.progressive))
+            # Ranks wait for the update unless EASGD blends it in: under a full overwrite a batch trained
+            # after the snapshot would be overwritten, trained but in no consensus (lost work). In cadence the
+            # wait costs nothing (a rank at its count has no chunk left); async streams on by design, its
+            # post-snapshot batches surviving at weight (1 - alpha) (algorithms.md 3.9).
+            barrier = final or not self.progressive or self.alpha is None
+            self._out.broadcast(RequestParams(version=self.version, barrier=barrier))
 
     # -- the finish -----------------------------------------------------------
     def try_finish(self, alive: Callable[[int], bool]) -> Optional[ReduceOutcome]:
