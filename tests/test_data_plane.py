@@ -24,7 +24,6 @@ from flodl_exp.rank.trainer import RankTrainer
 
 from conftest import ROOT, assert_exact_coverage, base_overrides, job_dir_of, read_result, run_cli, run_id_of
 
-CUDA = torch.cuda.is_available()
 RSS_SLACK = 48 * B.MIB
 """Documented slack above the RAM budget: reader threads' malloc arenas, batches in flight, interpreter."""
 
@@ -481,34 +480,7 @@ def test_disk_stage_trains_a_data_set_larger_than_the_ram_budget(tmp_path):
     assert r["files_after"] == []
 
 
-# -- CUDA paths (skip without a GPU) ---------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("pool_env", [None, "off"])
-def test_cuda_calibration_prefetch_and_device_pool(monkeypatch, pool_env):
-    if pool_env:
-        monkeypatch.setenv("FLODL_VRAM_POOL", pool_env)
-    dev = torch.device("cuda:0")
-    ds = Synth(512, dim=32)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(32, 10).to(dev)
-    exp = Experiment(model, torch.optim.SGD(model.parameters(), lr=0.05), None, ds, None,
-                     lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), None)
-    pipe = DataPipeline(ds, device=dev, batch_size=32, seed=42, ram_max_usage=0.5)
-    tr = RankTrainer(exp, device=dev, seed=42, batch_size=32, pipeline=pipe)
-    depths = []
-    for e in range(3):
-        st, out = drain(tr, e, 0, 512, train=True)
-        depths.append(st.feed.depth)
-        ref = fetch_batch(Synth(512, dim=32), (out[-1].ids))
-        assert out[-1].data[0].is_cuda and torch.equal(out[-1].data[0].cpu(), ref[0])
-    assert depths[0] == 0 and pipe.activation_peak > 0  # first chunk: synchronous, measures the peak
-    assert depths[1] > 0 and depths[2] > 0
-    if pool_env is None:
-        assert pipe.cache.rows().get("device", 0) > 0 and pipe.cache.stats["device"] > 0
-    else:
-        assert "device" not in pipe.cache.rows()
-    tr.close_data()
+# The CUDA paths are in tests/gpu/test_gpu_data_plane.py; their device-free logic in test_data_plane_gpu_logic.py.
 
 
 # -- end to end (real processes) -------------------------------------------------------

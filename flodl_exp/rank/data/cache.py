@@ -11,6 +11,12 @@ transform runs later, per epoch and view.
 One index (``loc``: tier and slot per sample id) under one lock; admissions
 write their rows before publishing them, so reads of published slots need no
 lock and several reader threads share the cache.
+
+Host tiers are never pinned; the per-load staging buffer that gathers a
+batch's host rows is (``pin=True``, CUDA ranks): it is the one host buffer
+host-to-device copies go through. Copies follow ``layout.copy_is_async``:
+non-blocking only from pinned host memory to CUDA, so rows a data set returns
+on the GPU are copied into the RAM tier synchronously, never read early.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch
 
 from ...experiment import fetch_batch
 from . import budget as B
-from .layout import Layout, flatten, unflatten
+from .layout import Layout, flatten, to_device, unflatten
 from .stores import DiskStage, SlabStore, device_pool
 
 log = logging.getLogger("flodl_exp.data")
@@ -38,6 +44,7 @@ class SampleCache:
 
     def __init__(self, dataset: Any, samples: int, *, ram_bytes: int, disk_bytes: int = 0,
                  disk_dir: Optional[str] = None, pin: bool = False, rank: int = 0) -> None:
+        """``pin``: pin the staging buffer of each load (CUDA ranks); the RAM slabs are never pinned."""
         self.dataset = dataset
         self.samples = int(samples)
         self.ram_bytes = max(0, int(ram_bytes))
@@ -62,7 +69,7 @@ class SampleCache:
         self.layout = lay
         ram_rows = B.rows_for(self.ram_bytes, lay.sample_bytes, self.samples)
         if ram_rows:
-            self.tiers[RAM] = SlabStore(lay, ram_rows, torch.device("cpu"), pin=self.pin)
+            self.tiers[RAM] = SlabStore(lay, ram_rows, torch.device("cpu"))
         disk_rows = B.rows_for(self.disk_bytes, lay.sample_bytes, self.samples - ram_rows)
         if disk_rows:
             import tempfile
@@ -82,7 +89,7 @@ class SampleCache:
             log.info("rank %d: sample cache off: %s", self.rank, why)
         self.disabled = True
         for t in self.tiers.values():
-            t.close()
+            _close_store(t)
         self.tiers = {}
 
     def install_device_pool(self, budget_bytes: int, device: torch.device) -> int:
@@ -93,10 +100,36 @@ class SampleCache:
         if pool is None:
             return 0
         with self.lock:
-            self.tiers[DEVICE] = pool
+            self.tiers = {DEVICE: pool, **self.tiers}
         log.info("rank %d: device sample pool: %d samples (%.1f MiB budget)", self.rank, pool.capacity,
                  budget_bytes / B.MIB)
         return pool.capacity
+
+    def pool_pending_bytes(self) -> int:
+        """The device pool's capacity whose slabs are not allocated yet (0 without a pool)."""
+        pool = self.tiers.get(DEVICE)
+        return int(pool.pending_bytes) if pool is not None else 0
+
+    def drop_device_pool(self) -> int:
+        """Remove the device tier and free its memory; returns how many samples it held.
+
+        Its samples become misses again (re-read from the data set, admitted to
+        the host tiers with room). Admissions hold the lock, so none writes to
+        the pool after this; the device is synchronised before the slabs go,
+        so no queued copy still reads or writes them. A reader that loaded
+        around the drop may still read the old store; the pipeline discards
+        what it produces (it drops the pool only after it stopped taking
+        prefetched batches).
+        """
+        with self.lock:
+            pool = self.tiers.get(DEVICE)
+            if pool is None:
+                return 0
+            self.tiers = {k: v for k, v in self.tiers.items() if k != DEVICE}
+            held = (self.loc >= 0) & ((self.loc >> _SHIFT) == DEVICE)
+            self.loc[held] = -1
+        _close_store(pool)
+        return int(held.sum())
 
     def rows(self) -> dict[str, int]:
         names = {DEVICE: "device", RAM: "ram", DISK: "disk"}
@@ -123,6 +156,7 @@ class SampleCache:
         """The batch for ``sample_ids`` and whether it already lies on ``device`` (device-pool hits)."""
         ids = np.asarray(sample_ids, dtype=np.int64)
         n = len(ids)
+        tiers = self.tiers  # replaced, never mutated, when the device pool comes or goes
         if self.disabled:
             return fetch_batch(self.dataset, ids), False
         loc = self.loc[ids]
@@ -154,7 +188,7 @@ class SampleCache:
         assert lay is not None
         tier = np.where(miss, 0, loc >> _SHIFT)
         slot = loc & _SLOT_MASK
-        on_dev = DEVICE in self.tiers and bool((tier == DEVICE).any())
+        on_dev = DEVICE in tiers and bool((tier == DEVICE).any())
         host_pos = np.nonzero(tier != DEVICE)[0] if on_dev else np.arange(n)
         host = lay.empty(len(host_pos), torch.device("cpu"), pin=self.pin)
         rel = np.full(n, -1, dtype=np.int64)
@@ -162,28 +196,39 @@ class SampleCache:
         for code, name in ((RAM, "ram"), (DISK, "disk")):
             m = np.nonzero(tier == code)[0]
             if len(m):
-                self.tiers[code].read_into(host, rel[m], slot[m])
+                tiers[code].read_into(host, rel[m], slot[m])
                 self.stats[name] += len(m)
         if fetched_leaves is not None:
             m = np.nonzero(miss)[0]
             dst = torch.from_numpy(rel[m])
             for h, lf in zip(host, fetched_leaves):
                 rows = lf if inv is None else lf.index_select(0, torch.from_numpy(inv).to(lf.device))
-                h.index_copy_(0, dst, rows.to("cpu"))
+                h.index_copy_(0, dst, to_device(rows, "cpu"))  # blocking: a GPU row is copied before it is read
         if not on_dev:
             return unflatten(lay.spec, host), False
         assert device is not None
         out = lay.empty(n, device)
         m = np.nonzero(tier == DEVICE)[0]
-        self.tiers[DEVICE].read_into(out, m, slot[m])
+        tiers[DEVICE].read_into(out, m, slot[m])
         self.stats["device"] += len(m)
         if len(host_pos):
             dst = torch.from_numpy(host_pos).to(device)
             for o, h in zip(out, host):
-                o.index_copy_(0, dst, h.to(device, non_blocking=True))
+                o.index_copy_(0, dst, to_device(h, device))  # async only from the pinned staging buffer
         return unflatten(lay.spec, out), True
 
     def close(self) -> None:
         for t in self.tiers.values():
-            t.close()
+            _close_store(t)
         self.tiers = {}
+
+
+def _close_store(store: Any) -> None:
+    """Close a tier; a CUDA one only once the device has finished every queued copy from or into it."""
+    dev = getattr(store, "device", None)
+    cuda = isinstance(dev, torch.device) and dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+    store.close()
+    if cuda:
+        torch.cuda.empty_cache()  # hand the slabs back to the device (other ranks may share it)

@@ -16,6 +16,24 @@ from typing import Any, Optional, Union
 
 import torch
 
+
+def copy_is_async(src: torch.Tensor, dst_device: Union[torch.device, str]) -> bool:
+    """Whether ``src.to(dst_device)`` may be ``non_blocking``: only a pinned host tensor going to a CUDA device.
+
+    Any other non-blocking copy is wrong or pointless: device-to-host copies
+    land in memory the host reads before the copy has run (garbage), and a
+    pageable host source is staged synchronously anyway. Every ``.to`` of the
+    data plane goes through this rule.
+    """
+    dst = torch.device(dst_device)
+    return dst.type == "cuda" and src.device.type == "cpu" and bool(src.is_pinned())
+
+
+def to_device(t: torch.Tensor, device: Union[torch.device, str]) -> torch.Tensor:
+    """``t.to(device)``, non-blocking exactly when ``copy_is_async`` allows it."""
+    return t.to(device, non_blocking=copy_is_async(t, device))
+
+
 Spec = Union[None, tuple, dict]
 """None = a leaf; ("tuple"|"list", [specs]); ("dict", [(key, spec)])."""
 
@@ -99,7 +117,7 @@ class Layout:
         return other == self
 
     def empty(self, n: int, device: torch.device, pin: bool = False) -> list[torch.Tensor]:
-        """Uninitialised leaves for ``n`` rows (pinned host memory when asked and possible)."""
+        """Uninitialised leaves for ``n`` rows (pinned host memory when asked and possible: staging buffers only)."""
         out = []
         for dt, shape in zip(self.dtypes, self.row_shapes):
             if pin and device.type == "cpu":

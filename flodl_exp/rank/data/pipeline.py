@@ -13,7 +13,17 @@ wait on our data); the time spent in that control work is not data wall.
 
 Depth 0 is the single-stage synchronous fetch: ram_max_usage=0 always, and
 on CUDA the first chunk, which measures the activation peak after its first
-step (the VRAM law needs it). The delivery transform
+step (the VRAM law needs it). An out-of-memory error in the device pool or
+the prefetch window (``torch.OutOfMemoryError``, raised on a reader or in the
+synchronous fetch) drops the pool and makes the rank fetch synchronously for
+the rest of the run, with one warning (``DataPipeline.fall_back``).
+
+Streams (CUDA): readers load and copy on one copy stream; a batch handed to
+the trainer makes its stream wait on the reader's event (``deliver``). The
+device pool is written on whichever stream admitted the sample, so a
+depth-0 fetch makes the trainer's stream wait on the copy stream first, and a
+chunk with readers makes the copy stream wait on the trainer's stream before
+they start. Pool slabs are freed only after a device synchronise. The delivery transform
 ``dataset.transform(batch, sample_ids, views, epoch, seed)`` runs on the
 trainer's thread as the batch is handed over, so caches only hold raw samples.
 """
@@ -29,17 +39,35 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...experiment import batch_to
 from ...partition import decode_pick
 from . import budget as B
 from .cache import SampleCache
-from .layout import flatten
+from .layout import flatten, to_device
 from .probe import READERS_ENV, VRAM_POOL_ENV, cuda_memory, forced_ram_budget, mem_available
 
 log = logging.getLogger("flodl_exp.data")
 
 DEFAULT_READERS = 4
 POLL_S = 0.010
+
+_OOM_TYPES: tuple[type[BaseException], ...] = tuple({torch.cuda.OutOfMemoryError,
+                                                     getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)})
+
+
+def is_oom(exc: BaseException) -> bool:
+    """``torch.OutOfMemoryError`` (alias ``torch.cuda.OutOfMemoryError``): a device allocation failed."""
+    return isinstance(exc, _OOM_TYPES)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensor, tuple/list, dict, nested) on ``device``; non-blocking only where ``copy_is_async`` allows."""
+    if isinstance(batch, torch.Tensor):
+        return to_device(batch, device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
 
 
 @dataclass
@@ -102,10 +130,17 @@ class Feed:
         t0 = time.perf_counter()
         control = 0.0
         ids = self.picks[j * bs:(j + 1) * bs].copy()
-        if self.depth <= 0:
-            item: Any = pipe.produce(ids, on_reader=False)
-            self.consumed = j + 1
-        else:
+        item: Any = None
+        while item is None:
+            if self.depth <= 0:
+                try:
+                    item = pipe.produce(ids, on_reader=False)
+                except BaseException as e:
+                    if not pipe.fall_back(self, e):
+                        raise
+                    continue  # the pool is gone: fetch this batch again, synchronously
+                self.consumed = j + 1
+                break
             while True:
                 with pipe.cond:
                     item = self.ready.pop(j, None)
@@ -122,6 +157,9 @@ class Feed:
                     control += time.perf_counter() - tc
                 if should_stop is not None and should_stop():
                     return None
+            if isinstance(item, BaseException) and pipe.fall_back(self, item):
+                self.consumed = j  # batch j is fetched again, synchronously (depth is now 0)
+                item = None
         if isinstance(item, BaseException):
             raise item
         data = pipe.deliver(item, self.epoch)
@@ -144,7 +182,9 @@ class DataPipeline:
                  vram_max_usage: float = 0.90, ram_max_usage: float = 0.50, sample_cache: bool = True,
                  disk_stage_gb: float = 0.0, disk_stage_dir: Optional[str] = None, vram_pool: bool = True,
                  ranks_per_node: int = 1, readers: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, sync_reserve_bytes: int = 0, ranks_on_device: int = 1) -> None:
+        """``sync_reserve_bytes``: VRAM a parameter sync allocates (``budget.sync_reserve_bytes``, or set later with
+        ``reserve_for_sync(model)``); ``ranks_on_device``: ranks sharing this rank's GPU, which split its budget."""
         self.dataset = dataset
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
@@ -168,6 +208,12 @@ class DataPipeline:
                                  disk_dir=disk_stage_dir, pin=self.is_cuda, rank=rank)
         self.pool_wanted = self.is_cuda and B.vram_pool_enabled(bool(vram_pool), os.environ.get(VRAM_POOL_ENV))
         self.pool_installed = False
+        self.sync_reserve_bytes = max(0, int(sync_reserve_bytes))
+        self.ranks_on_device = max(1, int(ranks_on_device))
+        self.fallen_back = False
+        """An OOM in the pool or prefetch: the pool is dropped and every later fetch is synchronous."""
+        self.window_depth = 0
+        """Prefetch depth of the current chunk (the window the next activation-peak update measures)."""
         t = getattr(dataset, "transform", None)
         self.transform: Optional[Callable[..., Any]] = t if callable(t) else None
         if readers is None:
@@ -202,12 +248,16 @@ class DataPipeline:
             self._seen_batch_bytes = sum(t.nbytes for t in flatten(data)[0] if isinstance(t, torch.Tensor))
 
     def _update_peak(self) -> None:
-        """Chunk boundary on CUDA: fold the last chunk's high-water mark into the activation peak."""
+        """Chunk boundary on CUDA: fold the last chunk's high-water mark into the activation peak.
+
+        The mark is taken net of the window's own ready batches (``budget.update_activation_peak``),
+        so prefetch slack is not mistaken for activations and the depth does not decay over a run.
+        """
         if self.activation_peak > 0:
             torch.cuda.current_stream(self.device).synchronize()
             self.activation_peak = B.update_activation_peak(
                 self.activation_peak, torch.cuda.max_memory_allocated(self.device),
-                torch.cuda.memory_allocated(self.device), self.batch_bytes)
+                torch.cuda.memory_allocated(self.device), self.batch_bytes, self.window_depth, self.n_readers)
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def calibrate(self) -> None:
@@ -219,9 +269,48 @@ class DataPipeline:
         self.measuring = False
         log.info("rank %d: activation peak %.1f MiB", self.rank, self.activation_peak / B.MIB)
 
+    def reserve_for_sync(self, model: torch.nn.Module) -> int:
+        """Reserve a parameter sync's working memory in the VRAM budget; returns the reserve in bytes.
+
+        ``budget.sync_reserve_bytes`` of the parameter and float-buffer bytes, counted as float32
+        (the flat all-reduce copies are float32 whatever the parameters' dtype).
+        """
+        ts = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+        param_bytes = sum(t.numel() * max(4, t.element_size()) for t in ts)
+        self.sync_reserve_bytes = max(self.sync_reserve_bytes, B.sync_reserve_bytes(param_bytes))
+        return self.sync_reserve_bytes
+
+    def fall_back(self, feed: Feed, exc: BaseException) -> bool:
+        """An OOM in the device pool or the prefetch window: drop the pool, fetch synchronously from now on.
+
+        Called on the trainer's thread with the error a reader handed over or
+        the synchronous fetch raised. The feed stops taking prefetched batches
+        (depth 0; what readers still produce is discarded), the pool is
+        dropped and its memory freed, later chunks get depth 0, and one
+        warning is logged. Returns False, and the caller re-raises, for any
+        other error and for an OOM after the fallback (the synchronous fetch
+        itself does not fit: no data-plane setting can help).
+        """
+        if self.fallen_back or not is_oom(exc):
+            return False
+        exc.__traceback__ = None  # its frames may hold device tensors
+        with self.cond:
+            self.fallen_back = True
+            self.pool_wanted = False
+            feed.depth = 0
+            feed.ready.clear()
+            self.cond.notify_all()
+        dropped = self.cache.drop_device_pool()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+        log.warning("rank %d: out of device memory in the data plane (%s): device pool dropped (%d samples), "
+                    "synchronous fetch for the rest of the run", self.rank, str(exc).splitlines()[0] if str(exc) else
+                    type(exc).__name__, dropped)
+        return True
+
     def depth_for(self, chunk_batches: int) -> int:
         """Ready-batch window for a chunk of ``chunk_batches`` (0 = synchronous)."""
-        if self.share <= 0 or chunk_batches <= 0:
+        if self.share <= 0 or chunk_batches <= 0 or self.fallen_back:
             return 0
         if not self.is_cuda:
             return B.ring_slots(self.batch_bytes, self.ring_bytes, chunk_batches)
@@ -232,15 +321,20 @@ class DataPipeline:
             self.measuring = True
             return 0
         total, live = cuda_memory(self.device)
+        own = torch.cuda.memory_allocated(self.device)
         lay = self.cache.layout
         install = (self.pool_wanted and not self.pool_installed and lay is not None and not self.cache.disabled)
         d = B.prefetch_depth_from_vram(lay.sample_bytes if lay else 0, self.batch_size, is_cuda=True, total=total,
-                                       used=live, max_usage=self.vram_max_usage, reserve=self.activation_peak)
+                                       used=live, max_usage=self.vram_max_usage, reserve=self.activation_peak,
+                                       own=own, ranks_on_device=self.ranks_on_device,
+                                       sync_reserve=self.sync_reserve_bytes,
+                                       pool_pending=self.cache.pool_pending_bytes(), readers=self.n_readers)
         d = B.chunk_depth(d, chunk_batches, install)
         if install:
             budget = B.vram_pool_budget(total=total, used=live, max_usage=self.vram_max_usage,
                                         activation_peak=self.activation_peak,
-                                        flow_reserve=B.flow_reserve_bytes(d, self.batch_bytes))
+                                        flow_reserve=B.flow_reserve_bytes(d, self.batch_bytes, self.n_readers), own=own,
+                                        ranks_on_device=self.ranks_on_device, sync_reserve=self.sync_reserve_bytes)
             self.cache.install_device_pool(budget, self.device)
             self.pool_installed = True
         if d == 0 and not self._sync_logged:
@@ -256,6 +350,10 @@ class DataPipeline:
             self.feed.close()
         depth = self.depth_for(len(picks) // self.batch_size)
         feed = Feed(self, epoch, picks, depth)
+        self.window_depth = depth
+        if depth > 0 and self.copy_stream is not None:
+            # Readers read pool slots the trainer's stream may still be writing (admissions of a depth-0 chunk).
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         if depth != self.last_depth:
             log.debug("rank %d: prefetch depth %d (chunk %d batches)", self.rank, depth, feed.n_batches)
             self.last_depth = depth
@@ -291,9 +389,10 @@ class DataPipeline:
             except BaseException as e:  # handed to the trainer's thread, raised there
                 item = e
             with self.cond:
-                if not feed.closed:
+                if not feed.closed and feed.depth > 0:  # depth 0: the trainer fell back and fetches itself
                     feed.ready[j] = item
                 self.cond.notify_all()
+            item = None  # a discarded batch (or an error's frames) must not stay alive while this reader idles
 
     def produce(self, ids: np.ndarray, *, on_reader: bool) -> _Ready:
         """Load one batch of picks (cache first) and put it on the device (async copy on a reader)."""
@@ -301,14 +400,16 @@ class DataPipeline:
         if not self.is_cuda:
             data, _ = self.cache.load(samples)
             return _Ready(data, samples, views)
-        if not on_reader:
-            data, on_dev = self.cache.load(samples, self.device)
-            return _Ready(data if on_dev else batch_to(data, self.device), samples, views)
         assert self.copy_stream is not None
+        if not on_reader:
+            # Pool slots may have been written by readers on the copy stream: read them after those writes.
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            data, on_dev = self.cache.load(samples, self.device)
+            return _Ready(data if on_dev else _to_device(data, self.device), samples, views)
         with torch.cuda.stream(self.copy_stream):
             data, on_dev = self.cache.load(samples, self.device)
             if not on_dev:
-                data = batch_to(data, self.device)
+                data = _to_device(data, self.device)
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
         return _Ready(data, samples, views, ev)
@@ -340,13 +441,20 @@ class DataPipeline:
 
 
 def build_pipeline(dp: Any, dataset: Any, *, device: torch.device, batch_size: int, augment: int, seed: int,
-                   ranks_per_node: int = 1, rank: int = 0) -> DataPipeline:
-    """A pipeline from a ``data_plane`` config node (dict or DictConfig)."""
+                   ranks_per_node: int = 1, rank: int = 0, sync_reserve_bytes: int = 0,
+                   ranks_on_device: int = 1) -> DataPipeline:
+    """A pipeline from a ``data_plane`` config node (dict or DictConfig).
+
+    ``ranks_on_device``: ranks sharing this rank's GPU (``budget.ranks_sharing_device``); they split its VRAM
+    budget. ``sync_reserve_bytes``: a parameter sync's working memory (``budget.sync_reserve_bytes``), also set
+    by ``RankTrainer.attach_pipeline`` through ``reserve_for_sync(model)``.
+    """
     get = dp.get if hasattr(dp, "get") else (lambda k, d=None: getattr(dp, k, d))
     return DataPipeline(
         dataset, device=device, batch_size=batch_size, augment=augment, seed=seed,
         vram_max_usage=float(get("vram_max_usage", 0.90)), ram_max_usage=float(get("ram_max_usage", 0.50)),
         sample_cache=bool(get("sample_cache", True)), disk_stage_gb=float(get("disk_stage_gb", 0.0) or 0.0),
         disk_stage_dir=get("disk_stage_dir", None), vram_pool=bool(get("vram_pool", True)),
-        ranks_per_node=ranks_per_node, rank=rank,
+        ranks_per_node=ranks_per_node, rank=rank, sync_reserve_bytes=sync_reserve_bytes,
+        ranks_on_device=ranks_on_device,
     )

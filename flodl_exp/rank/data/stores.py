@@ -28,45 +28,70 @@ import numpy as np
 import torch
 
 from .budget import MIB, VRAM_POOL_SLAB
-from .layout import Layout
+from .layout import Layout, to_device
 
 log = logging.getLogger("flodl_exp.data")
 
 RAM_SLAB = 16 * MIB
-"""Host allocation granularity: the cache grows by slabs, so a small data set never reserves the whole budget."""
+"""Host allocation granularity: the cache grows by slabs, so a small data set never reserves the whole budget.
+
+Host slabs are never pinned: reads gather rows into a batch-sized staging buffer
+(``SampleCache.load``), and that buffer is the one host-to-device copies go
+through, so it is the one that is pinned. Pinning the slabs bought nothing and
+locked up to 3/8 of the available memory."""
 STAGE_PREFIX = "flodl_stage"
 
 
 class SlabStore:
-    """Rows in lazily allocated slabs on one device (host RAM, pinned host RAM, or a CUDA device)."""
+    """Rows in lazily allocated slabs on one device (host RAM, never pinned, or a CUDA device).
 
-    def __init__(self, layout: Layout, capacity: int, device: torch.device, *, pin: bool = False,
-                 slab_bytes: int = RAM_SLAB) -> None:
+    ``capacity_bytes`` is what the store may grow to; only ``nbytes`` of it is
+    allocated so far, and ``pending_bytes`` is the rest, which a VRAM budget
+    must still count as spoken for. ``close`` drops the slabs; a closed store
+    hands out no slot and allocates nothing more.
+    """
+
+    def __init__(self, layout: Layout, capacity: int, device: torch.device, *, slab_bytes: int = RAM_SLAB) -> None:
         self.layout = layout
         self.capacity = int(capacity)
         self.device = device
-        self.pin = pin
         self.slab_rows = max(1, int(slab_bytes) // max(1, layout.sample_bytes))
         self.used = 0
         self.slabs: list[list[torch.Tensor]] = []
+        self.allocated = 0
+        self.closed = False
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return len(self.slabs) * self.slab_rows * self.layout.sample_bytes
+        """Bytes of the slabs allocated so far."""
+        return self.allocated
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of all the slabs the capacity needs (allocated or not)."""
+        return self.capacity * self.layout.sample_bytes
+
+    @property
+    def pending_bytes(self) -> int:
+        """Capacity not allocated yet (0 once closed)."""
+        return 0 if self.closed else max(0, self.capacity_bytes - self.allocated)
 
     def reserve(self, k: int) -> np.ndarray:
-        """Up to ``k`` fresh slots (fewer when the capacity runs out)."""
-        take = max(0, min(int(k), self.capacity - self.used))
+        """Up to ``k`` fresh slots (fewer when the capacity runs out; none once closed)."""
+        take = 0 if self.closed else max(0, min(int(k), self.capacity - self.used))
         slots = np.arange(self.used, self.used + take, dtype=np.int64)
         self.used += take
         return slots
 
     def _slab(self, i: int) -> list[torch.Tensor]:
         with self._lock:
+            if self.closed:
+                raise RuntimeError("slab store closed")
             while len(self.slabs) <= i:
-                rows = min(self.slab_rows, self.capacity - len(self.slabs) * self.slab_rows)
-                self.slabs.append(self.layout.empty(max(rows, 1), self.device, pin=self.pin))
+                rows = max(1, min(self.slab_rows, self.capacity - len(self.slabs) * self.slab_rows))
+                self.slabs.append(self.layout.empty(rows, self.device))
+                self.allocated += rows * self.layout.sample_bytes
             return self.slabs[i]
 
     def write(self, slots: np.ndarray, leaves: list[torch.Tensor]) -> None:
@@ -79,21 +104,25 @@ class SlabStore:
             dst_idx = torch.from_numpy(row[m]).to(self.device)
             for d, lf in zip(dst, leaves):
                 rows = lf.index_select(0, src_idx.to(lf.device)) if len(m) != lf.shape[0] else lf
-                d.index_copy_(0, dst_idx, rows.to(self.device, non_blocking=True))
+                d.index_copy_(0, dst_idx, to_device(rows, self.device))
 
     def read_into(self, out: list[torch.Tensor], pos: np.ndarray, slots: np.ndarray) -> None:
         """``out[l][pos[j]] = row(slots[j])`` (``out`` on this store's device)."""
         sid, row = np.divmod(slots, self.slab_rows)
+        slabs = self.slabs
         for s in np.unique(sid):
             m = np.nonzero(sid == s)[0]
-            src = self.slabs[int(s)]
+            src = slabs[int(s)]
             src_idx = torch.from_numpy(row[m]).to(self.device)
             dst_idx = torch.from_numpy(pos[m]).to(out[0].device)
             for o, lf in zip(out, src):
-                o.index_copy_(0, dst_idx, lf.index_select(0, src_idx).to(o.device, non_blocking=True))
+                o.index_copy_(0, dst_idx, to_device(lf.index_select(0, src_idx), o.device))
 
     def close(self) -> None:
-        self.slabs = []
+        with self._lock:
+            self.closed = True
+            self.slabs = []
+            self.allocated = 0
 
 
 def device_pool(layout: Layout, budget_bytes: int, samples: int, device: torch.device) -> Optional[SlabStore]:
@@ -233,7 +262,7 @@ class DiskStage:
                 if os.preadv(self.fd, [buf[j]], base + int(s) * rb) != rb:
                     raise OSError(f"disk stage {self.path}: short read at slot {int(s)}")
             rows = torch.from_numpy(buf).view(dt).reshape(len(slots), *shape)
-            o.index_copy_(0, dst_idx.to(o.device), rows.to(o.device, non_blocking=True))
+            o.index_copy_(0, dst_idx.to(o.device), to_device(rows, o.device))
 
     def close(self) -> None:
         if self.closed:
