@@ -188,8 +188,8 @@ def test_gpu_probe_reads_utilisation_and_memory():
     pytest.importorskip("pynvml")
     probe = T.GpuProbe(torch.device("cuda:0"))
     x = torch.ones(1 << 20, device="cuda:0")
-    util, mem = probe.sample()
-    assert 0.0 <= util <= 100.0 and mem > 0
+    s = probe.sample()
+    assert 0.0 <= s.get("gpu_util", 0.0) <= 100.0 and s["mem_gb"] > 0 and s["gpu_proc_mem_gb"] > 0
     sent: list[Message] = []
     tel = T.Telemetry(sent.append, torch.device("cuda:0"), sample_s=0.05, report_s=0.1).start()
     try:
@@ -198,7 +198,215 @@ def test_gpu_probe_reads_utilisation_and_memory():
         tel.close()
     probe.close()
     del x
-    assert sent and {"gpu_util", "mem_gb", "cpu_pct", "rss_gb"} <= set(sent[-1].fields)
+    assert sent and {"mem_gb", "gpu_proc_mem_gb", "cpu_pct", "rss_gb"} <= set(sent[-1].fields)
+
+
+# -- which NVML device is the rank's: resolve_nvml_handle against a fake NVML ------------------------------
+
+class FakeNvml:
+    """The pynvml functions telemetry uses, over a made-up host: GPUs in NVML (PCI) order, each with
+    optional MIG devices (uuid, gpu instance, compute instance). Handles are the Dev objects."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    class Dev:
+        def __init__(self, uuid, mem=0, gi=None, ci=None, migs=None):
+            self.uuid, self.mem, self.gi, self.ci = uuid, mem, gi, ci
+            self.migs = migs  # None: no MIG on this GPU
+
+        def __repr__(self):
+            return f"Dev({self.uuid})"
+
+    def __init__(self, gpus, *, mig_by_uuid=True, procs=None, util=True):
+        self.gpus = gpus
+        self.mig_by_uuid = mig_by_uuid
+        self.procs = procs if procs is not None else {}
+        self.util = util
+        self.inits = 0
+
+    def nvmlInit(self):
+        self.inits += 1
+
+    def nvmlShutdown(self):
+        self.inits -= 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if not 0 <= i < len(self.gpus):
+            raise self.NVMLError("Invalid Argument")
+        return self.gpus[i]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):  # exact, like the driver; MIG UUIDs only when mig_by_uuid
+        for g in self.gpus:
+            if g.uuid == uuid:
+                return g
+            for m in (g.migs or []) if self.mig_by_uuid else []:
+                if m.uuid == uuid:
+                    return m
+        raise self.NVMLError("Not Found")
+
+    def nvmlDeviceGetUUID(self, h):
+        return h.uuid
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h):
+        if h.migs is None:
+            raise self.NVMLError_NotSupported("Not Supported")
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h, j):
+        if h.migs is None or j >= len(h.migs):
+            raise self.NVMLError("Not Found")
+        return h.migs[j]
+
+    def nvmlDeviceGetGpuInstanceId(self, h):
+        return h.gi
+
+    def nvmlDeviceGetComputeInstanceId(self, h):
+        return h.ci
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return types.SimpleNamespace(used=h.mem, total=80 << 30, free=(80 << 30) - h.mem)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        if not self.util or h.gi is not None:
+            raise self.NVMLError_NotSupported("Not Supported")  # no utilisation on a MIG device
+        return types.SimpleNamespace(gpu=42, memory=7)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        got = self.procs.get(h.uuid, [])
+        if isinstance(got, Exception):
+            raise got
+        return [types.SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in got]
+
+
+U0 = "11111111-aaaa-bbbb-cccc-000000000000"
+U1 = "22222222-aaaa-bbbb-cccc-111111111111"
+U2 = "33333333-aaaa-bbbb-cccc-222222222222"
+M0 = "44444444-aaaa-bbbb-cccc-333333333333"
+M1 = "55555555-aaaa-bbbb-cccc-444444444444"
+
+
+def _host(**kw) -> FakeNvml:
+    """Three GPUs; the third is in MIG mode with two instances (gi 1 / ci 0, gi 2 / ci 0)."""
+    D = FakeNvml.Dev
+    migs = [D(f"MIG-{M0}", gi=1, ci=0), D(f"MIG-{M1}", gi=2, ci=0)]
+    return FakeNvml([D(f"GPU-{U0}"), D(f"GPU-{U1}"), D(f"GPU-{U2}", migs=migs)], **kw)
+
+
+def _uuid(nv: FakeNvml, got: tuple) -> tuple[str, str]:
+    return got[0].uuid, got[1]
+
+
+def test_visible_entry_is_the_index_th_entry():
+    assert T.visible_entry(None, 0) is None
+    assert T.visible_entry("", 0) is None
+    assert T.visible_entry("2, 0", 1) == "0"
+    assert T.visible_entry("GPU-abc,MIG-def", 1) == "MIG-def"
+    assert T.visible_entry("3", 1) is None
+
+
+@pytest.mark.parametrize("torch_uuid", [U1, U1.upper(), f"GPU-{U1}"])
+def test_the_torch_uuid_wins_over_a_misleading_index(torch_uuid):
+    """torch's cuda:0 is NVML's GPU 1 (CUDA_VISIBLE_DEVICES=1): found by UUID, whatever the index says."""
+    nv = _host()
+    assert _uuid(nv, T.resolve_nvml_handle(0, None, torch_uuid, nv)) == (f"GPU-{U1}", "uuid")
+    assert _uuid(nv, T.resolve_nvml_handle(0, "1", torch_uuid, nv)) == (f"GPU-{U1}", "uuid")
+
+
+@pytest.mark.parametrize("mig_by_uuid", [True, False])
+def test_a_mig_instance_is_found_by_its_torch_uuid(mig_by_uuid):
+    """torch reports the MIG instance's UUID: matched as MIG-<uuid>, by lookup or (old drivers) by scanning."""
+    nv = _host(mig_by_uuid=mig_by_uuid)
+    assert _uuid(nv, T.resolve_nvml_handle(0, f"MIG-{M1}", M1, nv)) == (f"MIG-{M1}", "uuid")
+
+
+@pytest.mark.parametrize("visible, index, want", [
+    ("2,1", 1, f"GPU-{U1}"),  # an integer entry is an NVML index
+    ("2,0", 0, f"GPU-{U2}"),
+    (f"GPU-{U1},GPU-{U0}", 1, f"GPU-{U0}"),  # a full GPU UUID
+    ("GPU-2222", 0, f"GPU-{U1}"),  # an unambiguous UUID prefix (CUDA takes those)
+    (f"MIG-{M0}", 0, f"MIG-{M0}"),  # a MIG UUID
+    (f"MIG-GPU-{U2}/2/0", 0, f"MIG-{M1}"),  # the pre-R470 MIG form: the instance with gi 2, ci 0 on that GPU
+])
+def test_without_a_torch_uuid_the_visible_entry_decides(visible, index, want):
+    nv = _host(mig_by_uuid=False)
+    assert _uuid(nv, T.resolve_nvml_handle(index, visible, None, nv)) == (want, "visible")
+
+
+def test_an_unknown_torch_uuid_falls_back_to_the_visible_entry_then_the_index():
+    nv = _host()
+    stale = "99999999-0000-0000-0000-000000000000"
+    assert _uuid(nv, T.resolve_nvml_handle(0, "2", stale, nv)) == (f"GPU-{U2}", "visible")
+    assert _uuid(nv, T.resolve_nvml_handle(1, None, stale, nv)) == (f"GPU-{U1}", "index")
+    assert _uuid(nv, T.resolve_nvml_handle(1, "", None, nv)) == (f"GPU-{U1}", "index")
+    # entries that match nothing (an NVML index out of range, an ambiguous UUID prefix): the plain index
+    assert _uuid(nv, T.resolve_nvml_handle(0, "7", None, nv)) == (f"GPU-{U0}", "index")
+    assert _uuid(nv, T.resolve_nvml_handle(0, "GPU-", None, nv)) == (f"GPU-{U0}", "index")
+    with pytest.raises(FakeNvml.NVMLError):
+        T.resolve_nvml_handle(5, None, None, nv)
+
+
+def _probe(monkeypatch, nv: FakeNvml, *, index: int, visible=None, torch_uuid=None, pid=4242, reserved=3 << 30):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(T, "torch_device_uuid", lambda i: torch_uuid)
+    return T.GpuProbe(torch.device("cuda", index), nvml=nv, pid=pid, reserved=lambda: float(reserved))
+
+
+def test_probe_reports_device_wide_and_per_process_memory(monkeypatch):
+    """Two ranks on GPU 1: mem_gb is the device's total (the same for both), gpu_proc_mem_gb each one's own."""
+    nv = _host(procs={f"GPU-{U1}": [(4242, 2 << 30), (4343, 5 << 30), (4242, 1 << 30), (9, None)]})
+    nv.gpus[1].mem = 9 << 30
+    a = _probe(monkeypatch, nv, index=0, visible="1", pid=4242)
+    b = _probe(monkeypatch, nv, index=0, visible="1", pid=4343)
+    sa, sb = a.sample(), b.sample()
+    assert sa == {"mem_gb": 9.0, "gpu_util": 42.0, "gpu_proc_mem_gb": 3.0}
+    assert sb == {"mem_gb": 9.0, "gpu_util": 42.0, "gpu_proc_mem_gb": 5.0}
+    a.close()
+    b.close()
+    assert nv.inits == 0
+
+
+def test_per_process_memory_falls_back_to_the_allocator(monkeypatch, caplog):
+    """Our pid not listed (a container's pid namespace): torch's reserve. The list refused: the same, logged once."""
+    nv = _host(procs={f"GPU-{U0}": [(1, 1 << 30)], f"GPU-{U1}": FakeNvml.NVMLError("No Permission")})
+    p = _probe(monkeypatch, nv, index=0, torch_uuid=U0, reserved=2 << 30)
+    assert p.sample()["gpu_proc_mem_gb"] == 2.0 and p.procs_ok
+    q = _probe(monkeypatch, nv, index=1, reserved=1 << 29)
+    with caplog.at_level(logging.INFO, logger="flodl_exp.telemetry"):
+        assert q.sample()["gpu_proc_mem_gb"] == 0.5
+        assert q.sample()["gpu_proc_mem_gb"] == 0.5
+    assert not q.procs_ok and len(caplog.records) == 1
+
+
+def test_a_mig_instance_reports_memory_without_utilisation(monkeypatch, caplog):
+    nv = _host(procs={f"MIG-{M0}": [(4242, 1 << 30)]})
+    nv.gpus[2].migs[0].mem = 4 << 30
+    p = _probe(monkeypatch, nv, index=0, visible=f"MIG-{M0}", torch_uuid=M0)
+    with caplog.at_level(logging.INFO, logger="flodl_exp.telemetry"):
+        s1, s2 = p.sample(), p.sample()
+    assert s1 == s2 == {"mem_gb": 4.0, "gpu_proc_mem_gb": 1.0}
+    assert len(caplog.records) == 1 and "utilisation" in caplog.text
+
+
+def test_telemetry_sends_the_gpu_fields(monkeypatch):
+    nv = _host(procs={f"GPU-{U0}": [(4242, 1 << 30)]})
+    nv.gpus[0].mem = 6 << 30
+    sent: list[Message] = []
+    tel = T.Telemetry(sent.append, torch.device("cuda:0"), gpu=_probe(monkeypatch, nv, index=0, torch_uuid=U0))
+    tel.close(flush=True)
+    assert len(sent) == 1
+    f = sent[0].fields
+    assert {"cpu_pct", "rss_gb", "gpu_util", "mem_gb", "gpu_proc_mem_gb"} >= set(f) >= {"rss_gb", "gpu_util", "mem_gb"}
+    assert f["mem_gb"] == 6.0 and f["gpu_proc_mem_gb"] == 1.0 and tel.gpu is None and nv.inits == 0
 
 
 @pytest.mark.e2e

@@ -3,15 +3,24 @@
 Why: a rank that reads slow may be starved of CPU, swapping, or sharing its
 GPU; the coordinator cannot see that from step times alone. A daemon thread
 samples every ``sample_s`` (0.5 s) and sends the mean of its samples as
-``Message("telemetry", {"cpu_pct", "rss_gb", "gpu_util", "mem_gb"})`` every
-``report_s`` (1 s). The coordinator averages them per epoch and logs
+``Message("telemetry", {"cpu_pct", "rss_gb", "gpu_util", "mem_gb", "gpu_proc_mem_gb"})``
+every ``report_s`` (1 s). The coordinator averages them per epoch and logs
 ``rank<r>/<key>``.
 
 - ``cpu_pct``: process CPU time (user + system, all threads, /proc/self/stat)
   over wall time, in percent of one core (200 = two busy cores).
 - ``rss_gb``: resident set size (VmRSS of /proc/self/status), GiB.
-- ``gpu_util``: NVML utilisation of the rank's GPU, percent.
-- ``mem_gb``: NVML used memory of the rank's GPU (device-wide), GiB.
+- ``gpu_util``: NVML utilisation of the rank's GPU, percent (absent on a MIG
+  instance: NVML does not report it there).
+- ``mem_gb``: NVML used memory of the rank's GPU (or MIG instance), GiB. Device-wide:
+  ranks sharing one GPU each report the same total, so do not sum it over ranks.
+- ``gpu_proc_mem_gb``: this process's own GPU memory, GiB: NVML's per-process
+  figure (CUDA context included) when NVML lists our pid, else (containers
+  with their own pid namespace, WDDM) the caching allocator's reserve
+  (``torch.cuda.memory_reserved``, no context). Summing it over ranks is right.
+
+The rank's GPU is found by :func:`resolve_nvml_handle`: torch's device UUID,
+else its ``CUDA_VISIBLE_DEVICES`` entry, else the plain index (see there why).
 
 No pynvml, no driver, or a CPU rank: one log line and CPU telemetry only.
 """
@@ -19,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -50,30 +61,196 @@ def read_rss_bytes() -> Optional[int]:
     return proc_kib_field("/proc/self/status", "VmRSS")
 
 
-class GpuProbe:
-    """NVML handle for the rank's CUDA device; ``sample()`` -> (util %, used GiB)."""
+def visible_entry(visible: Optional[str], index: int) -> Optional[str]:
+    """The ``index``-th entry of a ``CUDA_VISIBLE_DEVICES`` value: what torch's ``cuda:<index>`` is
+    (None when the variable is unset or has no such entry)."""
+    if visible is None:
+        return None
+    entries = [e.strip() for e in visible.split(",")]
+    return entries[index] if 0 <= index < len(entries) and entries[index] else None
 
-    def __init__(self, device: torch.device) -> None:
-        import pynvml  # ImportError when nvidia-ml-py is missing
 
-        self.nvml = pynvml
-        pynvml.nvmlInit()
-        self.handle = self._handle(device)
+def _norm(uuid: Any) -> str:
+    return (uuid.decode() if isinstance(uuid, bytes) else str(uuid)).strip().lower()
 
-    def _handle(self, device: torch.device) -> Any:
-        """Match by UUID (CUDA_VISIBLE_DEVICES renumbers devices; NVML does not), else by index."""
-        nv = self.nvml
-        idx = device.index if device.index is not None else torch.cuda.current_device()
+
+def _nvml_devices(nvml: Any) -> Iterator[Any]:
+    """Every NVML device handle: each GPU, then the MIG devices on it."""
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        yield h
         try:
-            uuid = str(torch.cuda.get_device_properties(idx).uuid)
-            return nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-        except Exception:
-            return nv.nvmlDeviceGetHandleByIndex(idx)
+            n = nvml.nvmlDeviceGetMaxMigDeviceCount(h)
+        except Exception:  # NotSupported: no MIG on this GPU
+            continue
+        for j in range(n):
+            try:
+                yield nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
+            except Exception:  # NotFound: an empty slot (or MIG mode off)
+                continue
 
-    def sample(self) -> tuple[float, float]:
-        util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu
-        mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
-        return float(util), float(mem) / GIB
+
+def _by_uuid(nvml: Any, candidates: list[str], *, prefix: bool = False) -> Any:
+    """The handle whose NVML UUID is one of ``candidates`` (case-insensitive), or, with ``prefix``, the
+    one device whose UUID starts with one (CUDA takes unambiguous UUID prefixes). None: no such device.
+
+    ``nvmlDeviceGetHandleByUUID`` first; then a scan of all GPUs and MIG devices, for the MIG UUIDs
+    that the direct lookup of some drivers does not take."""
+    for c in candidates:
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(c)
+        except Exception:
+            pass
+    wanted = [_norm(c) for c in candidates]
+    starts: list[Any] = []
+    for h in _nvml_devices(nvml):
+        try:
+            u = _norm(nvml.nvmlDeviceGetUUID(h))
+        except Exception:
+            continue
+        if u in wanted:
+            return h
+        if prefix and any(u.startswith(w) for w in wanted):
+            starts.append(h)
+    return starts[0] if len(starts) == 1 else None
+
+
+def _legacy_mig(nvml: Any, entry: str) -> Any:
+    """``MIG-GPU-<gpu uuid>/<gpu instance>/<compute instance>`` (drivers before R470): the MIG device with
+    those instance ids on that GPU, or None."""
+    try:
+        gpu, gi, ci = entry[len("MIG-"):].split("/")
+        gi_id, ci_id = int(gi), int(ci)
+    except ValueError:
+        return None
+    parent = _by_uuid(nvml, [gpu], prefix=True)
+    if parent is None:
+        return None
+    try:
+        n = nvml.nvmlDeviceGetMaxMigDeviceCount(parent)
+    except Exception:
+        return None
+    for j in range(n):
+        try:
+            h = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, j)
+            if nvml.nvmlDeviceGetGpuInstanceId(h) == gi_id and nvml.nvmlDeviceGetComputeInstanceId(h) == ci_id:
+                return h
+        except Exception:
+            continue
+    return None
+
+
+def resolve_nvml_handle(index: int, visible: Optional[str], torch_uuid: Optional[str], nvml: Any) -> tuple[Any, str]:
+    """The NVML handle of torch's ``cuda:<index>`` and how it was found (``"uuid"``, ``"visible"``, ``"index"``).
+
+    Pure: everything comes in as arguments (``nvml`` is the pynvml module or a fake with its functions).
+    NVML numbers every GPU of the host in PCI order and ignores ``CUDA_VISIBLE_DEVICES``; torch's index
+    ``i`` is the ``i``-th visible device. So, in order:
+
+    1. ``torch_uuid`` (``str(torch.cuda.get_device_properties(i).uuid)``: 8-4-4-4-12 hex, no prefix)
+       as ``GPU-<uuid>`` or ``MIG-<uuid>`` (a MIG instance), with or without a prefix already on it;
+    2. the ``i``-th ``CUDA_VISIBLE_DEVICES`` entry: an integer is an NVML index (right when CUDA counts
+       in PCI order, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, hence after 1), else ``GPU-``/``MIG-`` UUIDs
+       (full or an unambiguous prefix) and the old ``MIG-GPU-<uuid>/<gi>/<ci>`` form;
+    3. ``index`` as an NVML index (no ``CUDA_VISIBLE_DEVICES``: the two numberings agree in PCI order).
+
+    Raises what ``nvmlDeviceGetHandleByIndex`` raises when even 3 fails.
+    """
+    if torch_uuid:
+        u = _norm(torch_uuid)
+        bare = u[4:] if u.startswith(("gpu-", "mig-")) else u
+        h = _by_uuid(nvml, [f"GPU-{bare}", f"MIG-{bare}"])
+        if h is not None:
+            return h, "uuid"
+    entry = visible_entry(visible, index)
+    if entry is not None:
+        h = None
+        digits = re.match(r"\d+", entry)
+        if digits is not None:  # CUDA reads an entry like strtoul: "1gpu" is 1
+            try:
+                h = nvml.nvmlDeviceGetHandleByIndex(int(digits.group()))
+            except Exception:
+                h = None
+        elif entry.upper().startswith("MIG-GPU-"):
+            h = _legacy_mig(nvml, entry)
+        elif entry.upper().startswith(("GPU-", "MIG-")):
+            h = _by_uuid(nvml, [entry], prefix=True)
+        if h is not None:
+            return h, "visible"
+    return nvml.nvmlDeviceGetHandleByIndex(index), "index"
+
+
+def torch_device_uuid(index: int) -> Optional[str]:
+    """``str()`` of torch's device UUID (``_CUuuid``: 8-4-4-4-12 lower-case hex), None when unknown."""
+    try:
+        uuid = torch.cuda.get_device_properties(index).uuid
+    except Exception:
+        return None
+    s = str(uuid)
+    return s or None
+
+
+class GpuProbe:
+    """NVML handle for the rank's CUDA device; ``sample()`` -> ``{"mem_gb", "gpu_util", "gpu_proc_mem_gb"}``.
+
+    ``nvml`` (default: pynvml), ``pid`` and ``reserved`` (the per-process fallback, default
+    ``torch.cuda.memory_reserved``) are injectable for tests. A metric that NVML refuses here
+    (utilisation on a MIG instance; the process list without permission) is dropped with one log
+    line; ``nvmlDeviceGetMemoryInfo`` failing (the driver went away) raises.
+    """
+
+    def __init__(self, device: torch.device, *, nvml: Any = None, pid: Optional[int] = None,
+                 reserved: Optional[Callable[[], float]] = None, rank: int = 0) -> None:
+        if nvml is None:
+            import pynvml  # ImportError when nvidia-ml-py is missing
+
+            nvml = pynvml
+        self.nvml = nvml
+        self.rank = rank
+        nvml.nvmlInit()
+        try:
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", idx)
+            self.handle, self.found_by = resolve_nvml_handle(
+                idx, os.environ.get("CUDA_VISIBLE_DEVICES"), torch_device_uuid(idx), nvml)
+        except BaseException:
+            self.close()
+            raise
+        self.pid = os.getpid() if pid is None else pid
+        self.reserved = reserved if reserved is not None else (lambda: float(torch.cuda.memory_reserved(self.device)))
+        self.util_ok = True
+        self.procs_ok = True
+
+    def proc_mem_bytes(self) -> Optional[float]:
+        """This process's GPU memory: NVML's per-process figure for our pid, else the allocator's reserve."""
+        if self.procs_ok:
+            try:
+                used = [p.usedGpuMemory for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+                        if p.pid == self.pid and p.usedGpuMemory is not None]
+                if used:
+                    return float(sum(used))
+            except Exception as e:  # NoPermission, NotSupported: the allocator's figure from now on
+                log.info("rank %d: telemetry: NVML process list unavailable (%s), gpu_proc_mem_gb from "
+                         "torch.cuda.memory_reserved", self.rank, type(e).__name__)
+                self.procs_ok = False
+        try:
+            return float(self.reserved())
+        except Exception:
+            return None
+
+    def sample(self) -> dict[str, float]:
+        nv, h = self.nvml, self.handle
+        out = {"mem_gb": float(nv.nvmlDeviceGetMemoryInfo(h).used) / GIB}
+        if self.util_ok:
+            try:
+                out["gpu_util"] = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            except Exception as e:  # NotSupported on a MIG instance
+                log.info("rank %d: telemetry: no GPU utilisation here (%s)", self.rank, type(e).__name__)
+                self.util_ok = False
+        proc = self.proc_mem_bytes()
+        if proc is not None:
+            out["gpu_proc_mem_gb"] = proc / GIB
+        return out
 
     def close(self) -> None:
         try:
@@ -88,7 +265,7 @@ def open_gpu_probe(device: torch.device, rank: int = 0) -> Optional[GpuProbe]:
         log.info("rank %d: telemetry: CPU device, CPU telemetry only", rank)
         return None
     try:
-        return GpuProbe(device)
+        return GpuProbe(device, rank=rank)
     except ImportError:
         log.info("rank %d: telemetry: pynvml not installed (nvidia-ml-py), CPU telemetry only", rank)
     except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
@@ -126,7 +303,7 @@ class Telemetry:
             out["rss_gb"] = rss / GIB
         if self.gpu is not None:
             try:
-                out["gpu_util"], out["mem_gb"] = self.gpu.sample()
+                out.update(self.gpu.sample())
             except Exception as e:  # the driver went away mid-run: keep CPU telemetry
                 log.info("rank %d: telemetry: GPU probe failed (%s), CPU telemetry only from now", self.rank, e)
                 self.gpu.close()

@@ -13,11 +13,25 @@ Batches come from a ``DataPipeline`` (``rank/data``): begin_epoch opens a
 next_batch takes the next ready batch. Without an attached pipeline the
 trainer builds a single-stage synchronous one (ram_max_usage=0): the plain
 ``fetch_batch`` of the experiment's dataset, as before.
+
+No host sync per batch on the hot path: ``step`` leaves the loss on the device
+and times the step with CUDA events (a CPU rank keeps the wall clock);
+``record_step`` adds the loss to a device-side accumulator and folds in the
+step times whose events have already completed (``Event.query``, no wait).
+``end_epoch`` resolves the rest: one wait for the chunk's last step and one read
+of the accumulated loss per chunk. ``train_step`` (-> ``after_step``) is the same
+step resolved at once, for callers that need per-batch host values (the
+per-batch ``Batch`` report's ``ms`` and ``loss``); on CUDA that is one wait per
+batch. Either way a chunk's metrics mean the same: ``compute_only_ms`` is the
+sum of the steps' compute times (device time between the events on CUDA, plus
+the simulated slowdown), ``avg_loss`` the sum of the finite step losses over
+the batches.
 """
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -48,6 +62,10 @@ class EpochState:
     """[offset, size] ranges of the epoch permutation this chunk covers (for coverage checks)."""
     feed: Any = None
     """The data pipeline's Feed for this chunk (None: nothing to fetch)."""
+    loss_acc: Optional[torch.Tensor] = None
+    """Device-side sum (float64) of the finite losses of ``record_step``'s steps; read once, in end_epoch."""
+    pending: deque[PendingStep] = field(default_factory=deque)
+    """``record_step``'s steps whose time is not in ``compute_ms`` yet (their end event had not completed)."""
 
     @property
     def total_batches(self) -> int:
@@ -59,6 +77,43 @@ class EpochState:
         self.ranges.append([int(offset), int(len(picks))])
         if self.feed is not None:
             self.feed.extend(picks)  # the readers pick the new batches up at once
+
+
+@dataclass
+class PendingStep:
+    """One trained batch whose loss and time may still be on the device.
+
+    ``loss``: the detached loss tensor (on the model's device). ``start``/``end``:
+    CUDA events recorded around the step (None on CPU). ``host_ms``: on CPU the
+    step's wall time; on CUDA the host wall added to the device time (the
+    simulated slowdown's sleep, else 0). ``loss_host``: on CUDA a pinned host copy
+    of the loss, enqueued before ``end``: once ``ready()`` it is read without
+    touching the device (``float(loss)`` would wait for the whole stream, later
+    steps included).
+    """
+
+    loss: torch.Tensor
+    host_ms: float
+    start: Any = None
+    end: Any = None
+    loss_host: Optional[torch.Tensor] = None
+
+    def ready(self) -> bool:
+        """The step's time can be read without waiting (``Event.query`` does not block)."""
+        return self.end is None or bool(self.end.query())
+
+    @property
+    def ms(self) -> float:
+        """The step's compute time in ms; on CUDA this waits for the step's end event."""
+        if self.end is None:
+            return self.host_ms
+        self.end.synchronize()
+        return float(self.start.elapsed_time(self.end)) + self.host_ms
+
+    def resolve(self) -> tuple[float, float]:
+        """(loss, ms) as host floats: waits for this step's end event on CUDA (no wait once ``ready()``)."""
+        ms = self.ms
+        return float(self.loss_host if self.loss_host is not None else self.loss), ms
 
 
 @dataclass
@@ -103,7 +158,9 @@ class RankTrainer:
         self.steps_since_avg = 0
         self.step_count = 0
         """Monotonic local counter: batches + completed collective syncs (NCCL ack gate)."""
-        self.last_loss = float("nan")
+        self._last_loss: Any = float("nan")
+        self.device_timing = device.type == "cuda"
+        """Time steps with CUDA events (else the host wall clock)."""
         factor = 1.0 + (world_size - 1) * lr_scale_ratio if (world_size > 1 and lr_scale_ratio > 0) else 1.0
         self.lr_scale = factor if factor > 1 else 1.0
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -122,6 +179,7 @@ class RankTrainer:
         if self.pipeline is not None and self.pipeline is not pipeline:
             self.pipeline.close()
         self.pipeline = pipeline
+        pipeline.reserve_for_sync(self.model)  # the VRAM budget keeps a sync's working memory (5x parameter bytes)
         self.on_data_wait = on_wait
         self.stop_data_wait = should_stop
 
@@ -165,14 +223,27 @@ class RankTrainer:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_step(self, batch: Batch) -> tuple[float, float]:
-        """Forward + backward + clip + optimizer step; returns (loss, compute ms).
+    @property
+    def last_loss(self) -> float:
+        """The last step's loss (read from the device when asked, not per batch)."""
+        return float(self._last_loss)
+
+    def _cuda_event(self) -> Any:
+        """A timing event recorded now on the device's current stream (returns at once)."""
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def step(self, batch: Batch) -> PendingStep:
+        """Forward + backward + clip + optimizer step, with no host sync: the loss stays on the device
+        and, on CUDA, the time is a pair of events resolved later (``PendingStep.ms``).
 
         With a scheduler the LR is set from the global position
         ``global_step + steps_since_avg`` times the linear-scaling factor, so all
         ranks agree without exchanging LRs.
         """
         t0 = time.perf_counter()
+        start: Any = self._cuda_event() if self.device_timing else None
         if self.exp.lr_factor is not None:
             f = self.exp.lr_factor(self.global_step + self.steps_since_avg) * self.lr_scale
             for g, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -183,17 +254,36 @@ class RankTrainer:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        loss_v = float(loss.detach())
+        loss_host = None
+        if self.device_timing and loss.is_cuda:
+            loss_host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+            loss_host.copy_(loss.detach().reshape(()), non_blocking=True)
+        end = self._cuda_event() if self.device_timing else None
         step_ms = (time.perf_counter() - t0) * 1e3
+        if end is None:
+            if self.speed < 1.0:
+                # Simulated slower device: idle (1/s - 1) x the real step time inside the step.
+                time.sleep((1.0 / self.speed - 1.0) * step_ms / 1e3)
+                step_ms = (time.perf_counter() - t0) * 1e3
+            return PendingStep(loss=loss.detach(), host_ms=step_ms)
+        extra_ms = 0.0
         if self.speed < 1.0:
-            # Simulated slower device: idle (1/s - 1) x the real step time inside the step.
-            time.sleep((1.0 / self.speed - 1.0) * step_ms / 1e3)
-            step_ms = (time.perf_counter() - t0) * 1e3
-        return loss_v, step_ms
+            # The same on CUDA, which needs the step's device time now: a wait per batch, only
+            # for this simulation knob.
+            end.synchronize()
+            t1 = time.perf_counter()
+            time.sleep((1.0 / self.speed - 1.0) * float(start.elapsed_time(end)) / 1e3)
+            extra_ms = (time.perf_counter() - t1) * 1e3
+        return PendingStep(loss=loss.detach(), host_ms=extra_ms, start=start, end=end, loss_host=loss_host)
+
+    def train_step(self, batch: Batch) -> tuple[float, float]:
+        """``step`` resolved at once: (loss, compute ms) as host floats, for per-batch consumers
+        (pair with ``after_step``). On CUDA this waits for the step: the hot path is
+        ``step`` + ``record_step``."""
+        return self.step(batch).resolve()
 
     def after_step(self, st: EpochState, batch: Batch, loss: float, compute_ms: float) -> None:
+        """Book a step whose loss and time the caller already read (``train_step``)."""
         st.batches += 1
         if math.isfinite(loss):
             st.loss_sum += loss
@@ -201,10 +291,33 @@ class RankTrainer:
         st.data_ms += batch.data_ms
         self.steps_since_avg += 1
         self.step_count += 1
-        self.last_loss = loss
+        self._last_loss = loss
+
+    def record_step(self, st: EpochState, batch: Batch, step: PendingStep) -> None:
+        """Book a ``step`` without reading anything from the device: its loss is added to the
+        chunk's device-side sum (non-finite as 0, as ``after_step`` skips it), its time is folded
+        into ``compute_ms`` once its end event has completed, at the latest in ``end_epoch``."""
+        loss = torch.nan_to_num(step.loss.detach().reshape(()).to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        st.loss_acc = loss if st.loss_acc is None else st.loss_acc.add_(loss)
+        st.pending.append(step)
+        while st.pending and st.pending[0].ready():
+            st.compute_ms += st.pending.popleft().ms
+        st.batches += 1
+        st.data_ms += batch.data_ms
+        self.steps_since_avg += 1
+        self.step_count += 1
+        self._last_loss = step.loss
 
     def end_epoch(self, st: EpochState, chunk: int = 0) -> protocol.ChunkMetrics:
-        """The chunk's metrics (algorithms.md 9.2) as the wire payload the coordinator gets."""
+        """The chunk's metrics (algorithms.md 9.2) as the wire payload the coordinator gets.
+
+        Resolves ``record_step``'s steps: waits for the last one's end event (so the wall
+        covers the device's work too), then reads the accumulated loss (one host read)."""
+        while st.pending:
+            st.compute_ms += st.pending.popleft().ms
+        if st.loss_acc is not None:
+            st.loss_sum += float(st.loss_acc)
+            st.loss_acc = None
         wall = (time.perf_counter() - st.started) * 1e3
         # Coverage: the first `batches * batch_size` picks of the (possibly extended) plan.
         left = st.batches * st.batch_size
