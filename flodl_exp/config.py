@@ -23,6 +23,7 @@ EXECUTORS = ("local", "slurm")
 REDUCTIONS = ("mean", "sum", "max", "min")
 CORE_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_ms")
 DEVICES = ("auto", "cpu", "cuda")
+COLLECTIVES = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -138,6 +139,12 @@ class ClusterConfig:
     rank_speeds: Optional[List[float]] = None
     """Simulated heterogeneity: rank r waits (1/s - 1) x step time after each step."""
     heartbeat_timeout_s: float = 30.0
+    collective: str = "auto"
+    """The nccl modes' collective: auto (NCCL when every rank has a GPU of its own, else Gloo,
+    said once in the log) | nccl (refuse the run otherwise) | gloo."""
+    collective_timeout_s: float = 300.0
+    """How long one collective may wait for its peers (a slow eval, the first NCCL connection)
+    before it raises and the rank waits for a regroup; separate from the heartbeat timeout."""
     max_failure: Optional[int] = None
     """Dead ranks that end the run with ShutdownWithSave (unset = down to the backend floor)."""
     max_failure_pct: Optional[float] = None
@@ -402,6 +409,10 @@ def validate(cfg: Any) -> List[str]:
         raise _err("cluster.executor", c.executor, f"one of {', '.join(EXECUTORS)}")
     if c.device not in DEVICES:
         raise _err("cluster.device", c.device, f"one of {', '.join(DEVICES)}")
+    if c.collective not in COLLECTIVES:
+        raise _err("cluster.collective", c.collective, f"one of {', '.join(COLLECTIVES)}")
+    if not (math.isfinite(c.collective_timeout_s) and c.collective_timeout_s >= 1):
+        raise _err("cluster.collective_timeout_s", c.collective_timeout_s, "a number of seconds >= 1")
     if c.executor == "local" and c.nodes != 1:
         raise _err("cluster.nodes", c.nodes, "1 with executor=local (use cluster=slurm for several nodes)")
     if c.nodes < 1:
@@ -409,6 +420,12 @@ def validate(cfg: Any) -> List[str]:
     if c.ranks_per_node < 1:
         raise _err("cluster.ranks_per_node", c.ranks_per_node, "an integer >= 1")
     w = world_size(cfg)
+    if c.executor == "slurm" and c.device != "cpu":
+        gpus = int(c.slurm.gpus_per_node)
+        if m.backend == "nccl" and c.collective != "gloo" and 0 < gpus < c.ranks_per_node:
+            raise _err("cluster.slurm.gpus_per_node", gpus,
+                       f">= cluster.ranks_per_node ({c.ranks_per_node}) with mode.backend=nccl (NCCL needs one GPU "
+                       "per rank; or share GPUs through cluster.collective=gloo)")
 
     if m.anchor < 1:
         raise _err("mode.anchor", m.anchor, "an integer >= 1")

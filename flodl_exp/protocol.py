@@ -32,6 +32,7 @@ class Kind(str, enum.Enum):
     # coordinator -> rank
     START_EPOCH = "start_epoch"
     EXTEND_PARTITION = "extend_partition"
+    FORM_GROUP = "form_group"
     REGROUP = "regroup"
     SYNC_NOW = "sync_now"
     REQUEST_PARAMS = "request_params"
@@ -78,6 +79,16 @@ class ExtendPartition:
     offset: int
     size: int
     chunk: int
+
+
+@dataclass
+class FormGroup:
+    """nccl modes, once every rank said hello: form the process group with ``backend`` (the coordinator
+    chose it for the whole cohort from the hellos' devices: one backend, never one per rank)."""
+
+    KIND: ClassVar[Kind] = Kind.FORM_GROUP
+    backend: str
+    reason: str = ""
 
 
 @dataclass
@@ -285,6 +296,9 @@ class Telemetry:
     rss_gb: Optional[float] = None
     gpu_util: Optional[float] = None
     mem_gb: Optional[float] = None
+    """Device-wide GPU memory in use (ranks sharing a GPU report the same total)."""
+    gpu_proc_mem_gb: Optional[float] = None
+    """This rank's own GPU memory."""
 
     def values(self) -> dict[str, float]:
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
@@ -296,7 +310,7 @@ class Heartbeat:
 
 
 Payload = Union[
-    StartEpoch, ExtendPartition, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
+    StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat,
 ]

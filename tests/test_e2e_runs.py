@@ -4,7 +4,17 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import alive, assert_exact_coverage, base_overrides, job_dir_of, pids_of, read_result, run_cli, run_id_of
+from conftest import (
+    alive,
+    assert_exact_coverage,
+    base_overrides,
+    job_dir_of,
+    pids_of,
+    read_events,
+    read_result,
+    run_cli,
+    run_id_of,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -48,6 +58,9 @@ def test_sync_modes_average_replicas(store, mode, ranks):
         for key in ("batch_share", "samples_per_s", "data_starve_ms", "idle_frac", "cpu_pct", "rss_gb"):
             assert f"rank{rank}/{key}" in m, sorted(m)
     assert sum(x.value for x in c.get_metric_history(run_id, "syncs")) > 0
+    if mode.startswith("nccl"):  # CPU ranks: the coordinator chose Gloo for the cohort, once, from the hellos
+        chosen = [e for e in read_events(job) if e.get("event") == "collective"]
+        assert [e["backend"] for e in chosen] == ["gloo"] and run.data.tags["collective"] == "gloo"
     res = read_result(job)
     hashes = {f["hash"] for f in res["finals"].values()}
     assert len(res["finals"]) == ranks and len(hashes) == 1, "replicas differ after the final consensus"

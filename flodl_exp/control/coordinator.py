@@ -36,6 +36,7 @@ from ..protocol import (
     EvalResult,
     ExecuteEval,
     Exiting,
+    FormGroup,
     Heartbeat,
     ProtocolError,
     RankError,
@@ -54,6 +55,7 @@ from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
 from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle, ReduceOutcome
+from .devices import CollectiveRefused, RankDevice, choose_collective
 from .dispatch import Dispatcher, Gate
 from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
@@ -128,6 +130,11 @@ class Coordinator:
                                       batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
                                       records=self.records, clock=clock)
         self.total_picks = 0
+        self.devices: dict[int, RankDevice] = {}
+        """What each rank trains on, from its hello (the cohort's collective is chosen from these)."""
+        self.eval_pending: Optional[int] = None
+        """nccl: the rank running a periodic eval; no collective starts until it answers (its peers
+        would wait in the all_reduce for as long as the eval takes)."""
         self.eval_history: list[dict[str, Any]] = []
         self.final_eval: dict[str, float] = {}
         self.final_eval_rank: Optional[int] = None
@@ -168,10 +175,30 @@ class Coordinator:
 
     def start(self) -> None:
         """Every rank said hello: plan the first epoch (or the resumed coverage)."""
+        self._form_group()
         self.enter(Phase.TRAINING)
         self.windows.start(self.total_picks)
         self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
         self.dispatch.start(self.total_picks, self.resume["meta"] if self.resume else None)
+
+    def _form_group(self) -> None:
+        """nccl modes: one collective backend for the cohort, chosen from the hellos (devices.py), sent
+        before the first chunk; a forced NCCL the devices cannot run refuses the run with one line."""
+        if self.cfg.mode.backend != "nccl" or self.W < 2:
+            return
+        try:
+            choice = choose_collective([self.devices[r] for r in sorted(self.devices)], self.cfg.cluster.collective)
+        except CollectiveRefused as e:
+            raise RunFailure(str(e)) from None
+        log.info("collective backend: %s (%s)", choice.backend, choice.reason)
+        self.sink.set_tags({"collective": choice.backend})
+        self.events.emit({"event": "collective", "backend": choice.backend, "reason": choice.reason})
+        self.outbox.broadcast(FormGroup(backend=choice.backend, reason=choice.reason))
+
+    def _eval_holds_sync(self) -> bool:
+        """nccl: a periodic eval is running on a live rank, so no collective may start yet."""
+        r = self.eval_pending
+        return self.cycle.backend == "nccl" and r is not None and self.cohort.alive(r)
 
     # -- main loop ----------------------------------------------------------
     def run(self, connect_timeout: float) -> Status:
@@ -232,14 +259,15 @@ class Coordinator:
         if self.life.phase in TRAINING_PHASES:
             alive = self.cohort.alive_ranks()
             self.cycle.throttle(alive)                       # 5. max_batch_diff
-            if self.faults.regroup is None and self.cycle.should_average(alive, self.dispatch.quiesced):
+            if (self.faults.regroup is None and not self._eval_holds_sync()
+                    and self.cycle.should_average(alive, self.dispatch.quiesced)):
                 self.cycle.trigger(alive)                    # 8. fire a reduce
             if self.watchdog.check(self.cycle.global_step, self.stall_state):  # 9. stall watchdog
                 self.events.emit({"event": "stall", "global_step": self.cycle.global_step, "dump": self.watchdog.paths[-1]})
             self._aggregate()                                # 10. aggregate ready epochs
             if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
                 self.enter(Phase.DRAINING)
-        if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None:
+        if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None and not self._eval_holds_sync():
             self._drain_or_finish()                          # 11. end of run (3.14)
 
     def _beacon(self, now: float) -> None:
@@ -292,10 +320,11 @@ class Coordinator:
     def _on_join(self, r: int, hello: dict[str, Any]) -> None:
         self.cohort.join(r, self.clock())
         self.records.hosts[r] = str(hello.get("host", "unknown"))
+        self.devices[r] = RankDevice.of(r, hello)
         self.total_picks = int(hello.get("samples", 0)) * max(1, self.cfg.data_plane.augment)
         log.info("rank %d joined from %s (%s)", r, hello.get("host"), hello.get("device"))
         self.events.emit({"event": "joined", "rank": r, "pid": hello.get("pid"), "host": hello.get("host"),
-                          "device": hello.get("device")})
+                          "device": hello.get("device"), "device_uuid": hello.get("device_uuid")})
 
     def on_message(self, r: int, msg: Message) -> None:
         try:
@@ -385,6 +414,7 @@ class Coordinator:
                           **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
         cb = self.cohort.callback_rank
         if e != self.epochs - 1 and self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0 and self.cohort.alive(cb):
+            self.eval_pending = cb
             self.outbox.send(cb, ExecuteEval(epoch=e))
         if self.checkpoints.periodic_due(e):
             self.checkpoints.begin_periodic(e)
@@ -392,6 +422,8 @@ class Coordinator:
 
     # -- eval, saves, end -----------------------------------------------------------
     def _on_eval(self, r: int, f: EvalResult) -> None:
+        if not f.final and self.eval_pending == r:
+            self.eval_pending = None
         if f.error:
             log.warning("eval on rank %d failed: %s", r, f.error)
             self.sink.set_tags({"eval_error": f.error})

@@ -13,7 +13,8 @@ SLURM specifics (checked on a real slurmctld/slurmd/slurmdbd, see tests/test_e2e
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import MutableMapping
+from typing import Any, Optional
 
 MAX_REQUEUES = 3
 """How many time-limit requeues a job may take (submitit's ``max_num_timeout``)."""
@@ -51,7 +52,27 @@ def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
     return params
 
 
-def make_executor(cluster: Any, folder: str, timeout_min: int, gpus_per_node: int, job_name: str):
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+def restore_visible_devices(executor: str, saved: Optional[str], env: MutableMapping[str, str]) -> None:
+    """Give a local task the GPUs the user selected when launching.
+
+    submitit's local executor always sets ``CUDA_VISIBLE_DEVICES`` for its tasks (``0..n-1``
+    with ``gpus_per_node``, else empty), so a user's ``CUDA_VISIBLE_DEVICES=4,5`` or MIG UUIDs
+    would train on GPUs 0 and 1, or on none. The launcher records the user's value (``saved``;
+    None = unset, all GPUs) and each local task puts it back before anything touches CUDA. On
+    SLURM the allocation's own value stands.
+    """
+    if executor != "local":
+        return
+    if saved is None:
+        env.pop(VISIBLE, None)
+    else:
+        env[VISIBLE] = saved
+
+
+def make_executor(cluster: Any, folder: str, timeout_min: int, job_name: str):
     import submitit
 
     from ..config import cluster_size
@@ -59,7 +80,8 @@ def make_executor(cluster: Any, folder: str, timeout_min: int, gpus_per_node: in
     w = cluster_size(cluster)
     if cluster.executor == "local":
         ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(nodes=1, tasks_per_node=w, timeout_min=int(timeout_min), gpus_per_node=gpus_per_node)
+        # No gpus_per_node: the tasks see the launching shell's GPUs (restore_visible_devices).
+        ex.update_parameters(nodes=1, tasks_per_node=w, timeout_min=int(timeout_min))
         return ex
     from submitit.slurm.slurm import SlurmExecutor
 

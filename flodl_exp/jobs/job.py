@@ -43,6 +43,7 @@ import submitit
 
 from ..config import load_cluster
 from ..constants import COORDINATOR_LOG, FAULT_ENV, PREEMPT_EXIT, PREEMPT_MARK
+from .executor import restore_visible_devices
 
 PREEMPT_WAIT_S = 120.0
 """How long task 0 waits for the coordinator's preemption bundle before giving up."""
@@ -185,7 +186,9 @@ class RunTask(submitit.helpers.Checkpointable):
         job_dir = os.path.dirname(os.path.abspath(spec_path))
         attempt = int(spec.get("attempt", 0))
         add_import_paths(spec)
-        if load_cluster(spec["config"]["cluster"]).device != "cuda":
+        cluster = load_cluster(spec["config"]["cluster"])
+        restore_visible_devices(cluster.executor, spec.get("cuda_visible_devices"), os.environ)
+        if cluster.device != "cuda":
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         if attempt:
             log.info("attempt %d (requeued): resuming from %s", attempt, (spec.get("resume") or {}).get("stem"))

@@ -221,17 +221,6 @@ def _tail_lines(text: str, n: int) -> str:
     return "\n".join(lines[-n:]) if len(lines) > n else text.strip()
 
 
-def _gpus_for_local(cfg: Any) -> int:
-    if cfg.cluster.device == "cpu":
-        return 0
-    try:
-        import torch
-
-        return min(torch.cuda.device_count(), int(cfg.cluster.ranks_per_node)) if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
 def experiment_import_paths(root: str) -> list[str]:
     """Where every task imports experiment modules from: the launch directory (Hydra's original
     working directory, which holds ``experiments/``), then ``PYTHONPATH``. On SLURM these must be
@@ -276,7 +265,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     stem = cfg.checkpoint.save_path or os.path.join(job_dir, "checkpoints", "final")
     spec = {"config": resolved, "run_id": run_id, "tracking_uri": uri, "job_dir": job_dir,
             "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed), "resume": resume,
-            "import_paths": import_paths}
+            "import_paths": import_paths, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     spec_path = os.path.join(job_dir, "spec.json")
     with open(spec_path, "w") as fh:
         json.dump(spec, fh, indent=1)
@@ -285,8 +274,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     from ..tracking import client
 
     client(uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
-    ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min,
-                       _gpus_for_local(cfg) if cfg.cluster.executor == "local" else 0, run_name(cfg))
+    ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, run_name(cfg))
     from .job import run_task
 
     try:

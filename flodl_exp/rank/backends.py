@@ -2,7 +2,7 @@
 
 * :class:`CollectiveBackend` (``backend=nccl``): weighted in-place all_reduce
   over a torch.distributed process group formed through the coordinator's
-  TCPStore; NCCL when the rank has a CUDA device, Gloo otherwise.
+  TCPStore; NCCL or Gloo as the coordinator chose for the whole cohort.
 * :class:`CoordinatorBackend` (``backend=cpu``): the rank ships a snapshot to
   the coordinator and adopts the consensus it sends back (full overwrite, or
   the EASGD blend on cpu_async).
@@ -10,8 +10,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -22,77 +25,149 @@ from ..protocol import Snapshot, Update
 log = logging.getLogger(__name__)
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective waited ``cluster.collective_timeout_s`` for its peers."""
+
+
+class CollectiveInterrupted(RuntimeError):
+    """The control channel ended the wait (a regroup or shutdown arrived while a collective was pending)."""
+
+
 class CollectiveBackend:
     """Weighted all_reduce: each rank scales by its own mass ``n^gamma``, sums, divides by the total.
 
     The scalar masses are all-reduced first; a zero total (whole cohort idle)
     skips the parameter all_reduce on every rank alike, so the skip is
     collective-consistent. Float buffers are averaged equally among movers.
+
+    ``backend`` is the cohort's (the coordinator chose it from every rank's hello,
+    control/devices.py): NCCL reduces on the rank's GPU; Gloo reduces on the host (a
+    CUDA replica is staged through CPU tensors), which is how ranks sharing a GPU or a
+    mixed CPU/GPU cohort average.
+
+    Collectives are issued with ``async_op=True`` and waited for by polling
+    ``work.is_completed()`` with this process's own deadline (``op_timeout_s``), calling
+    ``poll`` between checks: the rank keeps reading its control channel, so a regroup
+    or a shutdown that arrives mid-collective ends the wait (``poll`` raises), and a
+    slow peer raises :class:`CollectiveTimeout` in Python instead of NCCL's watchdog
+    aborting the process (its async error handling is turned off here, and the group's
+    own timeout is set past ours). On any failure :meth:`abort` tears the group down
+    without waiting for pending work (``destroy_process_group`` would hang on a dead peer).
     """
 
+    GROUP_TIMEOUT_MARGIN_S = 60.0
+    """The process group's timeout is ours plus this, so our deadline always fires first."""
+
     def __init__(self, *, host: str, store_port: int, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float, generation: int = 0) -> None:
+                 backend: str, op_timeout_s: float, store_timeout_s: float,
+                 poll: Callable[[], None] = lambda: None, generation: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         import torch.distributed as dist
 
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"collective backend {backend!r}: nccl or gloo")
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"the cohort chose NCCL but this rank trains on {device}")
         self.dist = dist
         self.device = device
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
-        store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        self.store = store
-        self.timeout = timedelta(seconds=timeout_s)
+        self.backend = backend
+        self.comm_device = device if backend == "nccl" else torch.device("cpu")
+        self.op_timeout_s = float(op_timeout_s)
+        self.poll = poll
+        self._clock = clock
+        if backend == "nccl":
+            # Errors and timeouts surface as Python exceptions on our polling path, never as a process abort
+            # by the watchdog (torch: use _abort_process_group with async error handling turned off).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
+        self.timeout = timedelta(seconds=self.op_timeout_s + self.GROUP_TIMEOUT_MARGIN_S)
         self._init(generation, rank, world_size)
-        if rank == 0:
-            log.info("collective backend: %s (%s)", self.backend,
-                     "every rank has a CUDA device" if self.backend == "nccl" else "no CUDA device: Gloo on CPU")
 
     def _init(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
         pstore = self.dist.PrefixStore(f"gen{generation}-{session}" if session else f"gen{generation}", self.store)
-        self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout)
+        # device_id (NCCL): the communicator binds this GPU eagerly, so a bad device setup fails here, at start-up.
+        device_id = self.device if self.backend == "nccl" else None
+        self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout,
+                                     device_id=device_id)
         self.generation, self.rank, self.world_size = generation, rank, world_size
 
     def rebuild(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
-        """Elastic regroup: drop the old group, form a new one on a fresh prefix of the same store."""
-        self.close()
+        """Elastic regroup: abort the old group (a member is gone), form a new one on a fresh prefix of the same store."""
+        self.abort()
         self._init(generation, rank, world_size, session)
 
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work``, reading control between checks; raises its error, a timeout, or what ``poll`` raises."""
+        deadline = self._clock() + self.op_timeout_s
+        pause = 5e-5
+        while not work.is_completed():
+            self.poll()
+            if self._clock() > deadline:
+                raise CollectiveTimeout(f"a collective waited {self.op_timeout_s:.0f}s for its peers "
+                                        "(cluster.collective_timeout_s)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        work.wait()
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        self._wait(self.dist.all_reduce(t, async_op=True))
+
     def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True) -> tuple[Optional[float], Optional[float], Optional[float]]:
-        dist = self.dist
         params = [p for p in model.parameters()]
         bufs = float_buffers(model)
         m = mass(n, gamma)
         # [mass, mover] in one small collective.
-        head = torch.tensor([m, 1.0 if n > 0 else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(head)
+        head = torch.tensor([m, 1.0 if n > 0 else 0.0], dtype=torch.float64, device=self.comm_device)
+        self._all_reduce(head)
         total, movers = float(head[0]), float(head[1])
         if total <= 0:
             return (0.0, None, None) if with_divergence else (None, None, None)
         with torch.no_grad():
             pre = flat_params(model) if with_divergence else None
-            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
-            flat.mul_(m)
-            if bufs:
-                bflat = torch.cat([b.reshape(-1).to(torch.float32) for b in bufs]) * (1.0 if n > 0 else 0.0)
-                flat = torch.cat([flat, bflat])
-            dist.all_reduce(flat)
             n_params = sum(p.numel() for p in params)
-            pflat = flat[:n_params] / total
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in params + bufs])
+            flat[:n_params].mul_(m)
+            if n <= 0:
+                flat[n_params:].zero_()  # a rank that did not move gives no buffer vote
+            if flat.device != self.comm_device:
+                flat = flat.to(self.comm_device)
+            self._all_reduce(flat)
+            if flat.device != self.device:
+                flat = flat.to(self.device)
+            pflat = flat[:n_params].div_(total)
             off = 0
             for p in params:
                 k = p.numel()
-                p.copy_(pflat[off:off + k].view_as(p).to(p.dtype))
+                p.copy_(pflat[off:off + k].view_as(p))
                 off += k
             if bufs and movers > 0:
-                bflat = flat[n_params:] / movers
+                bflat = flat[n_params:].div_(movers)
                 off = 0
                 for b in bufs:
                     k = b.numel()
-                    b.copy_(bflat[off:off + k].view_as(b).to(b.dtype))
+                    b.copy_(bflat[off:off + k].view_as(b))
                     off += k
             if pre is not None:
                 return divergence(pre, flat_params(model))
         return None, None, None
 
+    def abort(self) -> None:
+        """Tear the group down without waiting for its pending work (the failure path, and every regroup).
+
+        NCCL aborts its communicators at once. Gloo has no pending work after a failed
+        collective (the error completed it); one still pending (a peer alive but silent)
+        ends at the group's timeout.
+        """
+        try:
+            if self.dist.is_initialized():
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+        except Exception as e:  # pragma: no cover - teardown best effort
+            log.warning("aborting the process group: %s", e)
+
     def close(self) -> None:
+        """Orderly teardown at the end of a healthy run."""
         try:
             if self.dist.is_initialized():
                 self.dist.destroy_process_group()
@@ -101,20 +176,57 @@ class CollectiveBackend:
 
 
 class CoordinatorBackend:
-    """Snapshots up, consensus down (the cpu backend)."""
+    """Snapshots up, consensus down (the cpu backend).
+
+    A CUDA replica is staged for the wire through one pinned host buffer, reused across
+    snapshots: parameters are flattened (and cast to bf16 with ``bf16_wire``) on the GPU,
+    copied in one transfer per dtype, and the stream is synchronised once. The snapshot's
+    tensors are views of that buffer, valid until the next snapshot (the rank sends each
+    snapshot before it takes another).
+    """
 
     def __init__(self, bf16_wire: bool = False) -> None:
         self.bf16_wire = bf16_wire
+        self._staging: Optional[torch.Tensor] = None
 
     def snapshot(self, model: nn.Module, n: int) -> Snapshot:
-        tensors: dict[str, torch.Tensor] = {}
+        params = [p.detach() for p in model.parameters()]
+        bufs = [b.detach() for b in float_buffers(model)]
+        pdtype = torch.bfloat16 if self.bf16_wire else torch.float32
         with torch.no_grad():
-            for i, p in enumerate(model.parameters()):
-                t = p.detach().to("cpu")
-                tensors[f"p{i}"] = t.to(torch.bfloat16) if self.bf16_wire else t.float()
-            for j, b in enumerate(float_buffers(model)):
-                tensors[f"b{j}"] = b.detach().to("cpu").float()
+            if params and params[0].device.type == "cuda":
+                return Snapshot(n=int(n), tensors=self.stage(params, bufs, pdtype, pin=True))
+            tensors: dict[str, torch.Tensor] = {f"p{i}": p.to("cpu").to(pdtype) for i, p in enumerate(params)}
+            tensors.update({f"b{j}": b.to("cpu").float() for j, b in enumerate(bufs)})
         return Snapshot(n=int(n), tensors=tensors)
+
+    def staging_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """The reused host buffer, grown to ``nbytes`` (pinned for CUDA)."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return self._staging
+
+    @torch.no_grad()
+    def stage(self, params: list[torch.Tensor], bufs: list[torch.Tensor], pdtype: torch.dtype, *, pin: bool) -> dict[str, torch.Tensor]:
+        """``p<i>`` (``pdtype``) and ``b<j>`` (float32) as views of one host buffer, filled by one copy per group."""
+        groups = [(prefix, ts, torch.cat([t.reshape(-1).to(dt) for t in ts]))
+                  for prefix, ts, dt in (("p", params, pdtype), ("b", bufs, torch.float32)) if ts]
+        offsets, total = [], 0
+        for _, _, flat in groups:
+            offsets.append(total)
+            total += -(-flat.numel() * flat.element_size() // 8) * 8  # 8-byte aligned: each view starts on its dtype
+        host = self.staging_buffer(total, pin)
+        out: dict[str, torch.Tensor] = {}
+        for (prefix, ts, flat), off in zip(groups, offsets):
+            dst = host[off:off + flat.numel() * flat.element_size()].view(flat.dtype)
+            dst.copy_(flat, non_blocking=pin)  # device -> pinned host: safe to read after the one sync below
+            k = 0
+            for i, t in enumerate(ts):
+                out[f"{prefix}{i}"] = dst[k:k + t.numel()].view(t.shape)
+                k += t.numel()
+        if pin and groups and groups[0][2].device.type == "cuda":
+            torch.cuda.current_stream(groups[0][2].device).synchronize()
+        return out
 
     @staticmethod
     def adopt_update(model: nn.Module, msg: Update, alpha: Optional[float]) -> None:

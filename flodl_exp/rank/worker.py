@@ -34,6 +34,7 @@ from ..protocol import (
     ExecuteEval,
     Exiting,
     ExtendPartition,
+    FormGroup,
     Heartbeat,
     Payload,
     ProtocolError,
@@ -55,9 +56,9 @@ from ..protocol import (
     encode,
 )
 from ..wire import Message
-from .backends import CollectiveBackend, CoordinatorBackend
+from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend
 from .fault_inject import inject_fault, parse_fault
-from .trainer import EpochState, RankTrainer
+from .trainer import EpochState, PendingStep, RankTrainer
 
 log = logging.getLogger("flodl_exp.rank")
 
@@ -69,6 +70,8 @@ class CoordinatorLost(RuntimeError):
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:
+    """``cuda:<local_rank mod visible GPUs>`` (ranks beyond the GPU count share; the coordinator then
+    averages through Gloo, control/devices.py), else the CPU."""
     if device == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
@@ -76,6 +79,35 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     if device == "cuda":
         raise RuntimeError("cluster.device=cuda but this rank sees no CUDA device")
     return torch.device("cpu")
+
+
+def requested_device(cluster: Any) -> tuple[str, Optional[str]]:
+    """``cluster.device`` as this rank should read it, and a note to log when it was narrowed.
+
+    On SLURM with ``gpus_per_node=0`` the job holds no GPU; a node without device cgroups still
+    shows its GPUs, and ``auto`` would train on GPUs another job was given. Train on CPU, and say so.
+    """
+    if cluster.executor == "slurm" and cluster.device == "auto" and int(cluster.slurm.gpus_per_node) == 0:
+        return "cpu", ("cluster.slurm.gpus_per_node=0 with cluster.device=auto: the job holds no GPU, so the ranks "
+                       "train on CPU (set cluster.slurm.gpus_per_node to train on GPUs)")
+    return str(cluster.device), None
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device of this process (the main thread), so CUDA calls
+    without an explicit device in user code land on the rank's GPU, not GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def device_uuid(device: torch.device) -> Optional[str]:
+    """The physical device's UUID (one GPU or MIG slice, whatever CUDA_VISIBLE_DEVICES renumbered), None on CPU."""
+    if device.type != "cuda":
+        return None
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # an old driver without UUIDs: the coordinator falls back to host + device name
+        return None
 
 
 def state_hash(model: torch.nn.Module) -> str:
@@ -94,7 +126,11 @@ class RankWorker:
         self.spec = spec
         self.rank = rank
         self.world_size = RunShape.of(cfg).world_size
-        self.device = pick_device(cfg.cluster.device, local_rank)
+        wanted, note = requested_device(cfg.cluster)
+        if note and rank == 0:
+            log.info("%s", note)
+        self.device = pick_device(wanted, local_rank)
+        use_device(self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(1)
         speeds = cfg.cluster.rank_speeds or [1.0] * self.world_size
@@ -112,16 +148,15 @@ class RankWorker:
         self.welcome = wire.client_handshake(
             self.conn, rendezvous["token"],
             {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(), "device": str(self.device),
-             "model_bytes": model_bytes, "samples": len(exp.train_data)},
+             "device_uuid": device_uuid(self.device), "model_bytes": model_bytes, "samples": len(exp.train_data)},
             timeout=cfg.cluster.rendezvous_timeout_s,
         )
         self.conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
+        self.rendezvous = rendezvous
         self.collective: Optional[CollectiveBackend] = None
-        if cfg.mode.backend == "nccl" and self.world_size > 1:
-            self.collective = CollectiveBackend(
-                host=rendezvous["host"], store_port=int(rendezvous["store_port"]), rank=rank,
-                world_size=self.world_size, device=self.device, timeout_s=cfg.cluster.heartbeat_timeout_s,
-            )
+        """nccl modes: formed when the coordinator's FormGroup names the cohort's backend."""
+        self.pending_regroup: Optional[Regroup] = None
+        """A regroup that ended a pending collective's wait (handled by the retry that follows)."""
         self.cpu = CoordinatorBackend(bf16_wire=cfg.mode.bf16_wire)
         self.inbox: queue.Queue[Message | BaseException] = queue.Queue()
         self.plans: deque[StartEpoch] = deque()
@@ -135,6 +170,8 @@ class RankWorker:
         self.deferred: deque[Payload] = deque()
         self.in_regroup_wait = False
         self.chunk_extra: list[int] = []
+        self.unreported: deque[tuple[PendingStep, float, int, float]] = deque()
+        """Trained steps not yet reported (step, data wait ms, chunk, lr): see report_batches."""
         self.last_consensus: dict[str, torch.Tensor] = {}
         """cpu backend: the last consensus frame adopted (bundles save it, not the blended replica)."""
         self._handlers = self._handler_table()
@@ -143,12 +180,15 @@ class RankWorker:
         threading.Thread(target=self._heartbeat, name="rank-heartbeat", daemon=True).start()
         # Data plane (rank/data): prefetch + sample cache; control is drained while waiting on a batch.
         from .data import build_pipeline
+        from .data.budget import ranks_sharing_device
         from .telemetry import Telemetry
 
+        sharing = (ranks_sharing_device(cfg.cluster.ranks_per_node, torch.cuda.device_count(), local_rank)
+                   if self.device.type == "cuda" else 1)
         self.trainer.attach_pipeline(
             build_pipeline(cfg.data_plane, exp.train_data, device=self.device, batch_size=cfg.experiment.batch_size,
                            augment=augment, seed=self.trainer.seed, ranks_per_node=cfg.cluster.ranks_per_node,
-                           rank=rank),
+                           rank=rank, ranks_on_device=sharing),
             on_wait=self.drain, should_stop=lambda: self.stopping)
         self.telemetry = Telemetry(self.conn.send, self.device, rank=rank).start()
 
@@ -187,6 +227,9 @@ class RankWorker:
     def _next(self, block: bool) -> Optional[Payload]:
         if self.deferred and not self.in_regroup_wait:
             return self.deferred.popleft()
+        return self._from_inbox(block)
+
+    def _from_inbox(self, block: bool) -> Optional[Payload]:
         try:
             item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
         except queue.Empty:
@@ -207,8 +250,22 @@ class RankWorker:
             log.warning("rank %d: unknown control message %r ignored", self.rank, item.kind)
         return payload
 
+    def report_batches(self, wait: bool) -> None:
+        """Send the Batch reports of trained steps: those whose device work finished (no wait), or all
+        (``wait``). On CUDA a step's loss and time stay on the device until then, so training never
+        waits on the GPU per batch; on CPU every step is ready at once."""
+        while self.unreported and (wait or self.unreported[0][0].ready()):
+            step, wait_ms, chunk, lr = self.unreported.popleft()
+            loss, ms = step.resolve()
+            self.conn.send(encode(BatchReport(ms=ms, data_ms=wait_ms, chunk=chunk, loss=loss, lr=lr)))
+
     def drain(self) -> None:
-        """Handle every control message already queued (between batches)."""
+        """Handle every control message already queued (between batches).
+
+        Every trained step is reported first: a sync ack, a snapshot or a save counts steps, and the
+        coordinator's ledger must have seen each of them as a Batch before that."""
+        if self.unreported and (self.deferred or not self.inbox.empty()):
+            self.report_batches(wait=True)
         while not self.stopping:
             msg = self._next(block=False)
             if msg is None:
@@ -231,7 +288,7 @@ class RankWorker:
 
     def _handler_table(self) -> dict[type, Callable[[Any], None]]:
         return {
-            StartEpoch: self.plans.append, ExtendPartition: self._on_extend, Regroup: self._regroup,
+            StartEpoch: self.plans.append, ExtendPartition: self._on_extend, Regroup: self._regroup, FormGroup: self._form_group,
             SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
             SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
             Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
@@ -293,6 +350,36 @@ class RankWorker:
 
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
+    def _form_group(self, m: FormGroup) -> None:
+        """Join the cohort's process group on the backend the coordinator chose for every rank."""
+        if self.collective is not None:
+            return
+        c = self.cfg.cluster
+        self.collective = CollectiveBackend(
+            host=self.rendezvous["host"], store_port=int(self.rendezvous["store_port"]), rank=self.rank,
+            world_size=self.world_size, device=self.device, backend=m.backend, op_timeout_s=c.collective_timeout_s,
+            store_timeout_s=c.rendezvous_timeout_s, poll=self._poll_during_collective)
+        if self.rank == 0:
+            log.info("collective backend: %s (%s)", m.backend, m.reason)
+
+    def _poll_during_collective(self) -> None:
+        """Between checks of a pending collective: read control. A regroup or a shutdown ends the wait
+        (the group is aborted and the retry path takes over); anything else waits its turn."""
+        while True:
+            msg = self._from_inbox(block=False)
+            if msg is None:
+                return
+            if isinstance(msg, Regroup):
+                self.pending_regroup = msg
+                raise CollectiveInterrupted(f"regroup to generation {msg.generation} arrived mid-collective")
+            if isinstance(msg, Shutdown):
+                self.handle(msg)
+                raise CollectiveInterrupted("shutdown arrived mid-collective")
+            if isinstance(msg, (CoordHeartbeat, SetGlobalStep)):
+                self.handle(msg)
+            else:
+                self.deferred.append(msg)
+
     def _regroup(self, m: Regroup) -> None:
         """Re-form the process group with the survivors (fresh store prefix, renumbered ranks)."""
         if self.collective is None:
@@ -306,7 +393,10 @@ class RankWorker:
         self.in_regroup_wait = True
         try:
             while not self.stopping and time.monotonic() < end:
-                msg = self._next(block=True)
+                msg: Optional[Payload] = self.pending_regroup
+                self.pending_regroup = None
+                if msg is None:
+                    msg = self._next(block=True)
                 if msg is None:
                     continue
                 if isinstance(msg, Regroup):
@@ -337,7 +427,12 @@ class RankWorker:
                 try:
                     d, post, pre = self.collective.sync(model, n, self.gamma, with_div)
                     break
-                except Exception as e:  # a peer died mid-collective: restore, regroup, retry
+                except torch.OutOfMemoryError as e:  # this rank's fault, not a dead peer's: say so and end
+                    self.collective.abort()
+                    raise RuntimeError("out of GPU memory during the sync (it needs about 3x the parameter bytes "
+                                       "free beside training; lower data_plane.vram_max_usage or the batch size)") from e
+                except Exception as e:  # a peer died mid-collective (or a regroup arrived): restore, regroup, retry
+                    self.collective.abort()
                     with torch.no_grad():
                         for t, saved in zip(list(model.parameters()) + float_buffers(model), scratch):
                             t.copy_(saved)
@@ -381,12 +476,15 @@ class RankWorker:
             batch = tr.next_batch(st)
             if batch is None:
                 break
-            loss, ms = tr.train_step(batch)
-            tr.after_step(st, batch, loss, ms)
+            step = tr.step(batch)
+            tr.record_step(st, batch, step)
+            self.unreported.append((step, batch.wait_ms, plan.chunk, tr.current_lr()))
+            self.report_batches(wait=False)
             if self.fault is not None and tr.step_count >= self.fault[0]:
+                self.report_batches(wait=True)
                 inject_fault(self.fault[1], self.rank, tr.step_count)
-            self.conn.send(encode(BatchReport(ms=ms, data_ms=batch.wait_ms, chunk=plan.chunk, loss=loss, lr=tr.current_lr())))
         self.chunk = None
+        self.report_batches(wait=True)
         m = tr.end_epoch(st, plan.chunk)
         m.extra_chunks, self.chunk_extra = self.chunk_extra, []
         self.conn.send(encode(m))

@@ -1,0 +1,93 @@
+"""One collective backend for the whole cohort, chosen from the ranks' hellos (pure: no I/O, no torch).
+
+Each rank says in its hello which device it trains on (``device``) and, for a CUDA
+device, the device's UUID (``device_uuid``: the same string for one physical GPU or MIG
+slice whatever ``CUDA_VISIBLE_DEVICES`` renumbered it to). Deciding per rank went wrong
+twice: a CPU rank picked Gloo while its GPU peers picked NCCL on the same store (a hang
+on mixed hardware), and two ranks on one GPU both picked NCCL, which refuses duplicate
+devices, and the error only surfaced as a "dead peer" at the first sync.
+
+The rule, with ``cluster.collective`` (``auto`` | ``nccl`` | ``gloo``):
+
+* ``gloo``: Gloo, whatever the devices (CUDA tensors are staged through the host).
+* ``auto``: NCCL when every rank has a CUDA device of its own; otherwise Gloo, with
+  the reason logged once (ranks on CPU, or ranks sharing a GPU).
+* ``nccl``: NCCL, or the run is refused with one line naming the ranks that prevent it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ..config import COLLECTIVES
+
+
+@dataclass(frozen=True)
+class RankDevice:
+    """What a rank trains on, as its hello said it."""
+
+    rank: int
+    host: str
+    device: str
+    """``cpu`` or ``cuda:<i>`` (the index inside the rank's own CUDA_VISIBLE_DEVICES)."""
+    uuid: Optional[str] = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """One physical device: its UUID, else (no UUID reported) host and device name."""
+        return ("uuid", self.uuid) if self.uuid else (self.host, self.device)
+
+    @classmethod
+    def of(cls, rank: int, hello: Mapping[str, Any]) -> RankDevice:
+        uuid = hello.get("device_uuid")
+        return cls(rank=int(rank), host=str(hello.get("host", "unknown")), device=str(hello.get("device", "cpu")),
+                   uuid=str(uuid) if uuid else None)
+
+
+@dataclass(frozen=True)
+class CollectiveChoice:
+    backend: str
+    """``nccl`` or ``gloo``."""
+    reason: str
+    """One line for the log: why this backend."""
+
+
+class CollectiveRefused(ValueError):
+    """``cluster.collective=nccl`` with devices NCCL cannot use (the run is refused, one line)."""
+
+
+def shared_devices(devices: list[RankDevice]) -> list[list[int]]:
+    """Groups of ranks (>= 2) that train on one physical CUDA device."""
+    by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for d in devices:
+        if d.is_cuda:
+            by_key[d.key].append(d.rank)
+    return [sorted(rs) for rs in by_key.values() if len(rs) > 1]
+
+
+def choose_collective(devices: list[RankDevice], requested: str = "auto") -> CollectiveChoice:
+    """The cohort's backend (see the module doc); raises :class:`CollectiveRefused` for a forced NCCL it cannot run."""
+    if requested not in COLLECTIVES:
+        raise ValueError(f"cluster.collective={requested!r} is not allowed: one of {', '.join(COLLECTIVES)}")
+    if requested == "gloo":
+        return CollectiveChoice("gloo", "cluster.collective=gloo")
+    on_cpu = sorted(d.rank for d in devices if not d.is_cuda)
+    shared = shared_devices(devices)
+    if not on_cpu and not shared:
+        return CollectiveChoice("nccl", "every rank has a CUDA device of its own")
+    if on_cpu and len(on_cpu) == len(devices):
+        why = "no rank has a CUDA device"
+    elif on_cpu:
+        why = f"ranks {on_cpu} train on CPU (a mixed CPU/GPU cohort)"
+    else:
+        why = "; ".join(f"ranks {rs} share one GPU" for rs in shared) + " (NCCL needs one device per rank)"
+    if requested == "nccl":
+        raise CollectiveRefused(
+            f"cluster.collective=nccl is not possible: {why}; give each rank its own GPU "
+            "(fewer ranks_per_node, or more GPUs) or use cluster.collective=auto to average through Gloo")
+    return CollectiveChoice("gloo", f"Gloo for the collective: {why}")
