@@ -38,6 +38,15 @@ def main(cfg: DictConfig) -> None:
         if _is_multirun():
             raise  # a failing job must not end the whole sweep
         sys.exit(2)
+    except Exception as e:
+        from .jobs.launcher import SubmitFailed
+
+        if not isinstance(e, SubmitFailed):
+            raise
+        print(str(e), file=sys.stderr)  # one line: the scheduler's message and what to check (the run is FAILED)
+        if _is_multirun():
+            raise
+        sys.exit(e.exit_code)
     print(f"MLflow run {handle.run_id}  job {handle.job_id}  folder {handle.job_dir}", flush=True)
     if not cfg.run.wait:
         # Detached: the job ends the MLflow run itself (FINISHED / FAILED / KILLED; a time limit requeues).

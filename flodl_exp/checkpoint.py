@@ -4,6 +4,10 @@
 Every piece is written to a temporary file in the same directory and renamed
 into place, so a crash mid-write never leaves a torn bundle. Loading uses
 ``torch.load(weights_only=True)``: a bundle never runs code.
+
+The meta is written last and lists the pieces the ranks reported written (``pieces``); a bundle
+whose save failed gets no meta. Resuming checks every listed piece (:func:`check_pieces`). Pieces
+get the permissions the user's umask gives a new file (``0666 & ~umask``), like ``open()`` would.
 """
 from __future__ import annotations
 
@@ -30,11 +34,26 @@ def meta_path(stem: str) -> str:
     return f"{stem}.meta.json"
 
 
-def _atomic_write(path: str, write) -> None:
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _atomic_write(path: str, write, mode: Optional[int] = None) -> None:
+    """Temp file + fsync + rename; ``mode`` None = what the umask gives a new file (mkstemp alone gives 0600)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
     try:
+        os.fchmod(fd, (0o666 & ~_umask()) if mode is None else mode)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -52,8 +71,61 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     _atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
-def atomic_json(obj: Any, path: str) -> None:
-    _atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2, sort_keys=True).encode()))
+def atomic_json(obj: Any, path: str, mode: Optional[int] = None) -> None:
+    _atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2, sort_keys=True).encode()), mode)
+
+
+def bundle_files(stem: str) -> list[str]:
+    """Every piece of ``stem`` on disk now (model, optimizer pieces, meta): not temp files, not other stems."""
+    d, name = os.path.dirname(os.path.abspath(stem)), os.path.basename(stem)
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return []
+    out = []
+    for fn in names:
+        rest = fn[len(name):] if fn.startswith(name + ".") else ""
+        if rest in (".pt", ".optim.pt", ".meta.json") or (rest.startswith(".optim.r") and rest.endswith(".pt")
+                                                           and rest[len(".optim.r"):-len(".pt")].isdigit()):
+            out.append(os.path.join(d, fn))
+    return out
+
+
+def remove_bundle(stem: str) -> list[str]:
+    """Delete the pieces of ``stem`` left by an earlier save (meta first: never a meta beside missing
+    pieces); a reused ``checkpoint.save_path`` then never mixes old and new pieces. Returns what went."""
+    files = bundle_files(stem)
+    files.sort(key=lambda f: not f.endswith(".meta.json"))
+    gone = []
+    for f in files:
+        try:
+            os.unlink(f)
+            gone.append(f)
+        except FileNotFoundError:
+            pass
+    return gone
+
+
+def check_pieces(stem: str, meta: dict) -> Optional[str]:
+    """The first piece the meta lists that is missing or not a torch file, as one line; None when all are there.
+
+    Metas written before ``pieces`` existed list nothing: only the model piece is checked."""
+    names = meta.get("pieces")
+    if not isinstance(names, list):
+        names = [os.path.basename(model_path(stem))]
+    d = os.path.dirname(os.path.abspath(stem))
+    for n in names:
+        path = os.path.join(d, os.path.basename(str(n)))
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(4)
+        except FileNotFoundError:
+            return f"{path} does not exist (the meta lists it)"
+        except OSError as e:
+            return f"{path} is unreadable ({e.strerror or e})"
+        if head != b"PK\x03\x04":  # torch.save's zip container
+            return f"{path} is unreadable (not a torch file: truncated or corrupt)"
+    return None
 
 
 def save_rank_pieces(stem: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
@@ -111,6 +183,9 @@ def validate_resume(cfg: Any) -> Optional[dict]:
         raise ConfigError(f"config error: {e}") from None
     if not os.path.exists(model_path(stem)):
         raise ConfigError(f"config error: {key}: {model_path(stem)} does not exist")
+    bad = check_pieces(stem, meta)
+    if bad:
+        raise ConfigError(f"config error: {key}: {bad}")
     w = world_size(cfg)
     if int(meta.get("world_size_at_save", w)) != w:
         raise ConfigError(f"config error: {key}: saved with world size {meta['world_size_at_save']}, this run has {w}")

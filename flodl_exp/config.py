@@ -145,6 +145,10 @@ class ClusterConfig:
     collective_timeout_s: float = 300.0
     """How long one collective may wait for its peers (a slow eval, the first NCCL connection)
     before it raises and the rank waits for a regroup; separate from the heartbeat timeout."""
+    progress_timeout_s: float = 600.0
+    """A rank whose heartbeat keeps arriving while its main thread takes no training step for this
+    long, with a chunk in progress, is declared dead and recovered from like a crash (a hung data
+    read, a stuck kernel). 0 turns the watch off. Evals, saves and collectives are not counted."""
     max_failure: Optional[int] = None
     """Dead ranks that end the run with ShutdownWithSave (unset = down to the backend floor)."""
     max_failure_pct: Optional[float] = None
@@ -413,6 +417,8 @@ def validate(cfg: Any) -> List[str]:
         raise _err("cluster.collective", c.collective, f"one of {', '.join(COLLECTIVES)}")
     if not (math.isfinite(c.collective_timeout_s) and c.collective_timeout_s >= 1):
         raise _err("cluster.collective_timeout_s", c.collective_timeout_s, "a number of seconds >= 1")
+    if not (math.isfinite(c.progress_timeout_s) and c.progress_timeout_s >= 0):
+        raise _err("cluster.progress_timeout_s", c.progress_timeout_s, "a number of seconds >= 0 (0 = off)")
     if c.executor == "local" and c.nodes != 1:
         raise _err("cluster.nodes", c.nodes, "1 with executor=local (use cluster=slurm for several nodes)")
     if c.nodes < 1:

@@ -43,6 +43,7 @@ class Kind(str, enum.Enum):
     SAVE = "save"
     SHUTDOWN = "shutdown"
     COORD_HEARTBEAT = "coord_heartbeat"
+    EVICT = "evict"
     REQUEST_SESSION = "request_session"
     # rank -> coordinator
     SESSION_READY = "session_ready"
@@ -306,12 +307,29 @@ class Telemetry:
 
 @dataclass
 class Heartbeat:
+    """The rank's pulse (its heartbeat thread, every second), with what its main thread is doing: ``state``
+    is ``train`` (a chunk in progress), ``collective``, ``eval``, ``save`` or ``wait`` (for the coordinator
+    or its peers), and ``steps`` its step count. A rank that keeps beating in ``train`` with ``steps``
+    frozen has a stuck main thread (the coordinator's progress watch)."""
+
     KIND: ClassVar[Kind] = Kind.HEARTBEAT
+    steps: Optional[int] = None
+    state: Optional[str] = None
+
+
+@dataclass
+class Evict:
+    """The coordinator declared this rank dead (its main thread made no progress): the rank's reader
+    thread exits the process after a short grace if the main thread does not, so peers blocked in a
+    collective with it see the failure."""
+
+    KIND: ClassVar[Kind] = Kind.EVICT
+    reason: str
 
 
 Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
-    Save, Shutdown, CoordHeartbeat, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
+    Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}

@@ -33,7 +33,10 @@ class MlflowSweepCallback(Callback):
         uri, art = resolve_tracking(config.tracking, os.getcwd())
         c = client(uri)
         exp_id = get_or_create_experiment(c, config.tracking.experiment_name, art)
-        overrides = list(config.hydra.overrides.task)
+        from .tracking import redact_uri
+
+        overrides = [f"tracking.uri={redact_uri(o.split('=', 1)[1])}" if o.startswith("tracking.uri=") else o
+                     for o in config.hydra.overrides.task]
         run = c.create_run(exp_id, run_name=f"sweep {' '.join(overrides)}"[:250],
                            tags={"sweep_dir": str(config.hydra.sweep.dir), "overrides": " ".join(overrides)[:5000],
                                  "flodl.sweep": "parent"})

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import subprocess
 import threading
 import time
+from collections import deque
 from typing import Any, Mapping, Optional
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,57 @@ def resolve_tracking(tracking: Any, root: str) -> tuple[str, Optional[str]]:
     return uri, art
 
 
+SECRET_QUERY_KEYS = ("password", "passwd", "pwd", "token", "access_token", "secret", "api_key", "apikey", "key",
+                     "sslpassword", "auth", "authorization", "sig", "signature", "x-amz-security-token", "credential")
+REDACTED = "***"
+URI_ENV = "FLODL_TRACKING_URI"
+"""The credentialed tracking URI, in the environment only (submitit's local executor and
+``sbatch --export=ALL`` hand it to every task); files and the store see :func:`redact_uri`'s form."""
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` without secrets: a userinfo password becomes ``***`` (the user name stays) and so do the
+    values of secret-looking query parameters (``password=``, ``token=`` ...). Pure; other URIs unchanged."""
+    if not uri or "://" not in uri:
+        return uri
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, sep, _pw = userinfo.partition(":")
+        netloc = f"{user}:{REDACTED}@{host}" if sep else f"{userinfo}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() in SECRET_QUERY_KEYS for k, _ in pairs):
+            query = urlencode([(k, REDACTED if k.lower() in SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*")
+    if netloc == parts.netloc and query == parts.query:
+        return uri
+    # By hand: urlunsplit drops the empty authority of sqlite:////abs/path.
+    return (uri[:uri.index("://") + 3] + netloc + parts.path + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
+
+
+def live_uri(uri: str) -> str:
+    """The URI to connect with: the credentialed one from ``FLODL_TRACKING_URI`` (or ``MLFLOW_TRACKING_URI``)
+    when ``uri`` is its redacted form, else ``uri`` itself."""
+    if REDACTED not in uri:
+        return uri
+    for var in (URI_ENV, "MLFLOW_TRACKING_URI"):
+        full = os.environ.get(var)
+        if full and redact_uri(full) == uri:
+            return full
+    return uri
+
+
 def client(uri: str):
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    return MlflowClient(tracking_uri=live_uri(uri))
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -105,29 +152,75 @@ def end_run(uri: str, run_id: str, status: str, error: Optional[str] = None) -> 
 
 
 class MlflowSink:
-    """Background logger: ``log_metrics`` enqueues, a thread batches into ``log_batch``."""
+    """Background logger: ``log_metrics``/``set_tags``/``log_artifact`` enqueue, a thread delivers.
 
-    def __init__(self, uri: str, run_id: str) -> None:
+    Never blocks training and never loses a record silently: a delivery that fails (a SQLite lock
+    held past MLflow's 20 s busy timeout, a tracking server down) keeps its records and retries
+    with exponential backoff (:data:`RETRY_MIN_S` doubling to :data:`RETRY_MAX_S`). The buffer is
+    bounded (``max_records`` metric points/tags/artifacts): when full the oldest records go first,
+    counted in :attr:`lost`. :meth:`close` delivers everything left within its timeout; what
+    could not be delivered is counted in :attr:`lost` (the caller records it in result.json) and
+    tagged ``tracking_lost_records`` on the run when the store takes it.
+    """
+
+    RETRY_MIN_S = 0.5
+    RETRY_MAX_S = 30.0
+
+    def __init__(self, uri: str, run_id: str, max_records: int = 200_000) -> None:
         self.uri = uri
         self.run_id = run_id
-        self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.max_records = int(max_records)
+        self._buf: deque[tuple[str, Any]] = deque()
+        self._size = 0
+        self._cond = threading.Condition()
+        self._stop_deadline: Optional[float] = None
+        self._inflight = 0
         self._thread = threading.Thread(target=self._loop, name="mlflow-sink", daemon=True)
-        self._client = None
         self.errors = 0
+        """Failed deliveries (each retried)."""
+        self.lost = 0
+        """Records never delivered: dropped from a full buffer, or left when close ran out of time."""
+        self.delivered = 0
         self._last_ts = 0
         self._thread.start()
+
+    @staticmethod
+    def _count(kind: str, payload: Any) -> int:
+        return len(payload) if kind in ("metrics", "tags") else 1
+
+    def _put(self, kind: str, payload: Any) -> None:
+        n = self._count(kind, payload)
+        if n == 0:
+            return
+        with self._cond:
+            self._buf.append((kind, payload))
+            self._size += n
+            while self._size > self.max_records and len(self._buf) > 1:
+                k, p = self._buf.popleft()  # drop oldest
+                c = self._count(k, p)
+                self._size -= c
+                if self.lost == 0:
+                    log.warning("mlflow sink: buffer full (%d records): dropping the oldest", self.max_records)
+                self.lost += c
+            self._cond.notify()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         # Strictly increasing timestamps: the SQL store drops a point equal in (key, step, value, time).
         ts = max(int(time.time() * 1000), self._last_ts + 1)
         self._last_ts = ts
-        self._q.put(("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None]))
+        self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._q.put(("tags", {k: str(v) for k, v in tags.items()}))
+        self._put("tags", {k: str(v) for k, v in tags.items()})
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
-        self._q.put(("artifact", (path, artifact_path)))
+        self._put("artifact", (path, artifact_path))
+
+    @property
+    def pending(self) -> int:
+        """Records not yet delivered (buffered or being delivered)."""
+        with self._cond:
+            return self._size + self._inflight
 
     def _flush_metrics(self, c, points: list) -> None:
         from mlflow.entities import Metric
@@ -135,56 +228,108 @@ class MlflowSink:
         for i in range(0, len(points), 900):
             c.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in points[i:i + 900]])
 
+    def _deliver(self, c, kind: str, payload: Any) -> None:
+        if kind == "metrics":
+            self._flush_metrics(c, payload)
+        elif kind == "tags":
+            from mlflow.entities import RunTag
+
+            c.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in payload.items()])
+        elif kind == "artifact":
+            path, ap = payload
+            if os.path.isdir(path):
+                c.log_artifacts(self.run_id, path, ap)
+            elif os.path.exists(path):
+                c.log_artifact(self.run_id, path, ap)
+
+    def _take(self) -> list[tuple[str, Any]]:
+        """The next delivery: consecutive metric records coalesced (up to 900 points), else one record."""
+        items = [self._buf.popleft()]
+        if items[0][0] == "metrics":
+            n = len(items[0][1])
+            while self._buf and self._buf[0][0] == "metrics" and n + len(self._buf[0][1]) <= 900:
+                items.append(self._buf.popleft())
+                n += len(items[-1][1])
+        return items
+
     def _loop(self) -> None:
-        c = client(self.uri)
+        c = None
+        backoff = self.RETRY_MIN_S
+        failing = False
         while True:
-            kind, payload = self._q.get()
-            if kind == "stop":
-                self._q.task_done()
-                return
-            batch: list = []
-            items = [(kind, payload)]
-            while True:  # coalesce whatever queued up meanwhile
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            stop = False
+            with self._cond:
+                while not self._buf and self._stop_deadline is None:
+                    self._cond.wait()
+                if not self._buf:
+                    return  # stopped, everything delivered
+                if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                    return  # close's time is up: close counts what is left
+                items = self._take()
+                n = sum(self._count(k, p) for k, p in items)
+                self._size -= n
+                self._inflight = n
             try:
-                for k, p in items:
-                    if k == "metrics":
-                        batch.extend(p)
-                        continue
-                    if batch:
-                        self._flush_metrics(c, batch)
-                        batch = []
-                    if k == "tags":
-                        for tk, tv in p.items():
-                            c.set_tag(self.run_id, tk, tv)
-                    elif k == "artifact":
-                        path, ap = p
-                        if os.path.isdir(path):
-                            c.log_artifacts(self.run_id, path, ap)
-                        elif os.path.exists(path):
-                            c.log_artifact(self.run_id, path, ap)
-                    elif k == "stop":
-                        stop = True
-                if batch:
-                    self._flush_metrics(c, batch)
-            except Exception as e:  # the store must never kill training
+                if c is None:
+                    c = client(self.uri)
+                if items[0][0] == "metrics":
+                    self._flush_metrics(c, [pt for _, p in items for pt in p])
+                else:
+                    self._deliver(c, *items[0])
+            except Exception as e:  # the store must never kill training: keep the records, retry later
                 self.errors += 1
-                log.warning("mlflow sink: %s", e)
-            for _ in items:
-                self._q.task_done()
-            if stop:
-                return
+                if not failing:
+                    log.warning("mlflow sink: delivery failed, retrying with backoff (records kept): %s",
+                                str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+                failing = True
+                with self._cond:
+                    self._inflight = 0
+                    self._buf.extendleft(reversed(items))
+                    self._size += n
+                    wait = backoff
+                    if self._stop_deadline is not None:
+                        wait = min(wait, max(0.0, self._stop_deadline - time.monotonic()))
+                    self._cond.wait(wait)  # a close() wakes it early
+                backoff = min(backoff * 2, self.RETRY_MAX_S)
+                continue
+            with self._cond:
+                self._inflight = 0
+                self.delivered += n
+            if failing:
+                log.warning("mlflow sink: the store answers again (%d failed deliveries so far)", self.errors)
+            failing, backoff = False, self.RETRY_MIN_S
 
     def close(self, status: Optional[str] = None, timeout: float = 60.0) -> None:
-        """Flush everything queued, then optionally terminate the run with ``status``."""
-        self._q.put(("stop", None))
-        self._thread.join(timeout)
-        if status:
+        """Deliver everything buffered (retrying, at most ``timeout`` s in all), count what is left in
+        :attr:`lost`, then optionally terminate the run with ``status``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._stop_deadline = deadline
+            self._cond.notify_all()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
+        with self._cond:
+            left = self._size + self._inflight
+            self._buf.clear()
+            self._size = 0
+        if left:
+            self.lost += left
+        if self.lost:
+            log.error("mlflow sink: %d record(s) could not be delivered to %s", self.lost, redact_uri(self.uri))
+        rest = max(1.0, deadline - time.monotonic())
+        if self.lost or status:
+            self._finish(status, rest)
+
+    def _finish(self, status: Optional[str], budget_s: float) -> None:
+        """The loss tag and the terminal status, in a helper thread so a hung store cannot hold close past its budget."""
+        def work() -> None:
             try:
-                client(self.uri).set_terminated(self.run_id, status=status)
+                c = client(self.uri)
+                if self.lost:
+                    c.set_tag(self.run_id, "tracking_lost_records", str(self.lost))
+                if status:
+                    c.set_terminated(self.run_id, status=status)
             except Exception as e:
                 log.warning("mlflow sink: could not end run: %s", e)
+
+        t = threading.Thread(target=work, name="mlflow-sink-end", daemon=True)
+        t.start()
+        t.join(budget_s)

@@ -24,6 +24,15 @@ Why it looks like this:
   the token never crosses the wire. Both sides send a fresh nonce, so neither
   a ``hello`` nor a ``welcome`` can be replayed, and the client checks the
   server's ``welcome`` too (a rank never takes orders from an impostor).
+* Every frame after the handshake is authenticated: its magic is ``FDLA`` and
+  it carries a 32-byte trailer, HMAC-SHA256 under a per-direction session key
+  (derived from the token and both handshake nonces) over a 64-bit per-direction
+  sequence number, the prefix, the header and the payload. A frame that is
+  forged, tampered with, replayed, reordered, or not authenticated at all
+  raises :class:`FrameAuthError` and the connection is unusable.
+* The JSON header is capped at :data:`MAX_HEADER_BYTES` (1 MiB) from the prefix.
+* Sends may carry a stall deadline (``Connection.send_stall_timeout``): a peer
+  that accepts no byte for that long raises :class:`SendStalled`.
 """
 from __future__ import annotations
 
@@ -45,8 +54,12 @@ from typing import Any, Iterator
 import torch
 
 MAGIC = b"FDL1"
+MAGIC_AUTH = b"FDLA"  # a session frame: MAC trailer after the payload
 PREFIX = struct.Struct(">4sII")
 HANDSHAKE_MAX_FRAME = 64 * 1024
+MAX_HEADER_BYTES = 2**20  # the JSON header of any frame
+MAC_BYTES = 32
+_SEQ = struct.Struct(">Q")
 DEFAULT_STALL_TIMEOUT = 60.0  # max silence inside a frame once it has started
 _U32_MAX = 2**32 - 1
 _MAX_NDIM, _MAX_DIM = 32, 2**40
@@ -76,6 +89,14 @@ class ConnectionClosed(WireError):
 
 class AuthError(WireError):
     """The handshake failed: wrong token, wrong message, or a timeout."""
+
+
+class FrameAuthError(AuthError):
+    """A frame after the handshake failed its MAC (forged, tampered, replayed, reordered, unauthenticated)."""
+
+
+class SendStalled(WireError):
+    """The peer accepted no byte of a frame for ``send_stall_timeout`` seconds (it stopped reading)."""
 
 
 @dataclass
@@ -113,8 +134,8 @@ def encode_buffers(msg: Message) -> list[bytes | memoryview]:
     except (TypeError, ValueError) as e:
         raise WireError(f"fields are not JSON-serialisable: {e}") from None
     payload_len = sum(d["nbytes"] for d in descs)
-    if len(header) > _U32_MAX or payload_len > _U32_MAX:
-        raise FrameTooLarge(f"{msg.kind!r}: header or payload exceeds the u32 length field")
+    if len(header) > MAX_HEADER_BYTES or payload_len > _U32_MAX:
+        raise FrameTooLarge(f"{msg.kind!r}: header over {MAX_HEADER_BYTES} bytes or payload over the u32 length field")
     return [PREFIX.pack(MAGIC, len(header), payload_len) + header, *raws]
 
 
@@ -123,10 +144,14 @@ def encode(msg: Message) -> bytes:
     return b"".join(encode_buffers(msg))
 
 
-def _parse_prefix(prefix: bytes | bytearray, max_frame_bytes: int) -> tuple[int, int]:
+def _parse_prefix(prefix: bytes | bytearray, max_frame_bytes: int, magic_expected: bytes = MAGIC) -> tuple[int, int]:
     magic, header_len, payload_len = PREFIX.unpack(prefix)
-    if magic != MAGIC:
+    if magic != magic_expected:
+        if magic_expected == MAGIC_AUTH and magic == MAGIC:
+            raise FrameAuthError("unauthenticated frame after the handshake")
         raise WireError(f"bad magic {bytes(magic)!r} (not a flodl frame)")
+    if header_len > MAX_HEADER_BYTES:
+        raise FrameTooLarge(f"header of {header_len} bytes exceeds the cap of {MAX_HEADER_BYTES} bytes")
     if header_len + payload_len > max_frame_bytes:
         raise FrameTooLarge(f"frame of {header_len}+{payload_len} bytes exceeds the "
                             f"ceiling of {max_frame_bytes} bytes")
@@ -225,22 +250,48 @@ class Connection:
     The socket is kept blocking and waits use ``poll``, so a ``recv`` timeout never
     changes the socket timeout a concurrent ``send`` (e.g. a heartbeat) runs under.
     Any :class:`WireError` leaves the connection unusable: close it.
+
+    After the handshake (:func:`server_accept` / :func:`client_handshake`) every frame
+    is MACed both ways (see the module docstring). ``send_stall_timeout`` (None: wait
+    forever) bounds how long a send waits for the peer to accept more bytes.
     """
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int = HANDSHAKE_MAX_FRAME,
-                 peer: str | None = None, stall_timeout: float | None = DEFAULT_STALL_TIMEOUT) -> None:
+                 peer: str | None = None, stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+                 send_stall_timeout: float | None = None) -> None:
         sock.settimeout(None)
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
         self.stall_timeout = stall_timeout
+        self.send_stall_timeout = send_stall_timeout
         self.peer = peer or _peer_name(sock)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._wpoll = select.poll()
+        self._wpoll.register(sock, select.POLLOUT)
         self._broken: WireError | None = None
         self._closed = False
-        self._auth: tuple[bytes, bytes] | None = None  # (token, client nonce) for server_accept
+        self._auth: tuple[bytes, bytes, bytes] | None = None  # (token, server nonce, client nonce) for server_accept
+        self._tx_key: bytes | None = None  # session keys: set once the handshake succeeded
+        self._rx_key: bytes | None = None
+        self._tx_seq = 0
+        self._rx_seq = 0
+
+    @property
+    def authenticated(self) -> bool:
+        """True once frames are MACed (after a successful handshake)."""
+        return self._tx_key is not None
+
+    def _start_session(self, token: bytes | str, server_nonce: bytes, client_nonce: bytes, server: bool) -> None:
+        """Derive the per-direction session keys; every later frame is MACed and sequenced."""
+        with self._send_lock, self._recv_lock:
+            master = hmac.new(_key(token), b"flodl-session|" + server_nonce + client_nonce, hashlib.sha256).digest()
+            c2s = hmac.new(master, b"client->server", hashlib.sha256).digest()
+            s2c = hmac.new(master, b"server->client", hashlib.sha256).digest()
+            self._tx_key, self._rx_key = (s2c, c2s) if server else (c2s, s2c)
+            self._tx_seq = self._rx_seq = 0
 
     def __enter__(self) -> Connection:
         return self
@@ -259,6 +310,13 @@ class Connection:
         bufs = encode_buffers(msg)  # encoding errors never touch the stream
         with self._send_lock:
             self._check_usable()
+            if self._tx_key is not None:
+                bufs[0] = MAGIC_AUTH + bytes(memoryview(bufs[0])[len(MAGIC):])
+                mac = hmac.new(self._tx_key, _SEQ.pack(self._tx_seq), hashlib.sha256)
+                for b in bufs:
+                    mac.update(b)  # over the raw buffers: no copy of the tensor bytes
+                bufs.append(mac.digest())
+                self._tx_seq += 1
             try:
                 pending = bytearray()
                 for b in bufs:
@@ -266,17 +324,40 @@ class Connection:
                         pending += b
                         continue
                     if pending:
-                        self.sock.sendall(pending)
+                        self._sendall(pending)
                         pending = bytearray()
-                    self.sock.sendall(b)
+                    self._sendall(b)
                 if pending:
-                    self.sock.sendall(pending)
+                    self._sendall(pending)
+            except SendStalled as e:
+                self._broken = e
+                raise
             except OSError as e:
                 self._broken = ConnectionClosed(f"send to {self.peer} failed: {e}")
                 raise self._broken from e
             except BaseException as e:  # e.g. KeyboardInterrupt: a partial frame may be out
                 self._broken = WireError(f"send to {self.peer} aborted: {e!r}")
                 raise
+
+    def _sendall(self, buf: bytes | bytearray | memoryview) -> None:
+        stall = self.send_stall_timeout
+        if stall is None:
+            self.sock.sendall(buf)
+            return
+        view = memoryview(buf)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        ms = max(0, math.ceil(stall * 1000))
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += self.sock.send(view[sent:], socket.MSG_DONTWAIT)
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            if not self._wpoll.poll(ms):
+                raise SendStalled(f"{self.peer} accepted no data for {stall:.3g}s (it stopped reading); "
+                                  "stream abandoned")
 
     def recv(self, timeout: float | None = None) -> Message:
         """Next message. ``timeout`` bounds the wait for the frame to *start*
@@ -291,12 +372,27 @@ class Connection:
             try:
                 prefix = bytearray(PREFIX.size)
                 self._fill(prefix, deadline, False, whole_frame)
-                header_len, payload_len = _parse_prefix(prefix, self.max_frame_bytes)
+                key = self._rx_key
+                header_len, payload_len = _parse_prefix(prefix, self.max_frame_bytes,
+                                                        MAGIC if key is None else MAGIC_AUTH)
                 header = bytearray(header_len)
                 self._fill(header, deadline, True, whole_frame)
-                kind, fields, specs = _parse_header(header, payload_len)
+                if key is None:
+                    kind, fields, specs = _parse_header(header, payload_len)
                 payload = bytearray(payload_len)
                 self._fill(payload, deadline, True, whole_frame)
+                if key is not None:  # verify before anything in the frame is parsed
+                    tag = bytearray(MAC_BYTES)
+                    self._fill(tag, deadline, True, whole_frame)
+                    mac = hmac.new(key, _SEQ.pack(self._rx_seq), hashlib.sha256)
+                    mac.update(prefix)
+                    mac.update(header)
+                    mac.update(payload)
+                    if not hmac.compare_digest(mac.digest(), tag):
+                        raise FrameAuthError(f"frame from {self.peer} failed its MAC "
+                                             f"(forged, tampered, replayed or reordered; seq {self._rx_seq})")
+                    self._rx_seq += 1
+                    kind, fields, specs = _parse_header(header, payload_len)
                 return Message(kind, fields, _build_tensors(specs, payload))
             except TimeoutError:  # only raised before any byte of the frame was consumed
                 raise
@@ -420,7 +516,7 @@ def server_handshake(conn: Connection, token: bytes | str, timeout: float) -> di
             server_reject(conn, "authentication failed")
             raise
         client_nonce = _hex32(fields.pop("nonce", None), "hello nonce")
-    conn._auth = (_key(token), client_nonce)
+    conn._auth = (_key(token), nonce, client_nonce)
     return fields
 
 
@@ -431,9 +527,10 @@ def server_accept(conn: Connection, fields: dict[str, Any] | None = None) -> Non
     fields = dict(fields or {})
     if "mac" in fields:
         raise ValueError("'mac' is a reserved welcome field")
-    token, client_nonce = conn._auth
+    token, server_nonce, client_nonce = conn._auth
     conn._auth = None
     conn.send(Message("welcome", {**fields, "mac": _mac(token, b"welcome", client_nonce, fields)}))
+    conn._start_session(token, server_nonce, client_nonce, server=True)
 
 
 def server_reject(conn: Connection, reason: str) -> None:
@@ -463,7 +560,9 @@ def client_handshake(conn: Connection, token: bytes | str, hello_fields: dict[st
             welcome = _hs_recv(conn, deadline, "welcome")
         except ConnectionClosed as e:
             raise AuthError(f"{conn.peer} closed the connection during the handshake ({e})") from None
-        return _verify(token, b"welcome", nonce, welcome.fields)
+        verified = _verify(token, b"welcome", nonce, welcome.fields)
+    conn._start_session(token, server_nonce, nonce, server=False)
+    return verified
 
 
 # ---------------------------------------------------------------- sockets

@@ -22,13 +22,20 @@ def _launch(store, *overrides):
 _wait_for = wait_for
 
 
-@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
-def test_sigkill_of_one_rank_of_three_recovers(store, mode, monkeypatch):
-    monkeypatch.setenv("FLODL_FAULT_INJECT", "1:25:kill")  # mid epoch 2 (about 15 batches per rank per epoch)
-    h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5")
+@pytest.mark.parametrize(("mode", "fault"), [("nccl_cadence", "kill"), ("cpu_cadence", "kill"),
+                                            ("nccl_cadence", "stall"), ("cpu_async", "stall")])
+def test_a_lost_rank_of_three_recovers(store, mode, fault, monkeypatch):
+    """kill: the process dies. stall: only its main thread stops (a hung read) while its heartbeat beats on;
+    the progress watch declares it dead and evicts it, and the run recovers the same way."""
+    monkeypatch.setenv("FLODL_FAULT_INJECT", f"1:25:{fault}")  # mid epoch 2 (about 15 batches per rank per epoch)
+    h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=8")
     res = h.wait()
     assert res["status"] == "FINISHED"
     assert [d["rank"] for d in res["deaths"]] == [1]
+    if fault == "stall":
+        assert "no training step" in res["deaths"][0]["reason"]
+        pid = next(e["pid"] for e in read_events(Path(h.job_dir)) if e.get("event") == "joined" and e["rank"] == 1)
+        _wait_for(lambda: not alive(pid), timeout=60, what="the evicted rank's process to end")
     assert res["final_eval"]["eval/accuracy"] >= 0.90
     # Every pick of every epoch exactly once, though rank 1 died mid-window: what it trained since its last
     # reduce went back to the survivors (the death record says how much), the rest stayed covered.

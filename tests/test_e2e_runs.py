@@ -1,8 +1,15 @@
 """End-to-end runs on real processes: the CLI, submitit ranks, the coordinator, MLflow."""
 from __future__ import annotations
 
+import json
+import os
+import stat
+from pathlib import Path
+
 import pytest
 from mlflow.tracking import MlflowClient
+
+from flodl_exp.tracking import redact_uri
 
 from conftest import (
     alive,
@@ -25,8 +32,17 @@ def _run(store, *args):
     return r, job_dir_of(r.stdout), run_id_of(r.stdout)
 
 
+SECRET = "S3cr3tPw0rd"
+
+
 def test_single_rank_run_logs_to_mlflow(store):
-    r, job, run_id = _run(store, "experiment=digits_mlp", "cluster.ranks_per_node=1", "experiment.epochs=5")
+    """Also (issue 14): a password in the tracking URI is written nowhere, and the job folder is owner-only."""
+    uri = f"{store['uri']}?password={SECRET}"
+    args = [a for a in base_overrides(store) if not a.startswith("tracking.uri=")]
+    r = run_cli([*args, f"tracking.uri='{uri}'", "experiment=digits_mlp", "cluster.ranks_per_node=1", "experiment.epochs=5"])
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    job, run_id = job_dir_of(r.stdout), run_id_of(r.stdout)
+    _assert_private(store, job, uri, r.stdout, run_id)
     c = MlflowClient(store["uri"])
     run = c.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -41,6 +57,24 @@ def test_single_rank_run_logs_to_mlflow(store):
     assert "checkpoints/final.pt" in arts
     assert_exact_coverage(res, 32)
     assert not any(alive(p) for p in pids_of(job))
+
+
+def _assert_private(store, job, uri, stdout, run_id) -> None:
+    assert SECRET not in stdout
+    leaks = [str(p) for p in Path(store["dir"]).rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    # store["dir"] holds the MLflow database and artifacts, every job folder and Hydra's run folders
+    assert leaks == [], "the password reached a file (store, artifacts or job folder)"
+    spec = json.loads((job / "spec.json").read_text())
+    assert spec["tracking_uri"] == redact_uri(uri) and spec["config"]["tracking"]["uri"] == redact_uri(uri)
+    assert MlflowClient(store["uri"]).get_run(run_id).data.params["tracking.uri"] == redact_uri(uri)
+    for p in (job, job / "submitit", job / "checkpoints", job / "ranks"):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700, p
+    for p in (job / "spec.json", job / "config.yaml"):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+    umask = os.umask(0o022)
+    os.umask(umask)
+    pieces = [p for p in (job / "checkpoints").iterdir() if p.name.startswith("final.")]
+    assert pieces and {stat.S_IMODE(os.stat(p).st_mode) for p in pieces} == {0o666 & ~umask}, "bundles follow the umask"
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -17,7 +17,7 @@ def _fresh_gates():
     fault_inject._gates_done.clear()
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit", "kill", "hang"])
+@pytest.mark.parametrize("kind", ["raise", "exit", "kill", "hang", "stall"])
 def test_parse_keeps_the_classic_kinds(kind):
     assert parse_fault(f"1:25:{kind}", 1) == (25, kind)
     assert parse_fault(f"1:25:{kind}", 0) is None

@@ -419,7 +419,7 @@ def test_handshake_wrong_token():
 def test_client_rejects_impostor_server():
     def impostor(conn):
         server_handshake(conn, TOKEN, timeout=5)  # passes: the client has the real token ...
-        conn._auth = (b"not the token", conn._auth[1])  # ... but the server cannot prove it has it
+        conn._auth = (b"not the token", *conn._auth[1:])  # ... but the server cannot prove it has it
         server_accept(conn, {"evil": True})
     srv = Server(impostor)
     with dial("127.0.0.1", srv.port, timeout=5) as c:
@@ -552,3 +552,196 @@ def test_frame_ceiling():
 def test_new_token():
     toks = {new_token() for _ in range(8)}
     assert len(toks) == 8 and all(len(t) == 64 and bytes.fromhex(t) for t in toks)
+
+
+# ------------------------------------------------------------------ session MACs (issue 14)
+class Mitm:
+    """client <-> relay <-> server over two socketpairs: the relay records client->server bytes,
+    can hold them back instead of forwarding, and can inject bytes towards the server."""
+
+    def __init__(self):
+        c, self.ca = socket.socketpair()
+        self.sb, s = socket.socketpair()
+        self.client = Connection(c, max_frame_bytes=64 * MiB)
+        self.server = Connection(s, max_frame_bytes=64 * MiB)
+        self.log = bytearray()
+        self.s2c_log = bytearray()
+        self.held = bytearray()
+        self.hold = False
+        self.cond = threading.Condition()
+        for src, fn in ((self.ca, self._c2s), (self.sb, self._s2c)):
+            threading.Thread(target=fn, args=(src,), daemon=True).start()
+
+    def _c2s(self, src):
+        while data := _recv_or_eof(src):
+            with self.cond:
+                if self.hold:
+                    self.held += data
+                else:
+                    self.log += data
+                    self.sb.sendall(data)
+                self.cond.notify_all()
+
+    def _s2c(self, src):
+        while data := _recv_or_eof(src):
+            with self.cond:
+                self.s2c_log += data
+            self.ca.sendall(data)
+
+    def inject(self, data: bytes) -> None:
+        with self.cond:
+            self.sb.sendall(data)
+
+    def wait_held(self, n: int, timeout: float = 10) -> bytes:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.held) >= n, timeout), f"held {len(self.held)} of {n}"
+            out = bytes(self.held)
+            self.held.clear()
+            return out
+
+    def handshake(self):
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            hello=server_handshake(self.server, TOKEN, timeout=5)) or server_accept(self.server, {"w": 2}))
+        t.start()
+        assert client_handshake(self.client, TOKEN, {"rank": 0}, timeout=5) == {"w": 2}
+        t.join(5)
+        assert out["hello"] == {"rank": 0}
+        with self.cond:
+            self.log.clear()
+            self.s2c_log.clear()
+        return self
+
+    def close(self):
+        for s in (self.client, self.server):
+            s.close()
+        for s in (self.ca, self.sb):
+            s.close()
+
+
+def _recv_or_eof(s: socket.socket) -> bytes:
+    try:
+        return s.recv(1 << 20)
+    except OSError:
+        return b""
+
+
+@pytest.fixture
+def mitm():
+    m = Mitm().handshake()
+    yield m
+    m.close()
+
+
+def _framed_len(msg: Message) -> int:
+    return len(encode(msg)) + wire.MAC_BYTES
+
+
+def test_session_frames_are_maced_and_flow_both_ways(mitm):
+    assert mitm.client.authenticated and mitm.server.authenticated
+    big = torch.randn(4 * MiB)  # 16 MiB: a model-sized update, bigger than any socket buffer
+    t = threading.Thread(target=mitm.server.send, args=(Message("update", {"v": 3}, {"w": big}),))
+    t.start()
+    got = mitm.client.recv(timeout=10)
+    t.join(10)
+    assert got.kind == "update" and got.fields == {"v": 3} and torch.equal(got.tensors["w"], big)
+    for i in range(3):
+        mitm.client.send(Message("batch", {"i": i}, {"g": torch.arange(5.0)}))
+        back = mitm.server.recv(timeout=5)
+        assert back.fields == {"i": i} and torch.equal(back.tensors["g"], torch.arange(5.0))
+    frame = bytes(mitm.log[:_framed_len(Message("batch", {"i": 0}, {"g": torch.arange(5.0)}))])
+    assert frame[:4] == wire.MAGIC_AUTH  # on the wire: authenticated magic and a 32-byte trailer
+    assert frame[:-32] == wire.MAGIC_AUTH + encode(Message("batch", {"i": 0}, {"g": torch.arange(5.0)}))[4:]
+
+
+def _expect_frame_auth_error(conn: Connection) -> None:
+    with pytest.raises(wire.FrameAuthError):
+        conn.recv(timeout=5)
+    with pytest.raises(WireError):  # the connection is unusable from then on
+        conn.recv(timeout=0)
+
+
+def test_injected_unmaced_frame_closes_the_connection(mitm):
+    mitm.inject(encode(Message("save", {"path": "/tmp/x"})))
+    _expect_frame_auth_error(mitm.server)
+
+
+def test_forged_frame_with_a_made_up_mac_is_rejected(mitm):
+    mitm.inject(wire.MAGIC_AUTH + encode(Message("save", {"path": "/tmp/x"}))[4:] + os.urandom(32))
+    _expect_frame_auth_error(mitm.server)
+
+
+def test_tampered_frame_is_rejected(mitm):
+    mitm.hold = True
+    msg = Message("update", {"v": 1}, {"w": torch.zeros(1000)})
+    mitm.client.send(msg)
+    frame = bytearray(mitm.wait_held(_framed_len(msg)))
+    frame[-40] ^= 0x01  # one bit of the tensor bytes
+    mitm.inject(bytes(frame))
+    _expect_frame_auth_error(mitm.server)
+
+
+def test_replayed_frame_is_rejected(mitm):
+    msg = Message("save", {"path": "/tmp/x"})
+    mitm.client.send(msg)
+    assert mitm.server.recv(timeout=5) == msg
+    with mitm.cond:
+        captured = bytes(mitm.log)
+    assert len(captured) == _framed_len(msg)
+    mitm.inject(captured)  # a byte-exact copy of a frame the server already accepted
+    _expect_frame_auth_error(mitm.server)
+
+
+def test_reordered_frames_are_rejected(mitm):
+    mitm.hold = True
+    first, second = Message("a", {"n": 1}), Message("b", {"n": 2})
+    mitm.client.send(first)
+    f1 = mitm.wait_held(_framed_len(first))
+    mitm.client.send(second)
+    f2 = mitm.wait_held(_framed_len(second))
+    mitm.inject(f2 + f1)
+    _expect_frame_auth_error(mitm.server)
+
+
+def test_a_frame_cannot_be_reflected_to_its_sender(mitm):
+    # the server's own frame sent back to it: the directions have different keys
+    mitm.server.send(Message("beacon"))
+    assert mitm.client.recv(timeout=5).kind == "beacon"
+    with mitm.cond:
+        reflected = bytes(mitm.s2c_log)
+    assert len(reflected) == _framed_len(Message("beacon"))
+    mitm.inject(reflected)
+    _expect_frame_auth_error(mitm.server)
+
+
+def test_header_is_capped_from_the_prefix_without_allocation():
+    s, r = socket.socketpair()
+    conn = Connection(r, max_frame_bytes=64 * MiB, stall_timeout=2)  # the frame ceiling alone would allow it
+    s.sendall(struct.pack(">4sII", b"FDL1", wire.MAX_HEADER_BYTES + 1, 0))  # sends no header
+    tracemalloc.start()
+    try:
+        with pytest.raises(FrameTooLarge, match="header"):
+            conn.recv(timeout=5)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MiB
+    with pytest.raises(FrameTooLarge):
+        encode(Message("x", {"s": "a" * wire.MAX_HEADER_BYTES}))
+    s.close()
+    conn.close()
+
+
+def test_send_stall_deadline_breaks_the_connection():
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn = Connection(a, send_stall_timeout=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(wire.SendStalled):
+        conn.send(Message("update", {}, {"w": torch.zeros(4 * MiB)}))  # b never reads
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(WireError):
+        conn.send(Message("more"))
+    conn.close()
+    b.close()

@@ -3,6 +3,7 @@ events for the launcher (:class:`EventLog`, ``events.jsonl`` in the job folder).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Callable, Protocol
 
@@ -31,13 +32,16 @@ class Outbox:
 
 
 class EventLog:
-    """Append-only progress events (shared storage on SLURM), mirrored into the record log's root ring."""
+    """Append-only progress events (shared storage on SLURM), mirrored into the record log's root ring.
+
+    A failed append (a full disk) never raises into the coordinator: logged once, counted in ``dropped``."""
 
     def __init__(self, job_dir: str, records: RecordLog, clock: Callable[[], float]) -> None:
         self._path = os.path.join(job_dir, "events.jsonl")
         self._records = records
         self._clock = clock
         self._t0 = clock()
+        self.dropped = 0
 
     @property
     def path(self) -> str:
@@ -48,6 +52,12 @@ class EventLog:
 
     def emit(self, event: dict[str, Any]) -> None:
         event = dict(event, t=round(self.elapsed(), 3))
-        with open(self._path, "a") as fh:
-            fh.write(json.dumps(event) + "\n")
+        try:
+            with open(self._path, "a") as fh:
+                fh.write(json.dumps(event, default=str) + "\n")
+        except OSError as e:
+            if self.dropped == 0:
+                logging.getLogger("flodl_exp.coordinator").warning(
+                    "events %s: write failed (%s); further dropped events are counted, not logged", self._path, e)
+            self.dropped += 1
         self._records.root(str(event.get("event", "event")), {k: v for k, v in event.items() if k != "event"})

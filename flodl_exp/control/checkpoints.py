@@ -1,9 +1,12 @@
 """Checkpoint bundles on the coordinator side (algorithms.md 8): who writes which piece, the
 meta, and the periodic and coverage-granular bundles.
 
-* :class:`BundleWriter` owns the saves in flight: it sends ``save`` to every live rank
-  (the primary writes the model and ``.optim.pt``, the others ``.optim.r<N>.pt``),
-  collects ``save_result``s, writes ``<stem>.meta.json`` and logs the pieces to MLflow.
+* :class:`BundleWriter` owns the saves in flight: it removes what an earlier save left under the
+  stem, sends ``save`` to every live rank (the primary writes the model and ``.optim.pt``, the
+  others ``.optim.r<N>.pt``), collects ``save_result``s, writes ``<stem>.meta.json`` last (listing
+  the pieces written) and logs the pieces to MLflow. A bundle with a failed piece (a rank's save
+  error, the model piece written nowhere, the meta write failing) gets no meta: it is recorded in
+  :attr:`BundleWriter.failed`, logged, and tagged ``bundle_failed.<name>`` on the run.
 * :class:`Checkpoints` owns ``checkpoint.every`` (after epoch e with (e+1) % N == 0 is
   aggregated, the next epoch is held, a consensus reduce settles every live rank's
   steps, the bundle is written, training resumes: exactly the consensus at the epoch
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -59,6 +62,19 @@ class BundleWriter:
         self.model_rank: Optional[int] = None
         """The rank writing the bundle's model piece (a failed write moves to another live rank)."""
         self.model_tried: set[int] = set()
+        self.failed: dict[str, str] = {}
+        """stem -> why the bundle failed (no meta was written for it)."""
+        self._expected: dict[int, deque[list[str]]] = {}
+        """rank -> the pieces each of its outstanding saves writes (file names), in send order."""
+        self._written: set[str] = set()
+        self._errors: list[str] = []
+        self._model_error: Optional[str] = None
+        self._concluded: Optional[str] = None
+        """The stem in progress once its saves settled and its outcome was decided."""
+        self._deferred: dict[str, dict[str, Any]] = {}
+        """Metas asked for before their pieces were written (ShutdownWithSave): written when they settle."""
+        self.completed: set[str] = set()
+        """Stems whose meta this writer wrote."""
 
     def stem_for(self, kind: str, epoch: Optional[int] = None) -> str:
         if kind == "final":
@@ -78,19 +94,44 @@ class BundleWriter:
         """Ranks with a save outstanding."""
         return sorted(r for r, n in self._pending.items() if n > 0)
 
-    def expect(self, r: int) -> None:
+    def _pieces(self, r: int, primary: bool, model: bool) -> list[str]:
+        from ..checkpoint import model_path, optim_path
+
+        stem = self.stem_in_progress or self.stem
+        names = [optim_path(stem, r, primary)]
+        if model:
+            names.insert(0, model_path(stem))
+        return [os.path.basename(n) for n in names]
+
+    def expect(self, r: int, *, primary: bool = True, model: bool = True) -> None:
+        """One more ``save_result`` from ``r``; by default for a model + ``.optim.pt`` save (the coordinator's
+        re-sent final model piece)."""
         self._pending[r] += 1
+        self._expected.setdefault(r, deque()).append(self._pieces(r, primary, model))
 
     def _settle(self, r: int) -> None:
         if self._pending[r] > 0:
             self._pending[r] -= 1
 
     def send_saves(self, stem: str, *, model_rank: Optional[int] = None) -> None:
+        from ..checkpoint import remove_bundle
+
         alive = self._cohort.alive_ranks()
         primary = self._cohort.primary() if model_rank is None else model_rank
-        self._pending = Counter(alive)
+        self._pending = Counter()
+        self._expected = {}
         self.stem_in_progress, self.model_rank, self.model_tried = stem, primary, {primary}
+        self._written, self._errors, self._model_error, self._concluded = set(), [], None, None
+        self.failed.pop(stem, None)
+        self.completed.discard(stem)
+        try:
+            gone = remove_bundle(stem)  # before any piece is written: old and new pieces never mix
+            if gone:
+                log.warning("bundle %s: removed %d piece(s) of an earlier save", stem, len(gone))
+        except OSError as e:
+            self._errors.append(f"could not remove the earlier pieces: {e}")
         for r in alive:
+            self.expect(r, primary=r == primary, model=r == primary)
             self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=self._consensus))
 
     @property
@@ -98,12 +139,23 @@ class BundleWriter:
         return self._cycle.backend == "cpu"  # the consensus frame, not a blended replica
 
     def on_result(self, r: int, res: SaveResult) -> None:
+        q = self._expected.get(r)
+        pieces = q.popleft() if q else []
+        current = res.stem == self.stem_in_progress
         if res.error:
             log.warning("rank %d could not save %s: %s", r, res.stem, res.error)
             self._sink.set_tags({f"save_error.rank{r}": str(res.error)[:2000]})
+            if current:
+                if r == self.model_rank:
+                    self._model_error = f"rank {r}: {res.error}"  # recovered if another rank writes the model
+                else:
+                    self._errors.append(f"rank {r}: {res.error}")
+        elif current:
+            self._written.update(pieces)
         self._settle(r)
-        if res.error and r == self.model_rank and res.stem == self.stem_in_progress:
+        if res.error and r == self.model_rank and current:
             self._retry_model_piece(res.stem, res.error)
+        self._maybe_conclude()
 
     def _retry_model_piece(self, stem: str, error: str) -> None:
         """The model piece failed on its rank: write it from another live rank (its replica is the same
@@ -123,17 +175,53 @@ class BundleWriter:
 
     def drop(self, r: int) -> None:
         self._pending.pop(r, None)
+        self._expected.pop(r, None)
+        self._maybe_conclude()
+
+    def _maybe_conclude(self) -> None:
+        """Once the saves of the bundle in progress settled: decide whether it failed; write a deferred meta."""
+        stem = self.stem_in_progress
+        if stem is None or not self.settled or self._concluded == stem:
+            return
+        self._concluded = stem
+        from ..checkpoint import model_path
+
+        errors = list(self._errors)
+        if os.path.basename(model_path(stem)) not in self._written:
+            errors.insert(0, f"the model piece was not written ({self._model_error or 'no live rank wrote it'})")
+        if errors:
+            self._fail(stem, "; ".join(errors))
+        elif stem in self._deferred:
+            self._write(stem, self._deferred.pop(stem))
+
+    def _fail(self, stem: str, error: str) -> None:
+        self.failed[stem] = error
+        self._deferred.pop(stem, None)
+        log.error("bundle %s FAILED, no meta written (not resumable): %s", stem, error)
+        self._sink.set_tags({f"bundle_failed.{os.path.basename(stem)[:200]}": f"{stem}: {error}"[:5000]})
+
+    def _write(self, stem: str, meta: dict[str, Any]) -> None:
+        from ..checkpoint import write_meta
+
+        try:
+            write_meta(stem, dict(meta, pieces=sorted(self._written)))
+        except OSError as e:
+            self._fail(stem, f"the meta could not be written ({e})")
+            return
+        self.completed.add(stem)
 
     def write_meta(self, reason: str, stem: Optional[str] = None, *, epoch: Optional[int] = None,
                    coverage_epochs: Optional[list[dict[str, Any]]] = None) -> None:
-        from ..checkpoint import write_meta
+        """The meta of ``stem``, written last: at once when its saves settled and none failed, after they
+        settle when they are still to come (ShutdownWithSave asks first), never for a failed bundle."""
         from ..partition import PERMUTATION_ALGORITHM
 
+        stem = stem or self.stem
         f = self.facts
         guard = self._cycle.guard
         elche = self._cycle.elche
         trend = guard.state_dict().get("trend_history") or None
-        write_meta(stem or self.stem, {
+        meta = {
             "epoch": f.epochs if epoch is None else int(epoch),
             **self._cycle.state_for_meta(),
             "world_size_at_save": f.world_size,
@@ -146,9 +234,21 @@ class BundleWriter:
             "guard_state": guard.state_dict(),
             "coverage": {"seed": f.shuffle_seed, "algorithm": PERMUTATION_ALGORITHM,
                          "batch_size": f.batch_size, "per_epoch": coverage_epochs or []},
-        })
+        }
+        if stem in self.failed:
+            log.error("bundle %s: no meta (%s)", stem, self.failed[stem])
+            return
+        if stem != self.stem_in_progress or not self.settled:
+            self._deferred[stem] = meta
+            return
+        self._maybe_conclude()
+        if stem in self.failed:
+            return
+        self._write(stem, meta)
 
     def log_bundle(self, stem: str, artifact_path: str) -> None:
+        if stem not in self.completed:
+            return  # failed, or its meta is still to come: nothing resumable to log
         d, name = os.path.dirname(stem), os.path.basename(stem)
         if not os.path.isdir(d):
             return

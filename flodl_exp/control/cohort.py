@@ -141,3 +141,38 @@ class Cohort:
             self.callback_rank = min(alive, key=lambda q: (smoothed_ms(q) or math.inf, q))
         elif force or not self._alive[self.callback_rank]:
             self.callback_rank = alive[0]
+
+
+class ProgressWatch:
+    """Ranks whose main thread is stuck while their heartbeat thread beats on (issue: a hung data read).
+
+    Each heartbeat says what the rank's main thread does (``state``) and its step count. A rank in
+    ``train`` (a chunk in progress) whose step count has not moved for ``timeout_s`` is stuck. Any
+    other state (a collective waiting on peers, an eval, a save, a wait for the coordinator) restarts
+    the clock: those waits are not the rank's own lack of progress, and have their own deadlines.
+    Pure: the coordinator feeds heartbeats and asks :meth:`stuck` each tick.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = float(timeout_s)
+        self._since: dict[int, float] = {}
+        self._steps: dict[int, Optional[int]] = {}
+
+    def on_heartbeat(self, r: int, state: Optional[str], steps: Optional[int], now: float) -> None:
+        if state != "train" or steps is None:
+            self._since.pop(r, None)
+            self._steps[r] = steps
+            return
+        if r not in self._since or self._steps.get(r) != steps:
+            self._since[r] = now
+        self._steps[r] = steps
+
+    def forget(self, r: int) -> None:
+        self._since.pop(r, None)
+        self._steps.pop(r, None)
+
+    def stuck(self, now: float) -> list[tuple[int, float]]:
+        """(rank, seconds without a step) for each stuck rank; none when the watch is off."""
+        if self.timeout_s <= 0:
+            return []
+        return [(r, now - t) for r, t in sorted(self._since.items()) if now - t > self.timeout_s]

@@ -34,6 +34,7 @@ from ..protocol import (
     ChunkMetrics,
     CoordHeartbeat,
     EvalResult,
+    Evict,
     ExecuteEval,
     Exiting,
     FormGroup,
@@ -52,7 +53,7 @@ from ..protocol import Shutdown as ShutdownMsg
 from ..wire import Message
 from .channels import EventLog, Outbox, Transport
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
-from .cohort import Cohort
+from .cohort import Cohort, ProgressWatch
 from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle, ReduceOutcome
 from .devices import CollectiveRefused, RankDevice, choose_collective
@@ -95,6 +96,7 @@ class Coordinator:
         self._node = os.uname().nodename
         self.life = Lifecycle()
         self.cohort = Cohort(w, shape.fixed_callback_rank, clock())
+        self.progress = ProgressWatch(cfg.cluster.progress_timeout_s)
         self.records = RecordLog(os.path.abspath(cfg.record_log.dir) if cfg.record_log.dir else None, cfg.record_log.max_bytes)
         self.events = EventLog(job_dir, self.records, clock)
         self.outbox = Outbox(server, self.cohort)
@@ -148,7 +150,7 @@ class Coordinator:
             Batch: self._on_batch, SyncAck: self._on_ack, Snapshot: self._on_snapshot, ChunkMetrics: self._on_metrics,
             EvalResult: self._on_eval, SaveResult: self._on_save_result, RankError: self._on_error,
             SessionReady: self.faults.on_session_ready,
-            Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: lambda r, p: None,
+            Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: self._on_heartbeat,
         }
 
     def _restore(self, meta: dict[str, Any]) -> None:
@@ -246,6 +248,9 @@ class Coordinator:
         self._beacon(now)                                    # 2. coordinator -> rank heartbeat
         for r in self.cohort.stale(now, self.hb_timeout):    # 3. dead ranks, before any gate
             self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
+        for r, idle in self.progress.stuck(now):             #    stuck main threads (heartbeat alive)
+            self.evict(r, f"no training step for {idle:.0f}s with a chunk in progress while its heartbeat "
+                          "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
         self.faults.tick(now)                                # 4. regroup retries (a silent generator)
         self.preemption.tick()                               #    signals (SLURM, time limit)
         if self._tick_ending(now):
@@ -461,8 +466,12 @@ class Coordinator:
 
     def _maybe_complete(self) -> None:
         if self.life.is_(Phase.FINISHING) and self.final_eval_rank is None and self.writer.settled:
-            self.life.end(Status.FINISHED)
             self.writer.write_meta("completed", self.writer.stem, epoch=self.epochs)
+            err = self.writer.failed.get(self.writer.stem)
+            if err:  # the final bundle could not be written: the run says so rather than end FINISHED on nothing
+                self.life.end(Status.FAILED, f"bundle {self.writer.stem} failed: {err}", end_reason="bundle_failed")
+            else:
+                self.life.end(Status.FINISHED)
             self.shutdown()
 
     def shutdown(self) -> None:
@@ -474,6 +483,7 @@ class Coordinator:
 
     # -- faults -------------------------------------------------------------------
     def declare_dead(self, r: int, reason: str) -> None:
+        self.progress.forget(r)
         death = self.faults.record_death(r, reason)
         if death is None or self.life.ending:
             return
@@ -481,6 +491,17 @@ class Coordinator:
             self._drop_pending_of(r)
         elif self.faults.recover(death):
             self._try_finish_reduce()
+
+    def _on_heartbeat(self, r: int, hb: Heartbeat) -> None:
+        if self.cohort.alive(r):
+            self.progress.on_heartbeat(r, hb.state, hb.steps, self.clock())
+
+    def evict(self, r: int, reason: str) -> None:
+        """Declare a live-but-stuck rank dead and tell its process to go (its exit frees peers blocked
+        with it in a collective); recovery is as for a crash."""
+        self.progress.forget(r)
+        self.outbox.send(r, Evict(reason=reason))
+        self.declare_dead(r, reason)
 
     def _drop_pending_of(self, r: int) -> None:
         """A rank died while a bundle was being written: its pieces are forfeit; the final eval and

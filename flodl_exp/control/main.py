@@ -86,7 +86,8 @@ def main(argv: list[str]) -> int:
     w = RunShape.of(cfg).world_size
     token = wire.new_token()
     events: queue.Queue[tuple[Any, ...]] = queue.Queue()
-    server = RankServer(host, token, w, events)
+    # a rank that accepts no byte for this long is dead: it never holds the event loop past half the heartbeat timeout
+    server = RankServer(host, token, w, events, send_stall_timeout=max(2.0, min(10.0, cfg.cluster.heartbeat_timeout_s / 2)))
     store = start_store(host, w) if cfg.mode.backend == "nccl" and w > 1 else None
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(int(spec.get("attempt", 0)))})
@@ -120,12 +121,28 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
     """Write result.json, end the MLflow run (terminal status first where SIGKILL may follow), log artifacts."""
     from ..checkpoint import atomic_json
 
+    failed_bundles = dict(co.writer.failed)
+    ended_on = co.writer.stem if status == "FINISHED" else co.saved_stem if status == "PREEMPTED" else None
+    if ended_on is not None and ended_on in failed_bundles:
+        # The run's own bundle failed (a full disk ...): never FINISHED (or requeued onto it) silently.
+        from .lifecycle import Status
+
+        status = "FAILED"
+        co.life.end(Status.FAILED, f"bundle {ended_on} failed: {failed_bundles[ended_on]}", end_reason="bundle_failed",
+                    overwrite=True)
+        log.error("the run ends FAILED: %s", co.life.failure)
     failure = co.life.failure
     result = co.result()
     result["attempt"] = int(spec.get("attempt", 0))
     if co.life.end_reason:
         result["end_reason"] = co.life.end_reason
-    atomic_json(result, os.path.join(job_dir, "result.json"))
+    if failed_bundles:
+        result["failed_bundles"] = failed_bundles
+    dropped = co.events.dropped + co.records.write_errors
+    if dropped:
+        result["dropped_log_writes"] = dropped
+    result_path = os.path.join(job_dir, "result.json")
+    atomic_json(result, result_path)
     co.events.emit({"event": "end", "status": status, "failure": failure})
     if co.preemption.terminated and status in ("FAILED", "KILLED"):
         # SIGTERM on SLURM: SIGKILL follows within KillWait. The terminal status first, the rest never.
@@ -140,6 +157,7 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
         # Bundle written; the requeued job resumes into this run, which stays RUNNING.
         sink.log_artifact(co.events.path, "run")
         sink.close(None, timeout=10.0)
+        _record_tracking_loss(sink, result, result_path)
         server.close()
         return PREEMPT_EXIT
     if slurm and status != "FINISHED":
@@ -177,9 +195,23 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
             if os.path.exists(stem + suffix):
                 sink.log_artifact(stem + suffix, "checkpoints")
     sink.close(status)
+    _record_tracking_loss(sink, result, result_path)
     server.close()
     time.sleep(0.05)
     return 0 if status == "FINISHED" else 1
+
+
+def _record_tracking_loss(sink: Any, result: dict[str, Any], path: str) -> None:
+    """MLflow records the sink could not deliver (after retries): counted in result.json."""
+    from ..checkpoint import atomic_json
+
+    lost = int(getattr(sink, "lost", 0) or 0)
+    if lost:
+        result["tracking_lost_records"] = lost
+        try:
+            atomic_json(result, path)
+        except OSError as e:
+            log.warning("could not record the lost MLflow records in result.json: %s", e)
 
 
 log = logging.getLogger("flodl_exp.coordinator")

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from collections import deque
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:  # records.py is imported by channels.py; these only annotate
     from .channels import EventLog
     from .cycle import AveragingCycle, ReduceOutcome
+
+log = logging.getLogger("flodl_exp.coordinator")
 
 
 class WindowReporter:
@@ -114,16 +117,34 @@ class WindowRecorder:
 
 
 class RingLog:
-    """JSONL file bounded to ``max_bytes``; whole lines only, oldest dropped first."""
+    """JSONL file bounded to ``max_bytes``; whole lines only, oldest dropped first.
+
+    A write that fails (a full disk) never raises: it is logged once and counted in ``write_errors``
+    (the record stays in memory and reaches the file with the next rewrite)."""
 
     def __init__(self, path: str, max_bytes: int) -> None:
         self.path = path
         self.max_bytes = int(max_bytes)
         self.lines: deque[bytes] = deque()
         self.size = 0
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.write_errors = 0
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        except OSError as e:
+            self._failed(e)
+
+    def _failed(self, e: OSError) -> None:
+        if self.write_errors == 0:
+            log.warning("record log %s: write failed (%s); further failures are counted, not logged", self.path, e)
+        self.write_errors += 1
 
     def append(self, record: dict) -> None:
+        try:
+            self._append(record)
+        except OSError as e:
+            self._failed(e)
+
+    def _append(self, record: dict) -> None:
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         if len(line) > self.max_bytes:
             return  # one record larger than the whole ring: dropped, never truncated mid-line
@@ -142,9 +163,16 @@ class RingLog:
     def _rewrite(self) -> None:
         d = os.path.dirname(os.path.abspath(self.path))
         fd, tmp = tempfile.mkstemp(prefix=".ring-", dir=d)
-        with os.fdopen(fd, "wb") as fh:
-            fh.writelines(self.lines)
-        os.replace(tmp, self.path)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.writelines(self.lines)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
 
 class RecordLog:
@@ -157,6 +185,10 @@ class RecordLog:
     @property
     def enabled(self) -> bool:
         return self.dir is not None
+
+    @property
+    def write_errors(self) -> int:
+        return sum(r.write_errors for r in self.rings.values())
 
     def _ring(self, rel: str) -> RingLog:
         if rel not in self.rings:

@@ -2,35 +2,60 @@
 
 One accept thread and one reader thread per connection turn the sockets into
 events on a single queue consumed by the coordinator's event loop:
-``("join", rank, hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``.
+``("join", rank, hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``
+(at most one ``closed`` per rank).
 A peer that fails the handshake (wrong token, random bytes, an oversized or
-malformed frame) is closed with a log line; the run goes on.
+malformed frame) is closed with a log line; the run goes on. At most
+``max_handshakes`` connections are served before they authenticate; more are
+closed at once. A rank id is reserved under the lock before the welcome goes
+out, so two clients can never both be accepted as one rank.
+
+Every frame after the handshake is MACed (wire.py): a forged, tampered or
+replayed frame closes that rank's connection (``FrameAuthError``), reported like
+any other broken connection. Sends carry a stall deadline
+(``send_stall_timeout``): a rank that stops reading is closed and reported as
+``closed`` with a reason naming the stall, so it cannot hold the event loop
+(beacons, liveness, signals) for longer than that.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from .. import wire
 from ..wire import Connection, Message
 
 log = logging.getLogger("flodl_exp.coordinator")
 
+MAX_HANDSHAKES = 16
+"""Connections served at once before they authenticate; more are closed at once."""
+SEND_STALL_TIMEOUT_S = 10.0
+"""Default: a rank that accepts no byte of a frame for this long is treated as dead."""
+
 
 class RankServer:
-    def __init__(self, host: str, token: str, world_size: int, events: queue.Queue[tuple], handshake_timeout: float = 10.0) -> None:
+    def __init__(self, host: str, token: str, world_size: int, events: queue.Queue[tuple], handshake_timeout: float = 10.0,
+                 *, max_handshakes: int = MAX_HANDSHAKES, send_stall_timeout: Optional[float] = SEND_STALL_TIMEOUT_S) -> None:
         self.host = host
         self.token = token
         self.world_size = world_size
         self.events = events
         self.handshake_timeout = handshake_timeout
+        self.max_handshakes = max_handshakes
+        self.send_stall_timeout = send_stall_timeout
         self.listener = wire.listen(host, 0)
         self.port = self.listener.getsockname()[1]
         self.conns: dict[int, Connection] = {}
         self.rejected = 0
+        self.before_welcome: Optional[Callable[[int], None]] = None
+        """Test hook: called with the rank after it is reserved, before the welcome is sent."""
         self._lock = threading.Lock()
+        self._reserved: set[int] = set()  # ranks claimed by a handshake in progress or joined
+        self._reported: set[int] = set()  # ranks whose "closed" event is out
+        self._handshaking = 0
         self._closed = False
         threading.Thread(target=self._accept_loop, name="coord-accept", daemon=True).start()
 
@@ -42,36 +67,72 @@ class RankServer:
                 continue
             except OSError:
                 return
+            with self._lock:
+                full = self._handshaking >= self.max_handshakes
+                if not full:
+                    self._handshaking += 1
+            if full:
+                self.rejected += 1
+                log.warning("closed connection from %s: %d unauthenticated connections already in progress",
+                            conn.peer, self.max_handshakes)
+                conn.close()
+                continue
+            conn.send_stall_timeout = self.send_stall_timeout
             threading.Thread(target=self._serve, args=(conn,), name="coord-conn", daemon=True).start()
+
+    def _handshake(self, conn: Connection) -> tuple[int, dict[str, Any]]:
+        """Authenticate, reserve the rank, welcome; raises on any failure (the reservation is released)."""
+        hello = wire.server_handshake(conn, self.token, timeout=self.handshake_timeout)
+        rank = int(hello.get("rank", -1))
+        with self._lock:
+            problem = (f"rank {rank} outside [0, {self.world_size})" if not (0 <= rank < self.world_size)
+                       else f"rank {rank} already claimed or connected" if rank in self._reserved else None)
+            if problem is None:
+                self._reserved.add(rank)
+        if problem:
+            wire.server_reject(conn, problem)
+            raise wire.WireError(problem)
+        try:
+            if self.before_welcome is not None:
+                self.before_welcome(rank)
+            wire.server_accept(conn, {"world_size": self.world_size})
+            conn.max_frame_bytes = wire.frame_ceiling(int(hello.get("model_bytes", 0)))
+        except BaseException:
+            with self._lock:
+                self._reserved.discard(rank)
+            raise
+        with self._lock:
+            self.conns[rank] = conn
+        return rank, hello
 
     def _serve(self, conn: Connection) -> None:
         try:
-            hello = wire.server_handshake(conn, self.token, timeout=self.handshake_timeout)
-            rank = int(hello.get("rank", -1))
-            with self._lock:
-                problem = (f"rank {rank} outside [0, {self.world_size})" if not (0 <= rank < self.world_size)
-                           else f"rank {rank} already connected" if rank in self.conns else None)
-            if problem:
-                wire.server_reject(conn, problem)
-                raise wire.WireError(problem)
-            wire.server_accept(conn, {"world_size": self.world_size})
-            conn.max_frame_bytes = wire.frame_ceiling(int(hello.get("model_bytes", 0)))
-            with self._lock:
-                self.conns[rank] = conn
+            rank, hello = self._handshake(conn)
         except Exception as e:
             self.rejected += 1
             log.warning("rejected connection from %s: %s", getattr(conn, "peer", "?"), e)
             conn.close()
             return
+        finally:
+            with self._lock:
+                self._handshaking -= 1
         self.events.put(("join", rank, hello))
         try:
             while True:
                 self.events.put(("msg", rank, conn.recv()))
         except Exception as e:
             reason = "closed" if isinstance(e, wire.ConnectionClosed) else f"{type(e).__name__}: {e}"
-            if not isinstance(e, wire.ConnectionClosed):
+            self._drop(rank, conn, reason)
+
+    def _drop(self, rank: int, conn: Connection, reason: str) -> None:
+        """Close ``rank``'s connection and report it once (``closed`` event, one log line unless a plain close)."""
+        conn.close()
+        with self._lock:
+            first = rank not in self._reported
+            self._reported.add(rank)
+        if first:
+            if reason != "closed":
                 log.warning("rank %d connection broken: %s", rank, reason)
-            conn.close()
             self.events.put(("closed", rank, reason))
 
     def send(self, rank: int, msg: Message) -> bool:
@@ -81,6 +142,9 @@ class RankServer:
         try:
             conn.send(msg)
             return True
+        except wire.SendStalled as e:
+            self._drop(rank, conn, f"send stalled: rank {rank} stopped reading ({e})")
+            return False
         except Exception as e:
             log.warning("send %s to rank %d failed: %s", msg.kind, rank, e)
             return False
@@ -95,11 +159,39 @@ class RankServer:
             c.close()
 
 
-def start_store(host: str, world_size: int) -> Optional[Any]:
+@dataclass
+class StoreHandle:
+    """The coordinator's TCPStore and the address its listening socket is bound to."""
+
+    store: Any
+    host: str
+    port: int
+    fd: int = field(repr=False)
+    """The listening socket's descriptor (owned and closed by the store)."""
+
+
+def start_store(host: str, world_size: int) -> StoreHandle:
     """The torch.distributed TCPStore the collective backend rendezvouses on (hosted here,
-    so a dead rank never takes the store with it)."""
+    so a dead rank never takes the store with it).
+
+    torch would listen on every interface (``host`` names the server only for clients),
+    so the listening socket is made here, bound to ``host`` only, and handed over with
+    ``master_listen_fd``; the store owns (and closes) it from then on. The store itself has
+    no authentication: the process groups' key prefixes come from the job token
+    (store_names.group_prefix).
+    """
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    return dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    sock = wire.listen(host, 0)
+    port = sock.getsockname()[1]
+    try:
+        store = dist.TCPStore(host, port, world_size=None, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store closes the descriptor with itself: never close it from here too
+    return StoreHandle(store, host, port, fd)
+

@@ -306,14 +306,24 @@ class RunTask(submitit.helpers.Checkpointable):
             return None
         return self._requeue_spec(live, mark, time.monotonic() - t0)
 
-    def _requeue_spec(self, live: dict, mark: dict, waited_s: float) -> submitit.helpers.DelayedSubmission:
-        from ..checkpoint import atomic_json, load_meta
+    def _requeue_spec(self, live: dict, mark: dict, waited_s: float) -> Optional[submitit.helpers.DelayedSubmission]:
+        from ..checkpoint import atomic_json, check_pieces, load_meta
 
         spec, job_dir, attempt = live["spec"], live["job_dir"], live["attempt"]
         stem = str(mark["stem"])
-        nxt = dict(spec, attempt=attempt + 1, resume={"stem": stem, "meta": load_meta(stem)})
+        try:
+            meta = load_meta(stem)
+            bad = check_pieces(stem, meta)
+        except ValueError as e:
+            bad = str(e)
+        if bad:  # never requeue onto a bundle that cannot resume
+            why = f"time limit / preemption: the bundle {stem} cannot resume: {bad}"
+            log.error("%s: not requeued", why)
+            fail_run_if_running(spec, why, {"end_reason": "bundle_failed"})
+            return None
+        nxt = dict(spec, attempt=attempt + 1, resume={"stem": stem, "meta": meta})
         path = os.path.join(job_dir, f"spec.attempt{attempt + 1}.json")
-        atomic_json(nxt, path)
+        atomic_json(nxt, path, mode=0o600)
         for name, dest in (("result.json", f"result.attempt{attempt}.json"), ("rendezvous.json", None)):
             p = os.path.join(job_dir, name)
             try:

@@ -8,6 +8,8 @@ Progress comes from ``events.jsonl``, which the coordinator appends to.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -22,6 +24,67 @@ from ..config import ConfigError, mode_name, validate, world_size
 
 class RunFailed(RuntimeError):
     """The run ended FAILED (or was cancelled); the message carries the reason."""
+
+
+class SubmitFailed(RuntimeError):
+    """The scheduler refused the job (or could not be asked): one line, and the exit status for the CLI
+    (2: no ``sbatch`` / SLURM not reachable or not configured; 1: the job itself was refused)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+_SLURM_UNREACHABLE = ("unable to contact slurm controller", "could not establish a configuration source",
+                      "slurm.conf", "slurm_conf", "communication connection failure", "zero bytes were transmitted",
+                      "authentication failure", "munge", "connection refused")
+
+
+def submit_error(e: BaseException, executor: str) -> SubmitFailed:
+    """One line for a refused submission: sbatch's own message and what to check."""
+    if (isinstance(e, FileNotFoundError) or (isinstance(e, OSError) and e.errno == 2)
+            or "could not detect" in str(e).lower()):  # submitit: 'Could not detect "srun"'
+        what = getattr(e, "filename", None) or "sbatch"
+        return SubmitFailed(f"submit failed: {what} not found on PATH: cluster=slurm needs the SLURM client "
+                            "commands (sbatch) on this machine (or use cluster=local)", 2)
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    msg = next((x for x in reversed(lines) if "error" in x.lower()), lines[-1] if lines else type(e).__name__)
+    if executor != "slurm":
+        return SubmitFailed(f"submit failed: {msg}", 1)
+    if any(k in msg.lower() for k in _SLURM_UNREACHABLE):
+        return SubmitFailed(f"submit failed: {msg} (check that slurmctld is up and reachable from here and that "
+                            "SLURM_CONF / slurm.conf names it: `scontrol ping`)", 2)
+    return SubmitFailed(f"submit failed: {msg} (check cluster.slurm.* against what the cluster allows: partition, "
+                        "account, qos, time_min, mem_gb, gpus_per_node; `sinfo`, `sacctmgr show assoc user=$USER`)", 1)
+
+
+def _private_dir(path: str) -> None:
+    """``path`` owner-only (0700): nobody else may plant files (submitit pickles) in it."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _private_write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def _redact_config(resolved: dict[str, Any], uri: str) -> dict[str, Any]:
+    """The resolved config with every copy of the tracking URI (and its redacted form) stripped of secrets."""
+    from ..tracking import redact_uri
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, str) and "://" in v:
+            return redact_uri(v)
+        return v
+
+    return cast(dict[str, Any], walk(resolved))
 
 
 def run_name(cfg: Any) -> str:
@@ -253,37 +316,46 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         from ..checkpoint import validate_resume
 
         resume = validate_resume(cfg)
-    from ..tracking import create_run, resolve_tracking
+    from ..tracking import URI_ENV, create_run, redact_uri, resolve_tracking
     from .executor import make_executor
 
-    resolved = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig gives a dict
-    uri, art = resolve_tracking(cfg.tracking, root)
+    full_uri, art = resolve_tracking(cfg.tracking, root)
+    # Credentials never reach a file or the store: params, config.yaml, spec.json and the handle carry the
+    # redacted URI; the credentialed one lives in this process's environment, which every task inherits
+    # (submitit's local executor, sbatch --export=ALL), and tracking.client() picks it up.
+    uri = redact_uri(full_uri)
+    if uri != full_uri:
+        os.environ[URI_ENV] = full_uri
+    resolved = _redact_config(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)), full_uri)
     run_id = create_run(uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved, _tags(cfg, root), parent_run_id)
     job_root = cfg.run.job_root or os.path.join(root, "outputs", "jobs")
     job_dir = os.path.join(job_root, f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:8]}-{uuid.uuid4().hex[:4]}")
-    os.makedirs(job_dir, exist_ok=True)
+    os.makedirs(job_root, exist_ok=True)
+    _private_dir(job_dir)
+    for sub in ("submitit", "checkpoints", "ranks"):
+        _private_dir(os.path.join(job_dir, sub))
     stem = cfg.checkpoint.save_path or os.path.join(job_dir, "checkpoints", "final")
     spec = {"config": resolved, "run_id": run_id, "tracking_uri": uri, "job_dir": job_dir,
             "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed), "resume": resume,
             "import_paths": import_paths, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     spec_path = os.path.join(job_dir, "spec.json")
-    with open(spec_path, "w") as fh:
-        json.dump(spec, fh, indent=1)
-    with open(os.path.join(job_dir, "config.yaml"), "w") as fh:
-        fh.write(OmegaConf.to_yaml(cfg, resolve=True))
+    _private_write(spec_path, json.dumps(spec, indent=1))
+    _private_write(os.path.join(job_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(resolved)))
     from ..tracking import client
 
     client(uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
-    ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, run_name(cfg))
     from .job import run_task
 
     try:
-        job = ex.submit(run_task, spec_path)
+        ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, run_name(cfg))
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr: it goes in our one line
+            job = ex.submit(run_task, spec_path)
     except Exception as e:
         from ..tracking import end_run
 
-        end_run(uri, run_id, "FAILED", error=f"submit failed: {e}")
-        raise
+        err = submit_error(e, cfg.cluster.executor)
+        end_run(uri, run_id, "FAILED", error=str(err))
+        raise err from e
     tags = {"job_id": str(job.job_id), "job_dir": job_dir}
     if resume:
         tags["resumed_from"] = resume["stem"]
@@ -295,4 +367,4 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     return RunHandle(cfg=cfg, run_id=run_id, tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem))
 
 
-__all__ = ["launch", "RunHandle", "RunFailed", "ConfigError"]
+__all__ = ["launch", "RunHandle", "RunFailed", "SubmitFailed", "ConfigError"]

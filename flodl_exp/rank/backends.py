@@ -21,6 +21,7 @@ from torch import nn
 
 from ..averaging import adopt, divergence, flat_params, float_buffers, mass
 from ..protocol import Snapshot, Update
+from ..store_names import group_prefix
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class CollectiveBackend:
     def __init__(self, *, host: str, store_port: int, rank: int, world_size: int, device: torch.device,
                  backend: str, op_timeout_s: float, store_timeout_s: float,
                  poll: Callable[[], None] = lambda: None, generation: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, token: str = "") -> None:
         import torch.distributed as dist
 
         if backend not in ("nccl", "gloo"):
@@ -75,6 +76,7 @@ class CollectiveBackend:
         self.op_timeout_s = float(op_timeout_s)
         self.poll = poll
         self._clock = clock
+        self.token = token  # the job token: keys the process groups' store prefixes (store_names.group_prefix)
         if backend == "nccl":
             # Errors and timeouts surface as Python exceptions on our polling path, never as a process abort
             # by the watchdog (torch: use _abort_process_group with async error handling turned off).
@@ -84,7 +86,7 @@ class CollectiveBackend:
         self._init(generation, rank, world_size)
 
     def _init(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
-        pstore = self.dist.PrefixStore(f"gen{generation}-{session}" if session else f"gen{generation}", self.store)
+        pstore = self.dist.PrefixStore(group_prefix(self.token, generation, session), self.store)
         # device_id (NCCL): the communicator binds this GPU eagerly, so a bad device setup fails here, at start-up.
         device_id = self.device if self.backend == "nccl" else None
         self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout,
@@ -173,6 +175,14 @@ class CollectiveBackend:
                 self.dist.destroy_process_group()
         except Exception as e:  # pragma: no cover - teardown best effort
             log.debug("destroy_process_group: %s", e)
+
+
+def snapshot_nbytes(model: nn.Module) -> int:
+    """Tensor bytes of the largest frame the cpu backend sends either way (a snapshot or an update):
+    every parameter and float buffer as float32 (bf16_wire halves the parameters, never the buffers).
+    The wire's frame ceiling is sized from this, not from the parameters alone: a model with large
+    float buffers (running statistics, embeddings held as buffers) would exceed it."""
+    return 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in float_buffers(model)))
 
 
 class CoordinatorBackend:

@@ -3,7 +3,9 @@
 ``FLODL_FAULT_INJECT="<rank>:<step>:<kind>[,...]"`` makes a rank fail on purpose
 after its ``step``-th batch, the way a real crash, OOM kill or hung device would.
 
-Kinds: ``raise`` | ``exit`` | ``kill`` | ``hang``, and ``gate:<path>``: at/after
+Kinds: ``raise`` | ``exit`` | ``kill`` | ``hang`` (SIGSTOP: the whole process freezes) |
+``stall`` (only the main thread stops, for at most :data:`STALL_MAX_S`, while the heartbeat
+thread beats on: a read hung on a network mount), and ``gate:<path>``: at/after
 its ``step``-th batch the rank blocks until the file ``<path>`` exists (polled
 every :data:`GATE_POLL_S`, for at most :data:`GATE_MAX_WAIT_S`), then trains on.
 A test holds a run open with it (by a mechanism, not by hoping the machine is
@@ -26,7 +28,10 @@ GATE_POLL_S = 0.05
 GATE_MAX_WAIT_S = 600.0
 """A gate never opened gives up after this long (with a log line) and the rank trains on."""
 
-KINDS = ("raise", "exit", "kill", "hang", "gate")
+STALL_MAX_S = 3600.0
+"""A stalled main thread resumes after this long (the coordinator evicts it long before)."""
+
+KINDS = ("raise", "exit", "kill", "hang", "stall", "gate")
 
 _gates_done: set[str] = set()
 """Gate paths this process already passed (released or given up): later steps do not wait again."""
@@ -52,7 +57,7 @@ def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
             continue
         kind = parts[2]
         if split_kind(kind)[0] not in KINDS or kind in ("gate", "gate:"):
-            log.warning("rank %d: ignoring fault spec %r (kind: raise|exit|kill|hang|gate:<path>)", rank, item.strip())
+            log.warning("rank %d: ignoring fault spec %r (kind: raise|exit|kill|hang|stall|gate:<path>)", rank, item.strip())
             continue
         return int(parts[1]), kind
     return None
@@ -106,3 +111,7 @@ def inject_fault(kind: str, rank: int, step: int, max_wait_s: float = GATE_MAX_W
         os.kill(os.getpid(), signal.SIGKILL)
     if name == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if name == "stall":
+        end = time.monotonic() + STALL_MAX_S
+        while time.monotonic() < end:
+            time.sleep(0.5)

@@ -9,6 +9,7 @@ save, shutdown. The rank is mode-agnostic: policies live in the coordinator.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -17,7 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -31,6 +32,7 @@ from ..protocol import Batch as BatchReport
 from ..protocol import (
     CoordHeartbeat,
     EvalResult,
+    Evict,
     ExecuteEval,
     Exiting,
     ExtendPartition,
@@ -55,18 +57,26 @@ from ..protocol import (
     decode,
     encode,
 )
+from ..store_names import pin_gloo_to_loopback
 from ..wire import Message
-from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend
+from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, snapshot_nbytes
 from .fault_inject import inject_fault, parse_fault
 from .trainer import EpochState, PendingStep, RankTrainer
 
 log = logging.getLogger("flodl_exp.rank")
 
 HEARTBEAT_S = 1.0
+EVICT_GRACE_S = 10.0
+"""After an Evict, the main thread has this long to end the process before the reader thread does."""
+EVICTED_EXIT = 75
 
 
 class CoordinatorLost(RuntimeError):
     """The coordinator closed the connection or went silent past the deadline."""
+
+
+class Evicted(RuntimeError):
+    """The coordinator declared this rank dead (its main thread made no progress)."""
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:
@@ -120,6 +130,9 @@ def state_hash(model: torch.nn.Module) -> str:
 
 
 class RankWorker:
+    state: str = "wait"
+    """What the main thread is doing, for the heartbeat: train | collective | eval | save | wait."""
+
     def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any]) -> None:
         cfg = load_config(spec["config"])
         self.cfg = cfg
@@ -144,7 +157,7 @@ class RankWorker:
         self.gamma = cfg.mode.gamma
         self.coord_timeout = cfg.cluster.heartbeat_timeout_s
         self.conn = wire.dial(rendezvous["host"], int(rendezvous["port"]), timeout=cfg.cluster.rendezvous_timeout_s)
-        model_bytes = sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
+        model_bytes = snapshot_nbytes(self.trainer.model)  # the wire's frame ceiling comes from it (both ends)
         self.welcome = wire.client_handshake(
             self.conn, rendezvous["token"],
             {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(), "device": str(self.device),
@@ -205,23 +218,49 @@ class RankWorker:
             if os.path.exists(path):
                 self.trainer.optimizer.load_state_dict(torch.load(path, map_location=str(self.device), weights_only=True))
                 break
+        else:
+            log.warning("rank %d: the bundle %s holds no optimizer state for this rank: a fresh optimizer", self.rank, stem)
         self.trainer.global_step = int(resume["meta"]["global_step"])
 
     # -- threads --------------------------------------------------------
     def _reader(self) -> None:
         try:
             while True:
-                self.inbox.put(self.conn.recv())
+                msg = self.conn.recv()
+                self.inbox.put(msg)
+                if msg.kind == Evict.KIND.value:
+                    self._exit_unless_main_ends(str(msg.fields.get("reason", "")))
         except BaseException as e:  # closed or broken: hand the reason to the main loop
             self.inbox.put(e)
+
+    def _exit_unless_main_ends(self, reason: str) -> None:
+        """Evicted: the main thread may be stuck (a hung read), so this thread ends the process if it has
+        not ended within the grace. Its exit closes its collective connections, freeing its peers."""
+        log.error("rank %d: evicted by the coordinator: %s", self.rank, reason)
+        deadline = time.monotonic() + EVICT_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        log.error("rank %d: the main thread did not stop within %.0fs of the eviction (state %s): exiting",
+                  self.rank, EVICT_GRACE_S, self.state)
+        logging.shutdown()
+        os._exit(EVICTED_EXIT)
 
     def _heartbeat(self) -> None:
         while not self.stopping:
             time.sleep(HEARTBEAT_S)
             try:
-                self.conn.send(encode(Heartbeat()))
+                self.conn.send(encode(Heartbeat(steps=self.trainer.step_count, state=self.state)))
             except Exception:
                 return
+
+    @contextlib.contextmanager
+    def doing(self, state: str) -> Iterator[None]:
+        """The main thread's state for the heartbeat while the block runs (nesting restores the outer one)."""
+        outer, self.state = self.state, state
+        try:
+            yield
+        finally:
+            self.state = outer
 
     # -- control --------------------------------------------------------
     def _next(self, block: bool) -> Optional[Payload]:
@@ -274,10 +313,11 @@ class RankWorker:
 
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Block handling control messages until ``done()`` (throttle, barrier, idle)."""
-        while not self.stopping and not done():
-            msg = self._next(block=True)
-            if msg is not None:
-                self.handle(msg)
+        with self.doing("wait"):
+            while not self.stopping and not done():
+                msg = self._next(block=True)
+                if msg is not None:
+                    self.handle(msg)
 
     def handle(self, msg: Payload) -> None:
         handler = self._handlers.get(type(msg))
@@ -292,7 +332,7 @@ class RankWorker:
             SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
             SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
             Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
-            RequestSession: self._on_request_session,
+            RequestSession: self._on_request_session, Evict: self._on_evict,
         }
 
     def _on_extend(self, m: ExtendPartition) -> None:
@@ -330,7 +370,8 @@ class RankWorker:
     def _on_eval(self, m: ExecuteEval) -> None:
         err: Optional[str] = None
         try:
-            res = self.trainer.evaluate()
+            with self.doing("eval"):
+                res = self.trainer.evaluate()
         except Exception as e:  # a broken eval must not kill training
             res, err = {}, f"{type(e).__name__}: {e}"
         self.conn.send(encode(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final)))
@@ -345,6 +386,9 @@ class RankWorker:
     def _on_shutdown(self, m: Shutdown) -> None:
         self.stopping = True
 
+    def _on_evict(self, m: Evict) -> None:
+        raise Evicted(m.reason)
+
     def _picks(self, epoch: int, offset: int, size: int) -> Any:
         from ..partition import make_partition
 
@@ -355,12 +399,17 @@ class RankWorker:
         if self.collective is not None:
             return
         c = self.cfg.cluster
+        with self.doing("collective"):
+            self._join_group(m, c)
+        if self.rank == 0:
+            log.info("collective backend: %s (%s)", m.backend, m.reason)
+
+    def _join_group(self, m: FormGroup, c: Any) -> None:
+        pin_gloo_to_loopback(self.rendezvous["host"])  # local runs: Gloo binds its pairs to the loopback interface
         self.collective = CollectiveBackend(
             host=self.rendezvous["host"], store_port=int(self.rendezvous["store_port"]), rank=self.rank,
             world_size=self.world_size, device=self.device, backend=m.backend, op_timeout_s=c.collective_timeout_s,
-            store_timeout_s=c.rendezvous_timeout_s, poll=self._poll_during_collective)
-        if self.rank == 0:
-            log.info("collective backend: %s (%s)", m.backend, m.reason)
+            store_timeout_s=c.rendezvous_timeout_s, poll=self._poll_during_collective, token=self.rendezvous["token"])
 
     def _poll_during_collective(self) -> None:
         """Between checks of a pending collective: read control. A regroup or a shutdown ends the wait
@@ -384,7 +433,8 @@ class RankWorker:
         """Re-form the process group with the survivors (fresh store prefix, renumbered ranks)."""
         if self.collective is None:
             return
-        self.collective.rebuild(m.generation, m.new_rank, m.world_size, m.session)
+        with self.doing("collective"):  # forming a group waits on every member
+            self.collective.rebuild(m.generation, m.new_rank, m.world_size, m.session)
         log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, m.new_rank, m.world_size, m.generation)
 
     def _await_regroup(self, deadline_s: float = 60.0) -> bool:
@@ -415,6 +465,10 @@ class RankWorker:
             self.in_regroup_wait = False
 
     def _sync_collective(self, m: SyncNow) -> None:
+        with self.doing("collective"):
+            self._sync_collective_now(m)
+
+    def _sync_collective_now(self, m: SyncNow) -> None:
         with_div = m.divergence
         n = self.trainer.steps_since_avg
         d: Optional[float] = 0.0
@@ -451,17 +505,22 @@ class RankWorker:
 
         err = None
         try:
-            state = None
-            if m.model and m.consensus and self.last_consensus:
-                state = consensus_state(self.trainer.model, self.last_consensus)
-            save_rank_pieces(m.stem, self.trainer.model, self.trainer.optimizer, rank=self.rank,
-                             primary=m.primary, write_model=m.model, model_state=state)
+            with self.doing("save"):
+                state = None
+                if m.model and m.consensus and self.last_consensus:
+                    state = consensus_state(self.trainer.model, self.last_consensus)
+                save_rank_pieces(m.stem, self.trainer.model, self.trainer.optimizer, rank=self.rank,
+                                 primary=m.primary, write_model=m.model, model_state=state)
         except Exception as e:  # save errors are reported, never fatal
             err = f"{type(e).__name__}: {e}"
         self.conn.send(encode(SaveResult(stem=m.stem, error=err)))
 
     # -- the managed loop ---------------------------------------------
     def run_chunk(self, plan: StartEpoch) -> None:
+        with self.doing("train"):
+            self._run_chunk(plan)
+
+    def _run_chunk(self, plan: StartEpoch) -> None:
         tr = self.trainer
         st = tr.begin_epoch(plan.epoch, plan.offset, plan.size)
         self.chunk = st

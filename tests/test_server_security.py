@@ -1,0 +1,258 @@
+"""Issue 14: the coordinator's rank server and TCPStore under hostile or broken peers. Loopback only."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flodl_exp import wire
+from flodl_exp.control.server import MAX_HANDSHAKES, RankServer, start_store
+from flodl_exp.protocol import CoordHeartbeat, encode
+from flodl_exp.store_names import group_prefix, is_loopback_host, loopback_ifname, pin_gloo_to_loopback
+from flodl_exp.wire import Message
+
+pytestmark = pytest.mark.timeout(60)
+HOST = "127.0.0.1"
+TOKEN = wire.new_token()
+
+
+def _next_event(events: queue.Queue, kind: str, timeout: float = 10.0) -> tuple:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {kind!r} event within {timeout}s"
+        ev = events.get(timeout=left)
+        if ev[0] == kind:
+            return ev
+
+
+def _join(port: int, rank: int, sock: socket.socket | None = None) -> wire.Connection:
+    if sock is None:
+        conn = wire.dial(HOST, port, timeout=5)
+    else:
+        sock.connect((HOST, port))
+        conn = wire.Connection(sock)
+    wire.client_handshake(conn, TOKEN, {"rank": rank, "model_bytes": 1000}, timeout=10)
+    conn.max_frame_bytes = wire.frame_ceiling(64 * 2**20)
+    return conn
+
+
+@pytest.fixture
+def server():
+    servers: list[RankServer] = []
+
+    def make(**kw) -> RankServer:
+        srv = RankServer(HOST, TOKEN, kw.pop("world_size", 2), queue.Queue(), **kw)
+        servers.append(srv)
+        return srv
+    yield make
+    for s in servers:
+        s.close()
+
+
+# ---------------------------------------------------------------- the TCPStore
+def _listeners(port: int) -> list[str]:
+    """Local addresses of the LISTEN sockets on ``port`` (from /proc/net/tcp and tcp6)."""
+    out = []
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        if not os.path.exists(path):
+            continue
+        with open(path) as fh:
+            next(fh)
+            for line in fh:
+                cols = line.split()
+                addr, port_hex = cols[1].split(":")
+                if cols[3] != "0A" or int(port_hex, 16) != port:
+                    continue
+                raw = bytes.fromhex(addr)
+                words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, len(raw), 4))
+                out.append(socket.inet_ntop(family, words))
+    return out
+
+
+def test_store_listens_on_the_coordinator_address_only():
+    handle = start_store(HOST, 2)
+    try:
+        assert _listeners(handle.port) == [HOST]  # torch alone listened on every interface (*:port)
+        dup = socket.socket(fileno=os.dup(handle.fd))
+        try:
+            assert dup.getsockname() == (HOST, handle.port)
+        finally:
+            dup.close()
+        client = torch.distributed.TCPStore(HOST, handle.port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("k", "v")
+        assert handle.store.get("k") == b"v"
+    finally:
+        del handle
+
+
+def test_group_prefix_is_keyed_by_the_token():
+    other = wire.new_token()
+    p = group_prefix(TOKEN, 3, "abcd")
+    assert p == group_prefix(TOKEN, 3, "abcd")  # pure: every rank derives the same name
+    names = {p, group_prefix(other, 3, "abcd"), group_prefix(TOKEN, 4, "abcd"), group_prefix(TOKEN, 3, ""),
+             group_prefix(TOKEN, 3, "abce")}
+    assert len(names) == 5
+    assert "gen" not in p and "3" not in p[:1] and len(p) == 33 and all(c in "0123456789abcdef" for c in p[1:])
+
+
+def test_collective_backend_names_its_groups_by_the_token():
+    from flodl_exp.rank.backends import CollectiveBackend
+
+    seen = []
+    fake = SimpleNamespace(PrefixStore=lambda prefix, store: seen.append(prefix) or (prefix, store),
+                           init_process_group=lambda *a, **k: None)
+    cb = object.__new__(CollectiveBackend)
+    cb.dist, cb.store, cb.token, cb.device, cb.backend, cb.timeout = fake, object(), TOKEN, torch.device("cpu"), "gloo", None
+    cb._init(2, 0, 2)
+    cb._init(3, 1, 2, session="beef")
+    assert seen == [group_prefix(TOKEN, 2), group_prefix(TOKEN, 3, "beef")]
+
+
+def test_gloo_is_pinned_to_loopback_for_local_runs():
+    assert is_loopback_host("127.0.0.1") and is_loopback_host("::1") and is_loopback_host("localhost")
+    assert not is_loopback_host("10.0.0.5") and not is_loopback_host("node12")
+    lo = loopback_ifname()
+    assert lo is not None and lo in {n for _, n in socket.if_nameindex()}
+    env: dict[str, str] = {}
+    assert pin_gloo_to_loopback(HOST, env) == lo and env == {"GLOO_SOCKET_IFNAME": lo}
+    env = {}
+    assert pin_gloo_to_loopback("10.0.0.5", env) is None and env == {}
+    env = {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert pin_gloo_to_loopback(HOST, env) == "ib0"  # an explicit choice is kept
+
+
+# ---------------------------------------------------------------- frames after the handshake
+def test_unauthenticated_frame_on_a_rank_connection_closes_it_with_one_log_line(server, caplog):
+    srv = server()
+    conn = _join(srv.port, 0)
+    _next_event(srv.events, "join")
+    conn.send(Message("batch", {"ms": 1}))
+    assert _next_event(srv.events, "msg")[2].kind == "batch"
+    caplog.set_level(logging.WARNING, logger="flodl_exp.coordinator")
+    conn.sock.sendall(wire.encode(Message("save", {"path": "/tmp/evil"})))  # injected into the stream, no MAC
+    ev = _next_event(srv.events, "closed")
+    assert ev[1] == 0 and "FrameAuthError" in ev[2]
+    lines = [r for r in caplog.records if "rank 0" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert srv.events.empty()  # the forged frame never reached the event loop, and one "closed" only
+    conn.close()
+
+
+# ---------------------------------------------------------------- connection caps and rank claims
+def _hold_unauthenticated(port: int) -> socket.socket:
+    """A socket that reads the challenge (so the server is serving it) and never answers."""
+    s = socket.create_connection((HOST, port), timeout=10)
+    prefix = s.recv(12, socket.MSG_WAITALL)
+    assert len(prefix) == 12 and prefix[:4] == b"FDL1"
+    return s
+
+
+def test_excess_unauthenticated_connections_are_closed_at_once(server, caplog):
+    srv = server(handshake_timeout=50)
+    held = [_hold_unauthenticated(srv.port) for _ in range(MAX_HANDSHAKES)]
+    try:
+        caplog.set_level(logging.WARNING, logger="flodl_exp.coordinator")
+        extra = socket.create_connection((HOST, srv.port), timeout=10)
+        assert extra.recv(12) == b""  # closed at once: no challenge
+        extra.close()
+        assert any("unauthenticated connections" in r.getMessage() for r in caplog.records)
+        held.pop().close()  # a slot frees when a pending handshake ends
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                conn = _join(srv.port, 1)
+                break
+            except wire.AuthError:
+                assert time.monotonic() < deadline, "the freed slot never served a rank"
+        assert _next_event(srv.events, "join")[1] == 1
+        conn.close()
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_rank_claimed_by_a_pending_handshake_cannot_be_claimed_again(server):
+    srv = server()
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    def hook(rank: int) -> None:
+        calls.append(rank)
+        if len(calls) == 1:  # hold the first claim between its reservation and its welcome
+            entered.set()
+            assert release.wait(20)
+    srv.before_welcome = hook
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.update(conn=_join(srv.port, 0)))
+    t.start()
+    try:
+        assert entered.wait(10), "the first handshake never reached the welcome"
+        with pytest.raises(wire.AuthError, match="rank 0 already claimed"):
+            _join(srv.port, 0)
+    finally:
+        release.set()
+        t.join(10)
+    assert "conn" in first and _next_event(srv.events, "join")[1] == 0
+    with pytest.raises(wire.AuthError, match="rank 0 already"):  # ... and once joined
+        _join(srv.port, 0)
+    first["conn"].close()
+
+
+# ---------------------------------------------------------------- a peer that stops reading
+def test_a_peer_that_stops_reading_does_not_stop_beacons_to_the_others(server):
+    srv = server(send_stall_timeout=1.0)
+    sleeper = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck = _join(srv.port, 0, sleeper)  # authenticated, then never reads again
+    good = _join(srv.port, 1)
+    for _ in range(2):
+        _next_event(srv.events, "join")
+    beacons: queue.Queue[float] = queue.Queue()
+
+    def read_beacons() -> None:
+        try:
+            while True:
+                if good.recv().kind == "coord_heartbeat":
+                    beacons.put(time.monotonic())
+        except wire.WireError:
+            pass
+    threading.Thread(target=read_beacons, daemon=True).start()
+    stop = threading.Event()
+    update = Message("update", {}, {"w": torch.zeros(4 * 2**20)})  # 16 MiB: never fits the buffers
+
+    def event_loop() -> None:  # what the coordinator does: its full-model update, then beacons to all
+        to_stuck = True
+        while not stop.is_set():
+            if to_stuck:
+                to_stuck = srv.send(0, update)
+            for r in (0, 1):
+                srv.send(r, encode(CoordHeartbeat()))
+            stop.wait(0.02)
+    loop = threading.Thread(target=event_loop, daemon=True)
+    loop.start()
+    try:
+        ev = _next_event(srv.events, "closed", timeout=30)
+        assert ev[1] == 0 and "stall" in ev[2], ev
+        after = time.monotonic()
+        deadline = after + 30
+        got = 0
+        while got < 5:  # rank 1 keeps hearing the coordinator after the stalled rank is dropped
+            t = beacons.get(timeout=max(0.01, deadline - time.monotonic()))
+            got += t > after
+    finally:
+        stop.set()
+        loop.join(10)
+    assert not loop.is_alive()
+    assert all(e[0] != "closed" or e[1] != 0 for e in list(srv.events.queue))  # reported once
+    stuck.close()
+    good.close()
