@@ -460,6 +460,7 @@ print(json.dumps({"growth": peak - base, "rows": rows, "rows_mem": rows_mem, "fi
 """
 
 
+@pytest.mark.e2e  # a real training subprocess over a disk-staged data set (~20 s): the full suite runs it
 def test_disk_stage_trains_a_data_set_larger_than_the_ram_budget(tmp_path):
     """100 MB of samples, a 2 MiB RAM budget: the disk stage holds the rest, RSS stays bounded, training is identical."""
     n, dim, budget = 25_000, 1024, 2 * B.MIB
