@@ -554,3 +554,23 @@ def test_cpu_ranks_wait_for_the_update_unless_it_is_blended(tmp_path, mode, barr
     h.play([0, 1], lambda: h.co.cycle.in_flight is not None, pending=[(r, p) for r, ps in plans.items() for p in ps])
     reqs = h.transport.take(RequestParams)
     assert reqs and {p.barrier for _, p in reqs} == {barrier}
+
+
+def test_batches_trained_after_an_nccl_ack_count_toward_the_next_reduce(tmp_path):
+    """A rank that acked trains on while its peer finishes the collective: those batches are in no
+    consensus, so they must keep the final reduce due (it was skipped, leaving replicas apart)."""
+    from flodl_exp.protocol import SyncAck
+
+    h = Harness(tmp_path, "nccl_sync", world=2)
+    plans = h.start()
+    for r in range(2):
+        h.batches(r, plans[r][0].chunk, 1)
+    h.tick()
+    assert h.transport.take(SyncNow)
+    h.msg(0, SyncAck(n=1, d=0.0, pre=1.0, post=1.0))
+    h.batches(0, plans[0][0].chunk, 1)  # trained after its collective, before rank 1's ack
+    h.msg(1, SyncAck(n=1, d=0.0, pre=1.0, post=1.0))
+    h.tick()
+    assert h.co.cycle.in_flight is None
+    assert h.co.cycle.steps(0) == 1 and h.co.cycle.steps(1) == 0
+    assert h.co.cycle.any_steps([0, 1])

@@ -28,7 +28,7 @@ def test_a_lost_rank_of_three_recovers(store, mode, fault, monkeypatch):
     """kill: the process dies. stall: only its main thread stops (a hung read) while its heartbeat beats on;
     the progress watch declares it dead and evicts it, and the run recovers the same way."""
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"1:25:{fault}")  # mid epoch 2 (about 15 batches per rank per epoch)
-    h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=8")
+    h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=6")
     res = h.wait()
     assert res["status"] == "FINISHED"
     assert [d["rank"] for d in res["deaths"]] == [1]

@@ -58,20 +58,12 @@ def test_a_refused_job_is_one_line_exit_1_and_a_failed_run(tmp_path):
     assert run.info.status == "FAILED" and "Invalid account" in run.data.tags["error"]
 
 
-@pytest.mark.e2e
-def test_no_sbatch_on_path_is_exit_2(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    r, uri = _cli(tmp_path, str(empty), "nosbatch")
-    assert r.returncode == 2
-    assert "not found" in _one_line(r.stderr)
-    assert _run_of(uri, "nosbatch").info.status == "FAILED"
-
-
 def test_an_unreachable_controller_is_exit_2():
     e = RuntimeError("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)")
     err = submit_error(e, "slurm")
     assert err.exit_code == 2 and "Unable to contact slurm controller" in str(err) and "scontrol ping" in str(err)
     assert submit_error(FileNotFoundError(2, "No such file", "sbatch"), "slurm").exit_code == 2
+    no_srun = submit_error(RuntimeError("Could not detect srun, are you indeed on a slurm cluster?"), "slurm")
+    assert no_srun.exit_code == 2 and "\n" not in str(no_srun)  # submitit's own check when srun is not on PATH
     refused = submit_error(RuntimeError("sbatch: error: QOSMaxWallDurationPerJobLimit"), "slurm")
     assert refused.exit_code == 1 and "\n" not in str(refused)

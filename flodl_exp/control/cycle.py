@@ -290,9 +290,15 @@ class AveragingCycle:
         self.version += 1
         self.global_step += k_used
         for r in n:
-            # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
-            # were overwritten (or blended away) by the update, so they count toward no later window.
-            self.ledger[r].steps = 0
+            if red.backend == "nccl":
+                # A rank trains on after its ack while its peers finish the collective: those batches are
+                # in no consensus yet and count toward the next window (else the final reduce may be skipped
+                # with replicas apart).
+                self.ledger[r].steps = max(0, self.ledger[r].steps - n[r])
+            else:
+                # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
+                # were overwritten (or blended away) by the update, so they count toward no later window.
+                self.ledger[r].steps = 0
         for led in self.ledger:
             led.reset_timing()
         self.in_flight = None

@@ -66,7 +66,7 @@ from .trainer import EpochState, PendingStep, RankTrainer
 log = logging.getLogger("flodl_exp.rank")
 
 HEARTBEAT_S = 1.0
-EVICT_GRACE_S = 10.0
+EVICT_GRACE_S = 5.0
 """After an Evict, the main thread has this long to end the process before the reader thread does."""
 EVICTED_EXIT = 75
 
