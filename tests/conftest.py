@@ -24,6 +24,17 @@ def store(tmp_path_factory) -> dict:
     return {"dir": d, "uri": f"sqlite:///{d}/mlflow.db", "jobs": str(d / "jobs")}
 
 
+@pytest.fixture
+def master_store():
+    """A loopback TCPStore master for in-process process groups (one rank); any group left is destroyed."""
+    import torch.distributed as dist
+
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield s
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def base_overrides(store: dict, experiment: str = "e2e") -> list[str]:
     return [f"tracking.uri={store['uri']}", f"tracking.experiment_name={experiment}", f"run.job_root={store['jobs']}",
             "run.progress=plain", f"hydra.run.dir={store['dir']}/hydra/${{now:%H-%M-%S-%f}}", "run.timeout_min=10"]

@@ -176,24 +176,14 @@ def test_a_finished_collective_reports_its_own_error():
         _backend()._wait(Failed())
 
 
-@pytest.fixture
-def gloo_store():
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield store
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def test_a_one_rank_sync_leaves_parameters_and_buffers_unchanged_and_abort_allows_a_new_group(gloo_store):
+def test_a_one_rank_sync_leaves_parameters_and_buffers_unchanged_and_abort_allows_a_new_group(master_store):
     import torch.distributed as dist
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     model(torch.randn(8, 4))  # running stats move off their defaults
     before = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
-    b = CollectiveBackend(host="127.0.0.1", store_port=gloo_store.port, rank=0, world_size=1, device=torch.device("cpu"),
+    b = CollectiveBackend(host="127.0.0.1", store_port=master_store.port, rank=0, world_size=1, device=torch.device("cpu"),
                           backend="gloo", op_timeout_s=30, store_timeout_s=10)
     d, post, pre = b.sync(model, 3, 1.0)
     after = list(model.parameters()) + list(model.buffers())

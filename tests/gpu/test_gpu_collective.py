@@ -8,31 +8,21 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture
-def store():
-    import torch.distributed as dist
-
-    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield s
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _nccl(store, op_timeout_s: float = 30.0):
+def _nccl(master_store, op_timeout_s: float = 30.0):
     from flodl_exp.rank.backends import CollectiveBackend
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
-    return CollectiveBackend(host="127.0.0.1", store_port=store.port, rank=0, world_size=1, device=dev, backend="nccl",
+    return CollectiveBackend(host="127.0.0.1", store_port=master_store.port, rank=0, world_size=1, device=dev, backend="nccl",
                              op_timeout_s=op_timeout_s, store_timeout_s=30)
 
 
-def test_a_collective_that_outlives_its_deadline_raises_and_the_group_can_be_rebuilt(store):
+def test_a_collective_that_outlives_its_deadline_raises_and_the_group_can_be_rebuilt(master_store):
     import torch.distributed as dist
 
     from flodl_exp.rank.backends import CollectiveTimeout
 
-    b = _nccl(store, op_timeout_s=1.0)
+    b = _nccl(master_store, op_timeout_s=1.0)
     t = torch.ones(4, device="cuda:0")
     torch.cuda._sleep(int(8e9))  # a few seconds of GPU cycles ahead of the all_reduce on this stream
     with pytest.raises(CollectiveTimeout):
@@ -47,12 +37,12 @@ def test_a_collective_that_outlives_its_deadline_raises_and_the_group_can_be_reb
     b.close()
 
 
-def test_a_one_rank_sync_keeps_parameters_and_buffers_and_its_memory_fits_the_reserve(store):
+def test_a_one_rank_sync_keeps_parameters_and_buffers_and_its_memory_fits_the_reserve(master_store):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024)).cuda()
     model(torch.randn(64, 1024, device="cuda"))
     before = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
-    b = _nccl(store)
+    b = _nccl(master_store)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
