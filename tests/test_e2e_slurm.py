@@ -210,28 +210,35 @@ def test_crashed_rank_ends_the_job_failed_with_its_error(cluster, store):
     _wait_for(lambda: job_id not in _squeue(), 30, f"job {job_id} to leave squeue")
 
 
+TIME_LIMIT_EPOCHS = 15
+
+
 @slurm
 @pytest.mark.timeout(480)
 def test_time_limit_requeues_and_resumes_into_the_same_run(cluster, store):
     """time_min=1: USR2 reaches task 0, the coordinator writes a bundle, the job requeues and resumes.
 
-    slurmctld checks limits every 30 s, so the signal comes 15-45 s after the start and the kill
-    30-60 s after the signal. Once the first incarnation has requeued, the test raises the limit of
-    the (pending) job so the resumed incarnation runs to the end instead of being preempted again
+    slurmctld checks limits every 30 s, so the signal comes 15-45 s after the start. Both ranks wait at their
+    50th batch (epoch 3 of 15) on a gate, reading control as between batches, until the requeue is seen: the
+    signal always lands mid-run however fast or busy the machine. The gate is opened then, and the test raises
+    the limit of the (pending) job so the resumed incarnation runs to the end instead of being preempted again
     at a random point: that is a 60-minute limit's life, compressed.
     """
     t0 = time.monotonic()
-    # rank_speeds 0.02: about a minute of training or more, longer than the 15-45 s the signal takes.
-    args = _overrides(store, "mode=cpu_cadence", "experiment=digits_mlp", "experiment.epochs=60",
-                      "cluster.rank_speeds=[0.02,0.02]", "cluster.slurm.time_min=1", "run.wait=false")
-    r = run_cli(args, timeout=60)
-    _ok(r)
-    job, run_id, job_id = job_dir_of(r.stdout), run_id_of(r.stdout), _job_id(r.stdout)
-    _wait_for(lambda: (job / "spec.attempt1.json").exists(), 200, "the preemption bundle and requeue")
-    t_requeue = time.monotonic() - t0
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=20)
+    gate = Path(store["dir"]) / "time_limit.gate"
+    args = _overrides(store, "mode=cpu_cadence", "experiment=digits_mlp", f"experiment.epochs={TIME_LIMIT_EPOCHS}",
+                      "cluster.slurm.time_min=1", "run.wait=false")
+    try:
+        r = run_cli(args, timeout=60, env={"FLODL_FAULT_INJECT": f"0:50:gate:{gate},1:50:gate:{gate}"})
+        _ok(r)
+        job, run_id, job_id = job_dir_of(r.stdout), run_id_of(r.stdout), _job_id(r.stdout)
+        _wait_for(lambda: (job / "spec.attempt1.json").exists(), 200, "the preemption bundle and requeue")
+        t_requeue = time.monotonic() - t0
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=20)
+    finally:
+        gate.touch()
     c = MlflowClient(store["uri"])
-    _wait_for(lambda: c.get_run(run_id).info.status != "RUNNING", 240, "the resumed run to end", every=1.0)
+    _wait_for(lambda: c.get_run(run_id).info.status != "RUNNING", 200, "the resumed run to end", every=1.0)
     dt = time.monotonic() - t0
     print(f"\n[test_e2e_slurm] time limit: requeued after {t_requeue:.0f}s, finished after {dt:.0f}s", file=sys.stderr)
 
@@ -239,7 +246,7 @@ def test_time_limit_requeues_and_resumes_into_the_same_run(cluster, store):
     assert run.info.status == "FINISHED", run.data.tags.get("error")
     assert run.data.tags["slurm_job_id"] == job_id and run.data.tags["slurm_restart_count"] == "1"
     assert run.data.tags["preemptions"] == "1"
-    assert [m.step for m in c.get_metric_history(run_id, "loss")] == list(range(60))  # each epoch once, at its step
+    assert [m.step for m in c.get_metric_history(run_id, "loss")] == list(range(TIME_LIMIT_EPOCHS))  # each epoch once
     assert run.data.metrics["eval/accuracy"] >= 0.90
     mark = json.loads((job / "preempted.json").read_text())
     meta = json.loads(Path(mark["stem"] + ".meta.json").read_text())
@@ -260,7 +267,7 @@ def test_time_limit_requeues_and_resumes_into_the_same_run(cluster, store):
             for i in range(off, off + size):
                 hits[i] += 1
         assert all(h == 1 for h in hits), f"epoch {p['epoch']}: picks trained other than once across the requeue"
-    assert res["global_step"] == 60 * (total // 32)
+    assert res["global_step"] == TIME_LIMIT_EPOCHS * (total // 32)
     _wait_for(lambda: job_id not in _squeue(), 30, f"job {job_id} to leave squeue")
 
 

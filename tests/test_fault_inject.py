@@ -114,3 +114,25 @@ def test_gate_poll_loop_is_bounded_in_count_even_if_the_clock_stands_still(tmp_p
     opened = wait_gate(str(tmp_path / "never"), 0, 1, max_wait_s=0.5, poll_s=0.05, clock=lambda: 0.0, sleep=sleeps.append)
     assert opened is False
     assert len(sleeps) <= int(0.5 / 0.05) + 2
+
+
+def test_a_gated_rank_serves_control_and_a_stop_ends_the_wait(tmp_path):
+    """The gate calls ``serve`` at every poll (the rank reads control there); its True (stopping) ends the wait."""
+    calls: list[int] = []
+
+    def serve() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    opened = wait_gate(str(tmp_path / "never"), 0, 1, max_wait_s=60, poll_s=0.01, serve=serve)
+    assert opened is False and len(calls) == 3
+
+
+def test_a_serve_error_propagates_out_of_the_gate(tmp_path):
+    """A lost coordinator raised by ``serve`` ends the gate at once (the rank must not wait out the bound)."""
+
+    def serve() -> bool:
+        raise ConnectionError("coordinator gone")
+
+    with pytest.raises(ConnectionError):
+        inject_fault(f"gate:{tmp_path / 'never2'}", 0, 1, max_wait_s=60, serve=serve)

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import submitit
 
 from ..config import load_cluster
-from ..constants import COORDINATOR_LOG, FAULT_ENV, PREEMPT_EXIT, PREEMPT_MARK
+from ..constants import COORDINATOR_LOG, FAULT_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK
 from .executor import restore_visible_devices
 
 PREEMPT_WAIT_S = 120.0
@@ -226,8 +226,16 @@ class RunTask(submitit.helpers.Checkpointable):
         worker.start()
         try:
             try:
+                coord_gone_at: Optional[float] = None
                 while worker.is_alive():
                     worker.join(0.2)
+                    if coord_gone_at is None and coord.poll() is not None:
+                        coord_gone_at = time.monotonic()
+                    if coord_gone_at is not None and time.monotonic() - coord_gone_at > LOST_GRACE_S:
+                        # rank 0 sits in a call that reads no control (a store connect to the dead
+                        # coordinator): end the task without it, as the other ranks' readers do
+                        log.error("rank 0 did not stop within %.0fs of the coordinator's end: leaving it", LOST_GRACE_S)
+                        break
             except _RunEnded:
                 worker.join()
             except (SystemExit, KeyboardInterrupt):  # SystemExit: submitit requeued the job
@@ -345,7 +353,7 @@ def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int
     rdv = wait_rendezvous(job_dir, load_cluster(spec["config"]["cluster"]).rendezvous_timeout_s, coord_dead, attempt=attempt)
     from ..rank.worker import RankWorker
 
-    return RankWorker(spec, rank, local_rank, rdv).run()
+    return RankWorker(spec, rank, local_rank, rdv, owns_process=coord_dead is None).run()
 
 
 run_task = RunTask()

@@ -74,8 +74,13 @@ def split_kind(kind: str) -> tuple[str, Optional[str]]:
 
 
 def wait_gate(path: str, rank: int, step: int, max_wait_s: float = GATE_MAX_WAIT_S, poll_s: float = GATE_POLL_S,
-              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Block until ``path`` exists (True) or ``max_wait_s`` passed (False, logged). Bounded in time and count."""
+              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+              serve: Optional[Callable[[], bool]] = None) -> bool:
+    """Block until ``path`` exists (True) or ``max_wait_s`` passed (False, logged). Bounded in time and count.
+
+    ``serve`` runs at every poll (the rank reads its control there, as between batches: a gated rank is a
+    slow rank, not a deaf one, so a save, a shutdown or a lost coordinator reach it); it returns True when
+    the rank is stopping, which ends the wait (False)."""
     if os.path.exists(path):
         return True
     log.warning("rank %d: gated at step %d until %s exists (at most %.0f s)", rank, step, path, max_wait_s)
@@ -86,6 +91,8 @@ def wait_gate(path: str, rank: int, step: int, max_wait_s: float = GATE_MAX_WAIT
             return True
         if clock() >= deadline:
             break
+        if serve is not None and serve():
+            return False
         sleep(poll_s)
     if os.path.exists(path):
         return True
@@ -93,13 +100,15 @@ def wait_gate(path: str, rank: int, step: int, max_wait_s: float = GATE_MAX_WAIT
     return False
 
 
-def inject_fault(kind: str, rank: int, step: int, max_wait_s: float = GATE_MAX_WAIT_S) -> None:
-    """Do the fault ``kind`` (as returned by :func:`parse_fault`); called after every step from ``step`` on."""
+def inject_fault(kind: str, rank: int, step: int, max_wait_s: float = GATE_MAX_WAIT_S,
+                 serve: Optional[Callable[[], bool]] = None) -> None:
+    """Do the fault ``kind`` (as returned by :func:`parse_fault`); called after every step from ``step`` on.
+    ``serve``: see :func:`wait_gate` (gates only)."""
     name, arg = split_kind(kind)
     if name == "gate":
         if arg is None or arg in _gates_done:
             return
-        wait_gate(arg, rank, step, max_wait_s=max_wait_s)
+        wait_gate(arg, rank, step, max_wait_s=max_wait_s, serve=serve)
         _gates_done.add(arg)
         return
     log.error("rank %d: injected fault %r at step %d", rank, kind, step)

@@ -26,7 +26,7 @@ import torch
 from .. import wire
 from ..averaging import consensus_state, float_buffers
 from ..config import RunShape, load_config
-from ..constants import FAULT_ENV
+from ..constants import FAULT_ENV, LOST_GRACE_S
 from ..experiment import build_experiment
 from ..protocol import Batch as BatchReport
 from ..protocol import (
@@ -69,6 +69,7 @@ HEARTBEAT_S = 1.0
 EVICT_GRACE_S = 5.0
 """After an Evict, the main thread has this long to end the process before the reader thread does."""
 EVICTED_EXIT = 75
+COORDINATOR_LOST_EXIT = 76
 
 
 class CoordinatorLost(RuntimeError):
@@ -133,8 +134,14 @@ class RankWorker:
     state: str = "wait"
     """What the main thread is doing, for the heartbeat: train | collective | eval | save | wait."""
 
-    def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any],
+                 owns_process: bool = True) -> None:
+        """``owns_process``: the rank is its process's only job, so a stuck main thread may be ended by
+        exiting (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead)."""
         cfg = load_config(spec["config"])
+        self.owns_process = owns_process
+        self.ended = threading.Event()
+        """Set once run() has cleaned up: the reader thread's watchdogs wait on it."""
         self.cfg = cfg
         self.spec = spec
         self.rank = rank
@@ -229,21 +236,26 @@ class RankWorker:
                 msg = self.conn.recv()
                 self.inbox.put(msg)
                 if msg.kind == Evict.KIND.value:
-                    self._exit_unless_main_ends(str(msg.fields.get("reason", "")))
+                    log.error("rank %d: evicted by the coordinator: %s", self.rank, msg.fields.get("reason", ""))
+                    self._exit_unless_main_ends("the eviction", EVICT_GRACE_S, EVICTED_EXIT, wait_for_end=False)
         except BaseException as e:  # closed or broken: hand the reason to the main loop
             self.inbox.put(e)
+            if not self.stopping and self.owns_process:
+                self._exit_unless_main_ends("the coordinator's connection broke", LOST_GRACE_S, COORDINATOR_LOST_EXIT)
 
-    def _exit_unless_main_ends(self, reason: str) -> None:
-        """Evicted: the main thread may be stuck (a hung read), so this thread ends the process if it has
-        not ended within the grace. Its exit closes its collective connections, freeing its peers."""
-        log.error("rank %d: evicted by the coordinator: %s", self.rank, reason)
-        deadline = time.monotonic() + EVICT_GRACE_S
-        while time.monotonic() < deadline:
-            time.sleep(0.1)
-        log.error("rank %d: the main thread did not stop within %.0fs of the eviction (state %s): exiting",
-                  self.rank, EVICT_GRACE_S, self.state)
+    def _exit_unless_main_ends(self, what: str, grace_s: float, code: int, wait_for_end: bool = True) -> None:
+        """The main thread may be stuck where it reads no control (a hung read, a store connect), so this
+        thread ends the process if the run has not ended within the grace. The exit closes the rank's
+        collective connections, freeing its peers. An eviction exits even after a clean end (the
+        coordinator has written the rank off); a lost connection only if the main thread is still busy."""
+        if not wait_for_end:
+            time.sleep(grace_s)
+        elif self.ended.wait(grace_s):
+            return
+        log.error("rank %d: the main thread did not stop within %.0fs of %s (state %s): exiting",
+                  self.rank, grace_s, what, self.state)
         logging.shutdown()
-        os._exit(EVICTED_EXIT)
+        os._exit(code)
 
     def _heartbeat(self) -> None:
         while not self.stopping:
@@ -310,6 +322,11 @@ class RankWorker:
             if msg is None:
                 return
             self.handle(msg)
+
+    def _serve_while_gated(self) -> bool:
+        """A gated rank reads control as between batches (see fault_inject.wait_gate); True: stopping."""
+        self.drain()
+        return self.stopping
 
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Block handling control messages until ``done()`` (throttle, barrier, idle)."""
@@ -541,7 +558,7 @@ class RankWorker:
             self.report_batches(wait=False)
             if self.fault is not None and tr.step_count >= self.fault[0]:
                 self.report_batches(wait=True)
-                inject_fault(self.fault[1], self.rank, tr.step_count)
+                inject_fault(self.fault[1], self.rank, tr.step_count, serve=self._serve_while_gated)
         self.chunk = None
         self.report_batches(wait=True)
         m = tr.end_epoch(st, plan.chunk)
@@ -577,3 +594,4 @@ class RankWorker:
             if self.collective is not None:
                 self.collective.close()
             self.conn.close()
+            self.ended.set()
