@@ -10,6 +10,8 @@ CNN on the digits data, batch 16, ~7 ms per train step on one CPU thread), run i
 * ``ddp``        PyTorch DistributedDataParallel, 2 processes, Gloo, rank 1 at 0.33 (experiments/ddp_baseline.py)
 * ``nccl_sync``, ``nccl_cadence``, ``cpu_sync``, ``cpu_cadence``, ``cpu_async``
                  flodl_exp on ``cluster=local_hetero`` (rank_speeds [1.0, 0.33])
+* ``nccl_cadence+slowmo``, ``nccl_cadence+diloco``, ``cpu_async+slowmo``, ``cpu_async+diloco``
+                 the same with an outer optimizer (``outer=slowmo|diloco``, their defaults)
 
 every run in its own subprocess (``python -m flodl_exp ...`` / the DDP script),
 all logged to one MLflow experiment (``bench_hetero``). Metrics are read back
@@ -66,6 +68,11 @@ RUNS: list[tuple[str, str, list[str]]] = [
     ("cpu_sync", "flodl", ["mode=cpu_sync", "cluster=local_hetero"]),
     ("cpu_cadence", "flodl", ["mode=cpu_cadence", "cluster=local_hetero"]),
     ("cpu_async", "flodl", ["mode=cpu_async", "cluster=local_hetero"]),
+    # outer optimizers (their defaults, nothing tuned per run) on the two low-communication modes
+    ("nccl_cadence+slowmo", "flodl", ["mode=nccl_cadence", "outer=slowmo", "cluster=local_hetero"]),
+    ("nccl_cadence+diloco", "flodl", ["mode=nccl_cadence", "outer=diloco", "cluster=local_hetero"]),
+    ("cpu_async+slowmo", "flodl", ["mode=cpu_async", "outer=slowmo", "cluster=local_hetero"]),
+    ("cpu_async+diloco", "flodl", ["mode=cpu_async", "outer=diloco", "cluster=local_hetero"]),
 ]
 TARGET_MODES = ("nccl_cadence", "cpu_cadence")
 TARGET_SPEEDUP = 1.6
@@ -447,7 +454,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             s = summarize(rec, client)
             s["load_before"], s["round"] = la, rnd
             got.append(s)
-            print(f"  {name:13s} {s['status']:8s} wall {fmt(s.get('wall_s'), '6.2f')} s  {fmt(s.get('samples_per_s'), '6.0f')} samples/s  "
+            print(f"  {name:20s} {s['status']:8s} wall {fmt(s.get('wall_s'), '6.2f')} s  {fmt(s.get('samples_per_s'), '6.0f')} samples/s  "
                   f"syncs {fmt(s.get('syncs'), '4d')}  share {fmt(s.get('fast_share'), '.2f')}  acc {fmt(s.get('accuracy'), '.4f')}  "
                   f"(process {s['launch_s']:.1f} s, load {la:.2f})", flush=True)
             if s["status"] != "FINISHED":

@@ -34,6 +34,15 @@ def meta_path(stem: str) -> str:
     return f"{stem}.meta.json"
 
 
+def outer_path(stem: str) -> str:
+    """The outer optimizer's sidecar (momentum and the last adopted global), written only when it has state."""
+    return f"{stem}.outer.pt"
+
+
+BUNDLE_SUFFIXES = (".pt", ".optim.pt", ".outer.pt", ".meta.json")
+"""Every fixed piece suffix of a bundle (besides the per-rank ``.optim.r<N>.pt``)."""
+
+
 def _umask() -> int:
     try:
         with open("/proc/self/status") as fh:
@@ -85,7 +94,7 @@ def bundle_files(stem: str) -> list[str]:
     out = []
     for fn in names:
         rest = fn[len(name):] if fn.startswith(name + ".") else ""
-        if rest in (".pt", ".optim.pt", ".meta.json") or (rest.startswith(".optim.r") and rest.endswith(".pt")
+        if rest in BUNDLE_SUFFIXES or (rest.startswith(".optim.r") and rest.endswith(".pt")
                                                            and rest[len(".optim.r"):-len(".pt")].isdigit()):
             out.append(os.path.join(d, fn))
     return out
@@ -129,11 +138,15 @@ def check_pieces(stem: str, meta: dict) -> Optional[str]:
 
 
 def save_rank_pieces(stem: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
-                     primary: bool, write_model: bool, model_state: Optional[dict[str, torch.Tensor]] = None) -> None:
-    """This rank's pieces; ``model_state`` replaces the replica's state dict in the model piece."""
+                     primary: bool, write_model: bool, model_state: Optional[dict[str, torch.Tensor]] = None,
+                     outer_state: Optional[dict[str, Any]] = None) -> None:
+    """This rank's pieces; ``model_state`` replaces the replica's state dict in the model piece;
+    ``outer_state`` (nccl: the model's writer holds the replicated outer optimizer) goes to the sidecar."""
     if write_model:
         state = model_state if model_state is not None else model.state_dict()
         atomic_torch_save({k: v.detach().to("cpu") for k, v in state.items()}, model_path(stem))
+        if outer_state is not None:
+            atomic_torch_save(outer_state, outer_path(stem))
     atomic_torch_save(optimizer.state_dict(), optim_path(stem, rank, primary))
 
 
@@ -164,6 +177,11 @@ def load_model_state(stem: str, map_location: Optional[str] = "cpu") -> dict[str
     return torch.load(model_path(stem), map_location=map_location, weights_only=True)
 
 
+def load_outer_state(stem: str) -> dict[str, Any]:
+    """The outer optimizer's sidecar (tensors and plain values only: weights_only)."""
+    return cast(dict[str, Any], torch.load(outer_path(stem), map_location="cpu", weights_only=True))
+
+
 def validate_resume(cfg: Any) -> Optional[dict]:
     """Check ``checkpoint.resume_from`` before any process starts; ConfigError (one line) on a bad bundle.
 
@@ -186,6 +204,9 @@ def validate_resume(cfg: Any) -> Optional[dict]:
     bad = check_pieces(stem, meta)
     if bad:
         raise ConfigError(f"config error: {key}: {bad}")
+    if cfg.outer.kind != "avg" and not os.path.exists(outer_path(stem)):
+        raise ConfigError(f"config error: {key}: {outer_path(stem)} does not exist: outer={cfg.outer.kind} resumes its "
+                          "momentum from the bundle (saved with outer=avg? resume with outer=avg)")
     w = world_size(cfg)
     if int(meta.get("world_size_at_save", w)) != w:
         raise ConfigError(f"config error: {key}: saved with world size {meta['world_size_at_save']}, this run has {w}")

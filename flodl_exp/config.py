@@ -24,6 +24,7 @@ REDUCTIONS = ("mean", "sum", "max", "min")
 CORE_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_ms")
 DEVICES = ("auto", "cpu", "cuda")
 COLLECTIVES = ("auto", "nccl", "gloo")
+OUTERS = ("avg", "slowmo", "diloco")
 
 
 @dataclass
@@ -88,6 +89,19 @@ class GuardConfig:
     nudge_factor: float = 0.5
     nudge: bool = True
     """MsfGuard: false = suppress only, never nudge the anchor down."""
+
+
+@dataclass
+class OuterConfig:
+    """Outer optimizer applied to each window's consensus before it is adopted (algorithms.md 11.1)."""
+
+    kind: str = "avg"
+    """avg (identity: adopt the consensus) | slowmo (heavy-ball momentum) | diloco (Nesterov momentum,
+    inner optimizer state reset after each adoption)."""
+    lr: Optional[float] = None
+    """Outer learning rate; unset = 1.0 for slowmo, 0.7 for diloco."""
+    mu: Optional[float] = None
+    """Outer momentum in [0, 1); unset = 0.9."""
 
 
 @dataclass
@@ -239,6 +253,7 @@ class DashboardConfig:
 class Config:
     mode: ModeConfig = field(default_factory=ModeConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
@@ -311,6 +326,8 @@ class RunShape:
     """``eval.callback_rank`` as an index, None = the fastest rank."""
     max_failure: Optional[int]
     """Dead ranks that end the run: the lower of ``cluster.max_failure`` and ``ceil(max_failure_pct x W)``."""
+    outer: Any = None
+    """The outer optimizer as run (an ``outer.OuterSpec``, defaults filled in)."""
 
     @classmethod
     def of(cls, cfg: Any) -> RunShape:
@@ -320,7 +337,17 @@ class RunShape:
             limits.append(max(1, math.ceil(float(cfg.cluster.max_failure_pct) * w - 1e-9)))
         return cls(world_size=w, progressive=is_progressive(cfg) and w >= 2, easgd_alpha=effective_easgd_alpha(cfg),
                    fixed_callback_rank=parse_callback_rank(cfg.eval.callback_rank),
-                   max_failure=min(limits) if limits else None)
+                   max_failure=min(limits) if limits else None, outer=outer_spec(cfg))
+
+
+def outer_spec(cfg: Any) -> Any:
+    """``outer`` as run: the kind's default lr and mu fill what the config leaves unset."""
+    from .outer import DEFAULTS, OuterSpec
+
+    o = cfg.outer
+    lr, mu = DEFAULTS[o.kind]
+    return OuterSpec(kind=str(o.kind), lr=float(o.lr) if o.lr is not None else lr,
+                     mu=float(o.mu) if o.mu is not None else mu)
 
 
 def is_progressive(cfg: Any) -> bool:
@@ -381,6 +408,17 @@ def mode_name(cfg: Any) -> str:
     return f"{cfg.mode.backend}_{cfg.mode.policy}"
 
 
+def _validate_outer(o: Any) -> None:
+    if o.kind not in OUTERS:
+        raise _err("outer.kind", o.kind, f"one of {', '.join(OUTERS)}")
+    if o.lr is not None and not (math.isfinite(o.lr) and o.lr > 0):
+        raise _err("outer.lr", o.lr, "a finite number > 0")
+    if o.mu is not None and not (math.isfinite(o.mu) and 0 <= o.mu < 1):
+        raise _err("outer.mu", o.mu, "a number in [0, 1)")
+    if o.kind == "avg" and (o.lr is not None or o.mu is not None):
+        raise _err("outer.kind", o.kind, "slowmo or diloco when outer.lr / outer.mu are set (avg has no knobs)")
+
+
 def validate(cfg: Any) -> List[str]:
     """The one validation pass. Raises ConfigError on the first user error; returns warnings."""
     global _SCHEMA
@@ -409,6 +447,7 @@ def validate(cfg: Any) -> List[str]:
             "within noise of nccl_cadence and its in-place write-back raced autograd on heterogeneous "
             "GPUs; use mode=nccl_cadence or mode=cpu_async"
         )
+    _validate_outer(cfg.outer)
     if c.executor not in EXECUTORS:
         raise _err("cluster.executor", c.executor, f"one of {', '.join(EXECUTORS)}")
     if c.device not in DEVICES:

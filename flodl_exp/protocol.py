@@ -220,6 +220,10 @@ class SyncAck:
     d: Optional[float] = None
     pre: Optional[float] = None
     post: Optional[float] = None
+    outer_step: Optional[float] = None
+    """Norm of the outer optimizer's step after this reduce (None: outer=avg, or nobody moved)."""
+    outer_momentum: Optional[float] = None
+    """Norm of the outer momentum after this reduce."""
 
 
 @dataclass

@@ -113,7 +113,7 @@ def summarize(run: RunData, ekey: Optional[str]) -> RunSummary:
 
 
 def select_runs(runs: Sequence[RunData]) -> tuple[list[RunSummary], int]:
-    """One summary per (experiment, mode, world size, cluster): the latest finished run.
+    """One summary per (experiment, mode, outer optimizer, world size, cluster): the latest finished run.
 
     Why not every run: repeated launches of the same configuration would make
     the per-mode table ambiguous; the count of superseded runs is reported.
@@ -122,17 +122,19 @@ def select_runs(runs: Sequence[RunData]) -> tuple[list[RunSummary], int]:
     usable = [r for r in runs if r.history.get("loss") and "mode" in r.tags]
     groups: dict[tuple, list[RunData]] = {}
     for r in usable:
-        key = (r.tags.get("experiment", "?"), r.tags["mode"], r.tags.get("world_size", "?"), r.tags.get("cluster", "?"))
+        key = (r.tags.get("experiment", "?"), r.tags["mode"], r.tags.get("outer", "avg"), r.tags.get("world_size", "?"),
+               r.tags.get("cluster", "?"))
         groups.setdefault(key, []).append(r)
     clusters: dict[str, set[str]] = {}
-    for exp, _, _, cl in groups:
+    for exp, _, _, _, cl in groups:
         clusters.setdefault(exp, set()).add(cl)
     out = []
-    for (exp, mode, _, cl), rs in groups.items():
+    for (exp, mode, outer, _, cl), rs in groups.items():
         best = max(rs, key=lambda r: (r.status == "FINISHED", r.start_time))
         ekey = eval_key([r for r in usable if r.tags.get("experiment", "?") == exp])
         s = summarize(best, ekey)
-        s.label = (f"solo ({mode})" if s.is_solo else mode) + (f" @{cl}" if len(clusters[exp]) > 1 else "")
+        s.label = ((f"solo ({mode})" if s.is_solo else mode) + ("" if outer == "avg" else f" + {outer.split('(')[0]}")
+                   + (f" @{cl}" if len(clusters[exp]) > 1 else ""))
         if best.status != "FINISHED":
             s.label += f" [{best.status}]"
         out.append(s)

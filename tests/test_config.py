@@ -203,6 +203,13 @@ REFUSED = [
     case("augment-negative", "data_plane.augment", "-2", "data_plane=lean", "data_plane.augment=-2"),
     case("disk_stage-negative", "data_plane.disk_stage_gb", "-1.0", "data_plane=disk_overflow",
          "data_plane.disk_stage_gb=-1"),
+    # outer optimizer
+    case("outer-kind-unknown", "outer.kind", "adam", "outer.kind=adam"),
+    case("outer-lr-zero", "outer.lr", "0.0", "outer=slowmo", "outer.lr=0"),
+    case("outer-lr-nan", "outer.lr", "nan", "outer=diloco", "outer.lr=nan"),
+    case("outer-mu-one", "outer.mu", "1.0", "outer=slowmo", "outer.mu=1.0"),
+    case("outer-mu-negative", "outer.mu", "-0.1", "outer=diloco", "outer.mu=-0.1"),
+    case("outer-avg-with-knobs", "outer.kind", "avg", "outer.lr=0.5"),
 ]
 
 
@@ -370,6 +377,7 @@ def test_every_preset_combination_validates(make):
     groups = {
         "mode": sorted(VALID_MODES),
         "guard": presets("guard"),
+        "outer": presets("outer"),
         "data_plane": presets("data_plane"),
         "cluster": presets("cluster"),
         "experiment": presets("experiment"),

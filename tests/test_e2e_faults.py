@@ -112,7 +112,9 @@ taken no chunk of epoch 3 is handed out, so at most 3 epochs (132 batches) are t
 
 @pytest.mark.parametrize("mode", ["cpu_cadence"])
 def test_at_epoch_bundle_resumes_exactly(store, mode, tmp_path, monkeypatch):
-    common = [f"mode={mode}", f"experiment.epochs={AT_EPOCH_EPOCHS}", "cluster=local_hetero", "seed=7", "mode.max_anchor=20"]
+    # outer=diloco: the bundle carries the outer momentum (a sidecar) and the resumed run starts from it
+    common = [f"mode={mode}", f"experiment.epochs={AT_EPOCH_EPOCHS}", "cluster=local_hetero", "seed=7", "mode.max_anchor=20",
+              "outer=diloco"]
     ref = _launch(store, *common).wait()
     gate = tmp_path / "gate"
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:{AT_EPOCH_GATE_STEP}:gate:{gate},1:{AT_EPOCH_GATE_STEP}:gate:{gate}")
@@ -132,7 +134,13 @@ def test_at_epoch_bundle_resumes_exactly(store, mode, tmp_path, monkeypatch):
     meta = json.loads(Path(stem + ".meta.json").read_text())
     per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
     assert 2 in per and meta["epoch"] == 2, f"at_epoch=2 bundle: meta epoch {meta['epoch']}, coverage epochs {sorted(per)}"
-    res = _launch(store, *common, f"checkpoint.resume_from={stem}").wait()
+    sidecar = torch.load(stem + ".outer.pt", weights_only=True)
+    saved_norm = sum(float(t.pow(2).sum()) for t in sidecar["momentum"]) ** 0.5
+    assert os.path.basename(stem) + ".outer.pt" in meta["pieces"]
+    h2 = _launch(store, *common, f"checkpoint.resume_from={stem}")
+    res = h2.wait()
+    restored = [e for e in read_events(Path(h2.job_dir)) if e.get("event") == "outer_restored"]
+    assert saved_norm > 0 and len(restored) == 1 and restored[0]["momentum_norm"] == pytest.approx(saved_norm, rel=1e-6)
     total = (res["total_picks"] // 32) * 32
     hits = [0] * total
     uncovered = {i for off, size in per[2]["uncovered_ranges"] for i in range(off, off + size)}

@@ -1,4 +1,6 @@
-"""One conformance suite for every mode on the simulated 3:1 rig (cluster=local_hetero)."""
+"""One conformance suite for every mode on the simulated 3:1 rig (cluster=local_hetero), and the outer
+optimizers on the two low-communication modes (nccl_cadence and cpu_async run with outer=slowmo and
+outer=diloco here; plain averaging on them is the default run of the other end-to-end tests)."""
 from __future__ import annotations
 
 import pytest
@@ -8,15 +10,16 @@ from conftest import assert_exact_coverage, base_overrides, compose
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-MODES = ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
+CASES = [("nccl_sync", "avg"), ("cpu_sync", "avg"), ("cpu_cadence", "avg"), ("nccl_cadence", "slowmo"),
+         ("nccl_cadence", "diloco"), ("cpu_async", "slowmo"), ("cpu_async", "diloco")]
 EPOCHS = 6
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_mode_on_heterogeneous_ranks(store, mode):
+@pytest.mark.parametrize(("mode", "outer"), CASES, ids=[f"{m}-{o}" for m, o in CASES])
+def test_mode_on_heterogeneous_ranks(store, mode, outer):
     from flodl_exp.jobs.launcher import launch
 
-    h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", "cluster=local_hetero",
+    h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", f"outer={outer}", "cluster=local_hetero",
                         "experiment=digits_mlp", f"experiment.epochs={EPOCHS}"]))
     res = h.wait()
     assert res["status"] == "FINISHED"
@@ -33,3 +36,10 @@ def test_mode_on_heterogeneous_ranks(store, mode):
     for key in ("anchor", "syncs", "sync_ms_avg", "divergence_max", "guard_action"):
         assert key in run.data.metrics
     assert run.data.tags["policy"] == mode.split("_")[1] and run.data.tags["backend"] == mode.split("_")[0]
+    assert run.data.tags["outer"].split("(")[0] == outer
+    if outer != "avg":  # per epoch with a reduce: the mean outer step and the momentum at its last reduce
+        steps = c.get_metric_history(h.run_id, "outer/step_norm")
+        momentum = [m.value for m in c.get_metric_history(h.run_id, "outer/momentum_norm")]
+        # an epoch with no reduce (async's long windows) records none
+        assert 0 < len(steps) <= EPOCHS and all(m.value >= 0 for m in steps) and momentum[-1] > 0
+        assert run.data.params["outer.kind"] == outer

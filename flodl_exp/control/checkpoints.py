@@ -23,6 +23,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..checkpoint import BUNDLE_SUFFIXES
 from ..protocol import Save, SaveResult
 from .channels import EventLog, Outbox
 from .cohort import Cohort
@@ -30,8 +31,6 @@ from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 
 log = logging.getLogger("flodl_exp.coordinator")
-
-BUNDLE_SUFFIXES = (".pt", ".optim.pt", ".meta.json")
 
 
 @dataclass(frozen=True)
@@ -95,13 +94,28 @@ class BundleWriter:
         return sorted(r for r, n in self._pending.items() if n > 0)
 
     def _pieces(self, r: int, primary: bool, model: bool) -> list[str]:
-        from ..checkpoint import model_path, optim_path
+        from ..checkpoint import model_path, optim_path, outer_path
 
         stem = self.stem_in_progress or self.stem
         names = [optim_path(stem, r, primary)]
         if model:
             names.insert(0, model_path(stem))
+            if self._cycle.backend == "nccl" and self._cycle.outer.spec.stateful:
+                names.insert(1, outer_path(stem))  # the outer optimizer is replicated on the ranks
         return [os.path.basename(n) for n in names]
+
+    def _write_outer_sidecar(self, stem: str) -> None:
+        """cpu backend: the outer optimizer's state lives here, so its sidecar is written here."""
+        from ..checkpoint import atomic_torch_save, outer_path
+
+        if self._cycle.backend != "cpu" or not self._cycle.outer.spec.stateful:
+            return
+        try:
+            atomic_torch_save(self._cycle.outer.state_dict(), outer_path(stem))
+        except OSError as e:
+            self._errors.append(f"the outer optimizer's sidecar could not be written ({e})")
+            return
+        self._written.add(os.path.basename(outer_path(stem)))
 
     def expect(self, r: int, *, primary: bool = True, model: bool = True) -> None:
         """One more ``save_result`` from ``r``; by default for a model + ``.optim.pt`` save (the coordinator's
@@ -130,6 +144,7 @@ class BundleWriter:
                 log.warning("bundle %s: removed %d piece(s) of an earlier save", stem, len(gone))
         except OSError as e:
             self._errors.append(f"could not remove the earlier pieces: {e}")
+        self._write_outer_sidecar(stem)
         for r in alive:
             self.expect(r, primary=r == primary, model=r == primary)
             self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=self._consensus))

@@ -105,7 +105,7 @@ class Coordinator:
             world_size=w, policy=cfg.mode.policy, backend=cfg.mode.backend, gamma=cfg.mode.gamma, alpha=shape.easgd_alpha,
             progressive=shape.progressive, elche=elche, guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None, relax_up=cfg.mode.relax_up,
-            max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock)
+            max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock, outer=shape.outer)
         self.dispatch = Dispatcher(
             world_size=w, batch_size=cfg.experiment.batch_size, epochs=self.epochs, policy=cfg.mode.policy,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot, partition_ratios=cfg.mode.partition_ratios,
@@ -146,6 +146,7 @@ class Coordinator:
         self.resume: Optional[dict[str, Any]] = spec.get("resume")
         if self.resume:
             self._restore(self.resume["meta"])
+            self._restore_outer(self.resume["stem"])
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             Batch: self._on_batch, SyncAck: self._on_ack, Snapshot: self._on_snapshot, ChunkMetrics: self._on_metrics,
             EvalResult: self._on_eval, SaveResult: self._on_save_result, RankError: self._on_error,
@@ -162,6 +163,18 @@ class Coordinator:
             self.cycle.elche.load_state_dict(st)
         if meta.get("guard_state") and meta.get("guard_kind") == self.cfg.guard.kind:
             self.cycle.guard.load_state_dict(meta["guard_state"])
+
+    def _restore_outer(self, stem: str) -> None:
+        """cpu backend: the outer optimizer's momentum from the bundle's sidecar (the launcher checked it exists)."""
+        from ..checkpoint import load_outer_state
+
+        outer = self.cycle.outer
+        if self.cycle.backend != "cpu" or not outer.spec.stateful:
+            return
+        outer.load_state_dict(load_outer_state(stem))
+        norm = outer.momentum_norm()
+        log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", outer.spec.describe(), stem, norm)
+        self.events.emit({"event": "outer_restored", "stem": stem, "momentum_norm": norm})
 
     # -- phase ------------------------------------------------------------
     def enter(self, phase: Phase) -> None:
@@ -391,7 +404,7 @@ class Coordinator:
             self.dispatch.on_verdict(out.action)
         self.dispatch.on_reduce_finished(out.n)
         self.windows.on_reduce(out, self.current_epoch())
-        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code)
+        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
         if self.preemption.on_reduce_finished():
             return
         if self.life.phase in TRAINING_PHASES:

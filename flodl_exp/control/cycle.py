@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from ..averaging import divergence, weighted_average
+from ..outer import OuterOptimizer, OuterSpec, OuterStep
 from ..protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
 from .actions import STABLE, ConvergenceAction
 from .channels import Outbox
@@ -99,6 +100,8 @@ class ReduceOutcome:
     window_s: float
     """Wall time since the previous reduce finished."""
     final: bool
+    outer: Optional[OuterStep] = None
+    """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
 
     @property
     def d_max(self) -> Optional[float]:
@@ -108,7 +111,8 @@ class ReduceOutcome:
 class AveragingCycle:
     def __init__(self, *, world_size: int, policy: str, backend: str, gamma: float, alpha: Optional[float],
                  progressive: bool, elche: Optional[ElChe], guard: ConvergenceGuard, meta: Optional[LrEventMeta],
-                 relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float]) -> None:
+                 relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float],
+                 outer: Optional[OuterSpec] = None) -> None:
         self.world_size = world_size
         self.policy = policy
         self.backend = backend
@@ -130,6 +134,8 @@ class AveragingCycle:
         """Batches averaged into the consensus so far, all ranks together."""
         self.lr_seen: Optional[float] = None
         self.window_t0 = clock()
+        self.outer = OuterOptimizer(outer or OuterSpec())
+        """cpu backend: the outer optimizer runs here, once per window (nccl: replicated on the ranks)."""
 
     # -- state ------------------------------------------------------------
     @property
@@ -237,26 +243,31 @@ class AveragingCycle:
             div: dict[int, Optional[float]] = {r: red.acks[r].d for r in live}
             pre: dict[int, Optional[float]] = {r: red.acks[r].pre for r in live}
             post = next((red.acks[r].post for r in live if red.acks[r].post is not None), None)
+            # Every rank stepped the same outer optimizer on the same consensus: any ack speaks for all.
+            outer = next((OuterStep(a.outer_step, a.outer_momentum or 0.0, seeded=False)
+                          for a in (red.acks[r] for r in live) if a.outer_step is not None), None)
         else:
             if not set(live).issubset(red.snapshots):
                 return None
-            n, div, pre, post = self._average_cpu(red, live)
-        return self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive)
+            n, div, pre, post, outer = self._average_cpu(red, live)
+        return self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
 
     def _average_cpu(self, red: Reduce, ranks: list[int]) -> tuple[dict[int, int], dict[int, Optional[float]],
-                                                                   dict[int, Optional[float]], Optional[float]]:
+                                                                   dict[int, Optional[float]], Optional[float],
+                                                                   Optional[OuterStep]]:
         snaps = [red.snapshots[r] for r in ranks]
         n = {r: s.n for r, s in zip(ranks, snaps)}
         div: dict[int, Optional[float]] = {}
         pre: dict[int, Optional[float]] = {}
         post: Optional[float] = None
         if not ranks:
-            return n, div, pre, post
+            return n, div, pre, post, None
         n_p = sum(1 for k in snaps[0].tensors if k.startswith("p"))
         n_b = sum(1 for k in snaps[0].tensors if k.startswith("b"))
         params = [[s.tensors[f"p{i}"].float() for i in range(n_p)] for s in snaps]
         bufs = [[s.tensors[f"b{j}"] for j in range(n_b)] for s in snaps]
         res = weighted_average([n[r] for r in ranks], params, bufs, self.gamma)
+        moved = res is not None
         if res is None and red.final and self.alpha is not None:
             # EASGD leaves replicas apart even when nobody stepped: the final consensus is their plain mean.
             res = weighted_average([1] * len(ranks), params, bufs, 1.0)
@@ -265,19 +276,26 @@ class AveragingCycle:
             for r in ranks:
                 div[r], pre[r] = 0.0, None
                 self._out.send(r, Update(n=n[r], skip=True))
-            return n, div, pre, post
+            return n, div, pre, post, None
         avg_p, avg_b = res
         flat_avg = torch.cat([t.reshape(-1).float() for t in avg_p])
+        divs = [divergence(torch.cat([t.reshape(-1) for t in ps]), flat_avg) for ps in params]
+        # The outer step comes after the divergence read-out, on the parameter frame only; a round with
+        # zero mass (the EASGD final mean of idle replicas) passes through unstepped.
+        outer: Optional[OuterStep] = None
+        if moved:
+            avg_p, outer = self.outer.step(avg_p)
         tensors = {f"p{i}": t for i, t in enumerate(avg_p)}
         tensors.update({f"b{j}": t for j, t in enumerate(avg_b)})
-        for r, ps in zip(ranks, params):
-            d, post, pre_n = divergence(torch.cat([t.reshape(-1) for t in ps]), flat_avg)
+        post = divs[0][1]  # ||consensus||, the same for every rank
+        for r, (d, _, pre_n) in zip(ranks, divs):
             div[r], pre[r] = d, pre_n
             self._out.send(r, Update(n=n[r], alpha=alpha, tensors=tensors))
-        return n, div, pre, post
+        return n, div, pre, post, outer
 
     def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
-                post: Optional[float], sync_ms: float, alive: Callable[[int], bool]) -> ReduceOutcome:
+                post: Optional[float], sync_ms: float, alive: Callable[[int], bool],
+                outer: Optional[OuterStep] = None) -> ReduceOutcome:
         action = STABLE
         anchor_before = self.elche.anchor if self.elche is not None else 0
         if self.elche is not None:
@@ -286,7 +304,8 @@ class AveragingCycle:
         k_used = sum(n.values())
         outcome = ReduceOutcome(n=n, k_used=k_used, sync_ms=sync_ms, divergence=div, action=action,
                                 anchor_before=anchor_before, anchor_after=self.elche.anchor if self.elche else 0,
-                                window_loss=self.window_loss(), window_s=max(now - self.window_t0, 1e-6), final=red.final)
+                                window_loss=self.window_loss(), window_s=max(now - self.window_t0, 1e-6), final=red.final,
+                                outer=outer)
         self.version += 1
         self.global_step += k_used
         for r in n:

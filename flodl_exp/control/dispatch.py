@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..outer import OuterStep
 from ..partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
 from ..protocol import ChunkMetrics, ExtendPartition, StartEpoch, Telemetry
 from .actions import ConvergenceAction
@@ -350,10 +351,10 @@ class Dispatcher:
             self.accs[e].add_telemetry(r, t.values())
         return e
 
-    def on_sync(self, ms: float, d_max: Optional[float], code: int) -> None:
+    def on_sync(self, ms: float, d_max: Optional[float], code: int, outer: Optional[OuterStep] = None) -> None:
         e = self._open_epoch()
         if e is not None:
-            self.accs[e].add_sync(ms, d_max, code)
+            self.accs[e].add_sync(ms, d_max, code, outer)
 
     def on_verdict(self, action: ConvergenceAction) -> None:
         if self.is_async:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..outer import OuterStep
 from ..protocol import ChunkMetrics
 
 
@@ -41,6 +42,8 @@ class EpochAccumulator:
         self.div_max = 0.0
         self.guard_action = 0
         self.reported: set[int] = set()
+        self.outer_steps: list[float] = []
+        self.outer_momentum: Optional[float] = None
 
     def add_chunk(self, rank: int, m: ChunkMetrics) -> None:
         s = self.ranks[rank]
@@ -69,7 +72,10 @@ class EpochAccumulator:
                 acc[0] += float(v)
                 acc[1] += 1
 
-    def add_sync(self, ms: float, div: Optional[float], action_code: int) -> None:
+    def add_sync(self, ms: float, div: Optional[float], action_code: int, outer: Optional[OuterStep] = None) -> None:
+        if outer is not None:
+            self.outer_steps.append(outer.step_norm)
+            self.outer_momentum = outer.momentum_norm
         self.syncs += 1
         self.sync_ms.append(ms)
         if div is not None and math.isfinite(div):
@@ -89,6 +95,9 @@ class EpochAccumulator:
             "divergence_max": self.div_max,
             "guard_action": float(self.guard_action),
         }
+        if self.outer_steps:  # outer=slowmo|diloco: the mean step over the epoch's reduces, the momentum at its last
+            m["outer/step_norm"] = sum(self.outer_steps) / len(self.outer_steps)
+            m["outer/momentum_norm"] = float(self.outer_momentum or 0.0)
         wall_ms = wall_s * 1e3
         for r, s in enumerate(self.ranks):
             p = f"rank{r}/"

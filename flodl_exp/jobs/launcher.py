@@ -19,7 +19,7 @@ from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import ConfigError, mode_name, validate, world_size
+from ..config import ConfigError, RunShape, mode_name, validate, world_size
 
 
 class RunFailed(RuntimeError):
@@ -88,7 +88,8 @@ def _redact_config(resolved: dict[str, Any], uri: str) -> dict[str, Any]:
 
 
 def run_name(cfg: Any) -> str:
-    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode_name(cfg)}/{cfg.guard.kind}"
+    outer = "" if cfg.outer.kind == "avg" else f"/{cfg.outer.kind}"
+    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode_name(cfg)}/{cfg.guard.kind}{outer}"
 
 
 def _tags(cfg: Any, root: str) -> dict[str, str]:
@@ -97,6 +98,7 @@ def _tags(cfg: Any, root: str) -> dict[str, str]:
     tags = {
         "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": cfg.guard.kind,
         "cluster": cfg.cluster.name, "world_size": str(world_size(cfg)), "experiment": cfg.experiment.name,
+        "outer": RunShape.of(cfg).outer.describe(),
     }
     commit = git_commit(root)
     if commit:

@@ -81,6 +81,8 @@ class CollectiveBackend:
             # Errors and timeouts surface as Python exceptions on our polling path, never as a process abort
             # by the watchdog (torch: use _abort_process_group with async error handling turned off).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        self.reduced = False
+        """The last sync averaged (some rank moved): the outer optimizer steps only then."""
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
         self.timeout = timedelta(seconds=self.op_timeout_s + self.GROUP_TIMEOUT_MARGIN_S)
         self._init(generation, rank, world_size)
@@ -122,6 +124,7 @@ class CollectiveBackend:
         head = torch.tensor([m, 1.0 if n > 0 else 0.0], dtype=torch.float64, device=self.comm_device)
         self._all_reduce(head)
         total, movers = float(head[0]), float(head[1])
+        self.reduced = total > 0
         if total <= 0:
             return (0.0, None, None) if with_divergence else (None, None, None)
         with torch.no_grad():

@@ -220,6 +220,11 @@ class RankTrainer:
         st.cursor += self.batch_size
         return Batch(data=got.data, data_ms=got.data_ms, ids=got.ids, wait_ms=got.wait_ms)
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the inner optimizer's per-parameter state (moments, momentum buffers): DiLoCo restarts the
+        inner optimizer from each adopted global. The learning rate and its schedule are kept."""
+        self.optimizer.state.clear()
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

@@ -28,6 +28,7 @@ from ..averaging import consensus_state, float_buffers
 from ..config import RunShape, load_config
 from ..constants import FAULT_ENV, LOST_GRACE_S
 from ..experiment import build_experiment
+from ..outer import OuterOptimizer, OuterSpec, OuterStep
 from ..protocol import Batch as BatchReport
 from ..protocol import (
     CoordHeartbeat,
@@ -133,6 +134,10 @@ def state_hash(model: torch.nn.Module) -> str:
 class RankWorker:
     state: str = "wait"
     """What the main thread is doing, for the heartbeat: train | collective | eval | save | wait."""
+    outer_spec = OuterSpec()
+    """The run's outer optimizer (class default: avg, for workers built without __init__ in tests)."""
+    outer: Optional[OuterOptimizer] = None
+    """nccl backend: the outer optimizer, replicated on every rank (cpu: it runs at the coordinator)."""
 
     def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any],
                  owns_process: bool = True) -> None:
@@ -145,7 +150,11 @@ class RankWorker:
         self.cfg = cfg
         self.spec = spec
         self.rank = rank
-        self.world_size = RunShape.of(cfg).world_size
+        shape = RunShape.of(cfg)
+        self.world_size = shape.world_size
+        self.outer_spec = shape.outer
+        self.outer = (
+            OuterOptimizer(shape.outer) if cfg.mode.backend == "nccl" and shape.outer.stateful else None)
         wanted, note = requested_device(cfg.cluster)
         if note and rank == 0:
             log.info("%s", note)
@@ -228,6 +237,12 @@ class RankWorker:
         else:
             log.warning("rank %d: the bundle %s holds no optimizer state for this rank: a fresh optimizer", self.rank, stem)
         self.trainer.global_step = int(resume["meta"]["global_step"])
+        if self.outer is not None:
+            from ..checkpoint import load_outer_state
+
+            self.outer.load_state_dict(load_outer_state(stem), device=self.device)
+            log.info("rank %d: outer optimizer %s resumed (momentum norm %.6g)", self.rank,
+                     self.outer.spec.describe(), self.outer.momentum_norm())
 
     # -- threads --------------------------------------------------------
     def _reader(self) -> None:
@@ -372,6 +387,8 @@ class RankWorker:
         if not m.skip:
             self.cpu.adopt_update(self.trainer.model, m, m.alpha)
             self.last_consensus = dict(m.tensors)
+            if self.outer_spec.resets_inner:
+                self.trainer.reset_optimizer_state()
         self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
         self.awaiting_update = False
         self.throttled = False
@@ -512,9 +529,25 @@ class RankWorker:
                         if not self.stopping:
                             raise RuntimeError("collective failed and no regroup arrived") from e
                         return
+        step = self._outer_step() if self.collective is not None and self.collective.reduced else None
         self.trainer.steps_since_avg = 0
         self.trainer.step_count += 1
-        self.conn.send(encode(SyncAck(n=n, d=d, post=post, pre=pre)))
+        self.conn.send(encode(SyncAck(n=n, d=d, post=post, pre=pre, outer_step=step.step_norm if step else None,
+                                      outer_momentum=step.momentum_norm if step else None)))
+
+    def _outer_step(self) -> Optional[OuterStep]:
+        """nccl: the outer optimizer on the all-reduced parameters, after the divergence read-out. Every
+        rank holds the same consensus and the same state, so every rank computes the same global."""
+        if self.outer is None:
+            return None
+        params = list(self.trainer.model.parameters())
+        new, step = self.outer.step([p.detach() for p in params])
+        with torch.no_grad():
+            for p, t in zip(params, new):
+                p.copy_(t)
+        if self.outer_spec.resets_inner:
+            self.trainer.reset_optimizer_state()
+        return step
 
     def _save(self, m: Save) -> None:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
@@ -527,7 +560,8 @@ class RankWorker:
                 if m.model and m.consensus and self.last_consensus:
                     state = consensus_state(self.trainer.model, self.last_consensus)
                 save_rank_pieces(m.stem, self.trainer.model, self.trainer.optimizer, rank=self.rank,
-                                 primary=m.primary, write_model=m.model, model_state=state)
+                                 primary=m.primary, write_model=m.model, model_state=state,
+                                 outer_state=self.outer.state_dict() if self.outer is not None else None)
         except Exception as e:  # save errors are reported, never fatal
             err = f"{type(e).__name__}: {e}"
         self.conn.send(encode(SaveResult(stem=m.stem, error=err)))
