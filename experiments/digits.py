@@ -130,3 +130,14 @@ def train_step_recording(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
     record_scalar("ones", 1.0)
     record_scalar("label_mean", float(y.float().mean()))
     return F.cross_entropy(model(x), y)
+
+
+def epoch_probe(epoch: int, model: nn.Module, last_epoch: dict[str, float]) -> dict[str, float]:
+    """An ``experiment.epoch_fn`` example: run on the epoch-role rank before each epoch, it records the
+    replica's weight norm and the previous epoch's loss (from the EpochAggregated the rank received)."""
+    with torch.no_grad():
+        norm = float(torch.sqrt(sum((p.float() ** 2).sum() for p in model.parameters())))
+    out = {"weight_norm": norm}
+    if "loss" in last_epoch:
+        out["last_loss"] = float(last_epoch["loss"])
+    return out

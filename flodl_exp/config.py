@@ -121,6 +121,10 @@ class DataPlaneConfig:
     """Keep samples on the device from leftover VRAM (CUDA; env FLODL_VRAM_POOL=off kills it)."""
     augment: int = 1
     """Each sample appears k times per epoch (pick space = samples x k)."""
+    stage_advisories: bool = True
+    """Progressive modes: the coordinator tells each rank which picks it is likely to get next (its span, then
+    its peers' tails, this epoch and the predicted next one), and the rank retains those samples in its host
+    cache while its readers are idle."""
 
 
 @dataclass
@@ -190,6 +194,9 @@ class ExperimentConfig:
     """Dotted path of ``fn(model, batch) -> loss``."""
     eval_fn: Optional[str] = None
     """Dotted path of ``fn(model, dataset, device) -> {metric: value}``."""
+    epoch_fn: Optional[str] = None
+    """Dotted path of ``fn(epoch, model, last_epoch_metrics) -> {name: value} | None``: run on the epoch-role
+    rank (the callback rank) before it trains each epoch; what it returns is logged as ``epoch_fn/<name>``."""
     batch_size: int = 32
     epochs: int = 1
 
@@ -221,6 +228,9 @@ class EvalConfig:
     """Evaluate every N epochs on the callback rank (0 = only at the end)."""
     callback_rank: str = "fastest"
     """fastest (sticky, re-elected on death) or a rank index."""
+    callback_slack: bool = True
+    """Before the window in which a periodic eval runs, lower the callback rank's batch count by the eval's
+    expected time (an EWMA of its measured evals), so its peers do not wait for it at the next reduce."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ class Experiment:
     eval_data: Any
     train_step: Callable[[nn.Module, Any], torch.Tensor]
     eval_fn: Optional[Callable[[nn.Module, Any, torch.device], dict]]
+    epoch_fn: Optional[Callable[[int, nn.Module, dict], Optional[dict]]] = None
 
 
 def _to_container(node: Any) -> Any:
@@ -58,7 +59,8 @@ def build_experiment(exp: Any, *, world_size: int, device: torch.device, seed: i
         lr_factor = instantiate(exp["scheduler"])(total_steps=total_steps, world_size=world_size)
     train_step = get_method(exp["train_step"])
     eval_fn = get_method(exp["eval_fn"]) if exp.get("eval_fn") else None
-    return Experiment(model, optimizer, lr_factor, train_data, eval_data, train_step, eval_fn)
+    epoch_fn = get_method(exp["epoch_fn"]) if exp.get("epoch_fn") else None
+    return Experiment(model, optimizer, lr_factor, train_data, eval_data, train_step, eval_fn, epoch_fn)
 
 
 def fetch_batch(dataset: Any, sample_ids: Any) -> Any:

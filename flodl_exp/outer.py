@@ -63,9 +63,14 @@ class OuterStep:
 
 
 def _norm(ts: Sequence[torch.Tensor]) -> float:
-    if not ts:
+    """The L2 norm over several tensors, read back once (one device sync, not one per tensor)."""
+    return _sum_norm([t.float().pow(2).sum() for t in ts])
+
+
+def _sum_norm(squares: Sequence[torch.Tensor]) -> float:
+    if not squares:
         return 0.0
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in ts))
+    return math.sqrt(float(torch.stack([s.to(squares[0].device) for s in squares]).sum()))
 
 
 class OuterOptimizer:
@@ -95,19 +100,19 @@ class OuterOptimizer:
         assert self.prev is not None and self.momentum is not None
         lr, mu = self.spec.lr, self.spec.mu
         new: list[torch.Tensor] = []
-        moved: list[torch.Tensor] = []
+        moved_sq: list[torch.Tensor] = []
         for i, c in enumerate(cons):
             prev, v = self.prev[i].to(c.device), self.momentum[i].to(c.device)
             g = prev - c
             v.mul_(mu).add_(g)
-            direction = v if self.spec.kind == "slowmo" else g.add(v, alpha=mu)
-            n = prev.sub(direction, alpha=lr)
+            direction = v if self.spec.kind == "slowmo" else g.add_(v, alpha=mu)  # g is not needed after this
+            moved_sq.append(direction.float().pow(2).sum() * (lr * lr))  # ||new - prev|| = lr ||direction||
+            new.append(prev.sub(direction, alpha=lr))
             self.momentum[i] = v
-            new.append(n)
-            moved.append(n - prev)
-        self.prev = [n.clone() for n in new]
+        # The returned tensors become the next ``prev`` as they are: callers must not modify them in place.
+        self.prev = new
         out = [n.to(dtype=c.dtype) for n, c in zip(new, consensus)]
-        return out, OuterStep(_norm(moved), _norm(self.momentum), seeded=False)
+        return out, OuterStep(_sum_norm(moved_sq), self.momentum_norm(), seeded=False)
 
     def momentum_norm(self) -> float:
         return _norm(self.momentum or [])

@@ -7,6 +7,7 @@ algorithm is named in checkpoint metadata so a resume can refuse a mismatch.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -14,10 +15,14 @@ import numpy as np
 PERMUTATION_ALGORITHM = "numpy-pcg64-permutation"
 
 
+@functools.lru_cache(maxsize=4)
 def epoch_permutation(seed: int, epoch: int, total: int) -> np.ndarray:
-    """Permutation of ``[0, total)`` for ``epoch``: PCG64 seeded with ``seed + epoch``."""
+    """Permutation of ``[0, total)`` for ``epoch``: PCG64 seeded with ``seed + epoch``. Cached (a rank asks for
+    the same epochs at every chunk and staging advisory) and read-only, so no caller can change the cached one."""
     rng = np.random.Generator(np.random.PCG64((int(seed) + int(epoch)) % (2**64)))
-    return rng.permutation(int(total))
+    perm = rng.permutation(int(total))
+    perm.setflags(write=False)
+    return perm
 
 
 def make_partition(offset: int, size: int, total: int, epoch: int, seed: int) -> np.ndarray:

@@ -45,6 +45,9 @@ class Kind(str, enum.Enum):
     COORD_HEARTBEAT = "coord_heartbeat"
     EVICT = "evict"
     REQUEST_SESSION = "request_session"
+    SET_EPOCH_ROLE = "set_epoch_role"
+    STAGE_ADVISORY = "stage_advisory"
+    EPOCH_AGGREGATED = "epoch_aggregated"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
@@ -57,6 +60,7 @@ class Kind(str, enum.Enum):
     EXITING = "exiting"
     TELEMETRY = "telemetry"
     HEARTBEAT = "heartbeat"
+    EPOCH_FN_RESULT = "epoch_fn_result"
 
 
 # ------------------------------------------------------------ coordinator -> rank
@@ -133,6 +137,8 @@ class Update:
     alpha: Optional[float] = None
     skip: bool = False
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    next_plan: Optional[list[int]] = None
+    """cpu cadence: the rank's next chunk ``[epoch, offset, size, chunk]`` folded in (a StartEpoch saved)."""
 
 
 @dataclass
@@ -262,6 +268,8 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)
     error: Optional[str] = None
     final: bool = False
+    elapsed_ms: Optional[float] = None
+    """How long the eval took on the rank (the coordinator's callback slack learns from it)."""
 
 
 @dataclass
@@ -331,10 +339,51 @@ class Evict:
     reason: str
 
 
+@dataclass
+class SetEpochRole:
+    """The epoch-role rank (it runs ``experiment.epoch_fn`` before each epoch); sent to every rank before the
+    first chunk and whenever the role moves (algorithms.md 3.15)."""
+
+    KIND: ClassVar[Kind] = Kind.SET_EPOCH_ROLE
+    rank: int
+    from_epoch: int = 0
+    """The first epoch this holder runs the hook for (a role moved mid-run starts after the newest epoch begun)."""
+
+
+@dataclass
+class StageAdvisory:
+    """The picks this rank is likely to be handed next (``[epoch, offset, size]`` ranges, most likely first), at
+    epoch start and at each reduce, for its data plane to stage ahead (algorithms.md 5.10). Purely advisory."""
+
+    KIND: ClassVar[Kind] = Kind.STAGE_ADVISORY
+    segments: list[list[int]] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EpochAggregated:
+    """Epoch ``epoch`` is complete on every rank: its cohort-level metrics (loss, times, global step)."""
+
+    KIND: ClassVar[Kind] = Kind.EPOCH_AGGREGATED
+    epoch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EpochFnResult:
+    """The epoch-role rank ran ``experiment.epoch_fn`` before epoch ``epoch``."""
+
+    KIND: ClassVar[Kind] = Kind.EPOCH_FN_RESULT
+    epoch: int
+    elapsed_ms: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
 Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
-    Exiting, Telemetry, Heartbeat,
+    Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"

@@ -366,6 +366,13 @@ def test_mode_presets_are_the_five_valid_modes_plus_nccl_async(make):
         assert (m.name, m.policy, m.backend) == (name, policy, backend)
 
 
+@pytest.mark.parametrize("outer", presets("outer"))
+def test_every_outer_preset_validates_with_every_mode(make, outer):
+    """The outer group has no cross-field rule with any group but itself: one pass per mode, not the product."""
+    for mode in sorted(VALID_MODES):
+        assert validate(make(f"mode={mode}", f"outer={outer}")) == []
+
+
 def test_every_preset_combination_validates(make):
     """mode (the 5 valid ones) x guard x data_plane x cluster x experiment: no error, no warning.
 
@@ -377,7 +384,6 @@ def test_every_preset_combination_validates(make):
     groups = {
         "mode": sorted(VALID_MODES),
         "guard": presets("guard"),
-        "outer": presets("outer"),
         "data_plane": presets("data_plane"),
         "cluster": presets("cluster"),
         "experiment": presets("experiment"),

@@ -3,10 +3,12 @@ optimizers on the two low-communication modes (nccl_cadence and cpu_async run wi
 outer=diloco here; plain averaging on them is the default run of the other end-to-end tests)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import assert_exact_coverage, base_overrides, compose
+from conftest import assert_exact_coverage, base_overrides, compose, read_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -19,8 +21,9 @@ EPOCHS = 6
 def test_mode_on_heterogeneous_ranks(store, mode, outer):
     from flodl_exp.jobs.launcher import launch
 
+    hook = ["experiment.epoch_fn=experiments.digits.epoch_probe"] if mode == "cpu_cadence" else []
     h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", f"outer={outer}", "cluster=local_hetero",
-                        "experiment=digits_mlp", f"experiment.epochs={EPOCHS}"]))
+                        "experiment=digits_mlp", f"experiment.epochs={EPOCHS}", *hook]))
     res = h.wait()
     assert res["status"] == "FINISHED"
     assert res["final_eval"]["eval/accuracy"] >= 0.90
@@ -37,6 +40,13 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer):
         assert key in run.data.metrics
     assert run.data.tags["policy"] == mode.split("_")[1] and run.data.tags["backend"] == mode.split("_")[0]
     assert run.data.tags["outer"].split("(")[0] == outer
+    if hook:  # the epoch hook ran once per epoch, on one rank, before the epoch, and saw the last aggregate
+        norms = c.get_metric_history(h.run_id, "epoch_fn/weight_norm")
+        assert sorted(m.step for m in norms) == list(range(EPOCHS)) and all(m.value > 0 for m in norms)
+        assert c.get_metric_history(h.run_id, "epoch_fn/last_loss"), "EpochAggregated reached the epoch-role rank"
+    if not mode.endswith("sync"):  # progressive: the eval after each epoch gets callback slack once measured
+        slack = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "callback_slack"]
+        assert slack and all(e["ms"] > 0 for e in slack), slack
     if outer != "avg":  # per epoch with a reduce: the mean outer step and the momentum at its last reduce
         steps = c.get_metric_history(h.run_id, "outer/step_norm")
         momentum = [m.value for m in c.get_metric_history(h.run_id, "outer/momentum_norm")]

@@ -268,6 +268,66 @@ def test_the_nccl_path_replicates_the_outer_step_identically(master_store):
 
 
 # ---------------------------------------------------------------- the bundle sidecar
+class _Conn:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> None:
+        from flodl_exp.protocol import decode
+
+        self.sent.append(decode(msg))
+
+
+def _nccl_rank(spec: OuterSpec = SLOWMO, windows: int = 3, reduced: bool = True):
+    """A rank of an nccl cohort, as far as the outer optimizer goes: a two-parameter model, its outer state
+    stepped over ``windows`` consensus frames, a collective that says whether the last sync averaged."""
+    from flodl_exp.rank.worker import RankWorker
+
+    model = torch.nn.Linear(1, 2)  # parameters of shape (2, 1) and (2,)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0], [2.0]]))
+        model.bias.copy_(torch.tensor([0.5, 0.25]))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    w = RankWorker.__new__(RankWorker)
+    w.rank, w.conn, w.last_consensus, w.device = 0, _Conn(), {}, torch.device("cpu")
+    w.outer_spec, w.outer = spec, OuterOptimizer(spec)
+    resets: list[int] = []
+    w.trainer = SimpleNamespace(model=model, optimizer=opt, global_step=0,  # type: ignore[assignment]
+                                reset_optimizer_state=lambda: resets.append(1))
+    w.resets = resets  # type: ignore[attr-defined]
+    w.collective = SimpleNamespace(reduced=reduced)  # type: ignore[assignment]
+    for cons in _windows()[:windows]:
+        w.outer.step([cons[0].reshape(2, 1), cons[1].repeat(2)])
+    return w
+
+
+def test_the_rank_steps_only_after_a_sync_that_averaged_and_diloco_resets_the_inner_optimizer():
+    w = _nccl_rank(DILOCO, windows=1, reduced=False)
+    before = [p.detach().clone() for p in w.trainer.model.parameters()]
+    assert w._outer_step() is None and w.resets == []  # nobody moved: no step, no reset
+    assert all(torch.equal(a, b) for a, b in zip(before, w.trainer.model.parameters()))
+    w.collective.reduced = True
+    ref = OuterOptimizer(DILOCO)
+    ref.step([_windows()[0][0].reshape(2, 1), _windows()[0][1].repeat(2)])
+    want, _ = ref.step([p.detach().clone() for p in w.trainer.model.parameters()])
+    step = w._outer_step()
+    assert step is not None and step.step_norm > 0 and w.resets == [1]
+    assert all(torch.allclose(a, b) for a, b in zip(w.trainer.model.parameters(), want))
+    assert _nccl_rank(SLOWMO, windows=0)._outer_step() is None, "the seeding window reports no step"
+
+
+def test_an_nccl_rank_resumes_its_outer_state_from_the_sidecar(tmp_path):
+    from flodl_exp import checkpoint as ck
+
+    saved = _nccl_rank(SLOWMO)
+    stem = str(tmp_path / "b")
+    ck.save_rank_pieces(stem, saved.trainer.model, saved.trainer.optimizer, rank=0, primary=True, write_model=True,
+                        outer_state=saved.outer.state_dict())
+    w = _nccl_rank(SLOWMO, windows=0)
+    w.resume_from({"resume": {"stem": stem, "meta": {"global_step": 5}}})
+    assert w.trainer.global_step == 5 and w.outer.momentum_norm() == pytest.approx(saved.outer.momentum_norm())
+    assert all(torch.equal(a, b) for a, b in zip(w.outer.momentum, saved.outer.momentum))
+    assert all(torch.equal(a, b) for a, b in zip(w.outer.prev, saved.outer.prev))
 def _final_saves(h):
     from flodl_exp.protocol import ExecuteEval, Save
 
@@ -292,12 +352,17 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
     from flodl_exp.protocol import EvalResult, SaveResult
 
     h = Harness(tmp_path, mode, world=2, epochs=1, **{"outer.kind": "slowmo"})
-    for cons in _windows()[:3]:
-        h.co.cycle.outer.step(cons)
+    holder = h.co.cycle.outer
+    if mode == "cpu_sync":  # the coordinator's optimizer has momentum when the final saves go out
+        for cons in _windows()[:3]:
+            holder.step(cons)
     stem = h.co.writer.stem
     evals, saves = _final_saves(h)
-    if mode == "nccl_sync":  # stand in for the model rank's save_rank_pieces(outer_state=...)
-        ck.atomic_torch_save(h.co.cycle.outer.state_dict(), ck.outer_path(stem))
+    if mode == "nccl_sync":  # the rank that writes the model writes its replicated optimizer (RankWorker._save)
+        w = _nccl_rank()
+        holder = w.outer
+        w._save(next(p for _, p in saves if p.model))
+        assert isinstance(w.conn.sent[-1], SaveResult) and w.conn.sent[-1].error is None
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
@@ -305,8 +370,8 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
     meta = json.loads(open(ck.meta_path(stem)).read())
     assert "final.outer.pt" in meta["pieces"] and os.path.exists(ck.outer_path(stem))
     state = ck.load_outer_state(stem)
-    assert state["kind"] == "slowmo" and len(state["momentum"]) == 2
-    assert all(torch.equal(a, b) for a, b in zip(state["momentum"], h.co.cycle.outer.momentum))
+    assert state["kind"] == "slowmo" and len(state["momentum"]) == 2 and holder.momentum_norm() > 0
+    assert all(torch.equal(a, b) for a, b in zip(state["momentum"], holder.momentum))
 
 
 def test_resuming_a_stateful_outer_optimizer_without_its_sidecar_is_one_line(tmp_path):

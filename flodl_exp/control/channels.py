@@ -2,12 +2,14 @@
 events for the launcher (:class:`EventLog`, ``events.jsonl`` in the job folder)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from typing import Any, Callable, Protocol
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, Protocol
 
-from ..protocol import Payload, encode
+from ..protocol import ExtendPartition, Payload, StartEpoch, Update, encode
 from ..wire import Message
 from .cohort import Cohort
 from .records import RecordLog
@@ -21,14 +23,54 @@ class Outbox:
     def __init__(self, transport: Transport, cohort: Cohort) -> None:
         self._transport = transport
         self._cohort = cohort
+        self._held: Optional[dict[int, list[Payload]]] = None
 
     def send(self, r: int, payload: Payload) -> bool:
+        held = self._held
+        if held is not None and (r in held or isinstance(payload, Update)):
+            return self._hold(held, r, payload)
         return self._transport.send(r, encode(payload))
 
     def broadcast(self, payload: Payload) -> None:
         msg = encode(payload)
         for r in self._cohort.alive_ranks():
-            self._transport.send(r, msg)
+            if self._held is not None and r in self._held:
+                self._held[r].append(payload)  # behind the rank's held update, in order
+            else:
+                self._transport.send(r, msg)
+
+    @staticmethod
+    def _hold(held: dict[int, list[Payload]], r: int, payload: Payload) -> bool:
+        queue = held.setdefault(r, [])
+        first = queue[0] if queue else None
+        # The folded chunk lands in the rank's plans ahead of what is queued behind the update: harmless for
+        # everything but other plan changes, so a chunk or an extension in between stops the folding.
+        reorders = any(isinstance(q, (StartEpoch, ExtendPartition)) for q in queue[1:])
+        if isinstance(first, Update) and isinstance(payload, StartEpoch) and first.next_plan is None and not reorders:
+            first.next_plan = [payload.epoch, payload.offset, payload.size, payload.chunk]
+        else:
+            queue.append(payload)
+        return True
+
+    @contextlib.contextmanager
+    def folding_updates(self, enabled: bool = True) -> Iterator[None]:
+        """cpu cadence (algorithms.md 5.6): within the block an ``Update`` to a rank is held, the first
+        ``StartEpoch`` to that rank rides inside it (``next_plan``: the next window starts with no extra
+        message) unless another plan change (a chunk, an extension) is queued before it, and anything else
+        to that rank queues behind the update, in order. Leaving the block sends it all.
+        A held send reports success; a rank whose flush fails is one the heartbeat declares dead, and its
+        chunks are reclaimed there."""
+        if not enabled or self._held is not None:
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for r, queue in held.items():
+                for p in queue:
+                    self._transport.send(r, encode(p))
 
 
 class EventLog:

@@ -350,6 +350,28 @@ def refresh_final_window_plan(prev: FinalWindowPlan | None, *, epoch: int, rem: 
                            tuple(counts))
 
 
+# -- staging advisories (§5.10) ------------------------------------------------
+def stage_advisory(pool: ChunkPool, rank: int, counts: list[int], alive: list[bool]) -> list[Range]:
+    """The picks ``rank`` is likely to be handed from ``pool``, most likely first: the unassigned rest of its
+    own span, then the tail of every other live rank's residue (``max(counts[o], 1)`` batches, capped at the
+    residue: what it would take over from a slower peer). ``(offset, size)`` ranges of the epoch's permutation.
+    Purely advisory: it never changes the allocation."""
+    bs = pool.batch_size
+    out: list[Range] = []
+    off, size = pool.reservation(rank)
+    if size > 0:
+        out.append((off, size))
+    for o in range(pool.world_size):
+        if o == rank or not alive[o]:
+            continue
+        res = pool.residue(o)
+        if res <= 0:
+            continue
+        margin = min(max(_at(counts, o), 1) * bs, res)
+        out.append((pool.span(o)[1] - margin, margin))
+    return out
+
+
 # -- chunk sizing (§5.3) ------------------------------------------------------
 def _at(xs: list[int], i: int) -> int:
     return xs[i] if 0 <= i < len(xs) else 0

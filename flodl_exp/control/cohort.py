@@ -130,11 +130,13 @@ class Cohort:
 
     def elect_callback(self, smoothed_ms: Optional[Callable[[int], Optional[float]]], *, force: bool = False) -> None:
         """Fastest calibrated live rank (``smoothed_ms`` given), else the lowest live one when forced or
-        when the holder died; a pinned rank keeps the role while it lives."""
+        when the holder died. A pinned rank (``eval.callback_rank=<n>``) keeps the eval and epoch roles even
+        dead (periodic evals and the epoch hook are then skipped, algorithms.md 3.15); only the checkpoint
+        role fails over (:meth:`primary`)."""
         alive = self.alive_ranks()
         if not alive:
             return
-        if self.fixed_callback is not None and self._alive[self.fixed_callback]:
+        if self.fixed_callback is not None:
             self.callback_rank = self.fixed_callback
             return
         if smoothed_ms is not None:

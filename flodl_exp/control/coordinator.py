@@ -33,6 +33,8 @@ from ..protocol import (
     Batch,
     ChunkMetrics,
     CoordHeartbeat,
+    EpochAggregated,
+    EpochFnResult,
     EvalResult,
     Evict,
     ExecuteEval,
@@ -44,6 +46,7 @@ from ..protocol import (
     Save,
     SaveResult,
     SessionReady,
+    SetEpochRole,
     Snapshot,
     SyncAck,
     Telemetry,
@@ -51,12 +54,13 @@ from ..protocol import (
 )
 from ..protocol import Shutdown as ShutdownMsg
 from ..wire import Message
+from .callback_slack import CallbackSlack
 from .channels import EventLog, Outbox, Transport
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort, ProgressWatch
 from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle, ReduceOutcome
-from .devices import CollectiveRefused, RankDevice, choose_collective
+from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
 from .dispatch import Dispatcher, Gate
 from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
@@ -133,8 +137,17 @@ class Coordinator:
                                       records=self.records, clock=clock)
         self.total_picks = 0
         self.devices: dict[int, RankDevice] = {}
+        self.slack = CallbackSlack(enabled=cfg.eval.callback_slack and shape.progressive, eval_every=cfg.eval.every,
+                                   epochs=self.epochs, epoch_fn=cfg.experiment.epoch_fn is not None)
+        self._epoch_role_sent: Optional[int] = None
+        self.cycle.slack_source = self._callback_slack
+        self.dispatch.advise = shape.progressive and cfg.data_plane.stage_advisories
+        self.fold_updates = cfg.mode.backend == "cpu" and cfg.mode.policy == "cadence" and shape.progressive
+        """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
         """What each rank trains on, from its hello (the cohort's collective is chosen from these)."""
         self.eval_pending: Optional[int] = None
+        self.eval_pending_epoch: Optional[int] = None
+        """The epoch whose periodic eval is running (with eval_pending)."""
         """nccl: the rank running a periodic eval; no collective starts until it answers (its peers
         would wait in the all_reduce for as long as the eval takes)."""
         self.eval_history: list[dict[str, Any]] = []
@@ -152,6 +165,7 @@ class Coordinator:
             EvalResult: self._on_eval, SaveResult: self._on_save_result, RankError: self._on_error,
             SessionReady: self.faults.on_session_ready,
             Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: self._on_heartbeat,
+            EpochFnResult: self._on_epoch_fn,
         }
 
     def _restore(self, meta: dict[str, Any]) -> None:
@@ -191,10 +205,47 @@ class Coordinator:
     def start(self) -> None:
         """Every rank said hello: plan the first epoch (or the resumed coverage)."""
         self._form_group()
+        self._apply_spec_prior()
+        self._push_epoch_role()
         self.enter(Phase.TRAINING)
         self.windows.start(self.total_picks)
         self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
         self.dispatch.start(self.total_picks, self.resume["meta"] if self.resume else None)
+
+    def _push_epoch_role(self) -> None:
+        """Tell every rank who runs ``experiment.epoch_fn`` (the callback rank), at the start and when it moves.
+        A role that moves mid-run moves from the epoch after the newest one started, so no epoch's hook runs
+        twice (one whose first chunk the old holder never reached is skipped)."""
+        r = self.cohort.callback_rank
+        if self.cfg.experiment.epoch_fn is None or r == self._epoch_role_sent:
+            return
+        first = 0 if self._epoch_role_sent is None else max(self.dispatch.rank_epoch, default=-1) + 1
+        self._epoch_role_sent = r
+        self.outbox.broadcast(SetEpochRole(rank=r, from_epoch=first))
+
+    def _on_epoch_fn(self, r: int, f: EpochFnResult) -> None:
+        self.slack.on_elapsed(r, f.elapsed_ms, kind="epoch_fn")
+        if f.error:
+            log.warning("experiment.epoch_fn on rank %d before epoch %d failed: %s", r, f.epoch, f.error)
+            self.sink.set_tags({"epoch_fn_error": f.error[:5000]})
+        self.sink.log_metrics({"epoch_fn/elapsed_ms": f.elapsed_ms, **{f"epoch_fn/{k}": v for k, v in f.metrics.items()}},
+                              step=f.epoch)
+        self.events.emit({"event": "epoch_fn", "rank": r, "epoch": f.epoch, "elapsed_ms": f.elapsed_ms,
+                          "error": f.error, **f.metrics})
+
+    def _apply_spec_prior(self) -> None:
+        """CUDA cohorts: the device scores of the hellos pick ElChe's cold-start anchor rank (the slowest
+        guess), unless a speed hint or partition ratios pinned one, or the run resumed ElChe's own state."""
+        elche = self.cycle.elche
+        if elche is None or elche.anchor_rank is not None or self.resume:
+            return
+        r = spec_prior_anchor(self.devices, self.W)
+        if r is None:
+            return
+        elche.with_initial_anchor(r)
+        scores = {q: self.devices[q].score for q in sorted(self.devices)}
+        log.info("spec prior: rank %d has the lowest device score %s: cold-start anchor", r, scores)
+        self.events.emit({"event": "spec_prior", "anchor_rank": r, "scores": scores})
 
     def _form_group(self) -> None:
         """nccl modes: one collective backend for the cohort, chosen from the hellos (devices.py), sent
@@ -275,6 +326,7 @@ class Coordinator:
             self.shutdown_with_save("reduce_stall", f"a reduce waited {self.stall_ceiling:.0f}s with the cohort alive")
             return
         if self.life.phase in TRAINING_PHASES:
+            self._push_epoch_role()                          #    the epoch role moved (an election, a death)
             alive = self.cohort.alive_ranks()
             self.cycle.throttle(alive)                       # 5. max_batch_diff
             if (self.faults.regroup is None and not self._eval_holds_sync()
@@ -391,9 +443,10 @@ class Coordinator:
 
     # -- reduces and epochs -----------------------------------------------------
     def _try_finish_reduce(self) -> None:
-        out = self.cycle.try_finish(self.cohort.alive)
-        if out is not None:
-            self._after_reduce(out)
+        with self.outbox.folding_updates(self.fold_updates):
+            out = self.cycle.try_finish(self.cohort.alive)
+            if out is not None:
+                self._after_reduce(out)
 
     def _after_reduce(self, out: ReduceOutcome) -> None:
         elche = self.cycle.elche
@@ -428,18 +481,33 @@ class Coordinator:
             metrics["anchor"] = float(self.cycle.elche.anchor)
         self.windows.flush_epoch(e)
         self.sink.log_metrics(metrics, step=e)
+        self.outbox.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
         self.events.emit({"event": "epoch", "epoch": e,
                           **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
         cb = self.cohort.callback_rank
         if e != self.epochs - 1 and self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0 and self.cohort.alive(cb):
-            self.eval_pending = cb
+            self.eval_pending, self.eval_pending_epoch = cb, e
             self.outbox.send(cb, ExecuteEval(epoch=e))
         if self.checkpoints.periodic_due(e):
             self.checkpoints.begin_periodic(e)
             self.enter(Phase.CHECKPOINTING)
 
     # -- eval, saves, end -----------------------------------------------------------
+    def _callback_slack(self) -> dict[int, float]:
+        # The epoch whose last chunk is out; or, when it aggregated before this reduce finished (its chunks
+        # done first, as in nccl cadence), the epoch whose eval is running now: the next window overlaps it.
+        e = self.dispatch.closing_epoch()
+        if e is None and self.eval_pending is not None:
+            e = self.eval_pending_epoch
+        due = self.slack.due(e, self.cohort.callback_rank)
+        for r, ms in due.items():
+            log.info("callback slack: rank %d gets %.0f ms less work in the window of the eval after epoch %s", r, ms, e)
+            self.events.emit({"event": "callback_slack", "rank": r, "epoch": e, "ms": ms})
+        return due
+
     def _on_eval(self, r: int, f: EvalResult) -> None:
+        if not f.final:
+            self.slack.on_elapsed(r, f.elapsed_ms, kind="eval")
         if not f.final and self.eval_pending == r:
             self.eval_pending = None
         if f.error:

@@ -134,6 +134,8 @@ class AveragingCycle:
         """Batches averaged into the consensus so far, all ranks together."""
         self.lr_seen: Optional[float] = None
         self.window_t0 = clock()
+        self.slack_source: Callable[[], dict[int, float]] = dict
+        """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
         self.outer = OuterOptimizer(outer or OuterSpec())
         """cpu backend: the outer optimizer runs here, once per window (nccl: replicated on the ranks)."""
 
@@ -336,6 +338,8 @@ class AveragingCycle:
         w = range(self.world_size)
         movers = [r for r in w if alive(r) and led[r].window_batches > 0]
         capable = (self.backend == "cpu" and self.policy in ("cadence", "async")) or (self.backend == "nccl" and self.policy == "cadence")
+        for r, ms in self.slack_source().items():
+            elche.stage_callback_slack(r, ms)
         elche.report_window(WindowReport(
             wall_ms=[led[r].wall_ms if alive(r) else 0.0 for r in w],
             steps=[led[r].window_batches if alive(r) else 0 for r in w],

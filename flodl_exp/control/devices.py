@@ -32,6 +32,8 @@ class RankDevice:
     device: str
     """``cpu`` or ``cuda:<i>`` (the index inside the rank's own CUDA_VISIBLE_DEVICES)."""
     uuid: Optional[str] = None
+    score: Optional[float] = None
+    """The spec prior's device score (CUDA: architecture generation x 10 + VRAM GiB); None when not reported."""
 
     @property
     def is_cuda(self) -> bool:
@@ -45,8 +47,10 @@ class RankDevice:
     @classmethod
     def of(cls, rank: int, hello: Mapping[str, Any]) -> RankDevice:
         uuid = hello.get("device_uuid")
+        score = hello.get("device_score")
         return cls(rank=int(rank), host=str(hello.get("host", "unknown")), device=str(hello.get("device", "cpu")),
-                   uuid=str(uuid) if uuid else None)
+                   uuid=str(uuid) if uuid else None,
+                   score=float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None)
 
 
 @dataclass(frozen=True)
@@ -91,3 +95,20 @@ def choose_collective(devices: list[RankDevice], requested: str = "auto") -> Col
             f"cluster.collective=nccl is not possible: {why}; give each rank its own GPU "
             "(fewer ranks_per_node, or more GPUs) or use cluster.collective=auto to average through Gloo")
     return CollectiveChoice("gloo", f"Gloo for the collective: {why}")
+
+
+def device_score(major: int, total_memory_bytes: int) -> float:
+    """The spec prior's score of a CUDA device (algorithms.md 2.3): architecture generation (the compute
+    capability's major) x 10 + VRAM in GiB. Higher is faster, as a guess before any measurement."""
+    return float(major) * 10.0 + total_memory_bytes / 2**30
+
+
+def spec_prior_anchor(devices: Mapping[int, RankDevice], world_size: int) -> Optional[int]:
+    """The cold-start anchor rank the spec prior picks: the lowest device score (the slowest guess; ties go
+    to the lowest rank). None unless every rank is on CUDA and reported a score (a CPU rank, a mixed cohort
+    or a failed query: no prior, ElChe measures from equal counts)."""
+    if len(devices) != world_size or world_size < 2:
+        return None
+    if any(not d.is_cuda or d.score is None for d in devices.values()):
+        return None
+    return min(devices, key=lambda r: (devices[r].score, r))

@@ -24,10 +24,18 @@ from typing import Any, Optional
 
 from ..outer import OuterStep
 from ..partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
-from ..protocol import ChunkMetrics, ExtendPartition, StartEpoch, Telemetry
+from ..protocol import ChunkMetrics, ExtendPartition, StageAdvisory, StartEpoch, Telemetry
 from .actions import ConvergenceAction
 from .channels import Outbox
-from .chunk_pool import ChunkPool, FinalWindowPlan, OvershootTuner, compute_chunk_batches, reduce_budget, refresh_final_window_plan
+from .chunk_pool import (
+    ChunkPool,
+    FinalWindowPlan,
+    OvershootTuner,
+    compute_chunk_batches,
+    reduce_budget,
+    refresh_final_window_plan,
+    stage_advisory,
+)
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .epoch_metrics import EpochAccumulator
@@ -67,6 +75,8 @@ class Dispatcher:
         self.epochs = epochs
         self.policy = policy
         self.progressive = progressive
+        self.advise = False
+        """Send staging advisories (``data_plane.stage_advisories``, progressive modes only)."""
         self.barrier_paced = policy in ("sync", "cadence")
         self.is_async = policy == "async"
         self.partition_ratios = partition_ratios
@@ -251,6 +261,26 @@ class Dispatcher:
             if not self.in_flight(r):
                 self.rank_epoch[r] = e
                 self.dispatch_next(r)
+        self.send_advisories()
+
+    def send_advisories(self) -> None:
+        """algorithms.md 5.10, at epoch start and at each reduce: each live rank's likely next picks, from the
+        open epoch's pool, then from the next epoch's layout predicted with today's counts."""
+        if not self.advise:
+            return
+        open_pools = sorted(e for e, pool in self.pools.items() if e > self.last_aggregated and pool.remaining() > 0)
+        if not open_pools:
+            return
+        e = open_pools[0]
+        counts = list(self._cycle.counts)
+        alive = [self._cohort.alive(r) for r in range(self.W)]
+        layouts = [(e, self.pools[e])]
+        if e + 1 < self.epochs:
+            layouts.append((e + 1, self.pools.get(e + 1) or ChunkPool(e + 1, self.total, self.bs, counts)))
+        for r in self._cohort.alive_ranks():
+            segs = [[ep, off, size] for ep, pool in layouts for off, size in stage_advisory(pool, r, counts, alive)]
+            if segs:
+                self._out.send(r, StageAdvisory(segments=segs, counts=counts))
 
     # -- progressive chunks ---------------------------------------------
     def _final_alloc(self, e: int) -> Optional[list[int]]:
@@ -340,6 +370,11 @@ class Dispatcher:
             self.pools[m.epoch].mark_completed(r, chunk.size)
             self.dispatch_next(r)
 
+    def closing_epoch(self) -> Optional[int]:
+        """The oldest epoch not yet aggregated whose every chunk was handed out (progressive only): its last
+        window is running or done, and the next window overlaps what follows its aggregation."""
+        return min((e for e, pool in self.pools.items() if e > self.last_aggregated and pool.remaining() == 0), default=None)
+
     def _open_epoch(self) -> Optional[int]:
         return min((e for e in self.accs if e > self.last_aggregated), default=None)
 
@@ -365,6 +400,7 @@ class Dispatcher:
             for r in self._cohort.alive_ranks():
                 if not self.in_flight(r):
                     self.dispatch_next(r)
+            self.send_advisories()
 
     def _ready(self, e: int) -> bool:
         if e not in self.accs or any(c.epoch == e for c in self.chunks.values()):

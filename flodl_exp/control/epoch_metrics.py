@@ -73,7 +73,7 @@ class EpochAccumulator:
                 acc[1] += 1
 
     def add_sync(self, ms: float, div: Optional[float], action_code: int, outer: Optional[OuterStep] = None) -> None:
-        if outer is not None:
+        if outer is not None and not outer.seeded:  # the seeding window stepped nothing
             self.outer_steps.append(outer.step_norm)
             self.outer_momentum = outer.momentum_norm
         self.syncs += 1

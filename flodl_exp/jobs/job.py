@@ -273,6 +273,8 @@ class RunTask(submitit.helpers.Checkpointable):
                    f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
             fail_run_if_running(spec, why, {"end_reason": "preempted"})
             raise RuntimeError(why)
+        if "out" not in box:  # the coordinator ended the run; rank 0's thread was left in its cleanup
+            return {"rank": 0, "left_running": True}
         return box["out"]
 
     # -- submitit's checkpoint hook (task 0, inside its USR2 handler) -----

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .. import wire
@@ -32,6 +33,8 @@ from ..outer import OuterOptimizer, OuterSpec, OuterStep
 from ..protocol import Batch as BatchReport
 from ..protocol import (
     CoordHeartbeat,
+    EpochAggregated,
+    EpochFnResult,
     EvalResult,
     Evict,
     ExecuteEval,
@@ -48,8 +51,10 @@ from ..protocol import (
     Save,
     SaveResult,
     SessionReady,
+    SetEpochRole,
     SetGlobalStep,
     Shutdown,
+    StageAdvisory,
     StartEpoch,
     SyncAck,
     SyncNow,
@@ -122,6 +127,19 @@ def device_uuid(device: torch.device) -> Optional[str]:
         return None
 
 
+def cuda_device_score(device: torch.device) -> Optional[float]:
+    """The spec prior's score of this rank's GPU (control/devices.device_score); None on CPU or a failed query."""
+    if device.type != "cuda":
+        return None
+    try:
+        from ..control.devices import device_score
+
+        props = torch.cuda.get_device_properties(device)
+        return device_score(props.major, props.total_memory)
+    except Exception:
+        return None
+
+
 def state_hash(model: torch.nn.Module) -> str:
     """sha256 over parameters and float buffers: equal hashes = identical replicas."""
     h = hashlib.sha256()
@@ -138,6 +156,12 @@ class RankWorker:
     """The run's outer optimizer (class default: avg, for workers built without __init__ in tests)."""
     outer: Optional[OuterOptimizer] = None
     """nccl backend: the outer optimizer, replicated on every rank (cpu: it runs at the coordinator)."""
+    callback_ms = 0.0
+    """Time spent in callbacks (evals, the epoch hook) so far: kept out of the data wait a batch reports."""
+    epoch_role: Optional[int] = None
+    """The rank that runs ``experiment.epoch_fn`` (SetEpochRole) ..."""
+    epoch_role_from = 0
+    """... from this epoch on."""
 
     def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any],
                  owns_process: bool = True) -> None:
@@ -177,7 +201,7 @@ class RankWorker:
         self.welcome = wire.client_handshake(
             self.conn, rendezvous["token"],
             {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(), "device": str(self.device),
-             "device_uuid": device_uuid(self.device), "model_bytes": model_bytes, "samples": len(exp.train_data)},
+             "device_uuid": device_uuid(self.device), "device_score": cuda_device_score(self.device), "model_bytes": model_bytes, "samples": len(exp.train_data)},
             timeout=cfg.cluster.rendezvous_timeout_s,
         )
         self.conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
@@ -201,6 +225,9 @@ class RankWorker:
         self.chunk_extra: list[int] = []
         self.unreported: deque[tuple[PendingStep, float, int, float]] = deque()
         """Trained steps not yet reported (step, data wait ms, chunk, lr): see report_batches."""
+        self.epoch_fn_done: set[int] = set()
+        self.last_epoch_metrics: dict[str, float] = {}
+        """The latest EpochAggregated metrics (handed to experiment.epoch_fn)."""
         self.last_consensus: dict[str, torch.Tensor] = {}
         """cpu backend: the last consensus frame adopted (bundles save it, not the blended replica)."""
         self._handlers = self._handler_table()
@@ -363,6 +390,8 @@ class RankWorker:
             StartEpoch: self.plans.append, ExtendPartition: self._on_extend, Regroup: self._regroup, FormGroup: self._form_group,
             SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
             SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
+            SetEpochRole: self._on_epoch_role, EpochAggregated: self._on_epoch_aggregated,
+            StageAdvisory: self._on_stage_advisory,
             Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
             RequestSession: self._on_request_session, Evict: self._on_evict,
         }
@@ -392,6 +421,15 @@ class RankWorker:
         self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
         self.awaiting_update = False
         self.throttled = False
+        if m.next_plan is not None:
+            try:
+                plan = [int(x) for x in m.next_plan]
+            except (TypeError, ValueError):
+                plan = []
+            if len(plan) != 4 or min(plan) < 0:
+                log.warning("rank %d: malformed next_plan %r in an update: ignored", self.rank, m.next_plan)
+            else:
+                self.plans.append(StartEpoch(epoch=plan[0], offset=plan[1], size=plan[2], chunk=plan[3]))
 
     def _on_global_step(self, m: SetGlobalStep) -> None:
         self.trainer.global_step = m.global_step
@@ -401,14 +439,65 @@ class RankWorker:
             self.throttled = True
             self.wait_until(lambda: not self.throttled)
 
+    def _on_stage_advisory(self, m: StageAdvisory) -> None:
+        """The picks this rank is likely to get next: its data plane retains their samples while idle."""
+        from ..partition import epoch_permutation
+
+        total = self.trainer.total_picks
+        if total <= 0:
+            return
+        perms: dict[int, Any] = {}
+        parts = []
+        for seg in m.segments:
+            if not (isinstance(seg, list) and len(seg) == 3 and all(isinstance(x, int) and x >= 0 for x in seg)):
+                log.warning("rank %d: malformed stage advisory segment %r: ignored", self.rank, seg)
+                continue
+            e, off, size = seg
+            if e not in perms:
+                perms[e] = epoch_permutation(self.trainer.seed, e, total)
+            parts.append(perms[e][off:min(off + size, total)])
+        if parts:
+            self.trainer.data_pipeline().stage(np.concatenate(parts))
+
+    def _on_epoch_role(self, m: SetEpochRole) -> None:
+        self.epoch_role, self.epoch_role_from = m.rank, m.from_epoch
+
+    def _on_epoch_aggregated(self, m: EpochAggregated) -> None:
+        self.last_epoch_metrics = {str(k): float(v) for k, v in m.metrics.items() if isinstance(v, (int, float))}
+
+    def _maybe_epoch_fn(self, epoch: int) -> None:
+        """The epoch-role rank runs ``experiment.epoch_fn`` once per epoch, before training it (algorithms.md
+        3.15); a failing hook is reported, never fatal. Its time counts as callback time, not data wait."""
+        fn = self.trainer.exp.epoch_fn
+        if fn is None or self.epoch_role != self.rank or epoch < self.epoch_role_from or epoch in self.epoch_fn_done:
+            return
+        self.epoch_fn_done.add(epoch)
+        err: Optional[str] = None
+        metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
+        try:
+            with self.doing("callback"):
+                out = fn(epoch, self.trainer.model, dict(self.last_epoch_metrics))
+            for k, v in (out or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    metrics[str(k)] = float(v)
+        except Exception as e:  # a broken hook must not kill training
+            err = f"{type(e).__name__}: {e}"
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        self.callback_ms += elapsed_ms
+        self.conn.send(encode(EpochFnResult(epoch=epoch, elapsed_ms=elapsed_ms, metrics=metrics, error=err)))
+
     def _on_eval(self, m: ExecuteEval) -> None:
         err: Optional[str] = None
+        t0 = time.perf_counter()
         try:
             with self.doing("eval"):
                 res = self.trainer.evaluate()
         except Exception as e:  # a broken eval must not kill training
             res, err = {}, f"{type(e).__name__}: {e}"
-        self.conn.send(encode(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final)))
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        self.callback_ms += elapsed_ms
+        self.conn.send(encode(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final, elapsed_ms=elapsed_ms)))
 
     def _on_request_session(self, m: RequestSession) -> None:
         """This rank is the regroup's generator: a fresh session id names the new group (on NCCL, the
@@ -529,7 +618,7 @@ class RankWorker:
                         if not self.stopping:
                             raise RuntimeError("collective failed and no regroup arrived") from e
                         return
-        step = self._outer_step() if self.collective is not None and self.collective.reduced else None
+        step = self._outer_step()
         self.trainer.steps_since_avg = 0
         self.trainer.step_count += 1
         self.conn.send(encode(SyncAck(n=n, d=d, post=post, pre=pre, outer_step=step.step_norm if step else None,
@@ -537,17 +626,23 @@ class RankWorker:
 
     def _outer_step(self) -> Optional[OuterStep]:
         """nccl: the outer optimizer on the all-reduced parameters, after the divergence read-out. Every
-        rank holds the same consensus and the same state, so every rank computes the same global."""
-        if self.outer is None:
+        rank holds the same consensus and the same state, so every rank computes the same global. None when the
+        sync averaged nothing (nobody moved: no step), for outer=avg, and for the seeding window."""
+        if self.outer is None or self.collective is None or not self.collective.reduced:
             return None
         params = list(self.trainer.model.parameters())
-        new, step = self.outer.step([p.detach() for p in params])
+        try:
+            new, step = self.outer.step([p.detach() for p in params])
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("out of GPU memory in the outer optimizer step (it keeps the last global and the "
+                               "momentum on the device, 2x the parameter bytes, and needs 2x more while stepping; "
+                               "lower data_plane.vram_max_usage or use outer=avg)") from e
         with torch.no_grad():
             for p, t in zip(params, new):
                 p.copy_(t)
         if self.outer_spec.resets_inner:
             self.trainer.reset_optimizer_state()
-        return step
+        return None if step is None or step.seeded else step
 
     def _save(self, m: Save) -> None:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
@@ -573,6 +668,7 @@ class RankWorker:
 
     def _run_chunk(self, plan: StartEpoch) -> None:
         tr = self.trainer
+        self._maybe_epoch_fn(plan.epoch)
         st = tr.begin_epoch(plan.epoch, plan.offset, plan.size)
         self.chunk = st
         while True:
@@ -583,12 +679,16 @@ class RankWorker:
             self.drain()
             if self.stopping:
                 break
+            callbacks_before = self.callback_ms
             batch = tr.next_batch(st)
             if batch is None:
                 break
+            # A callback run while this batch was awaited (the data wait drains control) is not data wait:
+            # the coordinator would read it as this rank's delivered cost and shrink its share.
+            wait_ms = max(0.0, batch.wait_ms - (self.callback_ms - callbacks_before))
             step = tr.step(batch)
             tr.record_step(st, batch, step)
-            self.unreported.append((step, batch.wait_ms, plan.chunk, tr.current_lr()))
+            self.unreported.append((step, wait_ms, plan.chunk, tr.current_lr()))
             self.report_batches(wait=False)
             if self.fault is not None and tr.step_count >= self.fault[0]:
                 self.report_batches(wait=True)

@@ -135,11 +135,35 @@ class SampleCache:
         names = {DEVICE: "device", RAM: "ram", DISK: "disk"}
         return {names[k]: t.used for k, t in self.tiers.items()}
 
-    def _admit(self, ids: np.ndarray, leaves: list[torch.Tensor]) -> None:
+    def warm(self, sample_ids: np.ndarray) -> int:
+        """Fetch and retain the samples of ``sample_ids`` not held yet, in the host tiers only (staging
+        advisories: the rank is about to be handed them). Returns the rows retained; 0 with misses left means
+        the host tiers are full (retention never evicts)."""
+        if self.disabled:
+            return 0
+        ids = np.unique(np.asarray(sample_ids, dtype=np.int64))
+        miss = ids[self.loc[ids] < 0]
+        if not len(miss):
+            return 0
+        fetched = fetch_batch(self.dataset, miss)
+        if self.layout is None:
+            with self.lock:
+                if self.layout is None and not self.disabled:
+                    self._learn(fetched, len(miss))
+        if self.disabled or not self.layout.matches(fetched, len(miss)):  # type: ignore[union-attr]
+            return 0
+        leaves, _ = flatten(fetched)
+        before = int((self.loc[miss] >= 0).sum())
+        self._admit(miss, leaves, tiers=(RAM, DISK))
+        staged = int((self.loc[miss] >= 0).sum()) - before
+        self.stats["staged"] = self.stats.get("staged", 0) + staged
+        return staged
+
+    def _admit(self, ids: np.ndarray, leaves: list[torch.Tensor], tiers: tuple[int, ...] = (DEVICE, RAM, DISK)) -> None:
         """Retain samples not yet held (``ids`` unique), first tier with room first."""
         with self.lock:
             todo = np.nonzero(self.loc[ids] < 0)[0]
-            for code in (DEVICE, RAM, DISK):
+            for code in tiers:
                 store = self.tiers.get(code)
                 if store is None or len(todo) == 0:
                     continue

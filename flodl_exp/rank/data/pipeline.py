@@ -228,6 +228,9 @@ class DataPipeline:
         self.activation_peak = 0
         self.measuring = False
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._staging = np.empty(0, dtype=np.int64)
+        self._staging_at = 0
+        self._stager: Optional[threading.Thread] = None
         self._sync_logged = False
         self._seen_batch_bytes = 0
         self.last_depth = 0
@@ -427,14 +430,56 @@ class DataPipeline:
             data = self.transform(data, item.samples, item.views, epoch, self.seed)
         return data
 
+    # -- staging advisories (algorithms.md 5.10) --------------------------------------------
+    STAGE_BATCHES = 4
+    """Batches of samples the stager fetches per turn, between turns it yields to the readers."""
+
+    def stage(self, picks: np.ndarray) -> None:
+        """Picks this rank is about to be handed (the coordinator's advisory): retain their samples in the host
+        cache while the readers are idle. The newest advisory replaces the one in progress. Purely a hint:
+        nothing is fetched when retention is off or full."""
+        if self.cache.disabled or len(picks) == 0 or getattr(self.dataset, "thread_safe", True) is False:
+            return  # a data set that takes one reader at a time gets no second one
+        samples, _ = decode_pick(np.asarray(picks, dtype=np.int64), self.augment)
+        with self.cond:
+            self._staging = np.asarray(samples, dtype=np.int64)
+            self._staging_at = 0
+            if self._stager is None and not self.stopping:
+                self._stager = threading.Thread(target=self._stage_loop, name="data-stager", daemon=True)
+                self._stager.start()
+            self.cond.notify_all()
+
+    def _stage_loop(self) -> None:
+        n = self.batch_size * self.STAGE_BATCHES
+        while True:
+            with self.cond:
+                # Staging waits while a feed has batches to claim: the readers' work is the chunk in hand.
+                while not self.stopping and (self._staging_at >= len(self._staging)
+                                             or (self.feed is not None and self.feed.claimable())):
+                    self.cond.wait(timeout=1.0)
+                if self.stopping:
+                    return
+                ids = self._staging[self._staging_at:self._staging_at + n]
+                self._staging_at += len(ids)
+            try:
+                staged = self.cache.warm(ids)
+            except Exception as e:  # a hint must never break training: stop staging, say so once
+                log.warning("rank %d: staging stopped: %s: %s", self.rank, type(e).__name__, e)
+                staged, ids = 0, ids[:0]
+                with self.cond:
+                    self._staging_at = len(self._staging)
+            if staged == 0 and len(ids) and bool((self.cache.loc[ids] < 0).any()):
+                with self.cond:  # the host tiers are full: nothing more fits until the next run
+                    self._staging_at = len(self._staging)
+
     def close(self) -> None:
-        """Stop the readers, drop the cache (the disk stage file goes with it)."""
+        """Stop the readers and the stager, drop the cache (the disk stage file goes with it)."""
         if self.feed is not None:
             self.feed.close()
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        for th in self.threads:
+        for th in self.threads + ([self._stager] if self._stager is not None else []):
             th.join(timeout=5.0)
         self.threads = []
         self.cache.close()

@@ -1,0 +1,81 @@
+"""cpu cadence (algorithms.md 5.6): each rank's next chunk rides in its Update, so the next window starts
+with no separate StartEpoch; everything else keeps its order behind the update."""
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import torch
+from control_fakes import BATCH, Harness
+
+from flodl_exp.control.channels import Outbox
+from flodl_exp.protocol import ExtendPartition, RequestParams, Save, SetGlobalStep, StartEpoch, Update, decode
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+
+    def send(self, r, msg) -> bool:
+        self.sent.append((r, decode(msg)))
+        return True
+
+
+def test_the_outbox_folds_the_first_chunk_into_the_held_update_and_keeps_the_order():
+    t = _Transport()
+    out = Outbox(t, SimpleNamespace(alive_ranks=lambda: [0, 1]))  # type: ignore[arg-type]
+    with out.folding_updates():
+        out.send(0, Update(n=3, tensors={"p0": torch.zeros(2)}))
+        out.broadcast(SetGlobalStep(global_step=7))  # rank 1 has no held update: sent at once
+        out.send(0, Save(stem="s", primary=True, model=True))
+        out.send(0, StartEpoch(epoch=1, offset=64, size=32, chunk=9))
+        out.send(0, StartEpoch(epoch=1, offset=96, size=32, chunk=10))  # only the first one rides along
+        assert [r for r, _ in t.sent] == [1], "rank 0's messages wait behind its update"
+    kinds = [(r, type(p).__name__) for r, p in t.sent]
+    assert kinds == [(1, "SetGlobalStep"), (0, "Update"), (0, "SetGlobalStep"), (0, "Save"), (0, "StartEpoch")]
+    upd = t.sent[1][1]
+    assert upd.next_plan == [1, 64, 32, 9] and t.sent[-1][1].chunk == 10
+    out.send(0, StartEpoch(epoch=2, offset=0, size=32, chunk=11))  # outside the block: straight through
+    assert isinstance(t.sent[-1][1], StartEpoch)
+
+
+def test_an_extension_queued_behind_the_update_stops_the_folding():
+    t = _Transport()
+    out = Outbox(t, SimpleNamespace(alive_ranks=lambda: [0]))  # type: ignore[arg-type]
+    with out.folding_updates():
+        out.send(0, Update(n=3, tensors={"p0": torch.zeros(2)}))
+        out.send(0, ExtendPartition(epoch=1, offset=0, size=8, chunk=4))
+        out.send(0, StartEpoch(epoch=1, offset=64, size=32, chunk=9))
+    assert [type(p).__name__ for _, p in t.sent] == ["Update", "ExtendPartition", "StartEpoch"]
+    assert t.sent[0][1].next_plan is None
+
+
+def test_a_cpu_cadence_reduce_sends_each_rank_one_update_carrying_its_next_chunk(tmp_path):
+    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
+    plans = h.start(samples=960)  # the first chunks leave most of the epoch in the pool
+    for r in (0, 1):
+        h.finish_chunk(r, plans[r][0])
+    h.tick()
+    assert [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
+    h.snapshot(0, plans[0][0].size // BATCH, 1.0)
+    h.snapshot(1, plans[1][0].size // BATCH, 3.0)
+    sent = list(h.transport.raw)
+    h.transport.take()
+    ups = {r: p for r, p in sent if isinstance(p, Update)}
+    assert sorted(ups) == [0, 1] and all(u.next_plan is not None for u in ups.values())
+    assert not [p for _, p in sent if isinstance(p, StartEpoch)], "no separate StartEpoch"
+    for r, u in ups.items():  # the folded chunk is a real one: the dispatcher tracks it
+        assert h.co.dispatch.chunks[u.next_plan[3]].rank == r
+
+
+def test_the_rank_takes_the_folded_chunk_as_its_next_plan():
+    from flodl_exp.rank.worker import RankWorker
+
+    w = RankWorker.__new__(RankWorker)
+    w.trainer = SimpleNamespace(steps_since_avg=4)  # type: ignore[assignment]
+    w.cpu = SimpleNamespace(adopt_update=lambda *a: None)  # type: ignore[assignment]
+    w.plans, w.rank, w.awaiting_update, w.throttled = deque(), 0, True, False
+    w._on_update(Update(n=4, skip=True, next_plan=[2, 128, 64, 5]))
+    assert list(w.plans) == [StartEpoch(epoch=2, offset=128, size=64, chunk=5)] and not w.awaiting_update
+    w._on_update(Update(n=0, skip=True, next_plan=[1, "x", 3, 4]))  # type: ignore[list-item]
+    assert len(w.plans) == 1, "a malformed folded plan is dropped"
