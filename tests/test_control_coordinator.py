@@ -574,3 +574,37 @@ def test_batches_trained_after_an_nccl_ack_count_toward_the_next_reduce(tmp_path
     assert h.co.cycle.in_flight is None
     assert h.co.cycle.steps(0) == 1 and h.co.cycle.steps(1) == 0
     assert h.co.cycle.any_steps([0, 1])
+
+
+def test_a_dead_ranks_forfeit_in_an_epoch_the_survivors_left_is_trained_first(tmp_path):
+    """cpu_async streams ahead: survivors may be epochs past the one a stuck rank held a chunk of. When it dies,
+    its forfeit reopens that older pool, and the survivors must take it before anything newer, else that
+    epoch never completes (the run stalled at a fixed global step, seen in CI)."""
+    from flodl_exp.control.chunk_pool import ChunkPool
+
+    h = Harness(tmp_path, "cpu_async", world=3, epochs=4)
+    plans = h.start(samples=480)
+    d = h.co.dispatch
+    for r in (0, 2):
+        h.finish_chunk(r, plans[r][0])
+    h.transport.take()
+    for cid in [c for c, ch in d.chunks.items() if ch.rank != 1]:  # 0 and 2: nothing in flight, a reduce behind
+        del d.chunks[cid]
+    for r in (0, 2):
+        h.co.cycle.ledger[r].steps = 0
+    for e in (0, 1):  # ranks 0 and 2 drained epoch 0's pool and all of epoch 1's
+        if e not in d.pools:
+            d.pools[e] = ChunkPool(e, d.total, d.bs, [1, 1, 1])
+        pool = d.pools[e]
+        while pool.remaining() > 0:
+            for r in (0, 2):
+                got = pool.take_chunk(d.bs, r)
+                if got is not None:
+                    pool.mark_completed(r, got[1])
+    for r in (0, 2):
+        d.rank_epoch[r] = 1
+    assert d.pools[0].remaining() == 0 and any(c.rank == 1 and c.epoch == 0 for c in d.chunks.values())
+    h.co.declare_dead(1, "stuck")
+    got = [(r, p.epoch) for r, p in h.transport.take(StartEpoch)]
+    assert any(e == 0 for _, e in got), f"the survivors were handed {got}, not rank 1's epoch-0 remainder"
+    assert d.pools[0].remaining() < plans[1][0].size

@@ -320,11 +320,16 @@ class Dispatcher:
         if b > 0 and self._cycle.steps(r) >= b:
             return
         e = self.rank_epoch[r]
+        first_live = self.last_aggregated + 1
+        # A dead rank's forfeit reopens the pool of an epoch this rank may have left (async streams ahead):
+        # the oldest open work first, or that epoch never completes.
+        for q in sorted(self.pools):
+            if first_live <= q < e and self.pools[q].remaining() > 0 and self._chunk_from(r, q):
+                return
         pool = self.pools.get(e)
         if pool is not None and pool.remaining() > 0:
             self._chunk_from(r, e)
             return
-        first_live = self.last_aggregated + 1
         nxt = max(e + 1, first_live)
         if self.epoch_ceiling is not None and nxt > self.epoch_ceiling:
             return
