@@ -13,6 +13,7 @@ from flodl_exp.control.coordinator import Coordinator
 from flodl_exp.protocol import (
     Batch,
     ChunkMetrics,
+    ExecuteEval,
     ExtendPartition,
     Heartbeat,
     Payload,
@@ -127,6 +128,17 @@ class Harness:
             self.co.on_event(("join", r, {"samples": samples, "host": "h", "pid": 100 + r}))
         self.co.start()
         return self.plans()
+
+    def final_saves(self) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
+        """Start, finish every rank's first chunk untrained and tick into the end of the run: the final eval
+        and save messages sent then (``(rank, ExecuteEval)``s, ``(rank, Save)``s)."""
+        plans = self.start()
+        for r in range(self.world):
+            self.finish_chunk(r, plans[r][0], trained=0)
+        self.transport.take()
+        self.tick(2)
+        sent = self.transport.take()
+        return ([(r, p) for r, p in sent if isinstance(p, ExecuteEval)], [(r, p) for r, p in sent if isinstance(p, Save)])
 
     def plans(self) -> dict[int, list[StartEpoch]]:
         """The chunks handed out since the last take (those folded into updates included)."""

@@ -17,19 +17,9 @@ from flodl_exp import checkpoint as ck
 from flodl_exp.control.channels import EventLog
 from flodl_exp.control.lifecycle import Phase, Status
 from flodl_exp.control.records import RecordLog, RingLog
-from flodl_exp.protocol import EvalResult, ExecuteEval, Save, SaveResult
+from flodl_exp.protocol import EvalResult, SaveResult
 
 ENOSPC = f"OSError: [Errno {errno.ENOSPC}] No space left on device"
-
-
-def _to_final_saves(h: Harness) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
-    plans = h.start()
-    for r in range(h.world):
-        h.finish_chunk(r, plans[r][0], trained=0)
-    h.transport.take()
-    h.tick(2)
-    sent = h.transport.take()
-    return ([(r, p) for r, p in sent if isinstance(p, ExecuteEval)], [(r, p) for r, p in sent if isinstance(p, Save)])
 
 
 def _stale_bundle(stem: str) -> None:
@@ -43,7 +33,7 @@ def test_an_enospc_on_a_rank_fails_the_final_bundle_no_meta_and_stale_pieces_are
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
     stem = h.co.writer.stem
     _stale_bundle(stem)  # a reused save_path: an earlier run's bundle sits there
-    evals, saves = _to_final_saves(h)
+    evals, saves = h.final_saves()
     assert saves and not any(os.path.exists(p) for p in ck.bundle_files(stem)), "stale pieces removed before the save"
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem, error=None if p.model else ENOSPC))
@@ -58,7 +48,7 @@ def test_an_enospc_on_a_rank_fails_the_final_bundle_no_meta_and_stale_pieces_are
 def test_a_failed_meta_write_fails_the_bundle(tmp_path, monkeypatch):
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
     stem = h.co.writer.stem
-    evals, saves = _to_final_saves(h)
+    evals, saves = h.final_saves()
 
     def full(*a: Any, **k: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -74,7 +64,7 @@ def test_a_failed_meta_write_fails_the_bundle(tmp_path, monkeypatch):
 def test_a_complete_bundle_lists_its_pieces(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
     stem = h.co.writer.stem
-    evals, saves = _to_final_saves(h)
+    evals, saves = h.final_saves()
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
@@ -104,7 +94,7 @@ def test_a_failed_final_bundle_ends_the_run_failed_with_the_reason(tmp_path):
     from flodl_exp.control.main import _close
 
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
-    evals, saves = _to_final_saves(h)
+    evals, saves = h.final_saves()
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem, error=None if p.model else ENOSPC))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))

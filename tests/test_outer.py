@@ -328,17 +328,6 @@ def test_an_nccl_rank_resumes_its_outer_state_from_the_sidecar(tmp_path):
     assert w.trainer.global_step == 5 and w.outer.momentum_norm() == pytest.approx(saved.outer.momentum_norm())
     assert all(torch.equal(a, b) for a, b in zip(w.outer.momentum, saved.outer.momentum))
     assert all(torch.equal(a, b) for a, b in zip(w.outer.prev, saved.outer.prev))
-def _final_saves(h):
-    from flodl_exp.protocol import ExecuteEval, Save
-
-    plans = h.start()
-    for r in range(h.world):
-        h.finish_chunk(r, plans[r][0], trained=0)
-    h.transport.take()
-    h.tick(2)
-    sent = h.transport.take()
-    return [(r, p) for r, p in sent if isinstance(p, ExecuteEval)], [(r, p) for r, p in sent if isinstance(p, Save)]
-
 
 @pytest.mark.parametrize("mode", ["cpu_sync", "nccl_sync"])
 def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mode):
@@ -357,7 +346,7 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
         for cons in _windows()[:3]:
             holder.step(cons)
     stem = h.co.writer.stem
-    evals, saves = _final_saves(h)
+    evals, saves = h.final_saves()
     if mode == "nccl_sync":  # the rank that writes the model writes its replicated optimizer (RankWorker._save)
         w = _nccl_rank()
         holder = w.outer
