@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned here (dev/CI) to the CPU wheel; the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
-FAST := not e2e and not slurm and not gpu
+FAST := not e2e and not slurm and not gpu and not conformance
 
-.PHONY: run test test-fast lint typecheck ui venv clean clean-all
+.PHONY: run test test-fast conformance lint typecheck ui venv clean clean-all
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,11 @@ run: $(STAMP)
 
 # The full suite: unit tests, end-to-end runs on real processes, a real SLURM, a real browser.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not conformance" $(PYTEST_ARGS)
+
+# The whole conformance matrix on the 3:1 rig: five modes x (managed loop, two cooperative loops), ~7 minutes.
+conformance: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_modes.py $(PYTEST_ARGS)
 
 # Unit tests only (no process, no cluster): for iteration, well under 2 minutes.
 test-fast: $(STAMP)

@@ -1,7 +1,7 @@
 """flodl_exp: a config-driven runner for data-parallel training on mixed hardware.
 
-Public surface: ``record_scalar`` (user metrics from a train step) and
-``launch(cfg) -> RunHandle``. Importing the package does not import torch.
+Public surface: ``record_scalar`` (user metrics from a train step),
+``launch(cfg) -> RunHandle`` and ``worker(cfg)`` (the cooperative tier: the user's own loop on a rank). Importing the package does not import torch.
 The launcher lives in ``flodl_exp.jobs`` (a name that is not a public function,
 so ``flodl_exp.launch`` stays this function however many submodules are imported).
 """
@@ -14,7 +14,7 @@ from .scalars import record_scalar
 if TYPE_CHECKING:
     from .jobs.launcher import RunHandle
 
-__all__ = ["launch", "record_scalar"]
+__all__ = ["launch", "record_scalar", "worker"]
 
 
 def launch(cfg: Any, **kw: Any) -> RunHandle:
@@ -22,3 +22,11 @@ def launch(cfg: Any, **kw: Any) -> RunHandle:
     from .jobs.launcher import launch as _launch
 
     return _launch(cfg, **kw)
+
+
+def worker(cfg: Any = None) -> Any:
+    """``with flodl_exp.worker(cfg) as w:`` inside an ``experiment.loop``: join the coordinator as this rank
+    and drive training from the user's own loop; see :mod:`flodl_exp.rank.cooperative`."""
+    from .rank.cooperative import worker as _worker
+
+    return _worker(cfg)

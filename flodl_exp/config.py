@@ -190,8 +190,11 @@ class ExperimentConfig:
     """Optional factory returning ``lr_factor(step) -> float``; gets total_steps, world_size."""
     train_data: Any = MISSING
     eval_data: Any = None
-    train_step: str = MISSING
-    """Dotted path of ``fn(model, batch) -> loss``."""
+    train_step: Optional[str] = None
+    """Dotted path of ``fn(model, batch) -> loss`` (the managed tier: the rank's own loop calls it)."""
+    loop: Optional[str] = None
+    """Dotted path of ``fn(cfg)``, the user's own training loop run on every rank (the cooperative tier:
+    ``with flodl_exp.worker(cfg) as w:``, README "Your own training loop"). Exactly one of train_step and loop."""
     eval_fn: Optional[str] = None
     """Dotted path of ``fn(model, dataset, device) -> {metric: value}``."""
     epoch_fn: Optional[str] = None
@@ -429,6 +432,23 @@ def _validate_outer(o: Any) -> None:
         raise _err("outer.kind", o.kind, "slowmo or diloco when outer.lr / outer.mu are set (avg has no knobs)")
 
 
+def _validate_loop(exp: Any) -> None:
+    """The managed tier (train_step) or the cooperative one (loop): exactly one, each a dotted path."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for k in ("train_step", "loop"):
+        if isinstance(exp, DictConfig) and OmegaConf.is_missing(exp, k):
+            raise _err(f"experiment.{k}", "???", "a value (required field; null for the tier you do not use)")
+    step, loop = exp.train_step, exp.loop
+    if (step is None) == (loop is None):
+        key, value = ("experiment.train_step", step) if step is not None else ("experiment.loop", loop)
+        raise _err(key, value, "exactly one of experiment.train_step (fn(model, batch) -> loss) and experiment.loop "
+                   "(fn(cfg), your own loop) set; the other null")
+    for key, value in (("experiment.train_step", step), ("experiment.loop", loop)):
+        if value is not None and (not isinstance(value, str) or "." not in value):
+            raise _err(key, value, "a dotted path module.function")
+
+
 def validate(cfg: Any) -> List[str]:
     """The one validation pass. Raises ConfigError on the first user error; returns warnings."""
     global _SCHEMA
@@ -441,9 +461,10 @@ def validate(cfg: Any) -> List[str]:
         unknown = _unknown_key(cfg, _SCHEMA)
         if unknown:
             raise _err(unknown, OmegaConf.select(cfg, unknown), "not a key of the config schema (see conf/ and flodl_exp/config.py)")
-        for k in ("name", "model", "optimizer", "train_data", "train_step"):
+        for k in ("name", "model", "optimizer", "train_data"):
             if OmegaConf.is_missing(cfg.experiment, k):
                 raise _err(f"experiment.{k}", "???", "a value (required field)")
+    _validate_loop(cfg.experiment)
     m, c, dp = cfg.mode, cfg.cluster, cfg.data_plane
 
     if m.policy not in POLICIES:

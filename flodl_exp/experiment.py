@@ -20,7 +20,8 @@ class Experiment:
     lr_factor: Optional[Callable[[int], float]]
     train_data: Any
     eval_data: Any
-    train_step: Callable[[nn.Module, Any], torch.Tensor]
+    train_step: Optional[Callable[[nn.Module, Any], torch.Tensor]]
+    """None for the cooperative tier (``experiment.loop``): the user's loop does the step."""
     eval_fn: Optional[Callable[[nn.Module, Any, torch.device], dict]]
     epoch_fn: Optional[Callable[[int, nn.Module, dict], Optional[dict]]] = None
 
@@ -57,7 +58,7 @@ def build_experiment(exp: Any, *, world_size: int, device: torch.device, seed: i
         steps_per_epoch = (len(train_data) * max(1, augment)) // int(exp["batch_size"])
         total_steps = max(1, steps_per_epoch * int(exp["epochs"]))
         lr_factor = instantiate(exp["scheduler"])(total_steps=total_steps, world_size=world_size)
-    train_step = get_method(exp["train_step"])
+    train_step = get_method(exp["train_step"]) if exp.get("train_step") else None
     eval_fn = get_method(exp["eval_fn"]) if exp.get("eval_fn") else None
     epoch_fn = get_method(exp["epoch_fn"]) if exp.get("epoch_fn") else None
     return Experiment(model, optimizer, lr_factor, train_data, eval_data, train_step, eval_fn, epoch_fn)

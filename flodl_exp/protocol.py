@@ -61,6 +61,8 @@ class Kind(str, enum.Enum):
     TELEMETRY = "telemetry"
     HEARTBEAT = "heartbeat"
     EPOCH_FN_RESULT = "epoch_fn_result"
+    INTENT = "intent"
+    LOOP_NOTICE = "loop_notice"
 
 
 # ------------------------------------------------------------ coordinator -> rank
@@ -286,6 +288,9 @@ class RankError:
     KIND: ClassVar[Kind] = Kind.ERROR
     error: str
     traceback: str = ""
+    loop: bool = False
+    """The exception came out of the user's own training loop (the cooperative tier): a bug every rank
+    would hit, so the run ends FAILED instead of recovering without this rank."""
 
 
 @dataclass
@@ -380,10 +385,33 @@ class EpochFnResult:
     error: Optional[str] = None
 
 
+INTENT_KINDS = ("eval", "checkpoint")
+"""What a cooperative loop may ask for (Intent.kind)."""
+
+
+@dataclass
+class Intent:
+    """The user's loop asks for an eval or a bundle (``w.request_eval()`` / ``w.request_checkpoint()``);
+    the coordinator folds it into the next boundary. ``epoch``: the epoch the loop was in."""
+
+    KIND: ClassVar[Kind] = Kind.INTENT
+    kind: str
+    epoch: int
+
+
+@dataclass
+class LoopNotice:
+    """The cooperative loop has held a batch for ``held_s`` without calling ``w.step()`` (sent once per batch)."""
+
+    KIND: ClassVar[Kind] = Kind.LOOP_NOTICE
+    message: str
+    held_s: float
+
+
 Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
-    Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory,
+    Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"

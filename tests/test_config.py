@@ -551,3 +551,21 @@ def test_max_failure_limit_from_count_and_share(count, pct, world, limit):
     cfg.cluster.max_failure = count
     cfg.cluster.max_failure_pct = pct
     assert RunShape.of(cfg).max_failure == limit
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["experiment.loop=experiments.loops.accumulate"], "experiment.train_step"),
+    (["experiment.train_step=null"], "experiment.loop"),
+    (["experiment=digits_accumulate", "experiment.loop=accumulate"], "experiment.loop"),
+], ids=["both", "neither", "not-dotted"])
+def test_exactly_one_of_train_step_and_loop(make, overrides, key):
+    with pytest.raises(ConfigError) as ei:
+        validate(make(*overrides))
+    assert str(ei.value).startswith(f"config error: {key}="), str(ei.value)
+
+
+@pytest.mark.parametrize("experiment", ["digits_accumulate", "digits_two_optimizers"])
+def test_the_cooperative_examples_validate(make, experiment):
+    cfg = make(f"experiment={experiment}")
+    validate(cfg)
+    assert cfg.experiment.train_step is None and cfg.experiment.loop.startswith("experiments.loops.")

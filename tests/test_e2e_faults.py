@@ -22,13 +22,16 @@ def _launch(store, *overrides):
 _wait_for = wait_for
 
 
-@pytest.mark.parametrize(("mode", "fault"), [("nccl_cadence", "kill"), ("cpu_cadence", "kill"),
-                                            ("nccl_cadence", "stall"), ("cpu_async", "stall")])
-def test_a_lost_rank_of_three_recovers(store, mode, fault, monkeypatch):
+@pytest.mark.parametrize(("mode", "fault", "experiment"), [
+    ("nccl_cadence", "kill", "digits_mlp"), ("cpu_cadence", "kill", "digits_accumulate"),
+    ("nccl_cadence", "stall", "digits_mlp"), ("cpu_async", "stall", "digits_mlp")])
+def test_a_lost_rank_of_three_recovers(store, mode, fault, experiment, monkeypatch):
     """kill: the process dies. stall: only its main thread stops (a hung read) while its heartbeat beats on;
-    the progress watch declares it dead and evicts it, and the run recovers the same way."""
+    the progress watch declares it dead and evicts it, and the run recovers the same way. digits_accumulate:
+    the cooperative tier (the user's own loop, experiments/loops.py) recovers as the managed one."""
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"1:25:{fault}")  # mid epoch 2 (about 15 batches per rank per epoch)
-    h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=6")
+    h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=6",
+                f"experiment={experiment}")
     res = h.wait()
     assert res["status"] == "FINISHED"
     assert [d["rank"] for d in res["deaths"]] == [1]

@@ -1,9 +1,16 @@
-"""One conformance suite for the balancing modes on the simulated 3:1 rig (cluster=local_hetero), and the outer
-optimizers on the two low-communication modes (nccl_cadence and cpu_async run with outer=slowmo and
-outer=diloco here; plain averaging on them is the default run of the other end-to-end tests)."""
+"""One conformance suite on the simulated 3:1 rig (cluster=local_hetero): every mode, the outer optimizers on the
+two low-communication modes (nccl_cadence and cpu_async with outer=slowmo and outer=diloco; plain averaging
+on them is the default run of the other end-to-end tests), and both tiers: the managed loop (experiment
+digits_mlp) and the cooperative examples of experiments/loops.py (digits_accumulate: gradient accumulation;
+digits_two_optimizers: an encoder/decoder pair with two optimizers). Every case checks the same invariants.
+
+``make test`` runs the cases of CASES (each mode, each example loop at least on the modes that differ for it);
+``make conformance`` runs the whole matrix, MATRIX too (each example on all five modes, the managed loop
+on all five)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -12,20 +19,31 @@ from conftest import assert_exact_coverage, base_overrides, compose, read_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-CASES = [("cpu_cadence", "avg"), ("nccl_cadence", "slowmo"), ("nccl_cadence", "diloco"), ("cpu_async", "slowmo"),
-         ("cpu_async", "diloco")]
-"""The sync modes run end to end in test_e2e_runs.test_sync_modes_average_replicas (accuracy, coverage, identical
-replicas, telemetry); on this rig they would add nothing of their own (no share to balance) for ~50 s of CI."""
+MANAGED, ACCUMULATE, TWO_OPTIMIZERS = "digits_mlp", "digits_accumulate", "digits_two_optimizers"
+CASES = [("nccl_sync", "avg", ACCUMULATE), ("cpu_sync", "avg", TWO_OPTIMIZERS), ("cpu_cadence", "avg", MANAGED),
+         ("nccl_cadence", "slowmo", TWO_OPTIMIZERS), ("nccl_cadence", "diloco", ACCUMULATE),
+         ("cpu_async", "slowmo", ACCUMULATE), ("cpu_async", "diloco", TWO_OPTIMIZERS)]
+"""``make test``: every mode, each example loop on both backends and every policy but one (the lost-rank test of
+test_e2e_faults runs digits_accumulate on cpu_cadence), the managed loop with the epoch hook. The managed
+sync modes run end to end in test_e2e_runs.test_sync_modes_average_replicas."""
+MATRIX = [("cpu_sync", "avg", ACCUMULATE), ("cpu_cadence", "avg", ACCUMULATE), ("nccl_sync", "avg", TWO_OPTIMIZERS),
+          ("cpu_cadence", "avg", TWO_OPTIMIZERS), ("nccl_sync", "avg", MANAGED), ("cpu_sync", "avg", MANAGED),
+          ("nccl_cadence", "avg", MANAGED), ("cpu_async", "avg", MANAGED)]
+"""``make conformance`` only: the rest of the five modes x three loops."""
 EPOCHS = 6
 
 
-@pytest.mark.parametrize(("mode", "outer"), CASES, ids=[f"{m}-{o}" for m, o in CASES])
-def test_mode_on_heterogeneous_ranks(store, mode, outer):
+def _params(cases: list[tuple[str, str, str]], *marks: Any) -> list[Any]:
+    return [pytest.param(m, o, e, id=f"{m}-{o}-{e.removeprefix('digits_')}", marks=marks) for m, o, e in cases]
+
+
+@pytest.mark.parametrize(("mode", "outer", "experiment"), _params(CASES) + _params(MATRIX, pytest.mark.conformance))
+def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
     from flodl_exp.jobs.launcher import launch
 
     hook = ["experiment.epoch_fn=experiments.digits.epoch_probe"] if mode == "cpu_cadence" else []
     h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", f"outer={outer}", "cluster=local_hetero",
-                        "experiment=digits_mlp", f"experiment.epochs={EPOCHS}", *hook]))
+                        f"experiment={experiment}", f"experiment.epochs={EPOCHS}", *hook]))
     res = h.wait()
     assert res["status"] == "FINISHED"
     assert res["final_eval"]["eval/accuracy"] >= 0.90
@@ -49,6 +67,11 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer):
     if not mode.endswith("sync"):  # progressive: the eval after each epoch gets callback slack once measured
         slack = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "callback_slack"]
         assert slack and all(e["ms"] > 0 for e in slack), slack
+    if experiment != MANAGED:  # the loop's own scalar rolled up per epoch, as record_scalar in a managed step
+        scalar = "micro_batches" if experiment == ACCUMULATE else "recon_mse"
+        values = [m.value for m in c.get_metric_history(h.run_id, scalar)]
+        assert len(values) == EPOCHS and all(v > 0 for v in values), values
+        assert run.data.params["experiment.loop"].startswith("experiments.loops.")
     if outer != "avg":  # per epoch with a reduce: the mean outer step and the momentum at its last reduce
         steps = c.get_metric_history(h.run_id, "outer/step_norm")
         momentum = [m.value for m in c.get_metric_history(h.run_id, "outer/momentum_norm")]

@@ -82,6 +82,8 @@ class BundleWriter:
             return f"{self.stem}_epoch{epoch}"
         if kind == "at_epoch":
             return f"{self.stem}_at{epoch}"
+        if kind == "requested":
+            return f"{self.stem}_requested{epoch}"
         return f"{self.stem}_{kind}"
 
     @property
@@ -327,6 +329,8 @@ class Checkpoints:
         self.coverage_bundle: Optional[CoverageBundle] = None
         """A coverage bundle whose pieces are being written (its meta follows)."""
         self.at_epoch_done = False
+        self.requested = False
+        """Progressive: a cooperative loop asked for a bundle (w.request_checkpoint): taken at the next reduce finish."""
         if self.at_epoch is not None:
             dispatch.epoch_ceiling = self.at_epoch
 
@@ -377,6 +381,9 @@ class Checkpoints:
             nxt = (reached // self.every + 1) * self.every
             self.next_periodic = nxt if nxt < self.epochs else None
             self._take(self._writer.stem_for("epoch", due), "periodic", f"checkpoints/epoch{due}", due)
+        elif self.requested:
+            self.requested = False
+            self._take(self._writer.stem_for("requested", reached), "requested", f"checkpoints/requested{reached}", reached)
 
     def _take(self, stem: str, reason: str, artifact_path: str, asked: int) -> None:
         coverage = self._dispatch.open_coverage()

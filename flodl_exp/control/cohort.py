@@ -149,7 +149,7 @@ class ProgressWatch:
     """Ranks whose main thread is stuck while their heartbeat thread beats on (issue: a hung data read).
 
     Each heartbeat says what the rank's main thread does (``state``) and its step count. A rank in
-    ``train`` (a chunk in progress) whose step count has not moved for ``timeout_s`` is stuck. Any
+    ``train`` (a chunk in progress) or ``loop`` (a cooperative loop holding a batch) whose step count has not moved for ``timeout_s`` is stuck. Any
     other state (a collective waiting on peers, an eval, a save, a wait for the coordinator) restarts
     the clock: those waits are not the rank's own lack of progress, and have their own deadlines.
     Pure: the coordinator feeds heartbeats and asks :meth:`stuck` each tick.
@@ -159,9 +159,12 @@ class ProgressWatch:
         self.timeout_s = float(timeout_s)
         self._since: dict[int, float] = {}
         self._steps: dict[int, Optional[int]] = {}
+        self.states: dict[int, Optional[str]] = {}
+        """Each rank's last reported state (``loop``: a cooperative loop holds a batch it has not stepped)."""
 
     def on_heartbeat(self, r: int, state: Optional[str], steps: Optional[int], now: float) -> None:
-        if state != "train" or steps is None:
+        self.states[r] = state
+        if state not in ("train", "loop") or steps is None:
             self._since.pop(r, None)
             self._steps[r] = steps
             return
@@ -172,6 +175,7 @@ class ProgressWatch:
     def forget(self, r: int) -> None:
         self._since.pop(r, None)
         self._steps.pop(r, None)
+        self.states.pop(r, None)
 
     def stuck(self, now: float) -> list[tuple[int, float]]:
         """(rank, seconds without a step) for each stuck rank; none when the watch is off."""

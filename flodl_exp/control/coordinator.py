@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from ..config import RunShape, load_config
 from ..protocol import (
+    INTENT_KINDS,
     Batch,
     ChunkMetrics,
     CoordHeartbeat,
@@ -41,6 +42,8 @@ from ..protocol import (
     Exiting,
     FormGroup,
     Heartbeat,
+    Intent,
+    LoopNotice,
     ProtocolError,
     RankError,
     Save,
@@ -165,8 +168,10 @@ class Coordinator:
             EvalResult: self._on_eval, SaveResult: self._on_save_result, RankError: self._on_error,
             SessionReady: self.faults.on_session_ready,
             Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: self._on_heartbeat,
-            EpochFnResult: self._on_epoch_fn,
+            EpochFnResult: self._on_epoch_fn, Intent: self._on_intent, LoopNotice: self._on_loop_notice,
         }
+        self.intents: set[str] = set()
+        """``w.request_eval()`` / ``w.request_checkpoint()`` not yet folded into a boundary."""
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
@@ -313,6 +318,10 @@ class Coordinator:
         for r in self.cohort.stale(now, self.hb_timeout):    # 3. dead ranks, before any gate
             self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
         for r, idle in self.progress.stuck(now):             #    stuck main threads (heartbeat alive)
+            if self.progress.states.get(r) == "loop":
+                self.evict(r, f"its training loop held a batch for {idle:.0f}s without calling w.step() "
+                              "(cluster.progress_timeout_s)")
+                continue
             self.evict(r, f"no training step for {idle:.0f}s with a chunk in progress while its heartbeat "
                           "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
         self.faults.tick(now)                                # 4. regroup retries (a silent generator)
@@ -436,6 +445,26 @@ class Coordinator:
     def _on_error(self, r: int, e: RankError) -> None:
         self.cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
         log.error("rank %d reported: %s", r, e.error)
+        if e.loop:  # the user's own loop raised: a bug every rank would hit, not a fault to recover from
+            self.sink.set_tags({"error": f"rank {r}: {e.error}\n{e.traceback}"[:5000]})
+            self.shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
+
+    def _on_intent(self, r: int, i: Intent) -> None:
+        """The user's loop asked for an eval or a bundle: folded into the next boundary (_on_epoch_aggregated
+        for an eval and, in non-progressive modes, a bundle; the next reduce finish for a progressive bundle)."""
+        if i.kind not in INTENT_KINDS:
+            log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
+            return
+        self.events.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
+        if i.kind == "checkpoint" and self.checkpoints.progressive:
+            self.checkpoints.requested = True
+        else:
+            self.intents.add(i.kind)
+
+    def _on_loop_notice(self, r: int, n: LoopNotice) -> None:
+        log.error("%s", n.message)
+        self.sink.set_tags({f"loop_warning.rank{r}": n.message[:4000]})
+        self.events.emit({"event": "loop_stalled", "rank": r, "held_s": n.held_s, "message": n.message})
 
     def _on_exiting(self, r: int, x: Exiting) -> None:
         self.cohort.mark_exited(r, {"rank": x.rank, "pid": x.pid, "hash": x.hash, "steps": x.steps,
@@ -485,10 +514,13 @@ class Coordinator:
         self.events.emit({"event": "epoch", "epoch": e,
                           **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
         cb = self.cohort.callback_rank
-        if e != self.epochs - 1 and self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0 and self.cohort.alive(cb):
+        asked_eval, asked_bundle = "eval" in self.intents, "checkpoint" in self.intents
+        self.intents.clear()  # the last epoch's final eval and bundle answer any intent left
+        periodic = self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0
+        if e != self.epochs - 1 and (periodic or asked_eval) and self.cohort.alive(cb):
             self.eval_pending, self.eval_pending_epoch = cb, e
             self.outbox.send(cb, ExecuteEval(epoch=e))
-        if self.checkpoints.periodic_due(e):
+        if self.checkpoints.periodic_due(e) or (asked_bundle and e + 1 < self.epochs):
             self.checkpoints.begin_periodic(e)
             self.enter(Phase.CHECKPOINTING)
 

@@ -353,6 +353,13 @@ def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int
     if fault is not None and fault[0] == CONNECT_STEP:
         inject_fault(fault[1], rank, CONNECT_STEP)  # test hook: a rank lost during rendezvous
     rdv = wait_rendezvous(job_dir, load_cluster(spec["config"]["cluster"]).rendezvous_timeout_s, coord_dead, attempt=attempt)
+    loop = spec["config"]["experiment"].get("loop")
+    if loop:  # the cooperative tier: the user's loop drives the rank (rank/cooperative.py)
+        from hydra.utils import get_method
+
+        from ..rank.cooperative import RankContext, run_loop
+
+        return run_loop(get_method(loop), RankContext(spec, rank, local_rank, rdv, owns_process=coord_dead is None))
     from ..rank.worker import RankWorker
 
     return RankWorker(spec, rank, local_rank, rdv, owns_process=coord_dead is None).run()

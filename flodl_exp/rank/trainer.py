@@ -65,6 +65,8 @@ class EpochState:
     loss_acc: Optional[torch.Tensor] = None
     """Device-side sum (float64) of the finite losses of ``record_step``'s steps; read once, in end_epoch."""
     pending: deque[PendingStep] = field(default_factory=deque)
+    unlossed: int = 0
+    """Steps booked without a loss (the cooperative ``w.step()`` without ``loss=``)."""
     """``record_step``'s steps whose time is not in ``compute_ms`` yet (their end event had not completed)."""
 
     @property
@@ -97,6 +99,8 @@ class PendingStep:
     start: Any = None
     end: Any = None
     loss_host: Optional[torch.Tensor] = None
+    has_loss: bool = True
+    """False: the cooperative loop stepped without reporting a loss (kept out of the chunk's mean loss)."""
 
     def ready(self) -> bool:
         """The step's time can be read without waiting (``Event.query`` does not block)."""
@@ -124,6 +128,35 @@ class Batch:
     ids: np.ndarray
     wait_ms: float = 0.0
     """Data wait with control work: what the coordinator's cost feed gets (algorithms.md 9.1)."""
+
+
+class OptimizerSet:
+    """Several optimizers stepped by one cooperative loop (``w.setup(opt_a, opt_b)``), seen as one by the
+    rank: their param groups for the LR schedule, one state dict for bundles, every state for DiLoCo's reset."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if not optimizers:
+            raise ValueError("OptimizerSet needs at least one optimizer")
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("optimizers") if isinstance(state, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            have = len(saved) if isinstance(saved, list) else "no list of"
+            raise ValueError(f"the bundle holds {have} optimizer states; this loop set up {len(self.optimizers)}")
+        for opt, sd in zip(self.optimizers, saved):
+            opt.load_state_dict(sd)
 
 
 class RankTrainer:
@@ -223,7 +256,8 @@ class RankTrainer:
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's per-parameter state (moments, momentum buffers): DiLoCo restarts the
         inner optimizer from each adopted global. The learning rate and its schedule are kept."""
-        self.optimizer.state.clear()
+        for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
+            opt.state.clear()
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -247,18 +281,37 @@ class RankTrainer:
         ``global_step + steps_since_avg`` times the linear-scaling factor, so all
         ranks agree without exchanging LRs.
         """
+        started = self.begin_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        assert self.exp.train_step is not None, "the managed step needs experiment.train_step"
+        loss = self.exp.train_step(self.model, batch.data)
+        loss.backward()
+        self.clip_grads()
+        self.optimizer.step()
+        return self.end_step(started, loss)
+
+    def begin_step(self) -> tuple[float, Any]:
+        """Open a step's timing (the host clock and, on CUDA, a start event) and set the LR of the
+        global position. The cooperative tier opens one when it hands a batch to the user's loop."""
         t0 = time.perf_counter()
         start: Any = self._cuda_event() if self.device_timing else None
         if self.exp.lr_factor is not None:
             f = self.exp.lr_factor(self.global_step + self.steps_since_avg) * self.lr_scale
             for g, base in zip(self.optimizer.param_groups, self.base_lrs):
                 g["lr"] = base * f
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.exp.train_step(self.model, batch.data)
-        loss.backward()
+        return t0, start
+
+    def clip_grads(self) -> None:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+
+    def end_step(self, started: tuple[float, Any], loss: Optional[torch.Tensor]) -> PendingStep:
+        """Close the step opened by :meth:`begin_step`: its loss (None: the loop reported none) stays on the
+        device, its time is the host wall on CPU or a pair of CUDA events, the simulated slowdown added."""
+        t0, start = started
+        has_loss = loss is not None
+        if loss is None:
+            loss = torch.full((), float("nan"), device=self.device)
         loss_host = None
         if self.device_timing and loss.is_cuda:
             loss_host = torch.empty((), dtype=loss.dtype, pin_memory=True)
@@ -270,7 +323,7 @@ class RankTrainer:
                 # Simulated slower device: idle (1/s - 1) x the real step time inside the step.
                 time.sleep((1.0 / self.speed - 1.0) * step_ms / 1e3)
                 step_ms = (time.perf_counter() - t0) * 1e3
-            return PendingStep(loss=loss.detach(), host_ms=step_ms)
+            return PendingStep(loss=loss.detach(), host_ms=step_ms, has_loss=has_loss)
         extra_ms = 0.0
         if self.speed < 1.0:
             # The same on CUDA, which needs the step's device time now: a wait per batch, only
@@ -279,7 +332,17 @@ class RankTrainer:
             t1 = time.perf_counter()
             time.sleep((1.0 / self.speed - 1.0) * float(start.elapsed_time(end)) / 1e3)
             extra_ms = (time.perf_counter() - t1) * 1e3
-        return PendingStep(loss=loss.detach(), host_ms=extra_ms, start=start, end=end, loss_host=loss_host)
+        return PendingStep(loss=loss.detach(), host_ms=extra_ms, start=start, end=end, loss_host=loss_host,
+                           has_loss=has_loss)
+
+    def use_optimizer(self, optimizer: Any) -> None:
+        """Train with ``optimizer`` (the cooperative tier's ``w.setup``): it gets the run's linear LR scaling
+        and schedule, its state is what bundles save and DiLoCo resets."""
+        self.optimizer = optimizer
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        if self.exp.lr_factor is None and self.lr_scale > 1:
+            for g, base in zip(optimizer.param_groups, self.base_lrs):
+                g["lr"] = base * self.lr_scale
 
     def train_step(self, batch: Batch) -> tuple[float, float]:
         """``step`` resolved at once: (loss, compute ms) as host floats, for per-batch consumers
@@ -305,6 +368,7 @@ class RankTrainer:
         loss = torch.nan_to_num(step.loss.detach().reshape(()).to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
         st.loss_acc = loss if st.loss_acc is None else st.loss_acc.add_(loss)
         st.pending.append(step)
+        st.unlossed += 0 if step.has_loss else 1
         while st.pending and st.pending[0].ready():
             st.compute_ms += st.pending.popleft().ms
         st.batches += 1
@@ -335,7 +399,7 @@ class RankTrainer:
         return protocol.ChunkMetrics(
             epoch=st.epoch,
             chunk=chunk,
-            avg_loss=st.loss_sum / st.batches if st.batches else 0.0,
+            avg_loss=st.loss_sum / (st.batches - st.unlossed) if st.batches > st.unlossed else 0.0,
             batches=st.batches,
             samples=st.batches * st.batch_size,
             epoch_ms=wall,

@@ -42,6 +42,7 @@ from ..protocol import (
     ExtendPartition,
     FormGroup,
     Heartbeat,
+    LoopNotice,
     Payload,
     ProtocolError,
     RankError,
@@ -67,6 +68,7 @@ from ..store_names import pin_gloo_to_loopback
 from ..wire import Message
 from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, snapshot_nbytes
 from .fault_inject import inject_fault, parse_fault
+from .trainer import Batch as BatchData
 from .trainer import EpochState, PendingStep, RankTrainer
 
 log = logging.getLogger("flodl_exp.rank")
@@ -163,12 +165,21 @@ class RankWorker:
     epoch_role_from = 0
     """... from this epoch on."""
 
+    cooperative = False
+    """The user's own loop drives this rank (rank/cooperative.py), not :meth:`run`."""
+    resume_stem: Optional[str] = None
+    """The resume bundle whose optimizer state is not loaded yet (the cooperative tier loads it at ``w.setup``)."""
+    loop_watch: Optional[Callable[[], Optional[LoopNotice]]] = None
+    """The cooperative tier: asked every heartbeat whether the user's loop holds a batch too long."""
+
     def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any],
-                 owns_process: bool = True) -> None:
+                 owns_process: bool = True, cooperative: bool = False) -> None:
         """``owns_process``: the rank is its process's only job, so a stuck main thread may be ended by
-        exiting (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead)."""
+        exiting (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead).
+        ``cooperative``: the user's own loop drives training (rank/cooperative.py), not :meth:`run`."""
         cfg = load_config(spec["config"])
         self.owns_process = owns_process
+        self.cooperative = cooperative
         self.ended = threading.Event()
         """Set once run() has cleaned up: the reader thread's watchdogs wait on it."""
         self.cfg = cfg
@@ -248,21 +259,31 @@ class RankWorker:
             on_wait=self.drain, should_stop=lambda: self.stopping)
         self.telemetry = Telemetry(self.conn.send, self.device, rank=rank).start()
 
+    def load_resumed_optimizer(self) -> None:
+        """The optimizer state of the resume bundle (this rank's piece, else the primary's), once."""
+        from ..checkpoint import optim_path
+
+        stem, self.resume_stem = self.resume_stem, None
+        if stem is None:
+            return
+        for path in (optim_path(stem, self.rank, primary=False), optim_path(stem, self.rank, primary=True)):
+            if os.path.exists(path):
+                self.trainer.optimizer.load_state_dict(torch.load(path, map_location=str(self.device), weights_only=True))
+                return
+        log.warning("rank %d: the bundle %s holds no optimizer state for this rank: a fresh optimizer", self.rank, stem)
+
     def resume_from(self, spec: dict[str, Any]) -> None:
         """Load model and optimizer state from the resume bundle (validated by the launcher)."""
         resume = spec.get("resume")
         if not resume:
             return
-        from ..checkpoint import load_model_state, optim_path
+        from ..checkpoint import load_model_state
 
         stem = resume["stem"]
         self.trainer.model.load_state_dict(load_model_state(stem, map_location=str(self.device)))
-        for path in (optim_path(stem, self.rank, primary=False), optim_path(stem, self.rank, primary=True)):
-            if os.path.exists(path):
-                self.trainer.optimizer.load_state_dict(torch.load(path, map_location=str(self.device), weights_only=True))
-                break
-        else:
-            log.warning("rank %d: the bundle %s holds no optimizer state for this rank: a fresh optimizer", self.rank, stem)
+        self.resume_stem = stem
+        if not self.cooperative:  # the cooperative loop's optimizers exist once it set them up (w.setup)
+            self.load_resumed_optimizer()
         self.trainer.global_step = int(resume["meta"]["global_step"])
         if self.outer is not None:
             from ..checkpoint import load_outer_state
@@ -304,6 +325,10 @@ class RankWorker:
             time.sleep(HEARTBEAT_S)
             try:
                 self.conn.send(encode(Heartbeat(steps=self.trainer.step_count, state=self.state)))
+                notice = self.loop_watch() if self.loop_watch is not None else None
+                if notice is not None:
+                    log.error("rank %d: %s", self.rank, notice.message)
+                    self.conn.send(encode(notice))
             except Exception:
                 return
 
@@ -667,6 +692,13 @@ class RankWorker:
             self._run_chunk(plan)
 
     def _run_chunk(self, plan: StartEpoch) -> None:
+        for batch in self.chunk_batches(plan):
+            self.book_step(batch, self.trainer.step(batch), plan.chunk)
+
+    def chunk_batches(self, plan: StartEpoch) -> Iterator[BatchData]:
+        """The batches of one chunk, control handled between them (the managed loop and the cooperative
+        tier's ``w.batches()`` both train from here). Each yielded batch must be booked with
+        :meth:`book_step` before the next one is asked for; the chunk's metrics go out when it ends."""
         tr = self.trainer
         self._maybe_epoch_fn(plan.epoch)
         st = tr.begin_epoch(plan.epoch, plan.offset, plan.size)
@@ -685,47 +717,66 @@ class RankWorker:
                 break
             # A callback run while this batch was awaited (the data wait drains control) is not data wait:
             # the coordinator would read it as this rank's delivered cost and shrink its share.
-            wait_ms = max(0.0, batch.wait_ms - (self.callback_ms - callbacks_before))
-            step = tr.step(batch)
-            tr.record_step(st, batch, step)
-            self.unreported.append((step, wait_ms, plan.chunk, tr.current_lr()))
-            self.report_batches(wait=False)
-            if self.fault is not None and tr.step_count >= self.fault[0]:
-                self.report_batches(wait=True)
-                inject_fault(self.fault[1], self.rank, tr.step_count, serve=self._serve_while_gated)
+            batch.wait_ms = max(0.0, batch.wait_ms - (self.callback_ms - callbacks_before))
+            yield batch
         self.chunk = None
         self.report_batches(wait=True)
         m = tr.end_epoch(st, plan.chunk)
         m.extra_chunks, self.chunk_extra = self.chunk_extra, []
         self.conn.send(encode(m))
 
+    def book_step(self, batch: BatchData, step: PendingStep, chunk: int) -> None:
+        """Count one trained batch of the running chunk: its metrics, its Batch report, the fault hook."""
+        tr = self.trainer
+        assert self.chunk is not None, "book_step outside a chunk"
+        tr.record_step(self.chunk, batch, step)
+        self.unreported.append((step, batch.wait_ms, chunk, tr.current_lr()))
+        self.report_batches(wait=False)
+        if self.fault is not None and tr.step_count >= self.fault[0]:
+            self.report_batches(wait=True)
+            inject_fault(self.fault[1], self.rank, tr.step_count, serve=self._serve_while_gated)
+
     def run(self) -> dict[str, Any]:
+        """The managed tier: train every chunk the coordinator hands out until it says shutdown."""
         try:
             while not self.stopping:
                 if self.plans:
                     self.run_chunk(self.plans.popleft())
                     continue
                 self.wait_until(lambda: bool(self.plans))
-            self.telemetry.close(flush=True)  # the last report goes out before the exit, so it is counted
-            final = Exiting(rank=self.rank, pid=os.getpid(), hash=state_hash(self.trainer.model),
-                            steps=self.trainer.step_count, global_step=self.trainer.global_step)
-            self.conn.send(encode(final))
-            return dataclasses.asdict(final)
+            return self.exit_cleanly()
         except BaseException as e:
-            if not isinstance(e, CoordinatorLost):
-                import traceback
-
-                try:  # tell the coordinator why, before the connection drops
-                    self.conn.send(encode(RankError(error=f"{type(e).__name__}: {e}",
-                                                    traceback=traceback.format_exc()[-4000:])))
-                except Exception:
-                    pass
+            self.report_failure(e)
             raise
         finally:
-            self.stopping = True
-            self.telemetry.close()
-            self.trainer.close_data()
-            if self.collective is not None:
-                self.collective.close()
-            self.conn.close()
-            self.ended.set()
+            self.close()
+
+    def exit_cleanly(self) -> dict[str, Any]:
+        """The run ended (Shutdown): the last telemetry, then Exiting with the replica's hash."""
+        self.telemetry.close(flush=True)  # the last report goes out before the exit, so it is counted
+        final = Exiting(rank=self.rank, pid=os.getpid(), hash=state_hash(self.trainer.model),
+                        steps=self.trainer.step_count, global_step=self.trainer.global_step)
+        self.conn.send(encode(final))
+        return dataclasses.asdict(final)
+
+    def report_failure(self, e: BaseException, loop: bool = False) -> None:
+        """Tell the coordinator why this rank fails, before the connection drops (not for a lost coordinator).
+        ``loop``: the exception came out of the user's own training loop (the cooperative tier): the run fails."""
+        if isinstance(e, CoordinatorLost):
+            return
+        import traceback
+
+        try:
+            self.conn.send(encode(RankError(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:],
+                                            loop=loop)))
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self.stopping = True
+        self.telemetry.close()
+        self.trainer.close_data()
+        if self.collective is not None:
+            self.collective.close()
+        self.conn.close()
+        self.ended.set()

@@ -1,0 +1,310 @@
+"""The cooperative tier: the user's own training loop drives the rank (seed 000's cooperative ``Worker``).
+
+    def main(cfg):                                   # experiment.loop = "my_module.main"
+        with flodl_exp.worker(cfg) as w:             # joins the coordinator
+            for epoch in w.epochs():                 # the epochs the coordinator hands this rank
+                for batch in w.batches():            # this rank's picks of the epoch, on its device
+                    loss = F.cross_entropy(w.model(batch[0]), batch[1]); loss.backward()
+                    w.step(w.optimizer, loss=loss)   # steps the optimizer, books the step
+                w.request_eval()                     # folded into the next boundary
+
+Nothing changes for the coordinator: it hands out chunks, reduces, throttles and shuts down as in the
+managed tier. The rank's lifecycle is the managed loop's, turned inside out: ``w.batches()`` is
+``RankWorker.chunk_batches`` (control, collectives and averaging run while the next item is fetched,
+never inside the user's code) and ``w.step`` is the managed step's bookkeeping (timing, the window count,
+the Batch report, the fault hook). The rules (README, "Your own training loop"): one ``w.step`` per item of
+``w.batches()``; every ``w.batches()`` iterated to its end; ``w.epochs()`` iterated until it ends (it ends
+when the run does). Breaking a rule raises :class:`LoopMisuse` at once, naming the call; an exception out
+of the loop ends the run FAILED with its traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from ..protocol import Intent, LoopNotice, encode
+from ..scalars import record_scalar as _record_scalar
+from .trainer import Batch, OptimizerSet
+
+if TYPE_CHECKING:
+    from .worker import RankWorker
+
+
+class LoopMisuse(RuntimeError):
+    """The user's loop broke a rule of the cooperative tier (the message names the call and the fix)."""
+
+
+@dataclass
+class RankContext:
+    """What the job hands the cooperative tier: how to build this rank's worker, and its result."""
+
+    spec: dict[str, Any]
+    rank: int
+    local_rank: int
+    rendezvous: dict[str, Any]
+    owns_process: bool
+    opened: bool = False
+    result: Optional[dict[str, Any]] = None
+
+
+_context: Optional[RankContext] = None
+"""The rank this process runs (one per process; set by :func:`run_loop` around the user's loop)."""
+
+
+def run_loop(loop: Callable[[Any], Any], ctx: RankContext) -> dict[str, Any]:
+    """Run the experiment's ``loop(cfg)`` as this rank; its ``flodl_exp.worker`` joins the coordinator.
+    Returns the rank's Exiting record, as the managed tier's ``RankWorker.run``."""
+    global _context
+    from ..config import load_config
+
+    _context = ctx
+    try:
+        loop(load_config(ctx.spec["config"]))
+    finally:
+        _context = None
+    name = getattr(loop, "__qualname__", repr(loop))
+    if not ctx.opened:
+        raise LoopMisuse(f"experiment.loop {name} returned without `with flodl_exp.worker(cfg) as w:`: the rank never "
+                         "joined the coordinator")
+    if ctx.result is None:
+        raise LoopMisuse(f"experiment.loop {name} swallowed the error that ended its `flodl_exp.worker` block")
+    return ctx.result
+
+
+def is_loop_error(e: BaseException) -> bool:
+    """An exception the user's loop raised (its bug, or a rule it broke), not the run ending around it."""
+    from .fault_inject import InjectedFault
+    from .worker import CoordinatorLost, Evicted
+
+    return isinstance(e, Exception) and not isinstance(e, (CoordinatorLost, Evicted, InjectedFault))
+
+
+@contextlib.contextmanager
+def worker(cfg: Any = None) -> Iterator[CooperativeWorker]:
+    """Join the coordinator as this rank and hand the loop its :class:`CooperativeWorker`.
+
+    Only inside a rank flodl_exp started for an experiment with ``loop:`` (``cfg`` is the config the loop
+    was given; the rank's own copy is ``w.cfg``). On a clean exit the rank reports its replica and leaves;
+    an exception is reported with its traceback (the run ends FAILED) and re-raised."""
+    ctx = _context
+    if ctx is None:
+        raise LoopMisuse("flodl_exp.worker() runs inside a rank that flodl_exp started: name the loop in the "
+                         "experiment (experiment.loop=my_module.main) and run `python -m flodl_exp experiment=...`")
+    if ctx.opened:
+        raise LoopMisuse("flodl_exp.worker() was already opened on this rank: one `with flodl_exp.worker(cfg) as w:` "
+                         "per rank and run")
+    ctx.opened = True
+    from .worker import RankWorker
+
+    rw = RankWorker(ctx.spec, ctx.rank, ctx.local_rank, ctx.rendezvous, owns_process=ctx.owns_process,
+                    cooperative=True)
+    w = CooperativeWorker(rw)
+    try:
+        yield w
+        w.check_finished()
+        ctx.result = rw.exit_cleanly()
+    except BaseException as e:
+        rw.report_failure(e, loop=is_loop_error(e))
+        raise
+    finally:
+        rw.loop_watch = None
+        rw.close()
+
+
+@dataclass
+class _Held:
+    """A batch handed to the loop and not stepped yet."""
+
+    batch: Batch
+    chunk: int
+    started: tuple[float, Any]
+    handed_at: float
+    noticed: bool = False
+
+
+class CooperativeWorker:
+    """The handle the user's loop drives (``w``): the replica, its batches, and the step that books them."""
+
+    def __init__(self, rw: RankWorker) -> None:
+        self._rw = rw
+        self._optimizers: list[Any] = [rw.trainer.optimizer]
+        self._started = False
+        self._epoch: Optional[int] = None
+        self._epoch_done = False
+        self._held: Optional[_Held] = None
+        self.hold_notice_s = float(rw.cfg.cluster.heartbeat_timeout_s) / 2
+        """A batch held this long without ``w.step()`` is reported (well inside the heartbeat timeout)."""
+        rw.loop_watch = self._watch
+
+    # -- what the loop reads ------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The rank's replica (the experiment's model, identical on every rank at the start)."""
+        return self._rw.trainer.model
+
+    @property
+    def optimizer(self) -> Any:
+        """The experiment's optimizer (or what ``w.setup`` registered)."""
+        return self._rw.trainer.optimizer
+
+    @property
+    def cfg(self) -> Any:
+        return self._rw.cfg
+
+    @property
+    def rank(self) -> int:
+        return self._rw.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._rw.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._rw.device
+
+    @property
+    def epoch(self) -> Optional[int]:
+        """The epoch ``w.epochs()`` last yielded (None outside it)."""
+        return self._epoch
+
+    @property
+    def global_step(self) -> int:
+        """Batches the whole cohort trained up to the last reduce."""
+        return self._rw.trainer.global_step
+
+    # -- setup ----------------------------------------------------------------
+    def setup(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Register the optimizers the loop steps (default: ``w.optimizer`` alone), before ``w.epochs()``.
+        They get the run's linear LR scaling and schedule, bundles save their state (a resume restores it
+        here), DiLoCo resets them at each adopted global."""
+        if self._started:
+            raise LoopMisuse("w.setup() after w.epochs() started: register the optimizers before the first epoch")
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise LoopMisuse(f"w.setup() takes one or more torch.optim.Optimizer, got {[type(o).__name__ for o in optimizers]}")
+        ours = {id(p) for p in self.model.parameters()}
+        for o in optimizers:
+            foreign = [p for g in o.param_groups for p in g["params"] if id(p) not in ours]
+            if foreign:
+                raise LoopMisuse(f"w.setup(): an optimizer ({type(o).__name__}) holds {len(foreign)} tensor(s) that are "
+                                 "not parameters of w.model: only the replica's parameters are averaged")
+        self._optimizers = list(optimizers)
+        self._rw.trainer.use_optimizer(optimizers[0] if len(optimizers) == 1 else OptimizerSet(list(optimizers)))
+
+    # -- the loop -----------------------------------------------------------
+    def epochs(self) -> Iterator[int]:
+        """The epochs the coordinator hands this rank, in its order (under async an epoch a dead rank left
+        open may come back after a newer one). Ends when the run ends."""
+        if self._started:
+            raise LoopMisuse("w.epochs() was already iterated: iterate it once per run")
+        self._started = True
+        rw = self._rw
+        rw.load_resumed_optimizer()
+        while True:
+            if not rw.plans:
+                rw.wait_until(lambda: bool(rw.plans))
+            if rw.stopping:
+                break
+            self._epoch, self._epoch_done = rw.plans[0].epoch, False
+            yield self._epoch
+            if not self._epoch_done and not rw.stopping:
+                raise LoopMisuse(f"the loop moved past epoch {self._epoch} without iterating w.batches() to its end: "
+                                 "every pick of an epoch is trained (the coordinator counts them)")
+        self._epoch = None
+
+    def batches(self) -> Iterator[Any]:
+        """This rank's batches of the current epoch (its chunks, and any a dead rank left it), on its device.
+        Control messages, reduces and collectives run while the next item is fetched."""
+        if self._epoch is None:
+            raise LoopMisuse("w.batches() outside w.epochs(): iterate it inside `for epoch in w.epochs():`")
+        if self._epoch_done:
+            raise LoopMisuse(f"w.batches() of epoch {self._epoch} was already iterated to its end")
+        rw, e = self._rw, self._epoch
+        with rw.doing("train"):
+            while True:
+                if not rw.plans:
+                    rw.wait_until(lambda: bool(rw.plans))
+                if rw.stopping or rw.plans[0].epoch != e:
+                    break
+                plan = rw.plans.popleft()
+                for batch in rw.chunk_batches(plan):
+                    self._held = _Held(batch, plan.chunk, rw.trainer.begin_step(), time.monotonic())
+                    self.model.zero_grad(set_to_none=True)
+                    rw.state = "loop"
+                    yield batch.data
+                    rw.state = "train"
+                    if self._held is not None:
+                        raise LoopMisuse(f"w.step() was not called for a batch of epoch {e}: call it once per item of "
+                                         "w.batches(), after the backward (it steps the optimizers and books the step)")
+        self._epoch_done = True
+
+    def step(self, *optimizers: torch.optim.Optimizer, loss: Any = None) -> None:
+        """Close the current batch's step: clip (``mode.max_grad_norm``), step and zero each optimizer given
+        (none: the loop stepped them itself, e.g. through a GradScaler), then book it as the managed step
+        does. ``loss`` (a tensor or a number) feeds the epoch's loss; it stays on the device."""
+        held, self._held = self._held, None
+        self._rw.state = "train"  # the loop is back in flodl's hands: a hang from here is not a missing w.step
+        if held is None:
+            raise LoopMisuse("w.step() without a batch to book: it was already called for this batch, or it is "
+                             "outside `for batch in w.batches():` (one w.step() per item)")
+        known = {id(o) for o in self._optimizers}
+        for o in optimizers:
+            if id(o) not in known:
+                raise LoopMisuse(f"w.step() got an optimizer ({type(o).__name__}) that w.setup() did not register: "
+                                 "register every optimizer the loop steps with w.setup(...) first (bundles save them)")
+        tr = self._rw.trainer
+        if optimizers:
+            tr.clip_grads()
+            for o in optimizers:
+                o.step()
+                o.zero_grad(set_to_none=True)
+        value = None
+        if loss is not None:
+            value = (loss.detach().reshape(()) if isinstance(loss, torch.Tensor)
+                     else torch.tensor(float(loss), device=self.device))
+        self._rw.book_step(held.batch, tr.end_step(held.started, value), held.chunk)
+
+    # -- intents and metrics --------------------------------------------------
+    def request_eval(self) -> None:
+        """Ask for an eval at the next epoch boundary (besides ``eval.every``)."""
+        self._intent("eval")
+
+    def request_checkpoint(self) -> None:
+        """Ask for a bundle at the next boundary (the next epoch boundary; the next reduce in progressive modes)."""
+        self._intent("checkpoint")
+
+    def _intent(self, kind: str) -> None:
+        self._rw.conn.send(encode(Intent(kind=kind, epoch=self._epoch if self._epoch is not None else -1)))
+
+    @staticmethod
+    def record_scalar(name: str, value: float) -> None:
+        """A user metric, rolled up per epoch as in the managed tier (``flodl_exp.record_scalar``)."""
+        _record_scalar(name, value)
+
+    # -- checks -----------------------------------------------------------------
+    def check_finished(self) -> None:
+        """At the end of the ``with`` block: the loop ran until the run ended."""
+        if self._held is not None:
+            raise LoopMisuse("the loop ended with a batch it never stepped: call w.step() once per item of w.batches()")
+        if not self._rw.stopping:
+            where = f" at epoch {self._epoch}" if self._epoch is not None else ""
+            raise LoopMisuse(f"the loop left w.epochs(){where} before the coordinator ended the run: iterate "
+                             "w.epochs() until it ends (it ends when the run does)")
+
+    def _watch(self) -> Optional[LoopNotice]:
+        """Every heartbeat (its thread): a batch held past ``hold_notice_s`` without ``w.step()``, once per batch."""
+        held = self._held
+        if held is None or held.noticed or self.hold_notice_s <= 0:
+            return None
+        held_s = time.monotonic() - held.handed_at
+        if held_s < self.hold_notice_s:
+            return None
+        held.noticed = True
+        return LoopNotice(message=f"rank {self.rank}: the training loop has held a batch of epoch {self._epoch} for "
+                                  f"{held_s:.0f}s without calling w.step(): call w.step() once per item of w.batches() "
+                                  "(without it no step is booked and the run cannot progress)", held_s=held_s)

@@ -1,0 +1,308 @@
+"""The cooperative tier's rules and plumbing without processes: a real RankTrainer and the worker's own
+chunk iteration, control from a queued inbox (rank/cooperative.py), and the coordinator's side of intents
+and loop errors (control_fakes.Harness). End to end: test_modes (conformance) and test_e2e_cooperative."""
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_exp.experiment import Experiment
+from flodl_exp.protocol import (
+    Batch,
+    ChunkMetrics,
+    Intent,
+    LoopNotice,
+    RankError,
+    Shutdown,
+    StartEpoch,
+    decode,
+    encode,
+)
+from flodl_exp.rank.cooperative import CooperativeWorker, LoopMisuse, worker
+from flodl_exp.rank.trainer import OptimizerSet, RankTrainer
+from flodl_exp.rank.worker import RankWorker
+
+BATCH = 8
+
+
+class Points:
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def get_batch(self, ids: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        return self.x[idx], self.y[idx]
+
+
+class Sent(list):
+    def send(self, msg: Any) -> None:
+        self.append(decode(msg))
+
+    def of(self, kind: type) -> list[Any]:
+        return [m for m in self if isinstance(m, kind)]
+
+
+class Inbox(queue.Queue):
+    """The coordinator's messages, queued; once they are all read, a rank that waits gets Shutdown."""
+
+    def get(self, block: bool = True, timeout: Any = None) -> Any:
+        if block and self.empty():
+            return encode(Shutdown(reason="completed"))
+        return super().get(block, timeout)
+
+
+def rank_worker(plans: list[tuple[int, int, int]]) -> RankWorker:
+    """A RankWorker without sockets or threads: ``plans`` (epoch, offset, size) are queued, then a Shutdown."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    exp = Experiment(model, torch.optim.SGD(model.parameters(), lr=0.1), None, Points(), None, None, None)
+    rw = RankWorker.__new__(RankWorker)
+    rw.trainer = RankTrainer(exp, device=torch.device("cpu"), batch_size=BATCH)
+    rw.cfg = SimpleNamespace(cluster=SimpleNamespace(heartbeat_timeout_s=4.0))  # type: ignore[assignment]
+    rw.rank, rw.world_size, rw.device = 0, 2, torch.device("cpu")
+    rw.conn = Sent()  # type: ignore[assignment]
+    rw.inbox, rw.plans, rw.deferred, rw.unreported = Inbox(), deque(), deque(), deque()
+    rw.stopping = rw.in_regroup_wait = rw.throttled = False
+    rw.chunk, rw.chunk_extra, rw.fault, rw.epoch_fn_done = None, [], None, set()
+    rw.last_coord, rw.coord_timeout = time.monotonic(), 30.0
+    rw._handlers = rw._handler_table()
+    for chunk, (e, off, size) in enumerate(plans):
+        rw.inbox.put(encode(StartEpoch(epoch=e, offset=off, size=size, chunk=chunk)))
+    return rw
+
+
+TWO_EPOCHS = [(0, 0, 32), (0, 32, 32), (1, 0, 64)]
+"""Epoch 0 in two chunks (the loop sees one epoch), epoch 1 in one."""
+
+
+def test_a_loop_trains_every_pick_once_and_books_every_step():
+    rw = rank_worker(TWO_EPOCHS)
+    w = CooperativeWorker(rw)
+    before = w.model.weight.detach().clone()
+    seen = []
+    for epoch in w.epochs():
+        n = 0
+        for x, y in w.batches():
+            loss = torch.nn.functional.cross_entropy(w.model(x), y)
+            loss.backward()
+            w.step(w.optimizer, loss=loss)
+            n += 1
+        seen.append((epoch, n))
+    w.check_finished()
+    assert seen == [(0, 8), (1, 8)]
+    chunks = rw.conn.of(ChunkMetrics)
+    assert [(m.epoch, m.chunk, m.batches) for m in chunks] == [(0, 0, 4), (0, 1, 4), (1, 2, 8)]
+    assert sorted(tuple(r) for m in chunks[:2] for r in m.ranges) == [(0, 32), (32, 32)]
+    assert all(m.avg_loss > 0 for m in chunks)
+    assert len(rw.conn.of(Batch)) == 16 and rw.trainer.steps_since_avg == 16
+    assert not torch.equal(before, w.model.weight)
+
+
+def test_a_step_without_a_loss_is_kept_out_of_the_mean_loss():
+    rw = rank_worker([(0, 0, 16)])
+    w = CooperativeWorker(rw)
+    for _ in w.epochs():
+        for i, (x, y) in enumerate(w.batches()):
+            loss = torch.nn.functional.cross_entropy(w.model(x), y)
+            loss.backward()
+            w.step(w.optimizer, loss=2.0 if i == 0 else None)
+    assert rw.conn.of(ChunkMetrics)[0].avg_loss == pytest.approx(2.0)
+
+
+def test_a_missing_step_is_named_at_the_next_batch():
+    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    with pytest.raises(LoopMisuse, match=r"w\.step\(\) was not called"):
+        for _ in w.epochs():
+            for x, _y in w.batches():
+                w.model(x).sum().backward()
+
+
+def test_stepping_twice_is_named():
+    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    with pytest.raises(LoopMisuse, match="already called for this batch"):
+        for _ in w.epochs():
+            for _batch in w.batches():
+                w.step()
+                w.step()
+
+
+def test_an_epoch_left_untrained_is_named():
+    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    with pytest.raises(LoopMisuse, match=r"without iterating w\.batches\(\) to its end"):
+        for _ in w.epochs():
+            for _batch in w.batches():
+                w.step()
+                break
+
+
+def test_leaving_the_epochs_before_the_run_ends_is_named():
+    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    for _ in w.epochs():
+        for _batch in w.batches():
+            w.step()
+        break
+    with pytest.raises(LoopMisuse, match="before the coordinator ended the run"):
+        w.check_finished()
+
+
+def test_batches_outside_epochs_and_a_second_pass_are_named():
+    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    with pytest.raises(LoopMisuse, match=r"outside w\.epochs\(\)"):
+        next(w.batches())
+    for _ in w.epochs():
+        for _batch in w.batches():
+            w.step()
+    with pytest.raises(LoopMisuse, match="already iterated"):
+        next(w.epochs())
+
+
+def test_optimizers_must_be_registered_and_hold_only_replica_parameters():
+    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    with pytest.raises(LoopMisuse, match="not parameters of w.model"):
+        w.setup(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    stray = torch.optim.SGD(w.model.parameters(), lr=0.1)
+    with pytest.raises(LoopMisuse, match=r"w\.setup\(\) did not register"):
+        for _ in w.epochs():
+            for _batch in w.batches():
+                w.step(stray)
+
+
+def test_two_registered_optimizers_are_one_state_and_both_step():
+    w = CooperativeWorker(rank_worker([(0, 0, 16)]))
+    a = torch.optim.Adam([w.model.weight], lr=0.01)
+    b = torch.optim.SGD([w.model.bias], lr=0.1, momentum=0.9)
+    w.setup(a, b)
+    assert isinstance(w.optimizer, OptimizerSet) and len(w.optimizer.param_groups) == 2
+    bias = w.model.bias.detach().clone()
+    for _ in w.epochs():
+        for x, y in w.batches():
+            torch.nn.functional.cross_entropy(w.model(x), y).backward()
+            w.step(a, b)
+    assert not torch.equal(bias, w.model.bias) and a.state and b.state
+    state = w.optimizer.state_dict()
+    fresh = OptimizerSet([torch.optim.Adam([w.model.weight], lr=0.01), torch.optim.SGD([w.model.bias], lr=0.1, momentum=0.9)])
+    fresh.load_state_dict(state)
+    assert fresh.optimizers[1].state_dict()["state"][0]["momentum_buffer"].equal(b.state_dict()["state"][0]["momentum_buffer"])
+    with pytest.raises(ValueError, match="holds 2 optimizer states"):
+        OptimizerSet([a]).load_state_dict(state)
+    w._rw.trainer.reset_optimizer_state()  # DiLoCo: every registered optimizer forgets its moments
+    assert not a.state and not b.state
+
+
+def test_a_held_batch_is_reported_once_naming_the_missing_step():
+    rw = rank_worker(TWO_EPOCHS)
+    w = CooperativeWorker(rw)
+    w.hold_notice_s = 0.05
+    epochs = w.epochs()
+    next(epochs)
+    batches = w.batches()
+    next(batches)
+    assert rw.state == "loop"
+    time.sleep(0.1)
+    notice = w._watch()
+    assert isinstance(notice, LoopNotice) and "without calling w.step()" in notice.message and notice.held_s >= 0.05
+    assert w._watch() is None, "once per batch"
+    w.step()
+    assert w._watch() is None
+
+
+def test_intents_go_to_the_coordinator_with_the_epoch():
+    rw = rank_worker(TWO_EPOCHS)
+    w = CooperativeWorker(rw)
+    w.request_checkpoint()
+    for _ in w.epochs():
+        for _batch in w.batches():
+            w.step()
+        w.request_eval()
+    assert [(i.kind, i.epoch) for i in rw.conn.of(Intent)] == [("checkpoint", -1), ("eval", 0), ("eval", 1)]
+
+
+def test_worker_outside_a_rank_says_how_to_run_a_loop():
+    with pytest.raises(LoopMisuse, match="experiment.loop"):
+        with worker():
+            pass
+
+
+# -- the coordinator's side ------------------------------------------------------------
+def test_an_eval_intent_is_folded_into_the_next_epoch_boundary(tmp_path):
+    from control_fakes import Harness
+
+    h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
+    evals: list[Any] = []
+    send = h.transport.send
+    h.transport.send = lambda r, m: (evals.append(decode(m)) if m.kind == "execute_eval" else None, send(r, m))[1]
+    plans = h.start()
+    h.msg(1, Intent(kind="eval", epoch=0))
+    h.msg(1, Intent(kind="reboot", epoch=0))  # not an intent: ignored
+    h.play([0, 1], until=lambda: h.co.dispatch.last_aggregated >= 1, pending=[(r, p[0]) for r, p in plans.items()])
+    # no periodic eval (eval.every=0): epoch 0's comes from the intent, epoch 1 has none
+    assert [(e.epoch, e.final) for e in evals] == [(0, False)], evals
+    assert [e["kind"] for e in _events(h) if e.get("event") == "intent"] == ["eval"]
+
+
+def test_a_checkpoint_intent_takes_a_bundle_at_the_next_boundary(tmp_path):
+    from control_fakes import Harness
+
+    h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
+    plans = h.start()
+    h.msg(0, Intent(kind="checkpoint", epoch=0))
+    h.play([0, 1], until=lambda: h.co.dispatch.last_aggregated >= 1, pending=[(r, p[0]) for r, p in plans.items()])
+    done = [e for e in _events(h) if e.get("event") == "checkpoint"]
+    assert [e["epoch"] for e in done] == [1] and done[0]["stem"].endswith("_epoch1")
+
+
+def test_a_checkpoint_intent_in_a_progressive_mode_bundles_at_the_next_reduce(tmp_path):
+    from control_fakes import Harness
+
+    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
+    plans = h.start()
+    h.msg(0, Intent(kind="checkpoint", epoch=0))
+    h.play([0, 1], until=lambda: any(e.get("event") == "checkpoint" for e in _events(h)),
+           pending=[(r, p[0]) for r, p in plans.items()])
+    done = [e for e in _events(h) if e.get("event") == "checkpoint"]
+    assert done[0]["reason"] == "requested" and "_requested" in done[0]["stem"]
+
+
+def test_a_loop_error_ends_the_run_failed_with_its_traceback(tmp_path):
+    from control_fakes import Harness
+
+    from flodl_exp.control.lifecycle import Status
+
+    h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
+    h.start()
+    h.msg(2, RankError(error="ValueError: boom", traceback='File "loops.py", line 3, in main\nValueError: boom', loop=True))
+    assert h.co.life.status is Status.FAILED
+    assert "loop_error" in h.co.life.failure and "loops.py" in h.co.life.failure
+    assert "loops.py" in h.sink.tags["error"]
+
+
+def test_a_rank_error_outside_a_loop_is_a_lost_rank_as_before(tmp_path):
+    from control_fakes import Harness
+
+    h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
+    h.start()
+    h.msg(2, RankError(error="RuntimeError: injected fault"))
+    assert not h.co.life.ending and h.co.life.failure is None
+
+
+def _events(h: Any) -> list[dict[str, Any]]:
+    import json
+    import os
+
+    path = os.path.join(h.job_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -1,0 +1,44 @@
+"""The cooperative tier's failure paths end to end (its conformance runs are in test_modes, a lost rank of
+three in test_e2e_faults): a loop that holds a batch without ``w.step()`` is reported within the heartbeat
+timeout, naming the call; a loop that raises ends the run FAILED with the user's traceback."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import launch_run, read_events, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+HEARTBEAT_TIMEOUT_S = 8
+
+
+def test_a_held_batch_is_reported_and_a_raising_loop_fails_the_run(store, tmp_path, monkeypatch):
+    from flodl_exp.jobs.launcher import RunFailed
+
+    gate = tmp_path / "release"
+    monkeypatch.setenv("FLODL_TEST_LOOP_GATE", str(gate))
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    h = launch_run(store, "cooperative", "mode=cpu_cadence", "experiment=digits_accumulate",
+                   "experiment.loop=loops_under_test.hold_then_raise", "experiment.epochs=3",
+                   f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}")
+
+    def notice() -> dict | None:
+        return next((e for e in read_events(Path(h.job_dir)) if e.get("event") == "loop_stalled"), None)
+
+    wait_for(lambda: notice() is not None or h.done(), timeout=120, what="the held batch to be reported")
+    stalled = notice()
+    assert stalled is not None, "the run ended without reporting the held batch"
+    assert stalled["rank"] == 1 and "w.step()" in stalled["message"]
+    assert stalled["held_s"] < HEARTBEAT_TIMEOUT_S, "reported within the heartbeat timeout"
+    gate.touch()
+    with pytest.raises(RunFailed, match="deliberate bug in the user's loop"):
+        h.wait()
+    assert "loop_error" in h.result["failure"] and "loops_under_test.py" in h.result["failure"], h.result["failure"]
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert run.info.status == "FAILED"
+    assert "hold_then_raise" in run.data.tags["error"] and "w.step()" in run.data.tags["loop_warning.rank1"]
