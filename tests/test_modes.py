@@ -4,7 +4,8 @@ on them is the default run of the other end-to-end tests), and both tiers: the m
 digits_mlp) and the cooperative examples of experiments/loops.py (digits_accumulate: gradient accumulation;
 digits_two_optimizers: an encoder/decoder pair with two optimizers). Every case checks the same invariants.
 
-``make test`` runs the cases of CASES (each mode, each example loop at least on the modes that differ for it);
+The sync modes' end-to-end checks live here too (telemetry of every rank, the collective the coordinator
+chose). ``make test`` runs the cases of CASES (each mode, each example loop at least on the modes that differ for it);
 ``make conformance`` runs the whole matrix, MATRIX too (each example on all five modes, the managed loop
 on all five)."""
 from __future__ import annotations
@@ -24,8 +25,8 @@ CASES = [("nccl_sync", "avg", ACCUMULATE), ("cpu_sync", "avg", TWO_OPTIMIZERS), 
          ("nccl_cadence", "slowmo", TWO_OPTIMIZERS), ("nccl_cadence", "diloco", ACCUMULATE),
          ("cpu_async", "slowmo", ACCUMULATE), ("cpu_async", "diloco", TWO_OPTIMIZERS)]
 """``make test``: every mode, each example loop on both backends and every policy but one (the lost-rank test of
-test_e2e_faults runs digits_accumulate on cpu_cadence), the managed loop with the epoch hook. The managed
-sync modes run end to end in test_e2e_runs.test_sync_modes_average_replicas."""
+test_e2e_faults runs digits_accumulate on cpu_cadence), the managed loop with the epoch hook (the managed loop
+on the other modes is the default run of the other end-to-end tests; on the sync modes it is in MATRIX)."""
 MATRIX = [("cpu_sync", "avg", ACCUMULATE), ("cpu_cadence", "avg", ACCUMULATE), ("nccl_sync", "avg", TWO_OPTIMIZERS),
           ("cpu_cadence", "avg", TWO_OPTIMIZERS), ("nccl_sync", "avg", MANAGED), ("cpu_sync", "avg", MANAGED),
           ("nccl_cadence", "avg", MANAGED), ("cpu_async", "avg", MANAGED)]
@@ -58,6 +59,12 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
     run = c.get_run(h.run_id)
     for key in ("anchor", "syncs", "sync_ms_avg", "divergence_max", "guard_action"):
         assert key in run.data.metrics
+    for rank in range(2):  # telemetry too, though these epochs are far shorter than a report interval (the flush at exit)
+        for key in ("batch_share", "samples_per_s", "data_starve_ms", "idle_frac", "cpu_pct", "rss_gb"):
+            assert f"rank{rank}/{key}" in run.data.metrics, sorted(run.data.metrics)
+    if mode.startswith("nccl"):  # CPU ranks: the coordinator chose Gloo for the cohort, once, from the hellos
+        chosen = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "collective"]
+        assert [e["backend"] for e in chosen] == ["gloo"] and run.data.tags["collective"] == "gloo"
     assert run.data.tags["policy"] == mode.split("_")[1] and run.data.tags["backend"] == mode.split("_")[0]
     assert run.data.tags["outer"].split("(")[0] == outer
     if hook:  # the epoch hook ran once per epoch, on one rank, before the epoch, and saw the last aggregate
