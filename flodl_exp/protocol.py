@@ -261,6 +261,8 @@ class ChunkMetrics:
     ranges: list[list[int]] = field(default_factory=list)
     extra_chunks: list[int] = field(default_factory=list)
     """ExtendPartition chunks this chunk absorbed."""
+    loss_batches: Optional[int] = None
+    """Batches behind ``avg_loss`` when fewer than ``batches`` (a cooperative loop's steps without a loss)."""
 
 
 @dataclass

@@ -252,8 +252,18 @@ class MlflowSink:
                 n += len(items[-1][1])
         return items
 
+    def _connect(self) -> Any:
+        """The client, with the store opened (MLflow's import and the SQL engine cost seconds the first time):
+        done as the sink starts, so it overlaps the ranks' start-up instead of delaying the run's end."""
+        c = client(self.uri)
+        c.get_run(self.run_id)
+        return c
+
     def _loop(self) -> None:
-        c = None
+        try:
+            c = self._connect()
+        except Exception:  # the store is down or locked: the first delivery retries with backoff
+            c = None
         backoff = self.RETRY_MIN_S
         failing = False
         while True:
@@ -270,7 +280,7 @@ class MlflowSink:
                 self._inflight = n
             try:
                 if c is None:
-                    c = client(self.uri)
+                    c = self._connect()
                 if items[0][0] == "metrics":
                     self._flush_metrics(c, [pt for _, p in items for pt in p])
                 else:

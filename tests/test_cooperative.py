@@ -212,7 +212,7 @@ def test_a_held_batch_is_reported_once_naming_the_missing_step():
     assert rw.state == "loop"
     time.sleep(0.1)
     notice = w._watch()
-    assert isinstance(notice, LoopNotice) and "without calling w.step()" in notice.message and notice.held_s >= 0.05
+    assert isinstance(notice, LoopNotice) and "has not called w.step() yet" in notice.message and notice.held_s >= 0.05
     assert w._watch() is None, "once per batch"
     w.step()
     assert w._watch() is None
@@ -269,10 +269,30 @@ def test_a_checkpoint_intent_in_a_progressive_mode_bundles_at_the_next_reduce(tm
     h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
     plans = h.start()
     h.msg(0, Intent(kind="checkpoint", epoch=0))
+    h.msg(1, Intent(kind="checkpoint", epoch=0))  # every rank asks: one bundle
     h.play([0, 1], until=lambda: any(e.get("event") == "checkpoint" for e in _events(h)),
            pending=[(r, p[0]) for r, p in plans.items()])
     done = [e for e in _events(h) if e.get("event") == "checkpoint"]
-    assert done[0]["reason"] == "requested" and "_requested" in done[0]["stem"]
+    assert len(done) == 1 and done[0]["reason"] == "requested" and "_requested" in done[0]["stem"]
+    h.msg(1, Intent(kind="checkpoint", epoch=0))  # a late duplicate: answered by that bundle
+    assert not h.co.checkpoints.requested
+
+
+def test_a_late_eval_intent_runs_at_once_and_duplicates_are_dropped(tmp_path):
+    """A sync loop asks after its epoch's boundary (w.batches() ends when the next plan is in): the eval runs
+    at once for that epoch, and the other ranks' same intent does not run it again."""
+    from control_fakes import Harness
+
+    from flodl_exp.protocol import ExecuteEval
+
+    h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
+    plans = h.start()
+    h.play([0, 1], until=lambda: h.co.dispatch.last_aggregated >= 0, pending=[(r, p[0]) for r, p in plans.items()])
+    h.transport.take()
+    h.msg(0, Intent(kind="eval", epoch=0))
+    h.msg(1, Intent(kind="eval", epoch=0))
+    evals = [(r, p) for r, p in h.transport.take(ExecuteEval)]
+    assert [(p.epoch, p.final) for _, p in evals] == [(0, False)], evals
 
 
 def test_a_loop_error_ends_the_run_failed_with_its_traceback(tmp_path):
@@ -306,3 +326,45 @@ def _events(h: Any) -> list[dict[str, Any]]:
         return []
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def test_an_error_of_flodls_side_is_a_lost_rank_and_the_loops_own_fails_the_run(monkeypatch):
+    from flodl_exp.rank.cooperative import is_loop_error
+
+    rw = rank_worker(TWO_EPOCHS)
+    w = CooperativeWorker(rw)
+
+    def broken_book(*a: Any, **k: Any) -> None:
+        raise RuntimeError("collective failed and no regroup arrived")
+
+    monkeypatch.setattr(rw, "book_step", broken_book)
+    with pytest.raises(RuntimeError) as ei:
+        for _ in w.epochs():
+            for _batch in w.batches():
+                w.step()
+    assert not is_loop_error(ei.value), "flodl's own failure: recovered as a lost rank"
+    assert is_loop_error(ValueError("the user's bug")) and is_loop_error(LoopMisuse("a rule broken"))
+
+
+def test_setup_scales_each_learning_rate_once():
+    rw = rank_worker(TWO_EPOCHS)
+    model = rw.trainer.model
+    tr = RankTrainer(Experiment(model, torch.optim.SGD(model.parameters(), lr=0.1), None, Points(), None, None, None),
+                     device=torch.device("cpu"), world_size=3, lr_scale_ratio=1.0, batch_size=BATCH)
+    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.3)
+    tr.use_optimizer(tr.optimizer)  # w.setup(w.optimizer): the same groups, scaled once
+    tr.use_optimizer(OptimizerSet([tr.optimizer, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)]))
+    assert [g["lr"] for g in tr.optimizer.param_groups] == pytest.approx([0.3, 3.0])
+    assert tr.base_lrs == pytest.approx([0.1, 1.0])
+
+
+def test_the_epoch_loss_counts_only_steps_with_a_loss():
+    from flodl_exp.control.epoch_metrics import EpochAccumulator
+
+    acc = EpochAccumulator(0, 2, started=0.0)
+    acc.add_chunk(0, ChunkMetrics(epoch=0, chunk=0, avg_loss=2.0, batches=4, samples=32, epoch_ms=1, share_complete_ms=1,
+                                  compute_only_ms=1, data_starve_ms=0, loss_batches=1))
+    acc.add_chunk(1, ChunkMetrics(epoch=0, chunk=1, avg_loss=0.0, batches=4, samples=32, epoch_ms=1, share_complete_ms=1,
+                                  compute_only_ms=1, data_starve_ms=0, loss_batches=0))
+    m = acc.summary(1.0)
+    assert m["loss"] == pytest.approx(2.0) and m["rank0/loss"] == pytest.approx(2.0) and "rank1/loss" not in m

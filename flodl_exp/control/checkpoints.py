@@ -331,6 +331,8 @@ class Checkpoints:
         self.at_epoch_done = False
         self.requested = False
         """Progressive: a cooperative loop asked for a bundle (w.request_checkpoint): taken at the next reduce finish."""
+        self.requested_upto = -1
+        """The cohort's epoch at the last bundle taken: a request for an epoch up to it is answered (a duplicate)."""
         if self.at_epoch is not None:
             dispatch.epoch_ceiling = self.at_epoch
 
@@ -385,7 +387,14 @@ class Checkpoints:
             self.requested = False
             self._take(self._writer.stem_for("requested", reached), "requested", f"checkpoints/requested{reached}", reached)
 
+    def request(self, epoch: int) -> None:
+        """A loop asked for a bundle during ``epoch``: the next reduce finish takes one, unless one taken since did."""
+        if epoch > self.requested_upto:
+            self.requested = True
+
     def _take(self, stem: str, reason: str, artifact_path: str, asked: int) -> None:
+        self.requested = False  # any bundle answers a pending request
+        self.requested_upto = max((self._dispatch.rank_epoch[r] for r in self._cohort.alive_ranks()), default=-1)
         coverage = self._dispatch.open_coverage()
         lowest = min((p["epoch"] for p in coverage), default=self._dispatch.current_epoch())
         self.coverage_bundle = CoverageBundle(stem, lowest, reason, artifact_path, coverage)

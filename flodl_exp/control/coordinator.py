@@ -66,6 +66,7 @@ from .cycle import AveragingCycle, ReduceOutcome
 from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
 from .dispatch import Dispatcher, Gate
 from .faults import SHUTDOWN_GRACE_S, FaultHandler
+from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
 from .meta import LrEventMeta
 from .preemption import Preemption
@@ -170,8 +171,8 @@ class Coordinator:
             Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: self._on_heartbeat,
             EpochFnResult: self._on_epoch_fn, Intent: self._on_intent, LoopNotice: self._on_loop_notice,
         }
-        self.intents: set[str] = set()
-        """``w.request_eval()`` / ``w.request_checkpoint()`` not yet folded into a boundary."""
+        self.intents = Intents()
+        """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
@@ -456,10 +457,21 @@ class Coordinator:
             log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
             return
         self.events.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
+        if self.life.phase not in TRAINING_PHASES:
+            return  # the run's end (its final eval and bundle) answers it
         if i.kind == "checkpoint" and self.checkpoints.progressive:
-            self.checkpoints.requested = True
-        else:
-            self.intents.add(i.kind)
+            self.checkpoints.request(i.epoch)  # taken at the next reduce finish, unless one since answers it
+            return
+        if not self.intents.ask(i.kind, i.epoch):
+            return  # a boundary already answered it (another rank asked first)
+        if i.kind == "eval" and self.intents.due("eval", self.dispatch.last_aggregated):
+            # its boundary passed before the intent came (a sync loop asks once the next epoch's plan is in):
+            # evaluate now, not an epoch late
+            e, cb = self.dispatch.last_aggregated, self.cohort.callback_rank
+            self.intents.answer("eval", e)
+            if e != self.epochs - 1 and self.eval_pending is None and self.cohort.alive(cb):
+                self.eval_pending, self.eval_pending_epoch = cb, e
+                self.outbox.send(cb, ExecuteEval(epoch=e))
 
     def _on_loop_notice(self, r: int, n: LoopNotice) -> None:
         log.error("%s", n.message)
@@ -514,13 +526,18 @@ class Coordinator:
         self.events.emit({"event": "epoch", "epoch": e,
                           **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
         cb = self.cohort.callback_rank
-        asked_eval, asked_bundle = "eval" in self.intents, "checkpoint" in self.intents
-        self.intents.clear()  # the last epoch's final eval and bundle answer any intent left
+        last = e == self.epochs - 1  # the final eval and bundle answer every intent
         periodic = self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0
-        if e != self.epochs - 1 and (periodic or asked_eval) and self.cohort.alive(cb):
+        if (self.intents.due("eval", e) or periodic) and not last and self.cohort.alive(cb):
             self.eval_pending, self.eval_pending_epoch = cb, e
             self.outbox.send(cb, ExecuteEval(epoch=e))
-        if self.checkpoints.periodic_due(e) or (asked_bundle and e + 1 < self.epochs):
+            self.intents.answer("eval", e)
+        bundle = (self.intents.due("checkpoint", e) or self.checkpoints.periodic_due(e)) and not last
+        if bundle or last:
+            self.intents.answer("checkpoint", e)
+        if last:
+            self.intents.answer("eval", e)
+        if bundle:
             self.checkpoints.begin_periodic(e)
             self.enter(Phase.CHECKPOINTING)
 

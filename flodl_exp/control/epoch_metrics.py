@@ -19,6 +19,8 @@ class RankSums:
     batches: int = 0
     samples: int = 0
     loss_sum: float = 0.0
+    loss_batches: int = 0
+    """Batches with a loss (a cooperative loop may step without one)."""
     epoch_ms: float = 0.0
     share_ms: float = 0.0
     compute_ms: float = 0.0
@@ -50,7 +52,9 @@ class EpochAccumulator:
         b = m.batches
         s.batches += b
         s.samples += m.samples
-        s.loss_sum += m.avg_loss * b
+        lb = b if m.loss_batches is None else min(b, max(0, m.loss_batches))
+        s.loss_batches += lb
+        s.loss_sum += m.avg_loss * lb
         s.epoch_ms += m.epoch_ms
         s.share_ms += m.share_complete_ms
         s.compute_ms += m.compute_only_ms
@@ -84,9 +88,10 @@ class EpochAccumulator:
 
     def summary(self, wall_s: float, reductions: Optional[dict[str, str]] = None) -> dict[str, float]:
         total_b = sum(s.batches for s in self.ranks)
+        loss_b = sum(s.loss_batches for s in self.ranks)
         total_samples = sum(s.samples for s in self.ranks)
         m: dict[str, float] = {
-            "loss": sum(s.loss_sum for s in self.ranks) / total_b if total_b else float("nan"),
+            "loss": sum(s.loss_sum for s in self.ranks) / loss_b if loss_b else float("nan"),
             "epoch_time_s": wall_s,
             "samples_per_s": total_samples / wall_s if wall_s > 0 else 0.0,
             "samples": float(total_samples),
@@ -107,8 +112,8 @@ class EpochAccumulator:
             m[p + "data_starve_ms"] = s.starve_ms
             m[p + "compute_only_ms"] = s.compute_ms
             m[p + "idle_frac"] = max(0.0, 1.0 - s.share_ms / wall_ms) if wall_ms > 0 else 0.0
-            if s.batches:
-                m[p + "loss"] = s.loss_sum / s.batches
+            if s.loss_batches:
+                m[p + "loss"] = s.loss_sum / s.loss_batches
             for k, (sm, c) in s.scalars.items():
                 if c:
                     m[p + k] = sm / c

@@ -14,14 +14,15 @@ managed tier. The rank's lifecycle is the managed loop's, turned inside out: ``w
 never inside the user's code) and ``w.step`` is the managed step's bookkeeping (timing, the window count,
 the Batch report, the fault hook). The rules (README, "Your own training loop"): one ``w.step`` per item of
 ``w.batches()``; every ``w.batches()`` iterated to its end; ``w.epochs()`` iterated until it ends (it ends
-when the run does). Breaking a rule raises :class:`LoopMisuse` at once, naming the call; an exception out
-of the loop ends the run FAILED with its traceback.
+when the run does). Breaking a rule raises :class:`LoopMisuse` naming the call (a missing ``w.step`` when the
+next item is asked for); an exception of the loop's own ends the run FAILED with its traceback, while one
+raised by flodl's side (a collective that cannot recover, a data read) is a lost rank, as in the managed tier.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -76,12 +77,29 @@ def run_loop(loop: Callable[[Any], Any], ctx: RankContext) -> dict[str, Any]:
     return ctx.result
 
 
-def is_loop_error(e: BaseException) -> bool:
-    """An exception the user's loop raised (its bug, or a rule it broke), not the run ending around it."""
-    from .fault_inject import InjectedFault
-    from .worker import CoordinatorLost, Evicted
+_FROM_FLODL = "_flodl_rank_side"
+"""Set on an exception raised by flodl's side of ``w.epochs()``/``w.batches()``/``w.step()``."""
 
-    return isinstance(e, Exception) and not isinstance(e, (CoordinatorLost, Evicted, InjectedFault))
+
+def is_loop_error(e: BaseException) -> bool:
+    """An exception of the user's loop (its bug, or a rule it broke): the run fails. One raised by flodl's
+    side (control, collectives, data, the fault hook) is this rank's loss, recovered as in the managed tier."""
+    return isinstance(e, Exception) and not getattr(e, _FROM_FLODL, False)
+
+
+@contextlib.contextmanager
+def _rank_side() -> Generator[None, None, None]:
+    """Mark what the rank's own machinery raises (LoopMisuse excepted: that is the loop's rule broken)."""
+    try:
+        yield
+    except LoopMisuse:
+        raise
+    except Exception as e:
+        try:
+            setattr(e, _FROM_FLODL, True)
+        except Exception:  # an exception type without attributes: counted as the loop's
+            pass
+        raise
 
 
 @contextlib.contextmanager
@@ -101,8 +119,7 @@ def worker(cfg: Any = None) -> Iterator[CooperativeWorker]:
     ctx.opened = True
     from .worker import RankWorker
 
-    rw = RankWorker(ctx.spec, ctx.rank, ctx.local_rank, ctx.rendezvous, owns_process=ctx.owns_process,
-                    cooperative=True)
+    rw = RankWorker(ctx.spec, ctx.rank, ctx.local_rank, ctx.rendezvous, owns_process=ctx.owns_process)
     w = CooperativeWorker(rw)
     try:
         yield w
@@ -124,6 +141,8 @@ class _Held:
     chunk: int
     started: tuple[float, Any]
     handed_at: float
+    host_extra_ms: float = 0.0
+    """CUDA: the loop's host time since its previous ``w.step`` (on CPU ``started`` was moved back by it)."""
     noticed: bool = False
 
 
@@ -137,6 +156,9 @@ class CooperativeWorker:
         self._epoch: Optional[int] = None
         self._epoch_done = False
         self._held: Optional[_Held] = None
+        self._stepped_at: Optional[float] = None
+        self._resumed_at = 0.0
+        """When the last ``w.step`` ended: the loop's code from then to its next item is part of the next step."""
         self.hold_notice_s = float(rw.cfg.cluster.heartbeat_timeout_s) / 2
         """A batch held this long without ``w.step()`` is reported (well inside the heartbeat timeout)."""
         rw.loop_watch = self._watch
@@ -204,10 +226,12 @@ class CooperativeWorker:
             raise LoopMisuse("w.epochs() was already iterated: iterate it once per run")
         self._started = True
         rw = self._rw
-        rw.load_resumed_optimizer()
+        with _rank_side():
+            rw.load_resumed_optimizer()
         while True:
-            if not rw.plans:
-                rw.wait_until(lambda: bool(rw.plans))
+            with _rank_side():
+                if not rw.plans:
+                    rw.wait_until(lambda: bool(rw.plans))
             if rw.stopping:
                 break
             self._epoch, self._epoch_done = rw.plans[0].epoch, False
@@ -227,31 +251,48 @@ class CooperativeWorker:
         rw, e = self._rw, self._epoch
         with rw.doing("train"):
             while True:
-                if not rw.plans:
-                    rw.wait_until(lambda: bool(rw.plans))
+                with _rank_side():
+                    if not rw.plans:
+                        rw.wait_until(lambda: bool(rw.plans))
                 if rw.stopping or rw.plans[0].epoch != e:
                     break
                 plan = rw.plans.popleft()
-                for batch in rw.chunk_batches(plan):
-                    self._held = _Held(batch, plan.chunk, rw.trainer.begin_step(), time.monotonic())
-                    self.model.zero_grad(set_to_none=True)
-                    rw.state = "loop"
-                    yield batch.data
+                batches = rw.chunk_batches(plan)
+                while True:
+                    with _rank_side():
+                        batch = next(batches, None)
+                    if batch is None:
+                        break
+                    yield self._hand_out(batch, plan.chunk)
+                    self._resumed_at = time.perf_counter()
                     rw.state = "train"
                     if self._held is not None:
                         raise LoopMisuse(f"w.step() was not called for a batch of epoch {e}: call it once per item of "
                                          "w.batches(), after the backward (it steps the optimizers and books the step)")
         self._epoch_done = True
 
+    def _hand_out(self, batch: Batch, chunk: int) -> Any:
+        """Open the batch's step: its timing (with the loop's code since its last ``w.step``), the LR, no grads."""
+        tr = self._rw.trainer
+        t0, event = tr.begin_step()
+        gap_s = 0.0 if self._stepped_at is None else max(0.0, self._resumed_at - self._stepped_at)
+        self._stepped_at = None
+        on_device = event is not None
+        self._held = _Held(batch, chunk, (t0, event) if on_device else (t0 - gap_s, event), time.monotonic(),
+                           host_extra_ms=gap_s * 1e3 if on_device else 0.0)
+        self.model.zero_grad(set_to_none=True)
+        self._rw.state = "loop"
+        return batch.data
+
     def step(self, *optimizers: torch.optim.Optimizer, loss: Any = None) -> None:
         """Close the current batch's step: clip (``mode.max_grad_norm``), step and zero each optimizer given
         (none: the loop stepped them itself, e.g. through a GradScaler), then book it as the managed step
         does. ``loss`` (a tensor or a number) feeds the epoch's loss; it stays on the device."""
         held, self._held = self._held, None
-        self._rw.state = "train"  # the loop is back in flodl's hands: a hang from here is not a missing w.step
         if held is None:
             raise LoopMisuse("w.step() without a batch to book: it was already called for this batch, or it is "
                              "outside `for batch in w.batches():` (one w.step() per item)")
+        self._rw.state = "train"  # the loop is back in flodl's hands: a hang from here is not a missing w.step
         known = {id(o) for o in self._optimizers}
         for o in optimizers:
             if id(o) not in known:
@@ -267,7 +308,9 @@ class CooperativeWorker:
         if loss is not None:
             value = (loss.detach().reshape(()) if isinstance(loss, torch.Tensor)
                      else torch.tensor(float(loss), device=self.device))
-        self._rw.book_step(held.batch, tr.end_step(held.started, value), held.chunk)
+        with _rank_side():
+            self._rw.book_step(held.batch, tr.end_step(held.started, value, held.host_extra_ms), held.chunk)
+        self._stepped_at = time.perf_counter()
 
     # -- intents and metrics --------------------------------------------------
     def request_eval(self) -> None:
@@ -306,5 +349,5 @@ class CooperativeWorker:
             return None
         held.noticed = True
         return LoopNotice(message=f"rank {self.rank}: the training loop has held a batch of epoch {self._epoch} for "
-                                  f"{held_s:.0f}s without calling w.step(): call w.step() once per item of w.batches() "
-                                  "(without it no step is booked and the run cannot progress)", held_s=held_s)
+                                  f"{held_s:.0f}s and has not called w.step() yet: call w.step() once per item of "
+                                  "w.batches() (without it no step is booked and the run cannot progress)", held_s=held_s)

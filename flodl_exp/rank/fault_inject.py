@@ -37,10 +37,6 @@ _gates_done: set[str] = set()
 """Gate paths this process already passed (released or given up): later steps do not wait again."""
 
 
-
-class InjectedFault(RuntimeError):
-    """The ``raise`` fault: a rank lost to a test hook, not a bug of the user's loop (the run recovers)."""
-
 def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
     """``FLODL_FAULT_INJECT="<rank>:<step>:<kind>[,...]"`` -> (step, kind) for this rank, or None.
 
@@ -117,7 +113,7 @@ def inject_fault(kind: str, rank: int, step: int, max_wait_s: float = GATE_MAX_W
         return
     log.error("rank %d: injected fault %r at step %d", rank, kind, step)
     if name == "raise":
-        raise InjectedFault(f"injected fault on rank {rank} at step {step}")
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if name == "exit":
         os._exit(3)
     if name == "kill":

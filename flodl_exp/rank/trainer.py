@@ -65,9 +65,9 @@ class EpochState:
     loss_acc: Optional[torch.Tensor] = None
     """Device-side sum (float64) of the finite losses of ``record_step``'s steps; read once, in end_epoch."""
     pending: deque[PendingStep] = field(default_factory=deque)
+    """``record_step``'s steps whose time is not in ``compute_ms`` yet (their end event had not completed)."""
     unlossed: int = 0
     """Steps booked without a loss (the cooperative ``w.step()`` without ``loss=``)."""
-    """``record_step``'s steps whose time is not in ``compute_ms`` yet (their end event had not completed)."""
 
     @property
     def total_batches(self) -> int:
@@ -196,10 +196,10 @@ class RankTrainer:
         """Time steps with CUDA events (else the host wall clock)."""
         factor = 1.0 + (world_size - 1) * lr_scale_ratio if (world_size > 1 and lr_scale_ratio > 0) else 1.0
         self.lr_scale = factor if factor > 1 else 1.0
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        if exp.lr_factor is None and self.lr_scale > 1:
-            for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-                g["lr"] = base * self.lr_scale
+        self._unscaled_lr: dict[int, float] = {}
+        """Each param group's own LR, by ``id(group)``, before the linear scaling (so scaling applies once)."""
+        self.base_lrs: list[float] = []
+        self.use_optimizer(self.optimizer)
         self.pipeline = pipeline
         """rank.data.DataPipeline; built lazily (synchronous) when none is attached."""
         self.on_data_wait: Optional[Callable[[], None]] = None
@@ -305,9 +305,11 @@ class RankTrainer:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
 
-    def end_step(self, started: tuple[float, Any], loss: Optional[torch.Tensor]) -> PendingStep:
+    def end_step(self, started: tuple[float, Any], loss: Optional[torch.Tensor], host_extra_ms: float = 0.0) -> PendingStep:
         """Close the step opened by :meth:`begin_step`: its loss (None: the loop reported none) stays on the
-        device, its time is the host wall on CPU or a pair of CUDA events, the simulated slowdown added."""
+        device, its time is the host wall on CPU or a pair of CUDA events, the simulated slowdown added.
+        ``host_extra_ms``: host work of the step outside that window (a cooperative loop's code after its
+        previous ``w.step``), added on CUDA (on CPU the caller moved ``started`` back by it)."""
         t0, start = started
         has_loss = loss is not None
         if loss is None:
@@ -324,14 +326,14 @@ class RankTrainer:
                 time.sleep((1.0 / self.speed - 1.0) * step_ms / 1e3)
                 step_ms = (time.perf_counter() - t0) * 1e3
             return PendingStep(loss=loss.detach(), host_ms=step_ms, has_loss=has_loss)
-        extra_ms = 0.0
+        extra_ms = host_extra_ms
         if self.speed < 1.0:
             # The same on CUDA, which needs the step's device time now: a wait per batch, only
             # for this simulation knob.
             end.synchronize()
             t1 = time.perf_counter()
             time.sleep((1.0 / self.speed - 1.0) * float(start.elapsed_time(end)) / 1e3)
-            extra_ms = (time.perf_counter() - t1) * 1e3
+            extra_ms += (time.perf_counter() - t1) * 1e3
         return PendingStep(loss=loss.detach(), host_ms=extra_ms, start=start, end=end, loss_host=loss_host,
                            has_loss=has_loss)
 
@@ -339,7 +341,7 @@ class RankTrainer:
         """Train with ``optimizer`` (the cooperative tier's ``w.setup``): it gets the run's linear LR scaling
         and schedule, its state is what bundles save and DiLoCo resets."""
         self.optimizer = optimizer
-        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.base_lrs = [self._unscaled_lr.setdefault(id(g), g["lr"]) for g in optimizer.param_groups]
         if self.exp.lr_factor is None and self.lr_scale > 1:
             for g, base in zip(optimizer.param_groups, self.base_lrs):
                 g["lr"] = base * self.lr_scale
@@ -400,6 +402,7 @@ class RankTrainer:
             epoch=st.epoch,
             chunk=chunk,
             avg_loss=st.loss_sum / (st.batches - st.unlossed) if st.batches > st.unlossed else 0.0,
+            loss_batches=st.batches - st.unlossed if st.unlossed else None,
             batches=st.batches,
             samples=st.batches * st.batch_size,
             epoch_ms=wall,

@@ -165,21 +165,18 @@ class RankWorker:
     epoch_role_from = 0
     """... from this epoch on."""
 
-    cooperative = False
-    """The user's own loop drives this rank (rank/cooperative.py), not :meth:`run`."""
     resume_stem: Optional[str] = None
-    """The resume bundle whose optimizer state is not loaded yet (the cooperative tier loads it at ``w.setup``)."""
+    """The resume bundle whose optimizer state is not loaded yet: loaded as training starts (:meth:`run`, or the
+    cooperative ``w.epochs()``, after ``w.setup`` registered the loop's optimizers)."""
     loop_watch: Optional[Callable[[], Optional[LoopNotice]]] = None
     """The cooperative tier: asked every heartbeat whether the user's loop holds a batch too long."""
 
     def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any],
-                 owns_process: bool = True, cooperative: bool = False) -> None:
+                 owns_process: bool = True) -> None:
         """``owns_process``: the rank is its process's only job, so a stuck main thread may be ended by
-        exiting (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead).
-        ``cooperative``: the user's own loop drives training (rank/cooperative.py), not :meth:`run`."""
+        exiting (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead)."""
         cfg = load_config(spec["config"])
         self.owns_process = owns_process
-        self.cooperative = cooperative
         self.ended = threading.Event()
         """Set once run() has cleaned up: the reader thread's watchdogs wait on it."""
         self.cfg = cfg
@@ -281,9 +278,7 @@ class RankWorker:
 
         stem = resume["stem"]
         self.trainer.model.load_state_dict(load_model_state(stem, map_location=str(self.device)))
-        self.resume_stem = stem
-        if not self.cooperative:  # the cooperative loop's optimizers exist once it set them up (w.setup)
-            self.load_resumed_optimizer()
+        self.resume_stem = stem  # the optimizer state follows as training starts (load_resumed_optimizer)
         self.trainer.global_step = int(resume["meta"]["global_step"])
         if self.outer is not None:
             from ..checkpoint import load_outer_state
@@ -325,7 +320,8 @@ class RankWorker:
             time.sleep(HEARTBEAT_S)
             try:
                 self.conn.send(encode(Heartbeat(steps=self.trainer.step_count, state=self.state)))
-                notice = self.loop_watch() if self.loop_watch is not None else None
+                watch = self.loop_watch  # close() may clear it meanwhile
+                notice = watch() if watch is not None else None
                 if notice is not None:
                     log.error("rank %d: %s", self.rank, notice.message)
                     self.conn.send(encode(notice))
@@ -739,6 +735,7 @@ class RankWorker:
     def run(self) -> dict[str, Any]:
         """The managed tier: train every chunk the coordinator hands out until it says shutdown."""
         try:
+            self.load_resumed_optimizer()
             while not self.stopping:
                 if self.plans:
                     self.run_chunk(self.plans.popleft())
