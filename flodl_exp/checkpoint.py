@@ -137,10 +137,11 @@ def check_pieces(stem: str, meta: dict) -> Optional[str]:
     return None
 
 
-def save_rank_pieces(stem: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+def save_rank_pieces(stem: str, model: nn.Module, optimizer: Any, *, rank: int,
                      primary: bool, write_model: bool, model_state: Optional[dict[str, torch.Tensor]] = None,
                      outer_state: Optional[dict[str, Any]] = None) -> None:
-    """This rank's pieces; ``model_state`` replaces the replica's state dict in the model piece;
+    """This rank's pieces (``optimizer``: a torch optimizer or a cooperative loop's OptimizerSet: its state dict);
+    ``model_state`` replaces the replica's state dict in the model piece;
     ``outer_state`` (nccl: the model's writer holds the replicated outer optimizer) goes to the sidecar."""
     if write_model:
         state = model_state if model_state is not None else model.state_dict()

@@ -368,3 +368,31 @@ def test_the_epoch_loss_counts_only_steps_with_a_loss():
                                   compute_only_ms=1, data_starve_ms=0, loss_batches=0))
     m = acc.summary(1.0)
     assert m["loss"] == pytest.approx(2.0) and m["rank0/loss"] == pytest.approx(2.0) and "rank1/loss" not in m
+
+
+def test_a_resumed_loop_gets_the_state_of_both_its_optimizers(tmp_path):
+    """The bundle holds the OptimizerSet's state; a resume loads it once the loop registered its optimizers."""
+    from flodl_exp.checkpoint import save_rank_pieces
+
+    def two(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Adam([model.weight], lr=0.01), torch.optim.SGD([model.bias], lr=0.1, momentum=0.9)]
+
+    first = CooperativeWorker(rank_worker([(0, 0, 16)]))
+    opts = two(first.model)
+    first.setup(*opts)
+    for _ in first.epochs():
+        for x, y in first.batches():
+            torch.nn.functional.cross_entropy(first.model(x), y).backward()
+            first.step(*opts)
+    stem = str(tmp_path / "b")
+    save_rank_pieces(stem, first.model, first.optimizer, rank=0, primary=True, write_model=True)
+
+    rw = rank_worker([(0, 0, 16)])
+    rw.resume_stem = stem
+    resumed = CooperativeWorker(rw)
+    fresh = two(resumed.model)
+    resumed.setup(*fresh)
+    assert not fresh[1].state
+    next(resumed.epochs())
+    assert fresh[1].state_dict()["state"][0]["momentum_buffer"].equal(opts[1].state_dict()["state"][0]["momentum_buffer"])
+    assert rw.resume_stem is None, "loaded once"
