@@ -256,13 +256,16 @@ class MlflowSink:
         """The client, with the store opened (MLflow's import and the SQL engine cost seconds the first time):
         done as the sink starts, so it overlaps the ranks' start-up instead of delaying the run's end."""
         c = client(self.uri)
-        c.get_run(self.run_id)
+        try:
+            c.get_run(self.run_id)
+        except Exception:  # a store that is down or locked: the deliveries retry with backoff
+            pass
         return c
 
     def _loop(self) -> None:
         try:
             c = self._connect()
-        except Exception:  # the store is down or locked: the first delivery retries with backoff
+        except Exception:
             c = None
         backoff = self.RETRY_MIN_S
         failing = False
