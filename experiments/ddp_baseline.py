@@ -122,7 +122,8 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
     def emit(ev: dict) -> None:
         if rank == 0:
             with open(events_path, "a") as fh:
-                fh.write(json.dumps(dict(ev, t=round(time.time() - t_origin, 3))) + "\n")
+                now = time.time()
+                fh.write(json.dumps(dict(ev, t=round(now - t_origin, 3), wall=round(now, 3))) + "\n")
 
     global_step = 0
     dist.barrier()

@@ -25,6 +25,8 @@ CORE_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_m
 DEVICES = ("auto", "cpu", "cuda")
 COLLECTIVES = ("auto", "nccl", "gloo")
 OUTERS = ("avg", "slowmo", "diloco")
+OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "diloco": (0.7, 0.9)}
+"""outer.kind -> (lr, mu) when the config leaves them unset."""
 
 
 @dataclass
@@ -353,12 +355,33 @@ class RunShape:
                    max_failure=min(limits) if limits else None, outer=outer_spec(cfg))
 
 
-def outer_spec(cfg: Any) -> Any:
-    """``outer`` as run: the kind's default lr and mu fill what the config leaves unset."""
-    from .outer import DEFAULTS, OuterSpec
+@dataclass(frozen=True)
+class OuterSpec:
+    """The outer optimizer as run (flodl_exp/outer.py runs it). Here, not there: the launcher reads it
+    and must not import torch."""
 
+    kind: str = "avg"
+    lr: float = 1.0
+    mu: float = 0.0
+
+    @property
+    def stateful(self) -> bool:
+        """Carries momentum across windows (and writes a bundle sidecar)."""
+        return self.kind != "avg"
+
+    @property
+    def resets_inner(self) -> bool:
+        """The inner optimizer's state is cleared after each adoption (DiLoCo)."""
+        return self.kind == "diloco"
+
+    def describe(self) -> str:
+        return self.kind if not self.stateful else f"{self.kind}(lr={self.lr:g}, mu={self.mu:g})"
+
+
+def outer_spec(cfg: Any) -> OuterSpec:
+    """``outer`` as run: the kind's default lr and mu fill what the config leaves unset."""
     o = cfg.outer
-    lr, mu = DEFAULTS[o.kind]
+    lr, mu = OUTER_DEFAULTS[o.kind]
     return OuterSpec(kind=str(o.kind), lr=float(o.lr) if o.lr is not None else lr,
                      mu=float(o.mu) if o.mu is not None else mu)
 

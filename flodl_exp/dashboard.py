@@ -256,6 +256,7 @@ def load_events(path: str) -> tuple[list[dict], list[dict], list[dict]]:
                 continue
             kind = ev.pop("event", None)
             ev.pop("t", None)
+            ev.pop("wall", None)
             {"epoch": epochs, "window": windows, "eval": evals}.get(kind, []).append(ev)
     return epochs, windows, evals
 

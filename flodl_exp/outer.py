@@ -24,30 +24,11 @@ from typing import Any, Optional
 
 import torch
 
-OUTER_KINDS = ("avg", "slowmo", "diloco")
-DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "diloco": (0.7, 0.9)}
-"""kind -> (lr, mu) when the config leaves them unset."""
+from .config import OUTER_DEFAULTS as DEFAULTS  # noqa: F401  (the spec lives with the config: the launcher needs no torch)
+from .config import OUTERS as OUTER_KINDS  # noqa: F401
+from .config import OuterSpec
+
 SIDECAR_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class OuterSpec:
-    kind: str = "avg"
-    lr: float = 1.0
-    mu: float = 0.0
-
-    @property
-    def stateful(self) -> bool:
-        """Carries momentum across windows (and writes a bundle sidecar)."""
-        return self.kind != "avg"
-
-    @property
-    def resets_inner(self) -> bool:
-        """The inner optimizer's state is cleared after each adoption (DiLoCo)."""
-        return self.kind == "diloco"
-
-    def describe(self) -> str:
-        return self.kind if not self.stateful else f"{self.kind}(lr={self.lr:g}, mu={self.mu:g})"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Protocol
 
@@ -93,7 +94,7 @@ class EventLog:
         return self._clock() - self._t0
 
     def emit(self, event: dict[str, Any]) -> None:
-        event = dict(event, t=round(self.elapsed(), 3))
+        event = dict(event, t=round(self.elapsed(), 3), wall=round(time.time(), 3))
         try:
             with open(self._path, "a") as fh:
                 fh.write(json.dumps(event, default=str) + "\n")

@@ -422,6 +422,8 @@ class Coordinator:
         handler(r, payload)
 
     def _on_batch(self, r: int, b: Batch) -> None:
+        if not any(self.cohort.batches):  # the run's first trained batch (start-up ends here: bench_startup)
+            self.events.emit({"event": "first_batch", "rank": r})
         self.cohort.batches[r] += 1
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
         self.dispatch.on_batch(r, b.chunk)

@@ -1,0 +1,168 @@
+"""Start-up benchmark: where the seconds of a short run go, next to PyTorch DDP's.
+
+    python experiments/bench_startup.py [--runs 3] [--epochs 1] [--out outputs/bench/startup]
+
+Runs ``python -m flodl_exp experiment=digits_mlp experiment.epochs=1`` (2 local ranks, nccl_cadence) ``--runs``
+times on one MLflow store (the first on a fresh store, the rest on it as it then exists) and times each phase
+from the command's start, by wall clock: the launcher (imports, config, MLflow run, submission) until it prints
+the run id; the coordinator up (its first log line); every rank joined; the process group formed (``started``);
+the first trained batch; the last epoch; the final eval; the run's end (result written); the command's exit.
+The coordinator's events carry wall times (``events.jsonl``: ``wall``), so no phase is inferred.
+
+Then runs ``experiments/ddp_baseline.py`` (2 processes, Gloo, DistributedDataParallel, the same preset and
+epochs, no MLflow) the same number of times: process start to its ``started`` barrier (first batch next),
+training, and exit.
+
+Prints one table of medians (seconds from the command's start, and each phase's own length). The machine is
+noisy: quote medians, compare within one sitting.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PHASES = [
+    ("launcher", "run id printed (imports, config, MLflow run, job submitted)"),
+    ("coordinator_up", "coordinator listening"),
+    ("ranks_joined", "every rank said hello"),
+    ("group_ready", "process group formed, first chunks out"),
+    ("first_batch", "first trained batch"),
+    ("last_epoch", "last epoch aggregated"),
+    ("final_eval", "final eval back"),
+    ("run_end", "result written (bundle, MLflow run closed after)"),
+    ("command_exit", "the command returned"),
+]
+
+
+def _stamp(line: str) -> Optional[float]:
+    """The wall time of a ``YYYY-mm-dd HH:MM:SS,mmm`` log line."""
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+def flodl_run(store: Path, epochs: int) -> dict[str, float]:
+    """One CLI run; each phase's wall time minus the command's start."""
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    cmd = [sys.executable, "-u", "-m", "flodl_exp", "experiment=digits_mlp", f"experiment.epochs={epochs}",
+           f"tracking.uri={uri}", "tracking.experiment_name=bench_startup", f"run.job_root={store / 'jobs'}",
+           "run.progress=plain", f"hydra.run.dir={store / 'hydra'}/${{now:%H-%M-%S-%f}}"]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marks: dict[str, float] = {}
+    job: Optional[Path] = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("MLflow run ") and "launcher" not in marks:
+            marks["launcher"] = time.time()
+            job = Path(line.split(" folder ", 1)[1].strip())
+    rc = proc.wait()
+    marks["command_exit"] = time.time()
+    if rc != 0 or job is None:
+        raise SystemExit(f"flodl_exp run failed (exit {rc})")
+    for line in (job / "coordinator.log").read_text().splitlines():
+        if "listening on" in line:
+            marks["coordinator_up"] = _stamp(line) or marks["launcher"]
+            break
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
+    if all("wall" in e for e in events):  # (a checkout older than the wall stamps times the rest only)
+        marks["ranks_joined"] = max(e["wall"] for e in events if e["event"] == "joined")
+
+        def first(kind: str, **match: object) -> Optional[float]:
+            return next((e["wall"] for e in events if e["event"] == kind and all(e.get(k) == v for k, v in match.items())),
+                        None)
+
+        for key, kind, match in (("group_ready", "started", {}), ("first_batch", "first_batch", {}),
+                                 ("final_eval", "eval", {"final": True}), ("run_end", "end", {})):
+            t = first(kind, **match)
+            if t is not None:
+                marks[key] = t
+        marks["last_epoch"] = [e["wall"] for e in events if e["event"] == "epoch"][-1]
+    return {k: v - t0 for k, v in marks.items()}
+
+
+def ddp_run(out: Path, epochs: int) -> dict[str, float]:
+    """One DDP baseline run (2 processes, Gloo, equal speeds): started (barrier before the first batch), end, exit."""
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [sys.executable, "experiments/ddp_baseline.py", "--experiment", "digits_mlp", "--epochs", str(epochs),
+           "--rank-speeds", "1.0", "1.0", "--out", str(out)]
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    t_exit = time.time()
+    if r.returncode != 0:
+        raise SystemExit(f"ddp baseline failed:\n{r.stderr[-2000:]}")
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
+    wall = {e["event"]: e["wall"] for e in events}
+    last_epoch = [e["wall"] for e in events if e["event"] == "epoch"][-1]
+    return {"group_ready": wall["started"] - t0, "last_epoch": last_epoch - t0, "final_eval": wall["eval"] - t0,
+            "run_end": wall["end"] - t0, "command_exit": t_exit - t0}
+
+
+def table(flodl: list[dict[str, float]], ddp: list[dict[str, float]], fresh: dict[str, float]) -> str:
+    def med(rows: list[dict[str, float]], k: str) -> Optional[float]:
+        vals = [r[k] for r in rows if k in r]
+        return statistics.median(vals) if vals else None
+
+    def fmt(x: Optional[float]) -> str:
+        return "" if x is None else f"{x:.2f}"
+
+    lines = ["| phase (until) | flodl_exp s from start | flodl_exp phase s | first run, fresh store | DDP s from start |",
+             "|---|---|---|---|---|"]
+    prev = 0.0
+    for k, what in PHASES:
+        m = med(flodl, k)
+        own = None if m is None else m - prev
+        prev = m if m is not None else prev
+        lines.append(f"| {k}: {what} | {fmt(m)} | {fmt(own)} | {fmt(fresh.get(k))} | {fmt(med(ddp, k))} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="runs per side (medians); flodl_exp runs one more on a fresh store")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "startup"))
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    store = out / "store"
+    if store.exists():
+        shutil.rmtree(store)
+    store.mkdir(parents=True)
+    print(f"flodl_exp: {a.runs + 1} runs of {a.epochs} epoch(s) (the first on a fresh store)", flush=True)
+    fresh = flodl_run(store, a.epochs)
+    flodl = []
+    for i in range(a.runs):
+        flodl.append(flodl_run(store, a.epochs))
+        first_batch = flodl[-1].get("first_batch")
+        print(f"  run {i + 1}: {flodl[-1]['command_exit']:.2f} s" + (f", first batch at {first_batch:.2f} s" if first_batch else ""),
+              flush=True)
+    print(f"DDP baseline: {a.runs} runs", flush=True)
+    ddp = []
+    for i in range(a.runs):
+        ddp.append(ddp_run(out / "ddp", a.epochs))
+        print(f"  run {i + 1}: {ddp[-1]['command_exit']:.2f} s", flush=True)
+    text = table(flodl, ddp, fresh)
+    print()
+    print(text)
+    (out / "startup.md").write_text(text + "\n")
+    (out / "startup.json").write_text(json.dumps({"flodl_exp": flodl, "fresh_store": fresh, "ddp": ddp}, indent=1))
+    print(f"\nwritten: {out / 'startup.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
