@@ -7,6 +7,7 @@ every rank and every run sees the same data.
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 from typing import Callable
 
@@ -19,15 +20,42 @@ TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 
 
+CACHE_ENV = "FLODL_DATA_CACHE"
+"""Where the prepared split is kept (default ``~/.cache/flodl_exp``)."""
+SPLIT_NAMES = ("x_tr", "x_te", "y_tr", "y_te")
+
+
+def split_cache_path() -> str:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "flodl_exp")
+    return os.path.join(root, f"digits-split-t{TEST_FRACTION}-s{SPLIT_SEED}-v1.npz")
+
+
 @lru_cache(maxsize=1)
 def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The fixed stratified split. Kept as a .npz once made: every rank of every run would otherwise import
+    scikit-learn (with scipy and pandas: ~2 s of each rank's start-up on 2 cores) to rebuild the same arrays."""
+    path = split_cache_path()
+    try:
+        with np.load(path) as z:
+            return tuple(z[k] for k in SPLIT_NAMES)  # type: ignore[return-value]
+    except Exception:  # missing, partial or corrupt: rebuild it
+        pass
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     d = load_digits()
     x = (d.data / 16.0).astype(np.float32)
     y = d.target.astype(np.int64)
-    return tuple(train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y))  # type: ignore[return-value]
+    parts = tuple(train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y))
+    try:  # atomic: a rank reading it meanwhile sees the old file or the new one, never half of one
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **dict(zip(SPLIT_NAMES, parts)))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: build it each time
+        pass
+    return parts  # type: ignore[return-value]
 
 
 class DigitsDataset:

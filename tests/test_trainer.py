@@ -1,6 +1,7 @@
 """The rank's training primitives without any process or socket, and record_scalar."""
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -263,3 +264,28 @@ def test_simulated_speed_on_device_timing(monkeypatch):
     loss, ms = tr.train_step(b)
     assert ms == pytest.approx(8.0) and log["sync"] >= 1  # 4 ms on the device + 4 ms of simulated idle
     assert loss == loss  # a finite float
+
+
+def test_the_digits_split_is_cached_identically_and_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
+    import numpy as np
+
+    from experiments import digits
+
+    monkeypatch.setenv(digits.CACHE_ENV, str(tmp_path))
+    digits._split.cache_clear()
+    try:
+        built = digits._split()
+        path = digits.split_cache_path()
+        assert os.path.exists(path)
+        digits._split.cache_clear()
+        cached = digits._split()
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(built, cached))
+        with open(path, "wb") as fh:
+            fh.write(b"not an npz")
+        digits._split.cache_clear()
+        again = digits._split()
+        assert all(np.array_equal(a, b) for a, b in zip(built, again))
+        with np.load(path) as z:
+            assert z["y_tr"].shape == built[2].shape, "the corrupt file was replaced"
+    finally:
+        digits._split.cache_clear()

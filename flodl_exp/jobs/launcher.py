@@ -225,7 +225,7 @@ class RunHandle:
 
         error: Optional[str] = None
         while not self.done():
-            time.sleep(0.5)
+            time.sleep(0.1)
         if self.on_slurm and os.path.exists(os.path.join(self.job_dir, "result.json")):
             # A task SIGKILLed by SLURM leaves no result file: submitit would wait 15 s for it per task.
             for j in [self.job, *getattr(self.job, "_sub_jobs", [])]:
