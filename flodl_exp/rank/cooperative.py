@@ -47,7 +47,8 @@ class RankContext:
     spec: dict[str, Any]
     rank: int
     local_rank: int
-    rendezvous: dict[str, Any]
+    rendezvous: dict[str, Any] | Callable[[], dict[str, Any]]
+    """The coordinator's address, or the wait for it (see RankWorker)."""
     owns_process: bool
     opened: bool = False
     result: Optional[dict[str, Any]] = None

@@ -171,9 +171,11 @@ class RankWorker:
     loop_watch: Optional[Callable[[], Optional[LoopNotice]]] = None
     """The cooperative tier: asked every heartbeat whether the user's loop holds a batch too long."""
 
-    def __init__(self, spec: dict[str, Any], rank: int, local_rank: int, rendezvous: dict[str, Any],
-                 owns_process: bool = True) -> None:
-        """``owns_process``: the rank is its process's only job, so a stuck main thread may be ended by
+    def __init__(self, spec: dict[str, Any], rank: int, local_rank: int,
+                 rendezvous: dict[str, Any] | Callable[[], dict[str, Any]], owns_process: bool = True) -> None:
+        """``rendezvous``: the coordinator's address, or a wait for it, called once the replica, its optimizer
+        and its data are built (their imports and set-up, seconds, overlap the coordinator's start-up).
+        ``owns_process``: the rank is its process's only job, so a stuck main thread may be ended by
         exiting (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead)."""
         cfg = load_config(spec["config"])
         self.owns_process = owns_process
@@ -204,6 +206,8 @@ class RankWorker:
         )
         self.gamma = cfg.mode.gamma
         self.coord_timeout = cfg.cluster.heartbeat_timeout_s
+        if callable(rendezvous):
+            rendezvous = rendezvous()
         self.conn = wire.dial(rendezvous["host"], int(rendezvous["port"]), timeout=cfg.cluster.rendezvous_timeout_s)
         model_bytes = snapshot_nbytes(self.trainer.model)  # the wire's frame ceiling comes from it (both ends)
         self.welcome = wire.client_handshake(
