@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -23,11 +23,69 @@ SPLIT_SEED = 0
 CACHE_ENV = "FLODL_DATA_CACHE"
 """Where the prepared split is kept (default ``~/.cache/flodl_exp``)."""
 SPLIT_NAMES = ("x_tr", "x_te", "y_tr", "y_te")
+SAMPLES, FEATURES = 1797, 64
+CACHE_FORMAT = 1
+"""Bump when what ``_split`` builds changes (scaling, dtypes): older files are then not read."""
 
 
-def split_cache_path() -> str:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "flodl_exp")
-    return os.path.join(root, f"digits-split-t{TEST_FRACTION}-s{SPLIT_SEED}-v1.npz")
+def split_cache_path() -> Optional[str]:
+    """The .npz of the split for this scikit-learn version (its split may differ between versions), or None
+    when there is no home to keep it in."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        home = os.path.expanduser("~")
+        if home == "~":
+            return None
+        root = os.path.join(home, ".cache", "flodl_exp")
+    try:
+        sk = version("scikit-learn")
+    except PackageNotFoundError:
+        sk = "none"
+    return os.path.join(root, f"digits-split-t{TEST_FRACTION}-s{SPLIT_SEED}-sk{sk}-v{CACHE_FORMAT}.npz")
+
+
+def _valid_split(parts: tuple[np.ndarray, ...]) -> bool:
+    x_tr, x_te, y_tr, y_te = parts
+    return (x_tr.dtype == x_te.dtype == np.float32 and y_tr.dtype == y_te.dtype == np.int64
+            and x_tr.ndim == x_te.ndim == 2 and x_tr.shape[1] == x_te.shape[1] == FEATURES
+            and len(x_tr) == len(y_tr) and len(x_te) == len(y_te) and len(x_tr) + len(x_te) == SAMPLES)
+
+
+def _read_split(path: Optional[str]) -> Optional[tuple[np.ndarray, ...]]:
+    if path is None:
+        return None
+    try:
+        with np.load(path) as z:
+            parts = tuple(np.asarray(z[k]) for k in SPLIT_NAMES)
+    except Exception:  # missing, partial or corrupt: rebuilt
+        return None
+    return parts if _valid_split(parts) else None
+
+
+def _write_split(path: Optional[str], parts: tuple[np.ndarray, ...]) -> None:
+    """Atomic (a temp file in the same folder, then a rename): a reader sees the old file or the new one."""
+    if path is None:
+        return
+    import tempfile
+
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **dict(zip(SPLIT_NAMES, parts)))
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:  # a read-only or full disk: built each time
+        pass
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 @lru_cache(maxsize=1)
@@ -35,11 +93,9 @@ def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The fixed stratified split. Kept as a .npz once made: every rank of every run would otherwise import
     scikit-learn (with scipy and pandas: ~2 s of each rank's start-up on 2 cores) to rebuild the same arrays."""
     path = split_cache_path()
-    try:
-        with np.load(path) as z:
-            return tuple(z[k] for k in SPLIT_NAMES)  # type: ignore[return-value]
-    except Exception:  # missing, partial or corrupt: rebuild it
-        pass
+    cached = _read_split(path)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -47,14 +103,7 @@ def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     x = (d.data / 16.0).astype(np.float32)
     y = d.target.astype(np.int64)
     parts = tuple(train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y))
-    try:  # atomic: a rank reading it meanwhile sees the old file or the new one, never half of one
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **dict(zip(SPLIT_NAMES, parts)))
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: build it each time
-        pass
+    _write_split(path, parts)
     return parts  # type: ignore[return-value]
 
 

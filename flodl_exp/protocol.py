@@ -393,8 +393,8 @@ INTENT_KINDS = ("eval", "checkpoint")
 
 @dataclass
 class Intent:
-    """The user's loop asks for an eval or a bundle (``w.request_eval()`` / ``w.request_checkpoint()``);
-    the coordinator folds it into the next boundary. ``epoch``: the epoch the loop was in."""
+    """The user's loop asks for an eval or a bundle (``w.request_eval()`` / ``w.request_checkpoint()``) in
+    ``epoch``; the coordinator answers it at that epoch's boundary, once for all ranks (control/intents.py)."""
 
     KIND: ClassVar[Kind] = Kind.INTENT
     kind: str

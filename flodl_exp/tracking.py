@@ -256,10 +256,11 @@ class MlflowSink:
         """The client, with the store opened (MLflow's import and the SQL engine cost seconds the first time):
         done as the sink starts, so it overlaps the ranks' start-up instead of delaying the run's end."""
         c = client(self.uri)
-        try:
-            c.get_run(self.run_id)
-        except Exception:  # a store that is down or locked: the deliveries retry with backoff
-            pass
+        if self.uri.startswith("sqlite:"):  # a tracking server that is down would hold this for MLflow's retries
+            try:
+                c.get_run(self.run_id)
+            except Exception:  # a locked store: the deliveries retry with backoff
+                pass
         return c
 
     def _loop(self) -> None:

@@ -287,5 +287,9 @@ def test_the_digits_split_is_cached_identically_and_a_corrupt_cache_is_rebuilt(t
         assert all(np.array_equal(a, b) for a, b in zip(built, again))
         with np.load(path) as z:
             assert z["y_tr"].shape == built[2].shape, "the corrupt file was replaced"
+        np.savez(path, x_tr=built[0][:10], x_te=built[1], y_tr=built[2], y_te=built[3])  # readable, wrong shapes
+        digits._split.cache_clear()
+        assert len(digits._split()[0]) == len(built[0]), "a file that does not hold the split is rebuilt"
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")], "no temp file left"
     finally:
         digits._split.cache_clear()

@@ -352,10 +352,10 @@ def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int
     fault = parse_fault(os.environ.get(FAULT_ENV), rank)
     if fault is not None and fault[0] == CONNECT_STEP:
         inject_fault(fault[1], rank, CONNECT_STEP)  # test hook: a rank lost during rendezvous
-    timeout = load_cluster(spec["config"]["cluster"]).rendezvous_timeout_s
+    timeout, since = load_cluster(spec["config"]["cluster"]).rendezvous_timeout_s, time.monotonic()
 
-    def rdv() -> dict:  # the rank builds its replica and data first, while the coordinator starts
-        return wait_rendezvous(job_dir, timeout, coord_dead, attempt=attempt)
+    def rdv() -> dict:  # the rank builds its replica and data set first, while the coordinator starts
+        return wait_rendezvous(job_dir, timeout, coord_dead, attempt=attempt, since=since)
 
     loop = spec["config"]["experiment"].get("loop")
     if loop:  # the cooperative tier: the user's loop drives the rank (rank/cooperative.py)

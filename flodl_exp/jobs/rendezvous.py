@@ -42,14 +42,15 @@ def incarnation(attempt: int) -> str:
 
 
 def wait_rendezvous(job_dir: str, timeout: float, alive: Optional[Callable[[], Optional[str]]] = None,
-                    attempt: int = 0) -> dict:
-    """Wait up to ``timeout`` s for the coordinator's file; ``alive()`` returns a reason when it died.
+                    attempt: int = 0, since: Optional[float] = None) -> dict:
+    """Wait up to ``timeout`` s (counted from ``since``, a ``time.monotonic()``, default now) for the
+    coordinator's file; ``alive()`` returns a reason when it died.
 
     A file left by an earlier incarnation of a requeued job names a dead port: it is ignored
     until this incarnation's coordinator replaces it (see :func:`incarnation`).
     """
     path = os.path.join(job_dir, FILENAME)
-    deadline = time.monotonic() + timeout
+    deadline = (time.monotonic() if since is None else since) + timeout
     want = incarnation(attempt)
     while True:
         try:

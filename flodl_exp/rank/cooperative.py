@@ -52,6 +52,8 @@ class RankContext:
     owns_process: bool
     opened: bool = False
     result: Optional[dict[str, Any]] = None
+    error: Optional[BaseException] = None
+    """What ended the worker block, when the loop caught it (named if the loop then returns normally)."""
 
 
 _context: Optional[RankContext] = None
@@ -74,7 +76,8 @@ def run_loop(loop: Callable[[Any], Any], ctx: RankContext) -> dict[str, Any]:
         raise LoopMisuse(f"experiment.loop {name} returned without `with flodl_exp.worker(cfg) as w:`: the rank never "
                          "joined the coordinator")
     if ctx.result is None:
-        raise LoopMisuse(f"experiment.loop {name} swallowed the error that ended its `flodl_exp.worker` block")
+        why = f": {type(ctx.error).__name__}: {ctx.error}" if ctx.error is not None else ""
+        raise LoopMisuse(f"experiment.loop {name} swallowed the error that ended its `flodl_exp.worker` block{why}")
     return ctx.result
 
 
@@ -120,13 +123,18 @@ def worker(cfg: Any = None) -> Iterator[CooperativeWorker]:
     ctx.opened = True
     from .worker import RankWorker
 
-    rw = RankWorker(ctx.spec, ctx.rank, ctx.local_rank, ctx.rendezvous, owns_process=ctx.owns_process)
+    try:
+        rw = RankWorker(ctx.spec, ctx.rank, ctx.local_rank, ctx.rendezvous, owns_process=ctx.owns_process)
+    except BaseException as e:  # no coordinator to tell (it never said hello): kept for run_loop's message
+        ctx.error = e
+        raise
     w = CooperativeWorker(rw)
     try:
         yield w
         w.check_finished()
         ctx.result = rw.exit_cleanly()
     except BaseException as e:
+        ctx.error = e
         rw.report_failure(e, loop=is_loop_error(e))
         raise
     finally:

@@ -174,7 +174,7 @@ class RankWorker:
     def __init__(self, spec: dict[str, Any], rank: int, local_rank: int,
                  rendezvous: dict[str, Any] | Callable[[], dict[str, Any]], owns_process: bool = True) -> None:
         """``rendezvous``: the coordinator's address, or a wait for it, called once the replica, its optimizer
-        and its data are built (their imports and set-up, seconds, overlap the coordinator's start-up).
+        and its data set are built (their imports and set-up, seconds, overlap the coordinator's start-up).
         ``owns_process``: the rank is its process's only job, so a stuck main thread may be ended by
         exiting (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead)."""
         cfg = load_config(spec["config"])
