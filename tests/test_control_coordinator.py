@@ -152,6 +152,33 @@ def test_preemption_without_progressive_dispatch_runs_one_consensus_reduce_first
     assert h.co.life.status is Status.PREEMPTED
 
 
+def test_a_preemption_with_no_reduce_coming_fires_one_for_a_coverage_granular_bundle(tmp_path):
+    """Both ranks wait mid-chunk (a gate, a slow read) when the time limit comes: no reduce would finish on its
+    own. The coordinator fires one after PREEMPT_ARM_FALLBACK_S, so the bundle records what the open epoch
+    trained; an epoch-granular bundle would retrain those picks on resume (CI: the SLURM time-limit test)."""
+    from flodl_exp.control.preemption import PREEMPT_ARM_FALLBACK_S
+
+    h = Harness(tmp_path, "cpu_cadence", world=2)
+    plans = h.start()
+    for r in (0, 1):
+        h.batches(r, plans[r][0].chunk, 2)
+    h.transport.take()
+    h.co.preemption.request_preempt()
+    h.tick()
+    assert h.co.preemption.request.stage is Stage.ARMED
+    h.pass_time(PREEMPT_ARM_FALLBACK_S + 1, alive=[0, 1])
+    h.tick()
+    assert h.co.life.phase is Phase.TRAINING and [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
+    h.snapshot(0, 2, 1.0)
+    h.snapshot(1, 2, 3.0)
+    assert h.co.life.phase is Phase.PREEMPTING
+    _save_all(h, [0, 1])
+    meta = json.load(open(h.co.preemption.request.stem + ".meta.json"))
+    assert meta["save_reason"] == "preempted" and meta["coverage"]["per_epoch"], meta["coverage"]
+    trained = meta["coverage"]["per_epoch"][0]
+    assert trained["epoch"] == 0 and h.co.life.status is Status.PREEMPTED
+
+
 def test_a_preemption_bundle_not_written_in_time_fails_the_run(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=2)
     h.start()

@@ -3,7 +3,8 @@ record the request, the coordinator's tick acts on it here).
 
 * Preemption / time limit (``SIGUSR1`` from task 0, see jobs/job.py): in progressive
   modes the coverage of every open epoch is snapshotted at the next reduce finish,
-  exactly like ``at_epoch``; otherwise one consensus reduce, then an epoch-granular
+  exactly like ``at_epoch`` (when none comes within PREEMPT_ARM_FALLBACK_S, one is fired for it; an
+  epoch-granular bundle only if that one does not finish either); otherwise one consensus reduce, then an epoch-granular
   bundle (the open epoch restarts on resume). Every live rank saves, the meta is
   written, ``preempted.json`` tells task 0 where the bundle is, and the run stops
   with status PREEMPTED (MLflow run left RUNNING: the requeued job resumes into it).
@@ -124,8 +125,21 @@ class Preemption:
         if p.stage is Stage.REQUESTED:
             self._begin(p)
         elif p.stage is Stage.ARMED and self._cycle.in_flight is None and now - p.armed_at > PREEMPT_ARM_FALLBACK_S:
-            log.warning("preemption: no reduce finished within %.0fs: saving an epoch-granular bundle", PREEMPT_ARM_FALLBACK_S)
-            self._save(p, coverage=False)
+            alive = self._cohort.alive_ranks()
+            if not self._cycle.any_steps(alive):  # nothing trained since the last reduce: its coverage is exact now
+                self._save(p, coverage=True)
+            elif not p.reduce_triggered and self.world_size > 1:
+                # No reduce came (the ranks wait on something: a slow data read, a gate): fire one, so the bundle
+                # is still coverage-granular (on_reduce_finished). An epoch-granular one would train the open
+                # epoch's finished picks twice on resume.
+                p.reduce_triggered = True
+                log.warning("preemption: no reduce finished within %.0fs: firing one for the bundle's coverage",
+                            PREEMPT_ARM_FALLBACK_S)
+                self._cycle.trigger(alive)
+            elif now - p.armed_at > 2 * PREEMPT_ARM_FALLBACK_S:
+                log.warning("preemption: no reduce finished within %.0fs: saving an epoch-granular bundle",
+                            2 * PREEMPT_ARM_FALLBACK_S)
+                self._save(p, coverage=False)
         elif p.stage is Stage.REDUCE and self._cycle.in_flight is None:
             alive = self._cohort.alive_ranks()
             if not p.reduce_triggered and self.world_size > 1 and self._cycle.any_steps(alive):
