@@ -463,3 +463,11 @@ def test_reopen_serves_a_completed_range_again_before_anything_else():
     assert not pool.is_epoch_done() and pool.uncovered_ranges() == [(8, 88)]  # reopened + never taken, coalesced
     assert pool.take_chunk(16, 1) == (8, 8), "reclaimed work first"
     assert pool.reopen(1, 0, 100) == 0, "nothing completed: nothing to reopen"
+
+
+def test_subtract_ranges():
+    from flodl_exp.control.chunk_pool import subtract_ranges
+
+    assert subtract_ranges([(0, 100)], [(10, 20), (50, 10)]) == [(0, 10), (30, 20), (60, 40)]
+    assert subtract_ranges([(0, 10), (20, 10)], [(5, 20)]) == [(0, 5), (25, 5)]
+    assert subtract_ranges([(0, 10)], [(0, 10)]) == [] and subtract_ranges([(0, 10)], []) == [(0, 10)]

@@ -175,8 +175,13 @@ def test_a_preemption_with_no_reduce_coming_fires_one_for_a_coverage_granular_bu
     _save_all(h, [0, 1])
     meta = json.load(open(h.co.preemption.request.stem + ".meta.json"))
     assert meta["save_reason"] == "preempted" and meta["coverage"]["per_epoch"], meta["coverage"]
-    trained = meta["coverage"]["per_epoch"][0]
-    assert trained["epoch"] == 0 and h.co.life.status is Status.PREEMPTED
+    cov = meta["coverage"]["per_epoch"][0]
+    assert cov["epoch"] == 0 and h.co.life.status is Status.PREEMPTED
+    # the two batches each rank trained of its in-flight chunk are in the saved consensus: covered, not retrained
+    for r in (0, 1):
+        start = plans[r][0].offset
+        assert not any(o <= start < o + s or o < start + 2 * BATCH <= o + s for o, s in cov["uncovered_ranges"]), cov
+        assert any(o == start + 2 * BATCH for o, _ in cov["uncovered_ranges"]), "the rest of the chunk is uncovered"
 
 
 def test_a_preemption_bundle_not_written_in_time_fails_the_run(tmp_path):

@@ -269,6 +269,20 @@ def _coalesce(ranges: list[Range]) -> list[Range]:
     return [(o, s) for o, s in out]
 
 
+def subtract_ranges(ranges: list[Range], minus: list[Range]) -> list[Range]:
+    """``ranges`` without every sample in ``minus`` (both [offset, size] lists), sorted and coalesced."""
+    out: list[Range] = []
+    for o, s in ranges:
+        segs = [(o, o + s)]
+        for mo, ms in minus:
+            a, b = mo, mo + ms
+            segs = [piece for x, y in segs
+                    for piece in (((x, y),) if b <= x or a >= y else ((x, a), (b, y)))
+                    if piece[1] > piece[0]]
+        out += [(x, y - x) for x, y in segs]
+    return _coalesce(out)
+
+
 # -- final reduce window (§5.5) ----------------------------------------------
 def _fastest_alive(counts: list[int], alive: list[bool]) -> int | None:
     best = None

@@ -430,10 +430,12 @@ class Coordinator:
 
     def _on_ack(self, r: int, ack: SyncAck) -> None:
         self.cycle.on_ack(r, ack)
+        self.dispatch.on_answer(r)
         self._try_finish_reduce()
 
     def _on_snapshot(self, r: int, snap: Snapshot) -> None:
         self.cycle.on_snapshot(r, snap)
+        self.dispatch.on_answer(r)
         self._try_finish_reduce()
 
     def _on_metrics(self, r: int, m: ChunkMetrics) -> None:

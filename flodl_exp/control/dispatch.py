@@ -35,6 +35,7 @@ from .chunk_pool import (
     reduce_budget,
     refresh_final_window_plan,
     stage_advisory,
+    subtract_ranges,
 )
 from .cohort import Cohort
 from .cycle import AveragingCycle
@@ -98,6 +99,9 @@ class Dispatcher:
         self.chunks: dict[int, Chunk] = {}
         """chunk id -> every chunk sent and not yet reported."""
         self.progress: list[dict[int, int]] = [{} for _ in range(world_size)]
+        self.answered: list[dict[int, int]] = [{} for _ in range(world_size)]
+        """Each rank's ``progress`` when its answer to the latest reduce came (its ack or snapshot): the batches
+        of its in-flight chunks that reduce holds (later ones arrive after the answer on the same connection)."""
         """rank -> chunk id -> batches reported trained."""
         self.unreduced_chunks: list[list[tuple[int, list[tuple[int, int]]]]] = [[] for _ in range(world_size)]
         """rank -> (epoch, trained ranges) of each chunk it finished since its last reduce."""
@@ -359,6 +363,10 @@ class Dispatcher:
     def on_batch(self, r: int, chunk: int) -> None:
         self.progress[r][chunk] = self.progress[r].get(chunk, 0) + 1
 
+    def on_answer(self, r: int) -> None:
+        """Rank r answered a reduce: what its in-flight chunks trained so far is in that reduce."""
+        self.answered[r] = dict(self.progress[r])
+
     def on_reduce_finished(self, members: Iterable[int]) -> None:
         """What the members trained so far is in the consensus: their finished chunks are safe."""
         for r in members:
@@ -443,10 +451,18 @@ class Dispatcher:
             self.after_finish()
 
     def open_coverage(self) -> list[dict[str, Any]]:
-        """Coverage of every open epoch (in-flight chunks count as uncovered): what a mid-epoch bundle resumes."""
-        return [{"epoch": e, "total_samples": pool.total_samples,
-                 "uncovered_ranges": [list(rg) for rg in pool.uncovered_ranges()]}
-                for e, pool in sorted(self.pools.items()) if e > self.last_aggregated]
+        """Coverage of every open epoch at a reduce finish: what a mid-epoch bundle resumes. An in-flight chunk
+        counts as uncovered but for the prefix its rank had trained when it answered that reduce (it is in the
+        consensus the bundle saves: resuming would train it twice)."""
+        out = []
+        for e, pool in sorted(self.pools.items()):
+            if e <= self.last_aggregated:
+                continue
+            trained = [(ch.offset, min(self.answered[ch.rank].get(cid, 0) * self.bs, ch.size))
+                       for cid, ch in self.chunks.items() if ch.epoch == e]
+            uncovered = subtract_ranges(pool.uncovered_ranges(), [t for t in trained if t[1] > 0])
+            out.append({"epoch": e, "total_samples": pool.total_samples, "uncovered_ranges": [list(rg) for rg in uncovered]})
+        return out
 
     def all_aggregated(self) -> bool:
         return self.last_aggregated >= self.epochs - 1
