@@ -29,6 +29,7 @@ from .channels import EventLog, Outbox
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
+from .intents import Intents
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -311,7 +312,8 @@ class Checkpoints:
     """
 
     def __init__(self, *, every: int, at_epoch: Optional[int], epochs: int, progressive: bool, world_size: int,
-                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, events: EventLog) -> None:
+                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, events: EventLog,
+                 intents: Intents) -> None:
         self.every = every
         self.at_epoch = at_epoch if progressive else None
         self.epochs = epochs
@@ -329,10 +331,8 @@ class Checkpoints:
         self.coverage_bundle: Optional[CoverageBundle] = None
         """A coverage bundle whose pieces are being written (its meta follows)."""
         self.at_epoch_done = False
-        self.requested = False
-        """Progressive: a cooperative loop asked for a bundle (w.request_checkpoint): taken at the next reduce finish."""
-        self.requested_upto = -1
-        """The cohort's epoch at the last bundle taken: a request for an epoch up to it is answered (a duplicate)."""
+        self._intents = intents
+        """Progressive: a cooperative loop's ``w.request_checkpoint()`` is taken at the next reduce finish."""
         if self.at_epoch is not None:
             dispatch.epoch_ceiling = self.at_epoch
 
@@ -383,18 +383,12 @@ class Checkpoints:
             nxt = (reached // self.every + 1) * self.every
             self.next_periodic = nxt if nxt < self.epochs else None
             self._take(self._writer.stem_for("epoch", due), "periodic", f"checkpoints/epoch{due}", due)
-        elif self.requested:
-            self.requested = False
+        elif self._intents.due("checkpoint", reached):
             self._take(self._writer.stem_for("requested", reached), "requested", f"checkpoints/requested{reached}", reached)
 
-    def request(self, epoch: int) -> None:
-        """A loop asked for a bundle during ``epoch``: the next reduce finish takes one, unless one taken since did."""
-        if epoch > self.requested_upto:
-            self.requested = True
-
     def _take(self, stem: str, reason: str, artifact_path: str, asked: int) -> None:
-        self.requested = False  # any bundle answers a pending request
-        self.requested_upto = max((self._dispatch.rank_epoch[r] for r in self._cohort.alive_ranks()), default=-1)
+        reached = max((self._dispatch.rank_epoch[r] for r in self._cohort.alive_ranks()), default=-1)
+        self._intents.answer("checkpoint", reached)  # any bundle answers the requests of the epochs it covers
         coverage = self._dispatch.open_coverage()
         lowest = min((p["epoch"] for p in coverage), default=self._dispatch.current_epoch())
         self.coverage_bundle = CoverageBundle(stem, lowest, reason, artifact_path, coverage)

@@ -123,9 +123,12 @@ class Coordinator:
             sink=sink, facts=MetaFacts(world_size=w, epochs=self.epochs, experiment=cfg.experiment.name,
                                        guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
                                        shuffle_seed=int(spec.get("shuffle_seed", cfg.seed))))
+        self.intents = Intents()
+        """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
         self.checkpoints = Checkpoints(
             every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs, progressive=shape.progressive,
-            world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, events=self.events)
+            world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, events=self.events,
+            intents=self.intents)
         self.faults = FaultHandler(
             world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
@@ -171,8 +174,7 @@ class Coordinator:
             Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: self._on_heartbeat,
             EpochFnResult: self._on_epoch_fn, Intent: self._on_intent, LoopNotice: self._on_loop_notice,
         }
-        self.intents = Intents()
-        """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
+        self._first_batch_seen = False
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
@@ -422,7 +424,8 @@ class Coordinator:
         handler(r, payload)
 
     def _on_batch(self, r: int, b: Batch) -> None:
-        if not any(self.cohort.batches):  # the run's first trained batch (start-up ends here: bench_startup)
+        if not self._first_batch_seen:  # the run's first trained batch (start-up ends here: bench_startup)
+            self._first_batch_seen = True
             self.events.emit({"event": "first_batch", "rank": r})
         self.cohort.batches[r] += 1
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
@@ -461,21 +464,16 @@ class Coordinator:
             log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
             return
         self.events.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
-        if self.life.phase not in TRAINING_PHASES:
-            return  # the run's end (its final eval and bundle) answers it
-        if i.kind == "checkpoint" and self.checkpoints.progressive:
-            self.checkpoints.request(i.epoch)  # taken at the next reduce finish, unless one since answers it
-            return
-        if not self.intents.ask(i.kind, i.epoch):
-            return  # a boundary already answered it (another rank asked first)
+        if self.life.phase not in TRAINING_PHASES or not self.intents.ask(i.kind, i.epoch):
+            return  # the run's end (its final eval and bundle) answers it, or a boundary already did
         if i.kind == "eval" and self.intents.due("eval", self.dispatch.last_aggregated):
             # its boundary passed before the intent came (a sync loop asks once the next epoch's plan is in):
             # evaluate now, not an epoch late
-            e, cb = self.dispatch.last_aggregated, self.cohort.callback_rank
+            e = self.dispatch.last_aggregated
             self.intents.answer("eval", e)
-            if e != self.epochs - 1 and self.eval_pending is None and self.cohort.alive(cb):
-                self.eval_pending, self.eval_pending_epoch = cb, e
-                self.outbox.send(cb, ExecuteEval(epoch=e))
+            if e != self.epochs - 1 and self.eval_pending is None:
+                self._send_eval(e)
+        # a bundle: at the next epoch boundary (_on_epoch_aggregated), or the next reduce finish when progressive
 
     def _on_loop_notice(self, r: int, n: LoopNotice) -> None:
         log.error("%s", n.message)
@@ -529,14 +527,13 @@ class Coordinator:
         self.outbox.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
         self.events.emit({"event": "epoch", "epoch": e,
                           **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
-        cb = self.cohort.callback_rank
         last = e == self.epochs - 1  # the final eval and bundle answer every intent
         periodic = self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0
-        if (self.intents.due("eval", e) or periodic) and not last and self.cohort.alive(cb):
-            self.eval_pending, self.eval_pending_epoch = cb, e
-            self.outbox.send(cb, ExecuteEval(epoch=e))
+        if (self.intents.due("eval", e) or periodic) and not last and self._send_eval(e):
             self.intents.answer("eval", e)
-        bundle = (self.intents.due("checkpoint", e) or self.checkpoints.periodic_due(e)) and not last
+        # (progressive modes take both kinds of bundle at a reduce finish instead: Checkpoints.maybe_coverage_bundle)
+        bundle = not last and not self.checkpoints.progressive and (
+            self.intents.due("checkpoint", e) or self.checkpoints.periodic_due(e))
         if bundle or last:
             self.intents.answer("checkpoint", e)
         if last:
@@ -546,6 +543,16 @@ class Coordinator:
             self.enter(Phase.CHECKPOINTING)
 
     # -- eval, saves, end -----------------------------------------------------------
+    def _send_eval(self, e: int) -> bool:
+        """A periodic (or asked-for) eval of epoch e on the callback rank; False when that rank is dead. nccl:
+        no collective starts until it answers (eval_pending)."""
+        cb = self.cohort.callback_rank
+        if not self.cohort.alive(cb):
+            return False
+        self.eval_pending, self.eval_pending_epoch = cb, e
+        self.outbox.send(cb, ExecuteEval(epoch=e))
+        return True
+
     def _callback_slack(self) -> dict[int, float]:
         # The epoch whose last chunk is out; or, when it aggregated before this reduce finished (its chunks
         # done first, as in nccl cadence), the epoch whose eval is running now: the next window overlaps it.

@@ -160,7 +160,8 @@ class CooperativeWorker:
 
     def __init__(self, rw: RankWorker) -> None:
         self._rw = rw
-        self._optimizers: list[Any] = [rw.trainer.optimizer]
+        self._registered = {id(rw.trainer.optimizer)}
+        """``id()`` of each optimizer the loop may pass to ``w.step`` (``w.setup``'s, else ``w.optimizer``)."""
         self._started = False
         self._epoch: Optional[int] = None
         self._epoch_done = False
@@ -224,7 +225,7 @@ class CooperativeWorker:
             if foreign:
                 raise LoopMisuse(f"w.setup(): an optimizer ({type(o).__name__}) holds {len(foreign)} tensor(s) that are "
                                  "not parameters of w.model: only the replica's parameters are averaged")
-        self._optimizers = list(optimizers)
+        self._registered = {id(o) for o in optimizers}
         self._rw.trainer.use_optimizer(optimizers[0] if len(optimizers) == 1 else OptimizerSet(list(optimizers)))
 
     # -- the loop -----------------------------------------------------------
@@ -302,9 +303,8 @@ class CooperativeWorker:
             raise LoopMisuse("w.step() without a batch to book: it was already called for this batch, or it is "
                              "outside `for batch in w.batches():` (one w.step() per item)")
         self._rw.state = "train"  # the loop is back in flodl's hands: a hang from here is not a missing w.step
-        known = {id(o) for o in self._optimizers}
         for o in optimizers:
-            if id(o) not in known:
+            if id(o) not in self._registered:
                 raise LoopMisuse(f"w.step() got an optimizer ({type(o).__name__}) that w.setup() did not register: "
                                  "register every optimizer the loop steps with w.setup(...) first (bundles save them)")
         tr = self._rw.trainer
