@@ -1,6 +1,6 @@
 """ElChe heterogeneity benchmark vs PyTorch DDP on the simulated 3:1 rig.
 
-    python experiments/bench_hetero.py [--epochs N] [--out DIR] [--tracking-uri URI] [--quick]
+    python experiments/bench_hetero.py [--rig 3:1|1:1] [--epochs N] [--out DIR] [--tracking-uri URI] [--quick]
 
 One fixed experiment (``experiment=digits_wide``: a compute-bound 48/96/192-channel
 CNN on the digits data, batch 16, ~7 ms per train step on one CPU thread), run in one session as
@@ -19,6 +19,9 @@ from each run's event log (the flodl_exp job folder's ``events.jsonl``, which
 the DDP baseline writes in the same schema) and from MLflow; the script prints
 and writes ``<out>/hetero.md`` and ``<out>/hetero_loss.png``.
 
+``--rig 1:1`` runs the homogeneous rig instead (``cluster.rank_speeds=[1.0, 1.0]``): one solo run (its
+samples/s counted twice as the ideal), DDP and the five modes, default out ``outputs/bench-1to1``.
+
 Definitions (identical for every run):
 
 * **wall s** = training wall: from the moment every rank is up and training
@@ -30,6 +33,8 @@ Definitions (identical for every run):
 * **samples/s** = training samples of all epochs / wall s.
 * **efficiency** = samples/s / (solo_fast + solo_slow samples/s): 1.0 = the two
   ranks' standalone throughputs add up perfectly.
+* **first 3 epochs** = the same efficiency over epochs 0-2 only (the run's and the solo runs' own first
+  three epochs): the cold start, before ElChe has seen a reduce.
 * **syncs** = parameter averages (flodl_exp) or gradient all_reduces (DDP, one
   per step), summed over epochs; **mean sync ms** = the coordinator's reduce
   cycle wall (flodl_exp) or the all_reduce wall on the rank that arrives last
@@ -54,9 +59,11 @@ if ROOT not in sys.path:
 
 EXPERIMENT = "digits_wide"
 MLFLOW_EXPERIMENT = "bench_hetero"
-SPEEDS = (1.0, 0.33)
+RIGS: dict[str, tuple[float, ...]] = {"3:1": (1.0, 0.33), "1:1": (1.0, 1.0)}
 DEFAULT_EPOCHS = 10
 QUICK_EPOCHS = 3
+FIRST_EPOCHS = 3
+"""Epochs of the cold-start column."""
 
 # (name, kind, hydra overrides)
 RUNS: list[tuple[str, str, list[str]]] = [
@@ -74,9 +81,31 @@ RUNS: list[tuple[str, str, list[str]]] = [
     ("cpu_async+slowmo", "flodl", ["mode=cpu_async", "outer=slowmo", "cluster=local_hetero"]),
     ("cpu_async+diloco", "flodl", ["mode=cpu_async", "outer=diloco", "cluster=local_hetero"]),
 ]
-TARGET_MODES = ("nccl_cadence", "cpu_cadence")
-TARGET_SPEEDUP = 1.6
-TARGET_ACC_POINTS = 1.0
+_HOMOGENEOUS = ["cluster=local_hetero", "cluster.rank_speeds=[1.0,1.0]"]
+RUNS_1TO1: list[tuple[str, str, list[str]]] = [
+    ("solo_fast", "flodl", ["mode=nccl_sync", "cluster=local", "cluster.ranks_per_node=1", "cluster.rank_speeds=[1.0]"]),
+    ("ddp", "ddp", []),
+    *[(m, "flodl", [f"mode={m}", *_HOMOGENEOUS]) for m in ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")],
+]
+# (modes, x DDP samples/s, eval points vs the reference run, that run) per rig
+TARGETS: dict[str, list[tuple[tuple[str, ...], float, float, str]]] = {
+    "3:1": [(("nccl_cadence", "cpu_cadence"), 1.6, 1.0, "solo_fast")],
+    "1:1": [(("nccl_sync",), 1.0, 0.5, "ddp"), (("nccl_cadence", "cpu_cadence"), 1.4, 0.5, "ddp")],
+}
+TARGET_FIRST_EPOCHS = 0.75
+"""Cold start: nccl_cadence and cpu_cadence efficiency over the first 3 epochs on the 3:1 rig."""
+
+
+def runs_for(rig: str) -> list[tuple[str, str, list[str]]]:
+    return RUNS if rig == "3:1" else RUNS_1TO1
+
+
+def solo_sum(by: dict[str, dict], speeds: tuple[float, ...], key: str = "samples_per_s") -> float:
+    """Ideal samples/s: the solo runs' added up (one solo run counted once per rank on a homogeneous rig)."""
+    fast = by.get("solo_fast", {}).get(key) or float("nan")
+    if "solo_slow" in by:
+        return fast + (by["solo_slow"].get(key) or float("nan"))
+    return fast * len(speeds) if len(set(speeds)) == 1 else float("nan")
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -180,7 +209,7 @@ def run_ddp_inprocess(name: str, a: argparse.Namespace) -> dict:
 
     out_dir = os.path.join(a.out, "runs", name)
     t0 = time.monotonic()
-    res = ddp(experiment=EXPERIMENT, epochs=a.epochs, rank_speeds=SPEEDS, seed=a.seed, sleep_basis=a.ddp_sleep_basis,
+    res = ddp(experiment=EXPERIMENT, epochs=a.epochs, rank_speeds=a.speeds, seed=a.seed, sleep_basis=a.ddp_sleep_basis,
               out=out_dir, tracking_uri=a.tracking_uri, experiment_name=a.experiment_name,
               artifact_location=a.artifact_location, run_name=f"bench/{name}")
     launch_s = time.monotonic() - t0
@@ -194,7 +223,7 @@ def run_ddp_inprocess(name: str, a: argparse.Namespace) -> dict:
 def run_ddp(name: str, a: argparse.Namespace) -> dict:
     out_dir = os.path.join(a.out, "runs", name)
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "ddp_baseline.py"), "--experiment", EXPERIMENT,
-           "--epochs", str(a.epochs), "--seed", str(a.seed), "--rank-speeds", *map(str, SPEEDS),
+           "--epochs", str(a.epochs), "--seed", str(a.seed), "--rank-speeds", *map(str, a.speeds),
            "--out", out_dir, "--tracking-uri", a.tracking_uri, "--experiment-name", a.experiment_name,
            "--artifact-location", a.artifact_location, "--run-name", f"bench/{name}",
            "--sleep-basis", a.ddp_sleep_basis]
@@ -238,6 +267,9 @@ def summarize(rec: dict, client: Any) -> dict:
     s["final_loss"] = float(epochs[-1]["loss"])
     s["accuracy"] = float(final["eval/accuracy"]) if final and "eval/accuracy" in final else float("nan")
     s["curve"] = [(float(e["t"]) - t0, float(e["loss"])) for e in epochs]
+    if len(epochs) >= FIRST_EPOCHS:
+        head = epochs[:FIRST_EPOCHS]
+        s["first_samples_per_s"] = sum(float(e["samples"]) for e in head) / max(float(head[-1]["t"]) - t0, 1e-9)
     s["anchor_last"] = epochs[-1].get("anchor")
     # Diagnostics from MLflow (flodl_exp logs per-rank timing there; DDP has it in its events).
     if rec["kind"] == "flodl" and client is not None and rec.get("run_id"):
@@ -274,57 +306,75 @@ def fmt(x: Any, spec: str) -> str:
 def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], bench_wall: float, load: tuple,
            rounds: Optional[list[list[dict]]] = None) -> str:
     by = {r["name"]: r for r in rows}
-    solo_sum = (by.get("solo_fast", {}).get("samples_per_s") or float("nan")) + (by.get("solo_slow", {}).get("samples_per_s") or float("nan"))
+    ideal = solo_sum(by, a.speeds)
+    ideal_first = solo_sum(by, a.speeds, "first_samples_per_s")
     ddp_sps = by.get("ddp", {}).get("samples_per_s") or float("nan")
-    acc_fast = by.get("solo_fast", {}).get("accuracy", float("nan"))
+    speeds = ", ".join(f"{x:g}" for x in a.speeds)
     lines = [
         f"# ElChe heterogeneity benchmark vs PyTorch DDP ({time.strftime('%Y-%m-%d %H:%M:%S')})",
         "",
         f"Experiment `{EXPERIMENT}` (WideCNN {a.channels}/{2 * a.channels}/{4 * a.channels} channels, batch {a.batch_size}, Adam lr {a.lr} "
         f"(x2 linear scaling on 2 ranks{', warm-up + cosine schedule' if a.scheduled else ''}), {a.epochs} epochs of {a.train_samples} digits), rank_speeds "
-        f"[1.0, 0.33] on {os.cpu_count()} CPU cores, one torch thread per rank. "
+        f"[{speeds}] on {os.cpu_count()} CPU cores, one torch thread per rank. "
         f"**Fast-rank train step: {fmt(step_ms, '.1f')} ms** (solo_fast, measured this session: "
         "rank 0 compute_only_ms / batches).",
         "",
-        f"## 3:1 rig, {a.epochs} epochs, fast-rank train step {fmt(step_ms, '.1f')} ms (measured, solo_fast)"
+        f"## {a.rig} rig, {a.epochs} epochs, fast-rank train step {fmt(step_ms, '.1f')} ms (measured, solo_fast)"
         + (f"; {len(rounds)} rounds: per run the round with the median samples/s, efficiency and vs DDP = median "
            "of the per-round ratios (each round against its own solo and DDP runs)" if rounds and len(rounds) > 1 else ""),
         "",
-        "| run | wall s | samples/s | efficiency | vs DDP | syncs | mean sync ms | fast-rank batch share | final eval accuracy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| run | wall s | samples/s | efficiency | first {FIRST_EPOCHS} epochs | vs DDP | syncs | mean sync ms | fast-rank batch share | final eval accuracy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(rows):
         if rounds and len(rounds) > 1:  # paired: each round against its own solo/DDP runs, then the median
             eff = statistics.median(rd[i].get("round_efficiency", float("nan")) for rd in rounds)
+            eff3 = statistics.median(rd[i].get("round_first_efficiency", float("nan")) for rd in rounds)
             vs = statistics.median(rd[i].get("round_vs_ddp", float("nan")) for rd in rounds)
         else:
-            eff = r.get("samples_per_s", float("nan")) / solo_sum if solo_sum == solo_sum else float("nan")
-            vs = r.get("samples_per_s", float("nan")) / ddp_sps if ddp_sps == ddp_sps else float("nan")
+            eff = r.get("samples_per_s", float("nan")) / ideal
+            eff3 = r.get("first_samples_per_s", float("nan")) / ideal_first
+            vs = r.get("samples_per_s", float("nan")) / ddp_sps
         name = r["name"] + ("" if r.get("status") == "FINISHED" else f" ({r.get('status')})")
         lines.append(f"| {name} | {fmt(r.get('wall_s'), '.2f')} | {fmt(r.get('samples_per_s'), '.0f')} | {fmt(eff, '.2f')} | "
-                     f"{fmt(vs, '.2f')}x | {fmt(r.get('syncs'), 'd')} | {fmt(r.get('sync_ms'), '.1f')} | "
+                     f"{fmt(eff3, '.2f')} | {fmt(vs, '.2f')}x | {fmt(r.get('syncs'), 'd')} | {fmt(r.get('sync_ms'), '.1f')} | "
                      f"{fmt(r.get('fast_share'), '.2f')} | {fmt(r.get('accuracy'), '.4f')} |")
-        r["efficiency"], r["vs_ddp"] = eff, vs
+        r["efficiency"], r["first_efficiency"], r["vs_ddp"] = eff, eff3, vs
     lines += ["",
               "wall s = training wall from all-ranks-up to the last epoch's end (process start, data load, model build, "
               "final eval and checkpoint excluded; same definition for DDP and flodl_exp); samples/s = training samples / "
-              "wall s; efficiency = samples/s / (solo_fast + solo_slow samples/s); vs DDP = samples/s / DDP samples/s; "
+              "wall s; efficiency = samples/s / (solo_fast + solo_slow samples/s; on a homogeneous rig the one solo run's "
+              f"x {len(a.speeds)}); first {FIRST_EPOCHS} epochs = the same over epochs 0-{FIRST_EPOCHS - 1} (each run's "
+              "own, the solo runs' too); vs DDP = samples/s / DDP samples/s; "
               "syncs = parameter averages (flodl_exp) or gradient all_reduces (DDP, one per step); mean sync ms = "
               "coordinator reduce-cycle wall (flodl_exp) or all_reduce wall on the last-arriving rank (DDP).",
               ""]
     # Target check.
-    lines.append(f"Target: {', '.join(TARGET_MODES)} >= {TARGET_SPEEDUP}x DDP samples/s and eval accuracy within "
-                 f"{TARGET_ACC_POINTS:g} point of solo_fast ({fmt(acc_fast, '.4f')}).")
-    lines.append("")
-    for m in TARGET_MODES:
-        r = by.get(m)
-        if not r:
-            continue
-        ok_speed = r.get("vs_ddp", 0) >= TARGET_SPEEDUP
-        ok_acc = abs(r.get("accuracy", float("nan")) - acc_fast) * 100 <= TARGET_ACC_POINTS
-        lines.append(f"- {m}: {fmt(r.get('vs_ddp'), '.2f')}x DDP ({'met' if ok_speed else 'NOT met'}), accuracy "
-                     f"{fmt((r.get('accuracy', float('nan')) - acc_fast) * 100, '+.2f')} points vs solo_fast "
-                     f"({'met' if ok_acc else 'NOT met'})")
+    for modes, speedup, points, ref_name in TARGETS.get(a.rig, []):
+        ref_acc = by.get(ref_name, {}).get("accuracy", float("nan"))
+        lines.append(f"Target: {', '.join(modes)} >= {speedup:g}x DDP samples/s, eval accuracy within {points:g} "
+                     f"point of {ref_name} ({fmt(ref_acc, '.4f')}).")
+        lines.append("")
+        for m in modes:
+            r = by.get(m)
+            if not r:
+                continue
+            ok_speed = r.get("vs_ddp", 0) >= speedup
+            ok_acc = abs(r.get("accuracy", float("nan")) - ref_acc) * 100 <= points
+            lines.append(f"- {m}: {fmt(r.get('vs_ddp'), '.2f')}x DDP ({'met' if ok_speed else 'NOT met'}), accuracy "
+                         f"{fmt((r.get('accuracy', float('nan')) - ref_acc) * 100, '+.2f')} points vs {ref_name} "
+                         f"({'met' if ok_acc else 'NOT met'})")
+        lines.append("")
+    if a.rig == "3:1":
+        lines.append(f"Target (cold start): nccl_cadence, cpu_cadence >= {TARGET_FIRST_EPOCHS:g} efficiency over the first "
+                     f"{FIRST_EPOCHS} epochs.")
+        lines.append("")
+        for m in ("nccl_cadence", "cpu_cadence"):
+            r = by.get(m)
+            if r:
+                ok = r.get("first_efficiency", 0) >= TARGET_FIRST_EPOCHS
+                lines.append(f"- {m}: {fmt(r.get('first_efficiency'), '.2f')} ({'met' if ok else 'NOT met'})")
+        lines.append("")
     lines += ["", "Diagnostics (per run): fast/slow-rank mean train-step ms (compute incl. simulated slowdown, no "
               "communication), fast-rank batch fetch ms per batch, and mean idle fraction of the epoch wall; final ElChe anchor; subprocess wall (incl. "
               "start-up and teardown); 1-minute load average when the run started.", "",
@@ -381,11 +431,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="ElChe heterogeneity benchmark vs PyTorch DDP (3:1 simulated rig)")
     p.add_argument("--epochs", type=int, default=None, help=f"epochs per run (default {DEFAULT_EPOCHS}; --quick: {QUICK_EPOCHS})")
-    p.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench"), help="output folder (default outputs/bench)")
+    p.add_argument("--rig", choices=tuple(RIGS), default="3:1",
+                   help="3:1 (rank_speeds [1.0, 0.33], default) or 1:1 (homogeneous, [1.0, 1.0])")
+    p.add_argument("--out", default=None, help="output folder (default outputs/bench, outputs/bench-1to1 for --rig 1:1)")
     p.add_argument("--tracking-uri", default=None, help="MLflow URI (default sqlite:///<out>/mlflow.db)")
     p.add_argument("--experiment-name", default=MLFLOW_EXPERIMENT)
     p.add_argument("--quick", action="store_true", help=f"smoke check: {QUICK_EPOCHS} epochs")
-    p.add_argument("--runs", default=None, help="comma-separated subset of: " + ",".join(n for n, _, _ in RUNS))
+    p.add_argument("--runs", default=None, help="comma-separated subset of: " + ",".join(n for n, _, _ in RUNS)
+                   + " (--rig 1:1: " + ",".join(n for n, _, _ in RUNS_1TO1) + ")")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--ddp-sleep-basis", choices=("compute", "step"), default="compute",
                    help="DDP slow rank sleeps (1/s-1) x compute wall (default; like flodl_exp) or x step wall incl. all_reduce")
@@ -399,10 +452,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rerender", action="store_true",
                    help="no runs: rebuild hetero.md / hetero_loss.png from <out>/hetero.json of an earlier session")
     a = p.parse_args(argv)
+    a.out = a.out or os.path.join(ROOT, "outputs", "bench" if a.rig == "3:1" else "bench-1to1")
     if a.rerender:
         with open(os.path.join(os.path.abspath(a.out), "hetero.json")) as fh:
             saved = json.load(fh)
         a.epochs, a.repeat = saved["epochs"], saved.get("repeat", len(saved["rounds"]))
+        a.rig = saved.get("rig", "3:1")
+    a.speeds = RIGS[a.rig]
     a.epochs = a.epochs or (QUICK_EPOCHS if a.quick else DEFAULT_EPOCHS)
     a.launcher = a.launcher or ("inprocess" if a.quick else "subprocess")
     a.out = os.path.abspath(a.out)
@@ -419,8 +475,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from experiments.digits import DigitsDataset
 
     a.train_samples = len(DigitsDataset("train"))
-    wanted = [n.strip() for n in a.runs.split(",")] if a.runs else [n for n, _, _ in RUNS]
-    unknown = set(wanted) - {n for n, _, _ in RUNS}
+    runs = runs_for(a.rig)
+    wanted = [n.strip() for n in a.runs.split(",")] if a.runs else [n for n, _, _ in runs]
+    unknown = set(wanted) - {n for n, _, _ in runs}
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}")
 
@@ -431,7 +488,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     session = time.strftime("%Y%m%d-%H%M%S")
     t_bench = time.monotonic()
     load0 = os.getloadavg()[0]
-    print(f"bench_hetero: {len(wanted)} runs x {a.epochs} epochs of {EXPERIMENT}; out {a.out}; MLflow {a.tracking_uri}",
+    print(f"bench_hetero: {a.rig} rig, {len(wanted)} runs x {a.epochs} epochs of {EXPERIMENT}; out {a.out}; MLflow {a.tracking_uri}",
           flush=True)
     from flodl_exp.tracking import client as mlflow_client
 
@@ -441,7 +498,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.repeat > 1:
             print(f" round {rnd + 1}/{a.repeat}", flush=True)
         got: list[dict] = []
-        for name, kind, overrides in RUNS:
+        for name, kind, overrides in runs:
             if name not in wanted:
                 continue
             la = os.getloadavg()[0]
@@ -493,18 +550,21 @@ def report(rounds: list[list[dict]], a: argparse.Namespace, bench_wall: float, l
     step_ms = by.get("solo_fast", {}).get("rank0_step_ms")
     for rd in rounds:  # per-round efficiency / vs DDP against that round's own references
         rb = {r["name"]: r for r in rd}
-        solo = (rb.get("solo_fast", {}).get("samples_per_s") or float("nan")) + (rb.get("solo_slow", {}).get("samples_per_s") or float("nan"))
+        solo = solo_sum(rb, a.speeds)
+        solo_first = solo_sum(rb, a.speeds, "first_samples_per_s")
         ddp = rb.get("ddp", {}).get("samples_per_s") or float("nan")
         for r in rd:
             r["round_efficiency"] = (r.get("samples_per_s") or float("nan")) / solo
+            r["round_first_efficiency"] = (r.get("first_samples_per_s") or float("nan")) / solo_first
             r["round_vs_ddp"] = (r.get("samples_per_s") or float("nan")) / ddp
     md = render(rows, a, step_ms, bench_wall, load, rounds)
     md_path, png_path = os.path.join(a.out, "hetero.md"), os.path.join(a.out, "hetero_loss.png")
     with open(md_path, "w") as fh:
         fh.write(md)
-    plot(rows, png_path, f"{EXPERIMENT}, rank_speeds [1.0, 0.33], {a.epochs} epochs: training loss vs wall time")
+    plot(rows, png_path, f"{EXPERIMENT}, rank_speeds [{', '.join(f'{x:g}' for x in a.speeds)}], {a.epochs} epochs: "
+         "training loss vs wall time")
     with open(os.path.join(a.out, "hetero.json"), "w") as fh:
-        json.dump({"session": session, "epochs": a.epochs, "repeat": len(rounds), "bench_wall_s": bench_wall,
+        json.dump({"session": session, "epochs": a.epochs, "rig": a.rig, "repeat": len(rounds), "bench_wall_s": bench_wall,
                    "load": list(load), "rows": rows, "rounds": rounds}, fh, indent=1, default=str)
     print()
     print(md)

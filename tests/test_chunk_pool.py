@@ -393,7 +393,10 @@ def test_ccb_edge_schedule_capped():
 
 
 def test_ccb_schedule_exact_for_barrier_paced():
-    assert ccb(barrier_paced=True, is_async=False, steps=[9, 0]) == 10  # no cap
+    assert ccb(barrier_paced=True, is_async=False) == 10  # a whole window at its start
+    # Mid-window (only after the cold-start probe re-sized a window a rank had begun): its rest. The
+    # reference never asks then (its counts move only at a reduce), so it is uncapped there.
+    assert ccb(barrier_paced=True, is_async=False, steps=[4, 0]) == 6
     assert ccb(barrier_paced=True, is_async=False, calibrated=False) == 10
 
 

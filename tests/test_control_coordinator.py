@@ -640,3 +640,45 @@ def test_a_dead_ranks_forfeit_in_an_epoch_the_survivors_left_is_trained_first(tm
     got = [(r, p.epoch) for r, p in h.transport.take(StartEpoch)]
     assert any(e == 0 for _, e in got), f"the survivors were handed {got}, not rank 1's epoch-0 remainder"
     assert d.pools[0].remaining() < plans[1][0].size
+
+
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
+def test_a_cold_start_probe_hands_the_fast_rank_the_rest_of_a_window_sized_by_speed(tmp_path, mode):
+    """Before any reduce, the first window is [anchor] * W: on a 3:1 rig the fast rank would idle through two
+    thirds of it. Once every rank has timed its first steps, ElChe re-sizes the window in progress and the
+    fast rank is handed the rest of its (larger) share; the reduce waits for it."""
+    from flodl_exp.protocol import Batch, ChunkMetrics
+
+    h = Harness(tmp_path, mode, world=2, epochs=2)
+    plans = h.start(samples=960)  # 120 batches of 8
+    first = {r: plans[r][0] for r in (0, 1)}
+
+    def step(r: int, ms: float) -> None:
+        h.msg(r, Batch(ms=ms, data_ms=0.1, chunk=first[r].chunk, loss=1.0, lr=0.1))
+
+    n0 = first[0].size // BATCH
+    for _ in range(n0):  # the fast rank trains its whole first chunk at 5 ms a step
+        step(0, 5.0)
+    h.msg(0, ChunkMetrics(epoch=0, chunk=first[0].chunk, avg_loss=1.0, batches=n0, samples=n0 * BATCH, epoch_ms=5.0 * n0,
+                          share_complete_ms=5.0 * n0, compute_only_ms=5.0 * n0, data_starve_ms=0.0,
+                          ranges=[[first[0].offset, n0 * BATCH]]))
+    for ms in (40.0, 15.0, 15.0):  # the slow rank's first steps: a slow warm-up step, then 3x the fast one
+        step(1, ms)
+    probe = [e for e in _events(h) if e["event"] == "probe"]
+    assert probe and probe[0]["ms_per_batch"] == [5.0, 15.0] and probe[0]["counts"] == [30, 10]
+    for _ in range(10):  # the fast rank trains what it is handed, as long as it is handed work
+        got = h.transport.take(StartEpoch, rank=0)
+        if not got:
+            break
+        for _, p in got:
+            h.finish_chunk(0, p)
+    assert h.co.cycle.in_flight is None, "no reduce before the slow rank ran its count"
+    if mode == "cpu_async":  # streams to its budget: count + overshoot
+        assert h.co.cycle.steps(0) >= 30
+    else:  # exactly the rest of its window
+        assert h.co.cycle.steps(0) == 30
+
+
+def _events(h: Harness) -> list[dict[str, Any]]:
+    with open(os.path.join(h.job_dir, "events.jsonl")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -405,3 +405,32 @@ def test_state_dict_of_uncalibrated_balancer() -> None:
     f.load_state_dict(d)
     assert not f.is_calibrated and f.batch_counts == [10, 10]
     assert all(math.isfinite(x) for x in d["smoothed_ms_per_batch"])
+
+
+def test_a_cold_start_probe_sizes_the_first_window_and_leaves_calibration_to_the_reduces() -> None:
+    e = ElChe(3, anchor=10)
+    assert e.seed_from_probe([10.0, 30.0, 20.0])
+    assert e.batch_counts == [30, 10, 15]
+    # nothing else moved: the first reduce's report calibrates by the reference's rules
+    assert not e.is_calibrated and e.phase is Phase.PROBE and e.anchor_rank is None and e.smoothed_ms(0) == 0.0
+    assert not e.seed_from_probe([10.0, 10.0, 10.0]), "once: the probed counts stand like a hint"
+    e.report_timing([100.0, 200.0, 200.0], [10, 10, 10], 1.0)
+    assert e.is_calibrated and e.batch_counts == [20, 10, 10]
+    assert not e.seed_from_probe([10.0, 30.0, 20.0]), "a calibrated schedule is not re-seeded"
+
+
+@pytest.mark.parametrize("ms", [[10.0, 0.0], [10.0, math.nan], [10.0, math.inf], [10.0]])
+def test_a_probe_without_a_positive_reading_for_every_rank_is_refused(ms: list[float]) -> None:
+    e = ElChe(2, anchor=10)
+    assert not e.seed_from_probe(ms)
+    assert e.batch_counts == [10, 10]
+
+
+def test_a_probe_keeps_the_users_speed_hint_and_the_window_cap() -> None:
+    hinted = ElChe(2, anchor=10).with_speed_ratio(1, 2.0)
+    assert not hinted.seed_from_probe([10.0, 50.0])
+    assert hinted.batch_counts == [20, 10]
+    capped = ElChe(2, anchor=10)
+    capped.set_max_total_batches(24)
+    assert capped.seed_from_probe([10.0, 50.0])
+    assert sum(capped.batch_counts) == 24 and capped.window_cap_binding

@@ -429,7 +429,9 @@ def compute_chunk_batches(*, rank: int, rem_batches: int, counts: list[int],
     if tc > 0 and rem < tc:
         return cap(min(c, rem))
     if barrier_paced and c > 0:
-        return min(c, rem)
+        # the rest of this window (all of it at a window's start; less after a cold-start probe
+        # re-sized the window a rank had already begun)
+        return cap(min(c, rem))
     if not calibrated and not has_speed_hint:
         probe = total_samples // max(world_size * 10 * batch_size, 1)
         return min(max(probe, 4), rem)

@@ -430,6 +430,11 @@ class Coordinator:
         self.cohort.batches[r] += 1
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
         self.dispatch.on_batch(r, b.chunk)
+        probe_ms = self.cycle.seed_from_probe(self.cohort.alive_ranks())
+        if probe_ms is not None:  # the first window re-sized by measured speed: the fast ranks get its rest
+            self.events.emit({"event": "probe", "ms_per_batch": [round(m, 3) for m in probe_ms],
+                              "counts": self.cycle.counts})
+            self.dispatch.after_finish()
 
     def _on_ack(self, r: int, ack: SyncAck) -> None:
         self.cycle.on_ack(r, ack)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -31,6 +32,9 @@ from .guards import ConvergenceGuard, DivergenceReport
 from .meta import LrEventMeta
 
 log = logging.getLogger("flodl_exp.coordinator")
+
+PROBE_STEPS = 3
+"""Steps each rank is timed before ElChe re-sizes the first window (the first, warm-up, is left out)."""
 
 
 @dataclass
@@ -138,6 +142,9 @@ class AveragingCycle:
         """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
         self.outer = OuterOptimizer(outer or OuterSpec())
         """cpu backend: the outer optimizer runs here, once per window (nccl: replicated on the ranks)."""
+        self._probe: Optional[list[list[float]]] = (
+            [[] for _ in range(world_size)] if elche is not None and policy != "sync" else None)
+        """Compute ms of each rank's first steps, until the cold-start probe has been taken (then None)."""
 
     # -- state ------------------------------------------------------------
     @property
@@ -165,6 +172,23 @@ class AveragingCycle:
         self.ledger[r].add(b.ms, b.data_ms, b.loss)
         if speaks_for_lr and b.lr is not None:
             self.lr_seen = b.lr
+        if self._probe is not None and len(self._probe[r]) < PROBE_STEPS:
+            self._probe[r].append(b.ms)
+
+    def seed_from_probe(self, alive: list[int]) -> Optional[list[float]]:
+        """Cold start (once per run): when every live rank has timed :data:`PROBE_STEPS` steps and no reduce
+        has calibrated ElChe yet, ElChe re-sizes the window in progress by those speeds (the median of each
+        rank's steps after its first), so the fast ranks do not idle through an equal first window. Returns
+        the per-rank ms it used when it did (the caller then hands the fast ranks the rest of their window),
+        None otherwise."""
+        probe, elche = self._probe, self.elche
+        if probe is None or elche is None or not alive or any(len(probe[r]) < PROBE_STEPS for r in alive):
+            return None
+        self._probe = None
+        ms = {r: statistics.median(probe[r][1:]) for r in alive}
+        slowest = max(ms.values())
+        per_rank = [ms.get(r, slowest) for r in range(self.world_size)]  # a dead rank weighs as the slowest
+        return per_rank if elche.seed_from_probe(per_rank) else None
 
     def on_ack(self, r: int, ack: SyncAck) -> None:
         red = self.in_flight

@@ -184,6 +184,27 @@ class ElChe:
         self._anchor_rank = rank
         return self
 
+    def seed_from_probe(self, ms_per_batch: Sequence[float]) -> bool:
+        """Cold start: size the first window from each rank's first timed steps, before any reduce.
+
+        Without this the first window runs on ``[anchor] * W`` and the fast ranks idle for most of it
+        (on a 3:1 rig, two thirds of the window). The probe only sets the counts, exactly as a first
+        calibration would (``anchor`` on the slowest rank, proportionally more on the others, the
+        window<=epoch cap); trust windows, phase, calibration count and the anchor rank are left
+        alone, so the first reduce's report calibrates by the reference's rules as before. Refused
+        (False) once calibrated, under a speed hint (the user's prior stands), or without a positive
+        finite reading for every rank.
+        """
+        if self._calibrated or self.has_speed_hint() or len(ms_per_batch) != self._w:
+            return False
+        ms = [float(m) for m in ms_per_batch]
+        if not all(math.isfinite(m) and m > 0 for m in ms):
+            return False
+        slow = max(ms)
+        self._counts = [max(_round(self._anchor * min(slow / m, MAX_SPEED_RATIO)), 1) for m in ms]
+        self._cap_to_max_total()
+        return True
+
     def set_max_total_batches(self, n: Optional[int]) -> None:
         """Cap ``sum(batch_counts)`` (the epoch's batch count) so a window never spans
         more than one epoch; 0/None removes the cap."""
@@ -519,6 +540,10 @@ class ElChe:
                 else:
                     new = target
                 self._counts[r] = new
+        self._cap_to_max_total()
+        self._pending_slack = [0.0] * self._w  # consumed exactly once
+
+    def _cap_to_max_total(self) -> None:
         self._window_cap_binding = False
         m = self._max_total
         total = sum(self._counts)
@@ -533,7 +558,6 @@ class ElChe:
                 top = max(self._counts)
                 fastest = max(r for r in range(self._w) if self._counts[r] == top)
                 self._counts[fastest] += rem
-        self._pending_slack = [0.0] * self._w  # consumed exactly once
 
     def _advance_phase(self) -> None:
         if self._phase is Phase.PROBE:
