@@ -204,6 +204,11 @@ class ExperimentConfig:
     rank (the callback rank) before it trains each epoch; what it returns is logged as ``epoch_fn/<name>``."""
     batch_size: int = 32
     epochs: int = 1
+    data_dir: Optional[str] = None
+    """A local data folder the preset's data factories read (MNIST IDX files, CIFAR-10 binary batches); unset =
+    the preset's offline default. Only presets that interpolate ``${experiment.data_dir}`` use it."""
+    data_path: Optional[str] = None
+    """A local data file (a plain-text corpus for the language models), as ``data_dir``."""
 
 
 @dataclass
@@ -214,6 +219,8 @@ class TrackingConfig:
     artifact_location: Optional[str] = None
     """Unset = <cwd>/outputs/mlartifacts for the embedded store."""
     run_name: Optional[str] = None
+    log_model: bool = True
+    """Log the final consensus model as an MLflow model (``runs:/<run_id>/model``) besides the bundle."""
 
 
 @dataclass

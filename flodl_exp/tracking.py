@@ -216,6 +216,15 @@ class MlflowSink:
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
         self._put("artifact", (path, artifact_path))
 
+    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
+        """The run's data sets (:func:`flodl_exp.model_export.dataset_input` dicts) as MLflow inputs."""
+        if inputs:
+            self._put("inputs", list(inputs))
+
+    def log_model(self, stem: str, experiment: Mapping[str, Any]) -> None:
+        """The bundle ``stem``'s consensus model as an MLflow model (built from the ``experiment`` config)."""
+        self._put("model", (stem, dict(experiment)))
+
     @property
     def pending(self) -> int:
         """Records not yet delivered (buffered or being delivered)."""
@@ -241,6 +250,21 @@ class MlflowSink:
                 c.log_artifacts(self.run_id, path, ap)
             elif os.path.exists(path):
                 c.log_artifact(self.run_id, path, ap)
+        elif kind == "inputs":
+            from .model_export import log_inputs
+
+            log_inputs(c, self.run_id, payload)
+        elif kind == "model":
+            from .model_export import log_consensus_model
+
+            stem, experiment = payload
+            try:
+                uri = log_consensus_model(self.uri, self.run_id, stem, experiment)
+            except Exception as e:  # the model (not the store) failed: say so on the run, do not retry it
+                log.warning("consensus model not logged to MLflow: %s", e)
+                c.set_tag(self.run_id, "log_model_error", f"{type(e).__name__}: {e}"[:2000])
+            else:
+                log.info("consensus model logged: %s", uri)
 
     def _take(self) -> list[tuple[str, Any]]:
         """The next delivery: consecutive metric records coalesced (up to 900 points), else one record."""

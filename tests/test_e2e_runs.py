@@ -38,7 +38,8 @@ def test_single_rank_run_logs_to_mlflow(store):
     """Also (issue 14): a password in the tracking URI is written nowhere, and the job folder is owner-only."""
     uri = f"{store['uri']}?password={SECRET}"
     args = [a for a in base_overrides(store) if not a.startswith("tracking.uri=")]
-    r = run_cli([*args, f"tracking.uri='{uri}'", "experiment=digits_mlp", "cluster.ranks_per_node=1", "experiment.epochs=5"])
+    r = run_cli([*args, f"tracking.uri='{uri}'", "experiment=digits_mlp", "cluster.ranks_per_node=1", "experiment.epochs=5",
+                 "tracking.log_model=true"])
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     job, run_id = job_dir_of(r.stdout), run_id_of(r.stdout)
     _assert_private(store, job, uri, r.stdout, run_id)
@@ -56,6 +57,28 @@ def test_single_rank_run_logs_to_mlflow(store):
     assert "checkpoints/final.pt" in arts
     assert_exact_coverage(res, 32)
     assert not any(alive(p) for p in pids_of(job))
+    _assert_inputs_and_model(store, run_id, run.data.metrics["eval/accuracy"])
+
+
+def _assert_inputs_and_model(store, run_id: str, accuracy: float) -> None:
+    """Issue 17: the data sets are the run's MLflow inputs, and the consensus model loads back with
+    mlflow.pytorch.load_model and evaluates to the run's own final eval accuracy."""
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    from experiments.digits import DigitsDataset, evaluate
+
+    run = MlflowClient(store["uri"]).get_run(run_id)
+    got = {(i.dataset.name, i.tags[0].value) for i in run.inputs.dataset_inputs}
+    assert got == {("DigitsDataset/train", "training"), ("DigitsDataset/test", "eval")}
+    assert all(len(i.dataset.digest) == 16 for i in run.inputs.dataset_inputs)
+    assert "log_model_error" not in run.data.tags
+    mlflow.set_tracking_uri(store["uri"])
+    model = mlflow.pytorch.load_model(f"runs:/{run_id}/model")
+    info = mlflow.models.get_model_info(f"runs:/{run_id}/model")
+    assert info.signature is not None and info.saved_input_example_info is not None
+    assert evaluate(model, DigitsDataset("test"), torch.device("cpu"))["accuracy"] == pytest.approx(accuracy, abs=1e-6)
 
 
 def _assert_private(store, job, uri, stdout, run_id) -> None:

@@ -175,6 +175,7 @@ class Coordinator:
             EpochFnResult: self._on_epoch_fn, Intent: self._on_intent, LoopNotice: self._on_loop_notice,
         }
         self._first_batch_seen = False
+        self._inputs_logged = False
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
@@ -403,6 +404,9 @@ class Coordinator:
         self.cohort.join(r, self.clock())
         self.records.hosts[r] = str(hello.get("host", "unknown"))
         self.devices[r] = RankDevice.of(r, hello)
+        if hello.get("inputs") and not self._inputs_logged:  # rank 0's data sets, once (a rejoin sends them again)
+            self._inputs_logged = True
+            self.sink.log_inputs(list(hello["inputs"]))
         self.total_picks = int(hello.get("samples", 0)) * max(1, self.cfg.data_plane.augment)
         log.info("rank %d joined from %s (%s)", r, hello.get("host"), hello.get("device"))
         self.events.emit({"event": "joined", "rank": r, "pid": hello.get("pid"), "host": hello.get("host"),

@@ -74,6 +74,9 @@ def main(argv: list[str]) -> int:
     signals = _Signals(slurm)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s", stream=sys.stderr)
     job_dir = os.path.dirname(os.path.abspath(spec_path))
+    for path in reversed(spec.get("import_paths") or []):  # the experiment's modules (the logged model is built here)
+        if path not in sys.path:
+            sys.path.insert(0, path)
 
     from .. import wire
     from ..config import RunShape, load_config
@@ -194,6 +197,8 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
         for suffix in (".pt", ".optim.pt", ".meta.json"):
             if os.path.exists(stem + suffix):
                 sink.log_artifact(stem + suffix, "checkpoints")
+        if cfg.tracking.log_model and os.path.exists(stem + ".pt"):
+            sink.log_model(stem, spec["config"]["experiment"])
     sink.close(status)
     _record_tracking_loss(sink, result, result_path)
     server.close()

@@ -206,6 +206,7 @@ class RankWorker:
         )
         self.gamma = cfg.mode.gamma
         self.coord_timeout = cfg.cluster.heartbeat_timeout_s
+        inputs = self._describe_inputs(cfg, exp) if rank == 0 else []
         if callable(rendezvous):
             rendezvous = rendezvous()
         self.conn = wire.dial(rendezvous["host"], int(rendezvous["port"]), timeout=cfg.cluster.rendezvous_timeout_s)
@@ -213,7 +214,8 @@ class RankWorker:
         self.welcome = wire.client_handshake(
             self.conn, rendezvous["token"],
             {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(), "device": str(self.device),
-             "device_uuid": device_uuid(self.device), "device_score": cuda_device_score(self.device), "model_bytes": model_bytes, "samples": len(exp.train_data)},
+             "device_uuid": device_uuid(self.device), "device_score": cuda_device_score(self.device), "model_bytes": model_bytes, "samples": len(exp.train_data),
+             "inputs": inputs},
             timeout=cfg.cluster.rendezvous_timeout_s,
         )
         self.conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
@@ -260,6 +262,23 @@ class RankWorker:
             on_wait=self.drain, should_stop=lambda: self.stopping)
         self.telemetry = Telemetry(self.conn.send, self.device, rank=rank).start()
 
+
+    @staticmethod
+    def _describe_inputs(cfg: Any, exp: Any) -> list[dict[str, Any]]:
+        """Rank 0's data sets as MLflow inputs (name, digest, source), for the coordinator to log: computed here,
+        from the data sets already built, while the coordinator starts."""
+        from ..experiment import _to_container
+        from ..model_export import dataset_input
+
+        node = _to_container(cfg.experiment)
+        out = []
+        try:
+            out.append(dataset_input("training", exp.train_data, node.get("train_data")))
+            if exp.eval_data is not None:
+                out.append(dataset_input("eval", exp.eval_data, node.get("eval_data")))
+        except Exception as e:  # a description is a record, never a reason to fail the rank
+            log.warning("data sets not described for MLflow: %s", e)
+        return out
     def load_resumed_optimizer(self) -> None:
         """The optimizer state of the resume bundle (this rank's piece, else the primary's), once."""
         from ..checkpoint import optim_path

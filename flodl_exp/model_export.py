@@ -1,0 +1,119 @@
+"""What a run trained on and what it produced, the way MLflow's users look for them.
+
+* :func:`dataset_input` describes a data set (name, digest, source, rows) for ``MlflowClient.log_inputs``, so
+  the UI's Dataset column says what a run trained and evaluated on. Rank 0 computes it from the data set it
+  built (no second load) and sends it in its hello; the coordinator's sink logs it.
+* :func:`log_consensus_model` logs the run's consensus model (the final bundle's ``<stem>.pt``) with
+  ``mlflow.pytorch.log_model``, with a signature and an input example, so ``mlflow.pytorch.load_model`` loads
+  it and the model registry takes it. The bundle stays the resumable record; this is the deployable one.
+
+The digest is content-based where it can be: sha256 over the data set's length, its config and the bytes of
+its first :data:`DIGEST_SAMPLES` samples (read through the trainer's own batch accessor), so two runs on the
+same data agree and a changed file shows up, without reading a large data set whole.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Any, Optional
+
+log = logging.getLogger("flodl_exp.coordinator")
+
+DIGEST_SAMPLES = 256
+EXAMPLE_ROWS = 2
+MODEL_NAME = "model"
+"""The logged model's name (``runs:/<run_id>/model``)."""
+
+
+def _tensors(batch: Any) -> list[Any]:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [t for b in batch for t in _tensors(b)]
+    if isinstance(batch, dict):
+        return [t for k in sorted(batch) for t in _tensors(batch[k])]
+    return []
+
+
+def dataset_input(role: str, dataset: Any, node: Any) -> dict[str, Any]:
+    """A JSON-safe description of ``dataset`` (built from config ``node``) in the role ``training`` or ``eval``."""
+    import numpy as np
+
+    from .experiment import fetch_batch
+
+    target = str((node or {}).get("_target_", type(dataset).__name__))
+    args = {k: v for k, v in (node or {}).items() if k != "_target_"}
+    n = len(dataset)
+    h = hashlib.sha256(json.dumps({"target": target, "args": args, "rows": n}, sort_keys=True, default=str).encode())
+    try:
+        for t in _tensors(fetch_batch(dataset, np.arange(min(n, DIGEST_SAMPLES), dtype=np.int64))):
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    except Exception as e:  # a data set the accessor cannot slice: the config and length still identify it
+        log.debug("dataset digest from config only (%s)", e)
+    short = target.rsplit(".", 1)[-1]
+    split = args.get("split")
+    source = next((str(args[k]) for k in ("data_path", "data_dir", "path", "root") if args.get(k)), target)
+    return {"name": f"{short}/{split}" if split else short, "digest": h.hexdigest()[:16], "role": role,
+            "source": source, "rows": n}
+
+
+def log_inputs(client: Any, run_id: str, inputs: list[dict[str, Any]]) -> None:
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    datasets = [DatasetInput(
+        dataset=Dataset(name=d["name"], digest=d["digest"], source_type="local",
+                        source=json.dumps({"uri": d["source"]}), profile=json.dumps({"num_rows": d["rows"]})),
+        tags=[InputTag("mlflow.data.context", d["role"])]) for d in inputs]
+    client.log_inputs(run_id, datasets=datasets)
+
+
+def _example(experiment: dict[str, Any]) -> Optional[Any]:
+    """``EXAMPLE_ROWS`` model inputs from the eval (else train) data set: the first tensor of a batch."""
+    import numpy as np
+    from hydra.utils import instantiate
+
+    from .experiment import fetch_batch
+
+    node = experiment.get("eval_data") or experiment.get("train_data")
+    if not node:
+        return None
+    ds = instantiate(node)
+    batch = fetch_batch(ds, np.arange(min(len(ds), EXAMPLE_ROWS), dtype=np.int64))
+    tensors = _tensors(batch)
+    return tensors[0] if tensors else None
+
+
+def log_consensus_model(uri: str, run_id: str, stem: str, experiment: dict[str, Any]) -> str:
+    """Log the final bundle's consensus model into run ``run_id``; returns the model's URI."""
+    import mlflow
+    import mlflow.pytorch
+    import torch
+    from hydra.utils import instantiate
+    from mlflow.models import infer_signature
+
+    from .checkpoint import load_model_state, model_path
+
+    if not os.path.exists(model_path(stem)):
+        raise FileNotFoundError(f"no consensus model at {model_path(stem)}")
+    model = instantiate(experiment["model"])
+    model.load_state_dict(load_model_state(stem))
+    model.eval()
+    example = _example(experiment)
+    signature = None
+    if example is not None:
+        with torch.no_grad():
+            out = model(example)
+        if isinstance(out, torch.Tensor):
+            signature = infer_signature(example.numpy(), out.detach().numpy())
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id, log_system_metrics=False):
+        info = mlflow.pytorch.log_model(
+            model, name=MODEL_NAME, signature=signature,
+            input_example=example.numpy() if example is not None else None,
+            # the requirements named here: MLflow's inference of them loads the model in a subprocess (seconds)
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"])
+    return str(info.model_uri)
