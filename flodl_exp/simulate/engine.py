@@ -1,0 +1,465 @@
+"""The what-if engine: the coordinator's own components paced by a discrete-event clock.
+
+What is real and what is modelled:
+
+* **Real** (flodl_exp.control, unchanged): ``AveragingCycle`` (window ledger, the reduce gate
+  ``should_average``, throttle, trigger, finish, ElChe's timing feed, the guard's verdict, the LR
+  meta-controller), ``ElChe`` (built by ``build_elche``, cold-start probe included), the guard
+  (``build_run_guard``), ``Dispatcher`` (plans, chunk pools, chunk sizing, final-window plans, barriers,
+  async streaming and overshoot tuning, in-order epoch aggregation, the per-epoch metrics), ``Cohort``
+  and the run-shape derivations and validation of flodl_exp.config. They read :class:`SimClock`
+  (their injected clock) and send through :class:`SimOutbox`, which hands each message to a simulated
+  rank after the link latency. The glue here mirrors ``Coordinator`` (``_on_batch``, ``_on_ack``,
+  ``_on_snapshot``, ``_after_reduce``, ``tick``, ``_aggregate``, ``_drain_or_finish``).
+* **Modelled**: each rank is a small state machine that behaves as ``rank/worker.py`` does: control is
+  handled between batches (at the top of each one, and at once while idle, at a barrier or throttled);
+  ``sync_now`` blocks the rank in the collective until every member entered (then the ring all-reduce
+  time, costs.py); ``request_params`` sends a snapshot (through the coordinator's NIC) and, with
+  ``barrier``, waits for the update; ``throttle`` waits for the update. Step, data and link times come
+  from the declared rig (costs.py). Nothing is trained: the divergence the guard sees comes from
+  ``DivergenceConfig`` (per-step drift x steps x LR factor), the loss is not modelled. On the nccl
+  backend each ack carries its rank's drift; on the cpu backend the real average computes it from the
+  snapshots, so each snapshot is a 2-vector ``[1, x]``: every rank ``x = 0`` but the lightest mover k,
+  ``x = a``; with k's weight w the consensus is ``[1, w a]`` and k's relative delta, the largest,
+  is ``a (1 - w) / sqrt(1 + w^2 a^2)``, so ``a = D / sqrt((1 - w)^2 - D^2 w^2)`` makes it the drift D.
+
+Not modelled: evals, checkpoints and their callback slack, stage advisories (no timing effect), deaths
+and regroups, CPU contention between ranks sharing a host, the launcher's start-up (wall = from the
+first chunks to the last epoch aggregated, as experiments/bench_hetero.py measures).
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..averaging import mass
+from ..config import RunShape
+from ..control.channels import Outbox
+from ..control.cohort import Cohort
+from ..control.controllers import build_elche, build_run_guard
+from ..control.cycle import PROBE_STEPS, AveragingCycle, ReduceOutcome
+from ..control.dispatch import Gate
+from ..control.meta import LrEventMeta
+from ..protocol import (
+    Batch,
+    ChunkMetrics,
+    ExtendPartition,
+    Payload,
+    RequestParams,
+    SetGlobalStep,
+    Snapshot,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+)
+from ..wire import Message
+from .clock import EventQueue, SimClock
+from .costs import Costs
+from .fast import IndexedChunks, SimDispatcher
+from .topology import SimulateConfig, lr_factor, rank_steps, run_config
+
+RANK_MSG, BATCH_END, COLL_DONE, COORD_MSG, COORD_FINISH = range(5)
+IDLE, BUSY, COLLECTIVE, BARRIER, THROTTLED = range(5)
+
+
+class _NoTransport:
+    def send(self, rank: int, msg: Message) -> bool:  # pragma: no cover - SimOutbox never encodes
+        raise AssertionError("the simulator's outbox hands payloads over without encoding them")
+
+
+class SimOutbox(Outbox):
+    """The coordinator's outbox, delivering payloads to simulated ranks (no encoding, no folding)."""
+
+    def __init__(self, cohort: Cohort, deliver: Callable[[int, Payload], None]) -> None:
+        super().__init__(_NoTransport(), cohort)
+        self._alive = cohort.alive_ranks
+        self._deliver = deliver
+
+    def send(self, r: int, payload: Payload) -> bool:
+        self._deliver(r, payload)
+        return True
+
+    def broadcast(self, payload: Payload) -> None:
+        for r in self._alive():
+            self._deliver(r, payload)
+
+
+@dataclass
+class SimRank:
+    r: int
+    step_ms: float
+    data_ms: float
+    jitter: float
+    state: int = IDLE
+    plans: deque[StartEpoch] = field(default_factory=deque)
+    mailbox: deque[Payload] = field(default_factory=deque)
+    chunk: Optional[list[Any]] = None
+    """[plan, batches, done, t0_s, compute_ms, data_ms]"""
+    steps_since_avg: int = 0
+    global_step: int = 0
+    batches: int = 0
+    busy_ms: float = 0.0
+
+
+@dataclass
+class RunStats:
+    """What one simulated mode did (the report's row)."""
+
+    mode: str
+    world_size: int
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    """One 'epoch' event per aggregated epoch, with ``t`` (simulated s), as events.jsonl holds."""
+    syncs: list[tuple[float, float, int]] = field(default_factory=list)
+    """(t_s, sync_ms, anchor after) per finished reduce."""
+    batches: list[int] = field(default_factory=list)
+    busy_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    events: int = 0
+    probe: Optional[list[float]] = None
+
+
+class Engine:
+    def __init__(self, cfg: SimulateConfig, mode: str, *, check: bool = False) -> None:
+        steps = rank_steps(cfg)
+        w = len(steps)
+        run = run_config(cfg, mode, w)
+        shape = RunShape.of(run)
+        self.cfg, self.mode, self.W = cfg, mode, w
+        self.policy, self.backend = run.mode.policy, run.mode.backend
+        self.alpha = shape.easgd_alpha
+        self.gamma = run.mode.gamma
+        self.clock = SimClock()
+        self.q = EventQueue(self.clock, cfg.max_events)
+        nbytes = cfg.model_mb * 1e6 * (0.5 if run.mode.bf16_wire else 1.0)
+        self.costs = Costs(cfg.link, nbytes)
+        self.lat = self.costs.latency_s
+        self.bs = cfg.batch_size
+        self.lrf = lr_factor(cfg)
+        self.rng = random.Random(cfg.seed)
+        self.ranks = [SimRank(r, ms, d, j) for r, (ms, d, j) in enumerate(steps)]
+        self.cohort = Cohort(w, None, 0.0)
+        for r in range(w):
+            self.cohort.join(r, 0.0)
+        self.alive = self.cohort.alive_ranks()
+        self.outbox = SimOutbox(self.cohort, self._to_rank)
+        elche = build_elche(run.mode, w) if w >= 2 else None
+        self.cycle = AveragingCycle(
+            world_size=w, policy=self.policy, backend=self.backend, gamma=self.gamma, alpha=self.alpha,
+            progressive=shape.progressive, elche=elche, guard=build_run_guard(run.guard, self.alpha),
+            meta=LrEventMeta() if (run.mode.meta_controller and elche is not None) else None,
+            relax_up=run.mode.relax_up, max_batch_diff=run.mode.max_batch_diff, outbox=self.outbox,
+            clock=self.clock, outer=shape.outer)
+        self.dispatch = SimDispatcher(
+            check=check,
+            world_size=w, batch_size=self.bs, epochs=cfg.epochs, policy=self.policy, progressive=shape.progressive,
+            max_overshoot=run.mode.max_overshoot, partition_ratios=run.mode.partition_ratios, scalar_reductions={},
+            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock)
+        self.stats = RunStats(mode, w)
+        chunks = self.dispatch.chunks
+        assert isinstance(chunks, IndexedChunks)
+        self.inflight = chunks.by_rank
+        """Chunks sent to each rank and not reported (the dispatcher's own books, indexed)."""
+        self._probe_left = w if self.cycle.elche is not None and self.policy != "sync" else 0
+        """Ranks with fewer than PROBE_STEPS batches reported (seed_from_probe cannot fire before 0)."""
+        self._counts = self.cycle.counts
+        self._blocker: Optional[int] = None
+        self._aggregate_due = False
+        self._coll: Optional[dict[int, tuple[float, int]]] = None
+        """nccl: who entered the armed collective, when, with how many steps (None: none armed)."""
+        self._coll_n: dict[int, int] = {}
+        self._nic_free = 0.0
+        self.draining = False
+        self.final_done = False
+        self.done = False
+
+    # -- the run ------------------------------------------------------------------
+    def run(self) -> RunStats:
+        self.dispatch.gate = Gate.OPEN
+        self.dispatch.start(self.cfg.samples, None)
+        self.stats.epochs.append({"event": "started", "world_size": self.W, "epochs": self.cfg.epochs, "t": 0.0})
+        self._tick()
+        handlers: dict[int, Callable[[int, Any], None]] = {RANK_MSG: self._rank_msg, BATCH_END: self._batch_end, COLL_DONE: self._coll_done,
+                    COORD_MSG: self._coord_msg, COORD_FINISH: self._coord_finish}
+        while not self.done:
+            if not len(self.q):
+                raise RuntimeError(f"simulation of {self.mode} stalled at t={self.clock.t:.3f}s: no event pending "
+                                   f"(epochs aggregated {self.dispatch.last_aggregated + 1}/{self.cfg.epochs})")
+            kind, r, payload = self.q.pop()
+            handlers[kind](r, payload)
+        st = self.stats
+        st.events = self.q.popped
+        st.batches = [rk.batches for rk in self.ranks]
+        st.busy_ms = [rk.busy_ms for rk in self.ranks]
+        return st
+
+    # -- coordinator -> rank ------------------------------------------------------
+    def _to_rank(self, r: int, p: Payload) -> None:
+        if isinstance(p, SyncNow) and self._coll is None:
+            self._coll = {}
+        elif isinstance(p, RequestParams):
+            self._nic_free = max(self._nic_free, self.clock.t)
+        self.q.after(self.lat, RANK_MSG, r, p)
+
+    # -- the rank side ------------------------------------------------------------
+    def _rank_msg(self, r: int, p: Payload) -> None:
+        rk = self.ranks[r]
+        rk.mailbox.append(p)
+        if rk.state in (IDLE, BARRIER, THROTTLED):
+            self._advance(rk)
+
+    def _handle(self, rk: SimRank, p: Payload) -> None:
+        if isinstance(p, StartEpoch):
+            rk.plans.append(p)
+        elif isinstance(p, ExtendPartition):
+            rk.plans.append(StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
+        elif isinstance(p, SyncNow):
+            self._enter_collective(rk)
+        elif isinstance(p, RequestParams):
+            self._send_snapshot(rk)
+            if p.barrier:
+                rk.state = BARRIER
+        elif isinstance(p, Update):
+            rk.steps_since_avg = 0
+            if rk.state in (BARRIER, THROTTLED):
+                rk.state = IDLE
+        elif isinstance(p, Throttle):
+            if rk.state == IDLE:
+                rk.state = THROTTLED
+        elif isinstance(p, SetGlobalStep):
+            rk.global_step = p.global_step
+
+    def _advance(self, rk: SimRank) -> None:
+        """The rank's loop from where it stands: control between batches, the next batch, the next chunk."""
+        if rk.state in (BARRIER, THROTTLED):
+            while rk.mailbox and rk.state != IDLE:  # wait_until: handle control as it comes
+                self._handle(rk, rk.mailbox.popleft())
+            if rk.state != IDLE:
+                return
+        rk.state = IDLE
+        for _ in range(100_000):  # bounded: each pass ends a chunk, opens one, or starts a batch and returns
+            if rk.chunk is not None and rk.chunk[2] >= rk.chunk[1]:
+                self._end_chunk(rk)
+                continue
+            if rk.chunk is None and rk.plans:
+                plan = rk.plans.popleft()
+                rk.chunk = [plan, plan.size // self.bs, 0, self.clock.t, 0.0, 0.0]
+            while rk.mailbox:
+                self._handle(rk, rk.mailbox.popleft())
+                if rk.state != IDLE:
+                    return
+            if rk.chunk is None:
+                if rk.plans:
+                    continue
+                return
+            if rk.chunk[1] == 0:
+                continue
+            self._start_batch(rk)
+            return
+        raise RuntimeError(f"rank {rk.r}: its loop did not settle (a flood of empty chunks?)")
+
+    def _start_batch(self, rk: SimRank) -> None:
+        ch = rk.chunk
+        assert ch is not None
+        step = rk.step_ms
+        if rk.jitter > 0:
+            step = max(0.05 * step, step * (1.0 + rk.jitter * self.rng.gauss(0.0, 1.0)))
+        data = rk.data_ms + (self.cfg.chunk_start_ms if ch[2] == 0 else 0.0)
+        rk.state = BUSY
+        self.q.after((data + step + self.cfg.link.batch_message_ms) / 1e3, BATCH_END, rk.r, (step, data))
+
+    def _batch_end(self, r: int, p: tuple[float, float]) -> None:
+        rk = self.ranks[r]
+        step, data = p
+        ch = rk.chunk
+        assert ch is not None
+        ch[2] += 1
+        ch[4] += step
+        ch[5] += data
+        rk.steps_since_avg += 1
+        rk.batches += 1
+        rk.busy_ms += step + data
+        lr = self.lrf(rk.global_step + rk.steps_since_avg)
+        self.q.after(self.lat, COORD_MSG, r, Batch(ms=step, data_ms=data, chunk=ch[0].chunk, loss=None, lr=lr))
+        rk.state = IDLE
+        self._advance(rk)
+
+    def _end_chunk(self, rk: SimRank) -> None:
+        plan, nb, done, t0, comp, data = rk.chunk  # type: ignore[misc]
+        rk.chunk = None
+        m = ChunkMetrics(epoch=plan.epoch, chunk=plan.chunk, avg_loss=0.0, batches=done, samples=done * self.bs,
+                         epoch_ms=(self.clock.t - t0) * 1e3, share_complete_ms=comp + data, compute_only_ms=comp,
+                         data_starve_ms=data, ranges=[[plan.offset, done * self.bs]] if done else [], loss_batches=0)
+        self.q.after(self.lat, COORD_MSG, rk.r, m)
+
+    def _enter_collective(self, rk: SimRank) -> None:
+        coll = self._coll
+        assert coll is not None, "sync_now without a collective armed"
+        rk.state = COLLECTIVE
+        coll[rk.r] = (self.clock.t, rk.steps_since_avg)
+        if len(coll) == len(self.alive):
+            t_done = max(t for t, _ in coll.values()) + self.costs.allreduce_s(len(coll))
+            for r in coll:
+                self.q.at(t_done, COLL_DONE, r, None)
+            self._coll = None
+            self._coll_n = {r: n for r, (_, n) in coll.items()}
+
+    def _coll_done(self, r: int, _: Any) -> None:
+        rk = self.ranks[r]
+        n = self._coll_n[r]
+        self.q.after(self.lat, COORD_MSG, r, SyncAck(n=n, d=self._drift(n)))
+        rk.steps_since_avg = 0
+        rk.state = IDLE
+        self._advance(rk)
+
+    def _send_snapshot(self, rk: SimRank) -> None:
+        start = max(self.clock.t + self.lat, self._nic_free)
+        self._nic_free = start + self.costs.nic_s()
+        snap = Snapshot(n=rk.steps_since_avg, tensors={"p0": torch.tensor([1.0, 0.0])})
+        self.q.at(self._nic_free, COORD_MSG, rk.r, snap)
+
+    def _drift(self, n: int) -> float:
+        d = self.cfg.divergence
+        lr = self.lrf(self.cycle.global_step)
+        return max(0.0, d.per_step * n * lr * (1.0 + d.noise * self.rng.gauss(0.0, 1.0)))
+
+    # -- the coordinator side (Coordinator's handlers) ------------------------------
+    def _coord_msg(self, r: int, p: Payload) -> None:
+        if isinstance(p, Batch):
+            self.cohort.batches[r] += 1
+            self.cycle.on_batch(r, p, speaks_for_lr=r == self.alive[0])
+            self.dispatch.on_batch(r, p.chunk)
+            if self._probe_left and self.cohort.batches[r] == PROBE_STEPS:
+                self._probe_left -= 1
+            probe = self.cycle.seed_from_probe(self.alive) if self._probe_left == 0 else None
+            if probe is not None:
+                self.stats.probe = probe
+                self._counts = self.cycle.counts
+                self.dispatch.after_finish()
+        elif isinstance(p, ChunkMetrics):
+            self.dispatch.on_metrics(r, p)
+            self._aggregate_due = True
+        elif isinstance(p, SyncAck):
+            self.cycle.on_ack(r, p)
+            self.dispatch.on_answer(r)
+            red = self.cycle.in_flight
+            if red is not None and len(red.acks) >= len(red.members):  # no deaths: every member answers
+                self._try_finish()  # (the coordinator tries at every ack; it finishes at the last one)
+        elif isinstance(p, Snapshot):
+            red = self.cycle.in_flight
+            if red is not None and set(red.snapshots) | {r} >= {q for q in red.members if self.cohort.alive(q)}:
+                movers = sum(1 for s in [*red.snapshots.values(), p] if s.n > 0)
+                self.q.after(self.costs.average_s(movers) + self.costs.scatter_s(len(red.members)) + self.costs.fixed_s(),
+                             COORD_FINISH, r, p)
+                return
+            self.cycle.on_snapshot(r, p)
+            self.dispatch.on_answer(r)
+        self._tick()
+
+    def _coord_finish(self, r: int, p: Snapshot) -> None:
+        """The last snapshot of a cpu reduce, once averaged and scattered: set the snapshots' values so the
+        real average reads the modelled drift, then the real finish."""
+        red = self.cycle.in_flight
+        assert red is not None
+        snaps = {**red.snapshots, r: p}
+        masses = {q: mass(s.n, self.gamma) for q, s in snaps.items()}
+        total = sum(masses.values())
+        drift = max((self._drift(s.n) for s in snaps.values()), default=0.0)
+        movers = [q for q in snaps if masses[q] > 0]
+        if len(movers) >= 2 and total > 0 and drift > 0:
+            k = min(movers, key=lambda q: (masses[q], q))
+            wk = masses[k] / total
+            den = (1 - wk) ** 2 - (drift * wk) ** 2
+            a = drift / math.sqrt(den) if den > 0 else drift / max(1 - wk, 1e-6)
+            snaps[k].tensors["p0"][1] = a  # max relative delta = drift (algebra in the module docstring)
+        self.cycle.on_snapshot(r, p)
+        self.dispatch.on_answer(r)
+        self._try_finish()
+        self._tick()
+
+    def _try_finish(self) -> None:
+        out = self.cycle.try_finish(self.cohort.alive)
+        if out is not None:
+            self._after_reduce(out)
+
+    def _after_reduce(self, out: ReduceOutcome) -> None:
+        if self.cycle.elche is not None:
+            self.dispatch.on_verdict(out.action)
+        self.dispatch.on_reduce_finished(out.n)
+        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
+        self.stats.syncs.append((self.clock.t, out.sync_ms, out.anchor_after))
+        self._counts = self.cycle.counts
+        self._blocker = None
+        self._aggregate_due = True
+        if out.final:
+            self.done = True
+            return
+        self.dispatch.after_finish()
+
+    def _threshold(self, r: int) -> int:
+        return 1 if self.policy == "sync" else self._counts[r]
+
+    def _blocked(self) -> bool:
+        """A cheap necessary condition for the real gate: some rank still trains a chunk below its count (it is
+        neither hit, nor throttled, nor quiesced). The real ``should_average`` decides when none does."""
+        led = self.cycle.ledger
+        b = self._blocker
+        if b is not None and self.inflight[b] > 0 and led[b].steps < self._threshold(b) and not led[b].throttled:
+            return True
+        best, deficit = None, 0
+        for r in self.alive:
+            if self.inflight[r] > 0 and not led[r].throttled:
+                d = self._threshold(r) - led[r].steps
+                if d > deficit:
+                    best, deficit = r, d
+        self._blocker = best
+        return best is not None
+
+    def _tick(self) -> None:
+        """Coordinator.tick's order for what the simulator models: throttle, the gate, aggregation, the end."""
+        if self.done:
+            return
+        if not self.draining:
+            self.cycle.throttle(self.alive)
+            if (self.cycle.in_flight is None and self.W >= 2 and not self._blocked()
+                    and self.cycle.should_average(self.alive, self.dispatch.quiesced)):
+                self.cycle.trigger(self.alive)
+            if self._aggregate_due and self.dispatch.maybe_ready():
+                self._aggregate_due = False
+                self._aggregate()
+            if self.dispatch.all_aggregated():
+                self.draining = True
+        if self.draining and self.cycle.in_flight is None:
+            self._drain_or_finish()
+
+    def _aggregate(self) -> None:
+        while True:
+            agg = self.dispatch.pop_aggregated()
+            if agg is None:
+                return
+            m = dict(agg.metrics)
+            m["global_step"] = float(self.cycle.global_step)
+            if self.cycle.elche is not None:
+                m["anchor"] = float(self.cycle.elche.anchor)
+            self.stats.epochs.append({"event": "epoch", "epoch": agg.epoch, **m, "t": self.clock.t})
+            self.stats.wall_s = self.clock.t
+            self.dispatch.advance()
+
+    def _drain_or_finish(self) -> None:
+        blended = self.alpha is not None and not self.final_done
+        if self.W > 1 and not self.final_done and (blended or self.cycle.any_steps(self.alive)):
+            self.final_done = True
+            self.cycle.trigger(self.alive, final=True)
+        else:
+            self.done = True
+
+
+def simulate(cfg: SimulateConfig, mode: str) -> RunStats:
+    """One mode on the declared rig."""
+    return Engine(cfg, mode).run()

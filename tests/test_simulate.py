@@ -1,0 +1,93 @@
+"""The what-if simulator (flodl_exp/simulate): behaviour on small rigs, no processes but one CLI run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flodl_exp.config import ConfigError
+from flodl_exp.simulate.engine import Engine, simulate
+from flodl_exp.simulate.report import summarize
+from flodl_exp.simulate.topology import LinkConfig, RankGroupConfig, SimulateConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rig(*speeds: float, epochs: int = 3, **kw: object) -> SimulateConfig:
+    cfg = SimulateConfig(ranks=[RankGroupConfig(speed=s) for s in speeds], base_step_ms=9.0, model_mb=0.86,
+                         samples=1437, batch_size=16, epochs=epochs, chunk_start_ms=2.0,
+                         link=LinkConfig(bandwidth_gbps=20.0, latency_ms=0.5, collective_fixed_ms=10.0))
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_same_config_same_numbers() -> None:
+    cfg = rig(1.0, 0.33, ranks=[RankGroupConfig(speed=1.0, jitter=0.1), RankGroupConfig(speed=0.33, jitter=0.1)])
+    a, b = simulate(cfg, "cpu_async"), simulate(cfg, "cpu_async")
+    assert a.syncs == b.syncs and a.batches == b.batches and a.events == b.events
+    assert json.dumps(a.epochs) == json.dumps(b.epochs)  # (the loss is NaN: nothing is trained)
+    assert len(a.syncs) > 0
+
+
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "nccl_sync"])
+def test_equal_ranks_share_half(mode: str) -> None:
+    row = summarize(simulate(rig(1.0, 1.0), mode), 0)
+    assert row["shares"] == pytest.approx([0.5, 0.5], abs=0.03)
+    assert row["samples"] == 3 * (1437 // 16) * 16  # every pick of every epoch, once
+
+
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
+def test_three_to_one_gives_the_fast_rank_three_quarters(mode: str) -> None:
+    row = summarize(simulate(rig(1.0, 1 / 3), mode), 0)
+    assert 0.70 <= row["fast_share"] <= 0.80
+    assert row["idle"][0] < 0.25  # cadence keeps the fast rank busy
+
+
+def test_sync_wall_is_bounded_by_the_slow_rank() -> None:
+    cfg = rig(1.0, 1 / 3)
+    st = simulate(cfg, "nccl_sync")
+    row = summarize(st, 0)
+    slow_share_batches = (1437 // 16) // 2 * cfg.epochs  # equal split: the slow rank trains half of every epoch
+    assert st.wall_s >= slow_share_batches * 27.0 / 1e3
+    assert row["shares"][0] == pytest.approx(0.5, abs=0.02)
+    cadence = simulate(cfg, "nccl_cadence")
+    assert cadence.wall_s < st.wall_s  # cadence beats the lockstep on a 3:1 rig
+
+
+def test_real_books_and_indexed_books_agree() -> None:
+    """The simulator's O(1) indexes (fast.py) answer as the real scans do, on every call."""
+    for mode in ("nccl_cadence", "cpu_async"):
+        Engine(rig(1.0, 0.5, 0.25, epochs=2), mode, check=True).run()
+
+
+def test_1024_ranks_finish_within_a_bounded_number_of_events() -> None:
+    w, bs = 1024, 8
+    cfg = SimulateConfig(ranks=[RankGroupConfig(count=512, speed=1.0), RankGroupConfig(count=512, speed=0.5)],
+                         base_step_ms=20.0, model_mb=100.0, samples=w * 6 * bs, batch_size=bs, epochs=1,
+                         link=LinkConfig(bandwidth_gbps=200.0, latency_ms=0.005))
+    st = simulate(cfg, "nccl_cadence")
+    batches = sum(st.batches)
+    assert batches == cfg.samples // bs
+    # per batch: its end and its report; per chunk: a start, its metrics; per reduce and rank: sync_now,
+    # the collective's end, the ack, set_global_step
+    assert st.events <= 2 * batches + 2 * 3 * w + 4 * w * (len(st.syncs) + 1)
+    assert st.wall_s > 0
+
+
+def test_refused_mode_is_refused_as_a_run_would_be() -> None:
+    with pytest.raises(ConfigError, match="nccl_async"):
+        simulate(rig(1.0, 0.5), "nccl_async")
+
+
+@pytest.mark.e2e  # a subprocess that imports torch: with the end-to-end runs, not in make test-fast
+def test_cli_prints_the_table() -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "flodl_exp.simulate", "modes=[nccl_cadence]", "epochs=1", "plot=false"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "| run | wall s | samples/s |" in out.stdout
+    assert "| nccl_cadence |" in out.stdout
