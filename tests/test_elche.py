@@ -434,3 +434,17 @@ def test_a_probe_keeps_the_users_speed_hint_and_the_window_cap() -> None:
     capped.set_max_total_batches(24)
     assert capped.seed_from_probe([10.0, 50.0])
     assert sum(capped.batch_counts) == 24 and capped.window_cap_binding
+
+
+def test_the_window_cap_spreads_its_remainder_one_batch_a_rank() -> None:
+    """The flooring of the window<=epoch cap leaves fewer batches than ranks; the reference hands all of them to
+    the fastest rank, which at 1,024 ranks made one rank run ~500 batches more than its peers (every other rank
+    waited for it at each reduce). One each to the fastest, ties to the highest rank: the same when one is left."""
+    e = ElChe(5, anchor=10)
+    e.set_max_total_batches(38)
+    assert e.seed_from_probe([10.0, 10.0, 10.0, 10.0, 20.0])
+    assert e.batch_counts == [8, 8, 9, 9, 4] and sum(e.batch_counts) == 38
+    one = ElChe(2, anchor=10)
+    one.set_max_total_batches(29)
+    assert one.seed_from_probe([10.0, 20.0])
+    assert one.batch_counts == [20, 9]  # floors [19, 9], the one left to the fastest

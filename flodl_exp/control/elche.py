@@ -554,10 +554,13 @@ class ElChe:
             f = m / total
             self._counts = [max(math.floor(c * f), 1) for c in self._counts]
             rem = m - sum(self._counts)
-            if rem > 0:  # to the fastest rank; Rust max_by_key picks the LAST maximal
-                top = max(self._counts)
-                fastest = max(r for r in range(self._w) if self._counts[r] == top)
-                self._counts[fastest] += rem
+            # The flooring leaves rem < W. The reference gives all of it to the fastest rank (Rust max_by_key:
+            # the LAST maximal); one each to the rem fastest (ties: the highest rank first) is the same for
+            # rem = 1, and at 1,024 ranks it does not make one rank run 500 batches more than its peers
+            # while every other waits for it at each reduce (found by the simulator).
+            order = sorted(range(self._w), key=lambda r: (self._counts[r], r), reverse=True)
+            for r in order[:max(rem, 0)]:
+                self._counts[r] += 1
 
     def _advance_phase(self) -> None:
         if self._phase is Phase.PROBE:
