@@ -204,8 +204,10 @@ def merge_evals(epochs: Sequence[dict], evals: Sequence[dict]) -> list[dict]:
     return rows
 
 
-def render_dashboard(title: str, epochs: list[dict], windows: list[dict], evals: list[dict], theme: str = "auto") -> str:
-    """One self-contained HTML document: summary, inline SVG charts, epoch feed and window tables."""
+def render_dashboard(title: str, epochs: list[dict], windows: list[dict], evals: list[dict], theme: str = "auto",
+                     links: Sequence[tuple[str, str]] = ()) -> str:
+    """One self-contained HTML document: summary, inline SVG charts, epoch feed and window tables.
+    ``links``: (text, relative href) pairs shown under the summary (the run's timeline artifact)."""
     css = theme_css(theme)
     epochs, windows, evals = list(epochs or []), list(windows or []), list(evals or [])
     last = epochs[-1] if epochs else {}
@@ -219,15 +221,22 @@ def render_dashboard(title: str, epochs: list[dict], windows: list[dict], evals:
         "<!DOCTYPE html>", f'<html lang="en" data-theme="{theme}">', "<head>", '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width,initial-scale=1">', f"<title>{t}</title>",
         f"<style>{css}{_CSS}</style>", "</head>", "<body>", f"<h1>{t}</h1>", f'<p class="meta">{" · ".join(facts)}</p>',
+        *([f'<p class="links">{" · ".join(_link(t, h) for t, h in links)}</p>'] if links else []),
         '<h2>Charts</h2>', '<div class="charts">', *_charts(epochs, windows, evals), "</div>",
         "<h2>Epoch feed</h2>", html_table(merge_evals(epochs, evals), "epoch"),
         "<h2>Window records</h2>", html_table(windows, "step"), "</body>", "</html>", ""])
 
 
+def _link(text: str, href: str) -> str:
+    if "://" in href or href.startswith("//"):
+        raise ValueError(f"dashboard links are relative (the page names no URL), got {href!r}")
+    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
 def write_dashboard(path: str, title: str, epochs: list[dict], windows: list[dict], evals: list[dict],
-                    theme: str = "auto") -> str:
+                    theme: str = "auto", links: Sequence[tuple[str, str]] = ()) -> str:
     """Render and write atomically (temp file + rename), so a reader never sees half a page."""
-    doc = render_dashboard(title, epochs, windows, evals, theme)
+    doc = render_dashboard(title, epochs, windows, evals, theme, links)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".dashboard-", suffix=".html.tmp", dir=d)

@@ -10,7 +10,8 @@ their own methods:
 * :class:`~.dispatch.Dispatcher`: chunks and plans, pools, epoch accumulators, coverage;
 * :class:`~.checkpoints.BundleWriter` / :class:`~.checkpoints.Checkpoints`: saves, metas,
   periodic and at_epoch bundles;
-* :class:`~.preemption.Preemption`: preemption, time limits, SIGTERM.
+* :class:`~.preemption.Preemption`: preemption, time limits, SIGTERM;
+* :class:`~.timeline.TimelineRecorder`: the per-rank timeline (spans, idle analysis).
 
 The coordinator itself routes rank messages to them, applies the fault rules and
 the end of the run, and keeps the reference's tick order (algorithms.md 3.1) in
@@ -71,6 +72,7 @@ from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
 from .meta import LrEventMeta
 from .preemption import Preemption
 from .records import RecordLog, WindowRecorder
+from .timeline import TimelineRecorder
 from .watchdog import StallWatchdog, run_state
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -142,6 +144,8 @@ class Coordinator:
         self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=w, epochs=self.epochs,
                                       batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
                                       records=self.records, clock=clock)
+        self.timeline = TimelineRecorder(w, clock)
+        """Per-rank spans (compute, data wait, sync, eval) from what arrives here; written at the run's end."""
         self.total_picks = 0
         self.devices: dict[int, RankDevice] = {}
         self.slack = CallbackSlack(enabled=cfg.eval.callback_slack and shape.progressive, eval_every=cfg.eval.every,
@@ -217,6 +221,7 @@ class Coordinator:
         self._apply_spec_prior()
         self._push_epoch_role()
         self.enter(Phase.TRAINING)
+        self.timeline.on_start()
         self.windows.start(self.total_picks)
         self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
         self.dispatch.start(self.total_picks, self.resume["meta"] if self.resume else None)
@@ -432,6 +437,9 @@ class Coordinator:
             self._first_batch_seen = True
             self.events.emit({"event": "first_batch", "rank": r})
         self.cohort.batches[r] += 1
+        chunk = self.dispatch.chunks.get(b.chunk)
+        self.timeline.on_batch(r, b.ms, b.data_ms, chunk=b.chunk, epoch=chunk.epoch if chunk else None,
+                               window=self.cycle.version)
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
         self.dispatch.on_batch(r, b.chunk)
         probe_ms = self.cycle.seed_from_probe(self.cohort.alive_ranks())
@@ -441,11 +449,13 @@ class Coordinator:
             self.dispatch.after_finish()
 
     def _on_ack(self, r: int, ack: SyncAck) -> None:
+        self._timeline_answer(r)
         self.cycle.on_ack(r, ack)
         self.dispatch.on_answer(r)
         self._try_finish_reduce()
 
     def _on_snapshot(self, r: int, snap: Snapshot) -> None:
+        self._timeline_answer(r)
         self.cycle.on_snapshot(r, snap)
         self.dispatch.on_answer(r)
         self._try_finish_reduce()
@@ -494,10 +504,19 @@ class Coordinator:
                                     "global_step": x.global_step})
 
     # -- reduces and epochs -----------------------------------------------------
+    def _timeline_answer(self, r: int) -> None:
+        red = self.cycle.in_flight
+        if red is not None and r in red.members:
+            self.timeline.on_answer(r, red.started)
+
     def _try_finish_reduce(self) -> None:
+        red, version, t = self.cycle.in_flight, self.cycle.version, self.clock()
         with self.outbox.folding_updates(self.fold_updates):
             out = self.cycle.try_finish(self.cohort.alive)
             if out is not None:
+                assert red is not None
+                self.timeline.on_reduce_finished(started=red.started, members=out.n, backend=red.backend, window=version,
+                                                 final=red.final, averaging_from=t)
                 self._after_reduce(out)
 
     def _after_reduce(self, out: ReduceOutcome) -> None:
@@ -532,6 +551,7 @@ class Coordinator:
         if self.cycle.elche is not None:
             metrics["anchor"] = float(self.cycle.elche.anchor)
         self.windows.flush_epoch(e)
+        self.timeline.on_epoch_aggregated(e, metrics)
         self.sink.log_metrics(metrics, step=e)
         self.outbox.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
         self.events.emit({"event": "epoch", "epoch": e,
@@ -559,6 +579,7 @@ class Coordinator:
         if not self.cohort.alive(cb):
             return False
         self.eval_pending, self.eval_pending_epoch = cb, e
+        self.timeline.on_eval_sent(cb, e)
         self.outbox.send(cb, ExecuteEval(epoch=e))
         return True
 
@@ -575,6 +596,7 @@ class Coordinator:
         return due
 
     def _on_eval(self, r: int, f: EvalResult) -> None:
+        self.timeline.on_eval_result(r, f.epoch, f.final)
         if not f.final:
             self.slack.on_elapsed(r, f.elapsed_ms, kind="eval")
         if not f.final and self.eval_pending == r:
@@ -611,6 +633,7 @@ class Coordinator:
         self.enter(Phase.FINISHING)
         cb = self.cohort.primary()
         self.final_eval_rank = cb
+        self.timeline.on_eval_sent(cb, self.epochs - 1, final=True)
         self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
         self.writer.send_saves(self.writer.stem, model_rank=cb)
 
@@ -662,6 +685,7 @@ class Coordinator:
             cb = alive[0]
             self.final_eval_rank = cb
             self.writer.expect(cb)
+            self.timeline.on_eval_sent(cb, self.epochs - 1, final=True)
             self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
             self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
             return

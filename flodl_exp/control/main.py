@@ -182,13 +182,17 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
     sink.log_artifact(co.events.path, "run")
     if co.records.dir is not None and os.path.isdir(co.records.dir):
         sink.log_artifact(co.records.dir, "record_log")
+    timeline = _write_timeline(co, spec, cfg, job_dir, status)
+    if timeline:
+        sink.log_artifact(timeline, "timeline")
     if cfg.dashboard.html:
         try:
             from ..dashboard import load_events, write_dashboard
 
             epochs, windows, evals = load_events(co.events.path)
             path = write_dashboard(cfg.dashboard.html, f"flodl_exp {spec['run_id'][:8]} {cfg.experiment.name}", epochs, windows,
-                                   evals, theme=cfg.dashboard.theme)
+                                   evals, theme=cfg.dashboard.theme,
+                                   links=[("Timeline", "../timeline/timeline.html")] if timeline else [])
             sink.log_artifact(path, "dashboard")
         except Exception as e:  # the dashboard is a report, never a reason to fail the run
             log.warning("dashboard not written: %s", e)
@@ -204,6 +208,22 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
     server.close()
     time.sleep(0.05)
     return 0 if status == "FINISHED" else 1
+
+
+def _write_timeline(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, status: str) -> Optional[str]:
+    """The run's timeline (timeline.json/.csv/.html) in ``<job>/timeline/``; its folder, or None when it failed
+    (a report, never a reason to fail the run)."""
+    try:
+        from ..timeline_report import write_timeline
+
+        out = os.path.join(job_dir, "timeline")
+        meta = {"title": f"flodl_exp {spec['run_id'][:8]} {cfg.experiment.name} timeline", "run_id": spec["run_id"],
+                "mode": cfg.mode.name, "experiment": cfg.experiment.name, "status": status}
+        write_timeline(out, co.timeline, meta)
+        return out
+    except Exception as e:
+        log.warning("timeline not written: %s", e)
+        return None
 
 
 def _record_tracking_loss(sink: Any, result: dict[str, Any], path: str) -> None:
