@@ -458,8 +458,27 @@ def _check(kind: str, name: str, hint: Any, value: Any) -> Any:
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
+def _decode_batch(f: dict[str, Any]) -> Optional[Batch]:
+    """The hot message (one per trained batch per rank) without the generic walk; None when anything is
+    off the common shape (a missing field, a type to check or convert), so the generic path decides
+    and words the error the same way."""
+    try:
+        ms, data_ms, chunk = f["ms"], f["data_ms"], f["chunk"]
+    except KeyError:
+        return None
+    loss, lr = f.get("loss"), f.get("lr")
+    if (type(ms) is float and type(data_ms) is float and type(chunk) is int
+            and (loss is None or type(loss) is float) and (lr is None or type(lr) is float)):
+        return Batch(ms, data_ms, chunk, loss, lr)
+    return None
+
+
 def decode(msg: Message) -> Optional[Payload]:
     """The payload of ``msg``; ``None`` for a kind this version does not know. Raises ProtocolError."""
+    if msg.kind == "batch" and not msg.tensors:
+        fast = _decode_batch(msg.fields)
+        if fast is not None:
+            return fast
     cls = PAYLOADS.get(msg.kind)
     if cls is None:
         return None

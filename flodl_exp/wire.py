@@ -33,6 +33,13 @@ Why it looks like this:
 * The JSON header is capped at :data:`MAX_HEADER_BYTES` (1 MiB) from the prefix.
 * Sends may carry a stall deadline (``Connection.send_stall_timeout``): a peer
   that accepts no byte for that long raises :class:`SendStalled`.
+* Two ways to read: :meth:`Connection.recv` (blocking, one frame) for a peer with a
+  thread of its own, and :meth:`Connection.read_ready` (non-blocking: one ``recv`` of
+  whatever the socket holds, every complete frame in it) for one thread serving many
+  connections from a selector (the coordinator's rank server). Both check the same
+  prefix, MAC, sequence and header; a connection uses one or the other after its handshake.
+  A small frame's MAC is one call (``hmac.digest``) over its bytes; a large one is MACed
+  buffer by buffer, never copied.
 """
 from __future__ import annotations
 
@@ -64,6 +71,7 @@ DEFAULT_STALL_TIMEOUT = 60.0  # max silence inside a frame once it has started
 _U32_MAX = 2**32 - 1
 _MAX_NDIM, _MAX_DIM = 32, 2**40
 _COALESCE = 64 * 1024  # buffers smaller than this are joined before sendall
+_ONE_SHOT_MAC = 64 * 1024  # frames up to this size are MACed in one call over a joined copy
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -278,6 +286,13 @@ class Connection:
         self._rx_key: bytes | None = None
         self._tx_seq = 0
         self._rx_seq = 0
+        self._rbuf = bytearray()  # read_ready: bytes received, not yet a complete frame
+        self._rx_last = time.monotonic()  # read_ready: when the last byte came
+
+    @property
+    def closed(self) -> bool:
+        """close() was called (the socket may still be registered with a selector: unregister it)."""
+        return self._closed
 
     @property
     def authenticated(self) -> bool:
@@ -312,10 +327,14 @@ class Connection:
             self._check_usable()
             if self._tx_key is not None:
                 bufs[0] = MAGIC_AUTH + bytes(memoryview(bufs[0])[len(MAGIC):])
-                mac = hmac.new(self._tx_key, _SEQ.pack(self._tx_seq), hashlib.sha256)
-                for b in bufs:
-                    mac.update(b)  # over the raw buffers: no copy of the tensor bytes
-                bufs.append(mac.digest())
+                seq = _SEQ.pack(self._tx_seq)
+                if len(bufs) == 1 and len(bufs[0]) <= _ONE_SHOT_MAC:  # the common small frame: one C call
+                    bufs.append(hmac.digest(self._tx_key, seq + bufs[0], "sha256"))
+                else:
+                    mac = hmac.new(self._tx_key, seq, hashlib.sha256)
+                    for b in bufs:
+                        mac.update(b)  # over the raw buffers: no copy of the tensor bytes
+                    bufs.append(mac.digest())
                 self._tx_seq += 1
             try:
                 pending = bytearray()
@@ -384,11 +403,16 @@ class Connection:
                 if key is not None:  # verify before anything in the frame is parsed
                     tag = bytearray(MAC_BYTES)
                     self._fill(tag, deadline, True, whole_frame)
-                    mac = hmac.new(key, _SEQ.pack(self._rx_seq), hashlib.sha256)
-                    mac.update(prefix)
-                    mac.update(header)
-                    mac.update(payload)
-                    if not hmac.compare_digest(mac.digest(), tag):
+                    seq = _SEQ.pack(self._rx_seq)
+                    if PREFIX.size + header_len + payload_len <= _ONE_SHOT_MAC:
+                        digest = hmac.digest(key, seq + prefix + header + payload, "sha256")
+                    else:
+                        mac = hmac.new(key, seq, hashlib.sha256)
+                        mac.update(prefix)
+                        mac.update(header)
+                        mac.update(payload)
+                        digest = mac.digest()
+                    if not hmac.compare_digest(digest, tag):
                         raise FrameAuthError(f"frame from {self.peer} failed its MAC "
                                              f"(forged, tampered, replayed or reordered; seq {self._rx_seq})")
                     self._rx_seq += 1
@@ -424,6 +448,69 @@ class Connection:
                                        + (" mid-frame" if started else ""))
             got += n
             started = True
+
+    def read_ready(self, scratch: memoryview) -> list[Message]:
+        """Non-blocking: one ``recv`` of what the socket holds now (up to ``len(scratch)`` bytes, received into
+        ``scratch``, which the caller may reuse for every connection it serves) and every frame it completes,
+        in order. ``[]`` when nothing is there yet or the frame is still incomplete.
+
+        Raises :class:`ConnectionClosed` at EOF, :class:`FrameAuthError` / :class:`WireError` on a bad
+        frame (checked as in :meth:`recv`: the ceiling from the prefix before anything is kept, the MAC
+        and sequence before the header is parsed); the connection is then unusable. A peer silent
+        mid-frame for ``stall_timeout`` is the caller's to find (:meth:`stalled`)."""
+        with self._recv_lock:
+            self._check_usable()
+            try:
+                try:
+                    n = self.sock.recv_into(scratch, len(scratch), socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return []
+                except OSError as e:
+                    raise ConnectionClosed(f"recv from {self.peer} failed: {e}") from None
+                if n == 0:
+                    raise ConnectionClosed(f"{self.peer} closed the connection" + (" mid-frame" if self._rbuf else ""))
+                self._rx_last = time.monotonic()
+                self._rbuf += scratch[:n]
+                return self._complete_frames()
+            except BaseException as e:
+                self._broken = e if isinstance(e, WireError) else WireError(f"read aborted: {e!r}")
+                raise
+
+    def _complete_frames(self) -> list[Message]:
+        buf, key, n = self._rbuf, self._rx_key, PREFIX.size
+        magic, tail = (MAGIC, 0) if key is None else (MAGIC_AUTH, MAC_BYTES)
+        out: list[Message] = []
+        pos = 0
+        while len(buf) - pos >= n:
+            header_len, payload_len = _parse_prefix(buf[pos:pos + n], self.max_frame_bytes, magic)
+            body = pos + n + header_len
+            end = body + payload_len + tail
+            if len(buf) < end:
+                break
+            if key is not None:  # verify before anything in the frame is parsed
+                seq = _SEQ.pack(self._rx_seq)
+                if end - pos <= _ONE_SHOT_MAC:
+                    digest = hmac.digest(key, seq + buf[pos:end - MAC_BYTES], "sha256")
+                else:
+                    mac = hmac.new(key, seq, hashlib.sha256)
+                    with memoryview(buf) as view:
+                        mac.update(view[pos:end - MAC_BYTES])
+                    digest = mac.digest()
+                if not hmac.compare_digest(digest, bytes(buf[end - MAC_BYTES:end])):
+                    raise FrameAuthError(f"frame from {self.peer} failed its MAC "
+                                         f"(forged, tampered, replayed or reordered; seq {self._rx_seq})")
+                self._rx_seq += 1
+            kind, fields, specs = _parse_header(buf[pos + n:body], payload_len)
+            payload = buf[body:body + payload_len] if payload_len else bytearray()
+            out.append(Message(kind, fields, _build_tensors(specs, payload)))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    def stalled(self, now: float) -> bool:
+        """:meth:`read_ready` holds part of a frame and the peer sent nothing for ``stall_timeout``."""
+        return bool(self._rbuf) and self.stall_timeout is not None and now - self._rx_last > self.stall_timeout
 
     def close(self) -> None:
         """Idempotent; wakes a ``recv`` blocked in another thread (ConnectionClosed)."""

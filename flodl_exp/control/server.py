@@ -1,27 +1,41 @@
 """The coordinator's side of the wire: accept, authenticate, and read rank connections.
 
-One accept thread and one reader thread per connection turn the sockets into
-events on a single queue consumed by the coordinator's event loop:
-``("join", rank, hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``
-(at most one ``closed`` per rank).
+Three kinds of thread turn the sockets into events on a single queue consumed by
+the coordinator's event loop: ``("join", rank, hello)``, ``("msg", rank, Message)``,
+``("closed", rank, reason)`` (at most one ``closed`` per rank):
+
+* one accept thread;
+* one short-lived thread per connection *during its handshake* (at most
+  ``max_handshakes`` at once; more are closed at once);
+* one read thread for every authenticated connection: a selector (epoll) over their
+  sockets, one non-blocking ``recv`` per ready socket and turn, every complete frame in
+  it checked and queued in order (``Connection.read_ready``). A thread per rank would
+  make a thousand ranks a thousand threads taking turns on the GIL with the event loop;
+  one reader takes several frames per system call and keeps the loop's share of the
+  interpreter (bench: experiments/bench_coordinator.py).
+
 A peer that fails the handshake (wrong token, random bytes, an oversized or
-malformed frame) is closed with a log line; the run goes on. At most
-``max_handshakes`` connections are served before they authenticate; more are
-closed at once. A rank id is reserved under the lock before the welcome goes
-out, so two clients can never both be accepted as one rank.
+malformed frame) is closed with a log line; the run goes on. A rank id is reserved
+under the lock before the welcome goes out, so two clients can never both be
+accepted as one rank.
 
 Every frame after the handshake is MACed (wire.py): a forged, tampered or
 replayed frame closes that rank's connection (``FrameAuthError``), reported like
-any other broken connection. Sends carry a stall deadline
-(``send_stall_timeout``): a rank that stops reading is closed and reported as
-``closed`` with a reason naming the stall, so it cannot hold the event loop
-(beacons, liveness, signals) for longer than that.
+any other broken connection, as is a rank silent mid-frame for the connection's
+``stall_timeout``. Sends carry a stall deadline (``send_stall_timeout``): a rank that
+stops reading is closed and reported as ``closed`` with a reason naming the stall,
+so it cannot hold the event loop (beacons, liveness, signals) for longer than that.
+The selector is changed by the read thread only: the others hand it new
+connections through a queue and a wake-up socket.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import selectors
+import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -34,6 +48,8 @@ MAX_HANDSHAKES = 16
 """Connections served at once before they authenticate; more are closed at once."""
 SEND_STALL_TIMEOUT_S = 10.0
 """Default: a rank that accepts no byte of a frame for this long is treated as dead."""
+READ_CHUNK = 256 * 1024
+"""Bytes the read thread takes from one socket per turn (a snapshot larger than this takes several turns)."""
 
 
 class RankServer:
@@ -57,6 +73,15 @@ class RankServer:
         self._reported: set[int] = set()  # ranks whose "closed" event is out
         self._handshaking = 0
         self._closed = False
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._incoming: queue.SimpleQueue[tuple[int, Connection]] = queue.SimpleQueue()
+        """Authenticated connections for the read thread to register (it alone changes the selector)."""
+        self._reader = threading.Thread(target=self._read_loop, name="coord-read", daemon=True)
+        self._reader.start()
         threading.Thread(target=self._accept_loop, name="coord-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -106,6 +131,7 @@ class RankServer:
         return rank, hello
 
     def _serve(self, conn: Connection) -> None:
+        """A handshake thread: authenticate, report the join, hand the connection to the read thread."""
         try:
             rank, hello = self._handshake(conn)
         except Exception as e:
@@ -116,13 +142,85 @@ class RankServer:
         finally:
             with self._lock:
                 self._handshaking -= 1
-        self.events.put(("join", rank, hello))
+        self.events.put(("join", rank, hello))  # before any of its messages: the read thread has not seen it yet
+        self._incoming.put((rank, conn))
+        self._wake()
+
+    def _wake(self) -> None:
         try:
-            while True:
-                self.events.put(("msg", rank, conn.recv()))
-        except Exception as e:
-            reason = "closed" if isinstance(e, wire.ConnectionClosed) else f"{type(e).__name__}: {e}"
-            self._drop(rank, conn, reason)
+            self._wake_w.send(b"\0")
+        except OSError:  # full (the reader is already due to wake) or closed (shutting down)
+            pass
+
+    def _read_loop(self) -> None:
+        """The read thread: every authenticated connection, one non-blocking recv per ready socket per turn."""
+        scratch = memoryview(bytearray(READ_CHUNK))
+        put = self.events.put
+        next_check = time.monotonic() + 0.5
+        while not self._closed:
+            try:
+                ready = self._sel.select(timeout=0.5)
+            except (OSError, ValueError):  # the selector was closed under us: shutting down
+                return
+            for key, _ in ready:
+                if key.data is None:
+                    self._take_incoming()
+                    continue
+                rank, conn = key.data
+                try:
+                    msgs = conn.read_ready(scratch)
+                except Exception as e:
+                    self._forget(key.fileobj)
+                    reason = "closed" if isinstance(e, wire.ConnectionClosed) else f"{type(e).__name__}: {e}"
+                    self._drop(rank, conn, reason)
+                    continue
+                for m in msgs:
+                    put(("msg", rank, m))
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.5
+                self._sweep(now)
+
+    def _take_incoming(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:  # drained (EAGAIN) or closed
+            pass
+        while True:
+            try:
+                rank, conn = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            if conn.closed:
+                self._drop(rank, conn, "closed")
+                continue
+            stale = self._sel.get_map().get(conn.sock.fileno())
+            if stale is not None:  # a closed connection's descriptor, reused by this one
+                self._forget(stale.fileobj)
+            try:
+                self._sel.register(conn.sock, selectors.EVENT_READ, (rank, conn))
+            except (KeyError, ValueError, OSError) as e:  # closed meanwhile by another thread
+                self._drop(rank, conn, "closed" if conn.closed else f"{type(e).__name__}: {e}")
+
+    def _forget(self, fileobj: object) -> None:
+        try:
+            self._sel.unregister(fileobj)  # type: ignore[arg-type]
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _sweep(self, now: float) -> None:
+        """Connections closed by another thread (a send stall) leave the selector; a rank silent mid-frame
+        for its stall timeout is dropped as the blocking read would have dropped it."""
+        for key in list(self._sel.get_map().values()):
+            if key.data is None:
+                continue
+            rank, conn = key.data
+            if conn.closed:
+                self._forget(key.fileobj)
+            elif conn.stalled(now):
+                self._forget(key.fileobj)
+                self._drop(rank, conn, f"WireError: {conn.peer} stalled mid-frame; stream abandoned")
 
     def _drop(self, rank: int, conn: Connection, reason: str) -> None:
         """Close ``rank``'s connection and report it once (``closed`` event, one log line unless a plain close)."""
@@ -157,6 +255,14 @@ class RankServer:
             pass
         for c in list(self.conns.values()):
             c.close()
+        self._wake()
+        self._reader.join(timeout=2.0)
+        for sock in (self._wake_r, self._wake_w):
+            sock.close()
+        try:
+            self._sel.close()
+        except (OSError, ValueError):
+            pass
 
 
 @dataclass

@@ -1,0 +1,603 @@
+"""Coordinator load test (issue 19, part 3): a real coordinator process and N simulated ranks on loopback.
+
+``python experiments/bench_coordinator.py [--quick] [--sizes 8,64,256,1024] [--reps 3]``
+
+The coordinator is started as the job's task 0 starts it (``flodl_exp.control.main`` on a job folder with a
+``spec.json``: ``mode=cpu_cadence``, one epoch, an MLflow run in a scratch sqlite store), inside a thin wrapper
+(``--coordinator``) that only times it: the main loop's turns, the timing messages (``batch``) it absorbs,
+and each reduce trigger. The ranks are simulated: ``k`` processes (``--procs``, default 4), each driving
+N/k authenticated connections from one selector loop with the real ``wire`` / ``protocol`` code (handshake,
+a heartbeat and a telemetry report per rank per second, a ``batch`` per trained batch, chunk ``metrics``,
+``snapshot`` answers of a small model through the cpu backend, eval and save answers, ``exiting``).
+No torch training: a simulated rank reports a batch as soon as it may (``--rate`` per rank and second, 0 =
+as fast as the loop goes) on a chunk the coordinator handed it, like the managed loop would.
+
+Measured per run, then the median over ``--reps`` runs:
+
+* ``batch/s``: timing messages the coordinator handled / the time from its first to its last one;
+* ``turn p50/p99``: the busy time of one turn of the coordinator's loop (events handled + ``tick()``);
+* ``trig p50/p99``: for each reduce, the coordinator's trigger time minus the send time of the last
+  batch (or chunk metrics) any rank sent before it (the last rank reaching its count); one clock
+  (CLOCK_MONOTONIC) across processes;
+* ``cpu%`` (of one core) and peak ``rss``: from ``/proc/<pid>/stat`` and ``/statm`` of the coordinator
+  over its busy span; ``cpu us/batch``: the coordinator's CPU time over that span per timing message
+  (everything it did: reduces, plans, beacons included), a figure that holds on a shared machine where
+  ``batch/s`` is bound by who else runs (1e6 / it = the batches one core could absorb).
+
+Loopback only. ``RLIMIT_NOFILE`` is raised to its hard limit (each rank is one descriptor on each side).
+Every process started here is ended by its pid; every loop is bounded in time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import selectors
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+STATS_ENV = "FLODL_BENCH_STATS"
+TURN_SAMPLES = 400_000
+
+
+# ------------------------------------------------------------------ the coordinator, timed
+def coordinator_entry(argv: list[str]) -> None:
+    """``--coordinator <spec.json> <host>``: flodl_exp.control.main with timers on the loop (writes $FLODL_BENCH_STATS)."""
+    import array
+
+    from flodl_exp.control import main as cmain
+    from flodl_exp.control.coordinator import Coordinator
+    from flodl_exp.control.cycle import AveragingCycle
+
+    clock, mono = time.perf_counter, time.monotonic
+    st: dict[str, Any] = {"batches": 0, "events": 0, "t_first": None, "t_last": None, "triggers": [], "finishes": []}
+    turns = array.array("d")
+    busy = [0.0]
+    on_event, tick, on_batch, trigger = Coordinator.on_event, Coordinator.tick, Coordinator._on_batch, AveragingCycle.trigger
+
+    def timed_event(self: Coordinator, ev: Any) -> None:
+        t0 = clock()
+        on_event(self, ev)
+        busy[0] += clock() - t0
+        st["events"] += 1
+
+    def timed_tick(self: Coordinator) -> None:
+        t0 = clock()
+        tick(self)
+        if st["t_first"] is not None and len(turns) < TURN_SAMPLES:
+            turns.append(busy[0] + clock() - t0)
+        busy[0] = 0.0
+
+    def counted_batch(self: Coordinator, r: int, b: Any) -> None:
+        on_batch(self, r, b)
+        now = mono()
+        if st["t_first"] is None:
+            st["t_first"] = now
+        st["t_last"] = now
+        st["batches"] += 1
+
+    try_finish = AveragingCycle.try_finish
+
+    def timed_finish(self: AveragingCycle, alive: Any) -> Any:
+        out = try_finish(self, alive)
+        if out is not None:
+            st["finishes"].append([self.version - 1, mono()])
+        return out
+
+    def timed_trigger(self: AveragingCycle, members: list[int], *, final: bool = False) -> None:
+        st["triggers"].append([self.version, mono(), final])
+        trigger(self, members, final=final)
+
+    Coordinator.on_event = timed_event  # type: ignore[method-assign]
+    Coordinator.tick = timed_tick  # type: ignore[method-assign]
+    Coordinator._on_batch = counted_batch  # type: ignore[method-assign]
+    AveragingCycle.trigger = timed_trigger  # type: ignore[method-assign]
+    AveragingCycle.try_finish = timed_finish  # type: ignore[method-assign]
+    code = cmain.main(argv)
+    st["turns"] = sorted(turns)
+    with open(os.environ[STATS_ENV], "w") as fh:
+        json.dump(st, fh)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# ------------------------------------------------------------------ simulated ranks
+class SimRank:
+    """One simulated rank: the managed loop's messages without training."""
+
+    def __init__(self, rank: int, conn: Any, ms: float) -> None:
+        self.rank, self.conn, self.ms = rank, conn, ms
+        self.plans: deque[tuple[int, int, int, int]] = deque()
+        self.chunk: Optional[list[int]] = None  # [epoch, offset, size, chunk, batches left, batches done]
+        self.steps = 0  # since the last update
+        self.total_steps = 0
+        self.waiting = False  # barrier (snapshot sent, update awaited) or throttled
+        self.done = False
+        self.last_send: Optional[float] = None  # last batch / metrics sent this window
+        self.next_t = 0.0
+
+
+class SimProcess:
+    def __init__(self, ranks: list[int], rdv: dict[str, Any], out: dict[str, Any], *, rate: float, deadline: float,
+                 max_batches: Optional[int]) -> None:
+        import torch
+
+        from flodl_exp import wire
+        from flodl_exp.rank.backends import CoordinatorBackend, snapshot_nbytes
+
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.ReLU(), torch.nn.Linear(24, 10))
+        self.backend = CoordinatorBackend()
+        self.wire = wire
+        self.rate, self.deadline, self.max_batches = rate, deadline, max_batches
+        self.out = out
+        self.sel = selectors.DefaultSelector()
+        self.sims: list[SimRank] = []
+        model_bytes = snapshot_nbytes(self.model)
+        bs = int(rdv["batch_size"])
+        self.bs = bs
+        for r in ranks:
+            conn = wire.dial(HOST, int(rdv["port"]), timeout=30)
+            wire.client_handshake(conn, rdv["token"], {
+                "rank": r, "host": os.uname().nodename, "pid": os.getpid(), "device": "cpu", "device_uuid": None,
+                "device_score": None, "model_bytes": model_bytes, "samples": int(rdv["samples"])}, timeout=60)
+            conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
+            sim = SimRank(r, conn, ms=10.0 if r % 4 else 14.0)  # a little heterogeneity for ElChe
+            self.sims.append(sim)
+            self.sel.register(conn.sock, selectors.EVENT_READ, sim)
+        out.update(handshaken=len(self.sims), batches=0, metrics=0, snapshots=0, updates=0, rp=[], windows=[],
+                   evals=0, saves=0, exited=0)
+
+    def send(self, sim: SimRank, payload: Any) -> None:
+        from flodl_exp.protocol import encode
+
+        sim.conn.send(encode(payload))
+
+    # -- coordinator -> rank ------------------------------------------------
+    def on_message(self, sim: SimRank, msg: Any) -> None:
+        from flodl_exp import protocol as p
+
+        m = p.decode(msg)
+        out = self.out
+        if isinstance(m, (p.StartEpoch, p.ExtendPartition)):
+            sim.plans.append((m.epoch, m.offset, m.size, m.chunk))
+        elif isinstance(m, p.RequestParams):
+            now = time.monotonic()
+            out["rp"].append([m.version, now])
+            out["windows"].append([m.version, sim.last_send])
+            self.send(sim, self.backend.snapshot(self.model, sim.steps))
+            out["snapshots"] += 1
+            sim.waiting = sim.waiting or m.barrier
+        elif isinstance(m, p.Update):
+            out["updates"] += 1
+            sim.steps, sim.waiting, sim.last_send = 0, False, None
+            if m.next_plan is not None:
+                e, o, s, c = (int(x) for x in m.next_plan)
+                sim.plans.append((e, o, s, c))
+        elif isinstance(m, p.Throttle):
+            sim.waiting = True
+        elif isinstance(m, p.ExecuteEval):
+            self.send(sim, p.EvalResult(epoch=m.epoch, metrics={"accuracy": 0.5}, final=m.final, elapsed_ms=1.0))
+            out["evals"] += 1
+        elif isinstance(m, p.Save):
+            self.send(sim, p.SaveResult(stem=m.stem))
+            out["saves"] += 1
+        elif isinstance(m, p.Shutdown):
+            self.send(sim, p.Exiting(rank=sim.rank, pid=os.getpid(), hash="sim", steps=sim.total_steps, global_step=0))
+            out["exited"] += 1
+            self.finish(sim)
+        # heartbeats, global steps, epoch roles, advisories, epoch aggregates: nothing to do
+
+    def finish(self, sim: SimRank) -> None:
+        if not sim.done:
+            sim.done = True
+            self.sel.unregister(sim.conn.sock)
+            sim.conn.close()
+
+    def read(self, sim: SimRank) -> None:
+        for _ in range(256):  # bounded: the other ranks get their turn
+            if sim.done:
+                return
+            try:
+                msg = sim.conn.recv(timeout=0)
+            except TimeoutError:
+                return
+            except self.wire.WireError:
+                self.finish(sim)
+                return
+            self.on_message(sim, msg)
+
+    # -- rank -> coordinator ---------------------------------------------------
+    def step(self, sim: SimRank, now: float) -> bool:
+        """Report one batch (or a finished chunk) if this rank has work; True when it sent something."""
+        from flodl_exp.protocol import Batch, ChunkMetrics
+
+        if sim.done or sim.waiting or now < sim.next_t:
+            return False
+        if sim.chunk is None:
+            if not sim.plans:
+                return False
+            e, o, s, c = sim.plans.popleft()
+            sim.chunk = [e, o, s, c, s // self.bs, 0]
+        e, o, s, c, left, done = sim.chunk
+        if left > 0 and (self.max_batches is None or self.out["batches"] < self.max_batches):
+            self.send(sim, Batch(ms=sim.ms, data_ms=0.05, chunk=c, loss=1.0, lr=0.1))
+            sim.chunk[4], sim.chunk[5] = left - 1, done + 1
+            sim.steps += 1
+            sim.total_steps += 1
+            self.out["batches"] += 1
+            sim.next_t = now + (1.0 / self.rate if self.rate > 0 else 0.0)
+        else:
+            self.send(sim, ChunkMetrics(epoch=e, chunk=c, avg_loss=1.0, batches=done, samples=done * self.bs,
+                                        epoch_ms=done * sim.ms, share_complete_ms=done * sim.ms,
+                                        compute_only_ms=done * sim.ms, data_starve_ms=0.0,
+                                        ranges=[[o, done * self.bs]] if done else []))
+            self.out["metrics"] += 1
+            sim.chunk = None
+        sim.last_send = time.monotonic()
+        return True
+
+    def beat(self) -> None:
+        from flodl_exp.protocol import Heartbeat, Telemetry
+
+        for sim in self.sims:
+            if not sim.done:
+                try:
+                    self.send(sim, Heartbeat(steps=sim.total_steps, state="wait" if sim.waiting else "train"))
+                    self.send(sim, Telemetry(cpu_pct=50.0, rss_gb=0.1))
+                except self.wire.WireError:
+                    self.finish(sim)
+
+    def run(self, go: Optional[str] = None) -> None:
+        next_beat = time.monotonic() + 1.0
+        while go is not None and not os.path.exists(go) and time.monotonic() < self.deadline:
+            for key, _ in self.sel.select(timeout=0.05):  # plans arrive and queue; no batch yet
+                self.read(key.data)
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + 1.0
+                self.beat()
+        self.out["t_go"] = time.monotonic()
+        cpu0 = time.process_time()
+        while time.monotonic() < self.deadline and not all(s.done for s in self.sims):
+            busy = False
+            now = time.monotonic()
+            for sim in self.sims:
+                try:
+                    busy = self.step(sim, now) or busy
+                except self.wire.WireError:
+                    self.finish(sim)
+            for key, _ in self.sel.select(timeout=0 if busy else 0.01):
+                self.read(key.data)
+            if now >= next_beat:
+                next_beat = now + 1.0
+                self.beat()
+        self.out["cpu_s"] = time.process_time() - cpu0
+        self.out["t_end"] = time.monotonic()
+        for sim in self.sims:
+            self.finish(sim)
+
+
+def sim_entry(args: argparse.Namespace) -> None:
+    """``--sim``: one process of simulated ranks (its share of the world), results to ``--out``."""
+    rdv = json.loads(Path(args.rdv).read_text())
+    ranks = [int(r) for r in args.ranks.split(",")]
+    out: dict[str, Any] = {"ranks": len(ranks), "handshaken": 0}
+    try:
+        proc = SimProcess(ranks, rdv, out, rate=args.rate, deadline=time.monotonic() + args.seconds,
+                          max_batches=args.max_batches)
+        proc.run(args.go)
+    except Exception as e:  # reported to the parent, which fails the run
+        out["error"] = f"{type(e).__name__}: {e}"
+    Path(args.out).write_text(json.dumps(out))
+    os._exit(0)
+
+
+# ------------------------------------------------------------------ one run
+def raise_nofile(need: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need and (hard == resource.RLIM_INFINITY or soft < hard):
+        soft = hard if hard != resource.RLIM_INFINITY else max(need, soft)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise SystemExit(f"RLIMIT_NOFILE hard limit {hard} is below the {need} descriptors this size needs")
+    return soft
+
+
+def compose_config(n: int, batch_size: int, uri: str) -> dict[str, Any]:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from flodl_exp.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "mode=cpu_cadence", "experiment=digits_logistic", "experiment.epochs=1",
+            f"experiment.batch_size={batch_size}", f"cluster.ranks_per_node={n}", "cluster.device=cpu",
+            "eval.every=0", "cluster.heartbeat_timeout_s=60", f"tracking.uri={uri}"])
+    return dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+
+
+def _proc_sample(pid: int) -> Optional[tuple[float, float, int]]:
+    """(monotonic now, cpu seconds, rss bytes) of ``pid`` from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), cpu, rss_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: float = 240.0,
+             batch_size: int = 8, workdir: Optional[str] = None, profile: Optional[str] = None,
+             keep: bool = False) -> dict[str, Any]:
+    """One coordinator and ``n`` simulated ranks until the run ends (or ``timeout_s``); the measurements."""
+    raise_nofile(n + 256)
+    from flodl_exp import tracking
+
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="bench-coord-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    job = tmp / f"job-{n}-{time.time_ns()}"
+    job.mkdir(mode=0o700)
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    cfg = compose_config(n, batch_size, uri)
+    run_id = tracking.create_run(uri, "bench_coordinator", str(tmp / "mlartifacts"), f"bench-{n}", {"world_size": n},
+                                 {"bench": "coordinator"})
+    per_rank = max(1, batches // n)
+    spec = {"config": cfg, "run_id": run_id, "tracking_uri": uri, "job_dir": str(job),
+            "checkpoint_stem": str(job / "checkpoints" / "final"), "shuffle_seed": 42, "resume": None,
+            "import_paths": [str(ROOT)], "cuda_visible_devices": None}
+    (job / "spec.json").write_text(json.dumps(spec))
+    stats_path = job / "coordinator_stats.json"
+    env = dict(os.environ, **{STATS_ENV: str(stats_path), "PYTHONPATH": str(ROOT)})
+    log_fh = open(job / "coordinator.log", "ab")
+    started: list[subprocess.Popen] = []
+    samples: list[tuple[float, float, int]] = []
+    try:
+        coord = subprocess.Popen([sys.executable, __file__, "--coordinator", str(job / "spec.json"), HOST], cwd=ROOT,
+                                 env=env, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        started.append(coord)
+        rdv_path = job / "rendezvous.json"
+        deadline = time.monotonic() + 60
+        while not rdv_path.exists():
+            if coord.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not start: see {job / 'coordinator.log'}")
+            time.sleep(0.05)
+        rdv = json.loads(rdv_path.read_text())
+        rdv.update(batch_size=batch_size, samples=per_rank * n * batch_size)
+        sim_rdv = job / "rendezvous_sim.json"
+        sim_rdv.write_text(json.dumps(rdv))
+        os.chmod(sim_rdv, 0o600)
+        k = max(1, min(procs, n))
+        outs = [job / f"sim{i}.json" for i in range(k)]
+        go = job / "go"
+        t_start = time.monotonic()
+        for i in range(k):
+            ranks = ",".join(str(r) for r in range(i, n, k))
+            started.append(subprocess.Popen(
+                [sys.executable, __file__, "--sim", "--rdv", str(sim_rdv), "--ranks", ranks, "--out", str(outs[i]),
+                 "--rate", str(rate), "--seconds", str(timeout_s), "--go", str(go)], cwd=ROOT, env=env,
+                stdin=subprocess.DEVNULL))
+        wait_quiet(job, coord, started, deadline=time.monotonic() + 120)
+        go.touch()
+        prof = None
+        hard_deadline = time.monotonic() + timeout_s + 30
+        while coord.poll() is None and time.monotonic() < hard_deadline:
+            s = _proc_sample(coord.pid)
+            if s:
+                samples.append(s)
+            if profile and prof is None and samples and len(samples) > 4 and _first_batch_seen(job):
+                prof = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-o", profile,
+                                         "--pid", str(coord.pid), "-d", "8", "-r", "50", "--nonblocking", "--threads",
+                                         *(["--format", "raw"] if profile.endswith(".txt") else [])],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                started.append(prof)
+            time.sleep(0.1)
+        wall = time.monotonic() - t_start
+        for p in started[1:]:
+            try:
+                p.wait(timeout=max(1.0, hard_deadline - time.monotonic() + 10))
+            except subprocess.TimeoutExpired:
+                _kill(p)
+        if coord.poll() is None:
+            _kill(coord)
+            raise RuntimeError(f"the coordinator did not end within {timeout_s:.0f}s (log {job / 'coordinator.log'})")
+        sims = [json.loads(o.read_text()) if o.exists() else {"error": "no output"} for o in outs]
+        stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+        result = json.loads((job / "result.json").read_text()) if (job / "result.json").exists() else {}
+    finally:
+        for p in started:
+            _kill(p)
+        log_fh.close()
+        if not keep and workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summarise(n, stats, sims, samples, result, wall)
+
+
+def wait_quiet(job: Path, coord: subprocess.Popen, procs: list[subprocess.Popen], deadline: float) -> None:
+    """Every rank joined and the coordinator is idle (its MLflow sink has opened the store: seconds of imports
+    that would otherwise compete with the first measured batches), bounded by ``deadline``."""
+    while not _event_seen(job, "started"):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"the ranks did not all join: see {job / 'coordinator.log'}")
+        time.sleep(0.1)
+    prev = _proc_sample(coord.pid)
+    while prev is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        cur = _proc_sample(coord.pid)
+        if cur is None or (cur[1] - prev[1]) / (cur[0] - prev[0]) < 0.15:
+            return
+        prev = cur
+
+
+def _event_seen(job: Path, event: str) -> bool:
+    try:
+        return f'"event": "{event}"' in (job / "events.jsonl").read_text()
+    except OSError:
+        return False
+
+
+def _first_batch_seen(job: Path) -> bool:
+    try:
+        return '"first_batch"' in (job / "events.jsonl").read_text()
+    except OSError:
+        return False
+
+
+def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples: list[tuple[float, float, int]],
+              result: dict[str, Any], wall: float) -> dict[str, Any]:
+    errors = [s["error"] for s in sims if s.get("error")]
+    t0, t1 = stats.get("t_first"), stats.get("t_last")
+    span = (t1 - t0) if t0 is not None and t1 is not None and t1 > t0 else float("nan")
+    turns = stats.get("turns", [])
+    # the last count of each window: the latest batch/metrics any rank sent before that reduce's trigger
+    last: dict[int, list[float]] = {}
+    for s in sims:
+        for v, t in s.get("windows", []):
+            if t is not None:
+                last.setdefault(int(v), []).append(float(t))
+    trig_ms = []
+    for v, t, _final in stats.get("triggers", []):
+        before = [x for x in last.get(int(v), []) if x <= t]
+        if before:
+            trig_ms.append((t - max(before)) * 1e3)
+    trig_ms.sort()
+    busy = [x for x in samples if t0 is not None and t1 is not None and t0 <= x[0] <= t1]
+    cpu = (100.0 * (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0])
+           if len(busy) >= 2 and busy[-1][0] > busy[0][0] else float("nan"))
+    return {
+        "n": n,
+        "status": result.get("status"),
+        "errors": errors,
+        "handshaken": sum(s.get("handshaken", 0) for s in sims),
+        "sent": sum(s.get("batches", 0) for s in sims),
+        "absorbed": stats.get("batches", 0),
+        "snapshots": sum(s.get("snapshots", 0) for s in sims),
+        "updates": sum(s.get("updates", 0) for s in sims),
+        "exited": sum(s.get("exited", 0) for s in sims),
+        "reduces": len(stats.get("triggers", [])),
+        "batch_per_s": stats.get("batches", 0) / span if span == span and span > 0 else float("nan"),
+        "turn_p50_ms": _pct(turns, 0.50) * 1e3,
+        "turn_p99_ms": _pct(turns, 0.99) * 1e3,
+        "trig_p50_ms": _pct(trig_ms, 0.50),
+        "trig_p99_ms": _pct(trig_ms, 0.99),
+        "cpu_pct": cpu,
+        "rss_mb": max((x[2] for x in samples), default=0) / 2**20,
+        "cpu_us_per_batch": (cpu / 100 * span * 1e6 / stats["batches"]) if stats.get("batches") else float("nan"),
+        "sim_cpu_pct": (100.0 * sum(s.get("cpu_s", 0.0) for s in sims)
+                        / max(1e-9, max((s.get("t_end", 0.0) for s in sims), default=0.0)
+                              - min((s.get("t_go", 0.0) for s in sims), default=0.0))),
+        "reduce_ms": statistics.median([(f - t) * 1e3 for (_, t, _), (_, f) in zip(stats.get("triggers", []),
+                                                                              stats.get("finishes", []))] or [float("nan")]),
+        "span_s": span,
+        "wall_s": wall,
+    }
+
+
+COLUMNS = [("n", "N", "{:d}"), ("batch_per_s", "batch/s", "{:,.0f}"), ("turn_p50_ms", "turn p50 ms", "{:.2f}"),
+           ("turn_p99_ms", "turn p99 ms", "{:.2f}"), ("trig_p50_ms", "trig p50 ms", "{:.1f}"),
+           ("trig_p99_ms", "trig p99 ms", "{:.1f}"), ("cpu_pct", "cpu %", "{:.0f}"),
+           ("cpu_us_per_batch", "cpu us/batch", "{:.0f}"), ("rss_mb", "rss MB", "{:.0f}"),
+           ("reduces", "reduces", "{:d}"), ("absorbed", "batches", "{:d}")]
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for key, _, fmt in COLUMNS:
+        vals = [r[key] for r in runs if r[key] == r[key]]
+        if not vals:
+            row[key] = float("nan")
+        elif fmt == "{:d}":
+            row[key] = int(statistics.median_low(vals))
+        else:
+            row[key] = statistics.median(vals)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    sep = "|" + "|".join("---:" for _ in COLUMNS) + "|"
+    lines = [head, sep]
+    for row in rows:
+        cells = [("nan" if row[k] != row[k] else fmt.format(row[k])) for k, _, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--coordinator", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sim", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rdv", help=argparse.SUPPRESS)
+    ap.add_argument("--ranks", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--seconds", type=float, default=240.0, help=argparse.SUPPRESS)
+    ap.add_argument("--max-batches", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--go", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="N = 8 and 64 only")
+    ap.add_argument("--sizes", default="8,64,256,1024", help="comma-separated world sizes")
+    ap.add_argument("--reps", type=int, default=3, help="runs per size (the table shows medians)")
+    ap.add_argument("--batches", type=int, default=60_000, help="timing messages per run (at least 20 per rank)")
+    ap.add_argument("--procs", type=int, default=4, help="processes driving the simulated ranks")
+    ap.add_argument("--rate", type=float, default=0.0, help="batches per rank and second (0 = as fast as possible)")
+    ap.add_argument("--profile", default=None, help="py-spy flame graph of the coordinator (first run of the largest size)")
+    ap.add_argument("--keep", default=None, help="keep the job folders under this directory")
+    ap.add_argument("--json", default=None, help="also write every run's measurements here")
+    args, rest = ap.parse_known_args(argv)
+    if args.coordinator:
+        coordinator_entry([sys.argv[0], *rest])
+        return 0
+    if args.sim:
+        sim_entry(args)
+        return 0
+    sizes = [8, 64] if args.quick else [int(s) for s in args.sizes.split(",")]
+    rows, every = [], []
+    for n in sizes:
+        runs = []
+        for i in range(args.reps):
+            prof = args.profile if (args.profile and n == max(sizes) and i == 0) else None
+            r = run_once(n, batches=max(args.batches, 20 * n), procs=args.procs, rate=args.rate, profile=prof,
+                         workdir=args.keep)
+            print(f"N={n} run {i + 1}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                      for k, v in r.items()), flush=True)
+            if r["errors"] or r["status"] != "FINISHED" or r["absorbed"] != r["sent"]:
+                print(f"  warning: status {r['status']}, errors {r['errors']}, absorbed {r['absorbed']} of {r['sent']}")
+            runs.append(r)
+        every.extend(runs)
+        rows.append(median_row(runs))
+    print()
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": every, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
