@@ -474,3 +474,33 @@ def test_subtract_ranges():
     assert subtract_ranges([(0, 100)], [(10, 20), (50, 10)]) == [(0, 10), (30, 20), (60, 40)]
     assert subtract_ranges([(0, 10), (20, 10)], [(5, 20)]) == [(0, 5), (25, 5)]
     assert subtract_ranges([(0, 10)], [(0, 10)]) == [] and subtract_ranges([(0, 10)], []) == [(0, 10)]
+
+
+def test_remaining_is_kept_exactly_through_every_way_the_pool_moves() -> None:
+    """remaining() is a running count (a sum over every rank's span per chunk was O(W^2) a window at a
+    thousand ranks): after any sequence of takes, steals, completions, reopens, forfeits and rollbacks it
+    equals the recount."""
+    import random
+
+    from flodl_exp.control.chunk_pool import ChunkPool
+
+    rng = random.Random(7)
+    for trial in range(30):
+        w = rng.randint(1, 6)
+        pool = ChunkPool(0, rng.randint(0, 4000), 8, [rng.randint(1, 9) for _ in range(w)])
+        taken: list[tuple[int, int, int]] = []
+        for _ in range(200):
+            op, r = rng.random(), rng.randrange(w)
+            if op < 0.5:
+                got = pool.take_chunk(rng.randint(0, 12) * 8, r)
+                if got is not None:
+                    taken.append((r, *got))
+            elif op < 0.7:
+                pool.mark_completed(r, rng.randint(0, 5) * 8)
+            elif op < 0.8:
+                pool.reopen(r, rng.randrange(4000), rng.randint(0, 3) * 8)
+            elif op < 0.9:
+                pool.forfeit(r)
+            elif taken:
+                pool.rollback_take(*taken.pop(rng.randrange(len(taken))))
+            assert pool.remaining() == pool._recount(), f"trial {trial}"

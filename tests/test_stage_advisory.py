@@ -69,3 +69,22 @@ def test_the_coordinator_advises_each_rank_at_epoch_start_this_epoch_and_the_nex
     off = Harness(tmp_path / "off", "cpu_cadence", world=2, epochs=3, **{"data_plane.stage_advisories": False})
     off.start(samples=960)
     assert not [p for _, p in off.transport.take() if isinstance(p, StageAdvisory)]
+
+
+def test_an_advisory_names_at_most_eight_peers_the_largest_residues() -> None:
+    """At a thousand ranks an advisory naming every peer was O(W) each, O(W^2) a round: it names the
+    ADVISORY_DONORS largest residues (what take_chunk steals from first); up to 9 ranks, every peer as before."""
+    from flodl_exp.control.chunk_pool import ADVISORY_DONORS, ChunkPool, advisory_donors, stage_advisory
+
+    w = 20
+    pool = ChunkPool(0, 8 * 400, 8, [1] * w)
+    for r in range(w):  # rank r has taken r batches of its 20: residues fall with the rank
+        if r:
+            pool.take_chunk(8 * r, r)
+    alive = [True] * w
+    donors = advisory_donors(pool, alive)
+    assert donors == list(range(ADVISORY_DONORS + 1))
+    segs = stage_advisory(pool, 5, [1] * w, alive, donors)
+    assert len(segs) == 1 + ADVISORY_DONORS  # its own span, then 8 peers (itself left out)
+    small = ChunkPool(0, 8 * 40, 8, [1] * 4)
+    assert len(stage_advisory(small, 0, [1] * 4, [True] * 4)) == 4

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Protocol, Sequence
 
 from flodl_exp.control.actions import ConvergenceAction
 
 Range = tuple[int, int]  # (offset, size)
 
+
+
+class IntLookup(Protocol):
+    """Per-rank ints read by index (a list, or a view over a ledger that builds no list)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int, /) -> int: ...
 
 def reservation_span_batches(total_batches: int, counts: list[int]) -> list[int]:
     """Per-rank reserved span sizes in batches: ``total_batches·counts[r] // Σcounts``
@@ -73,6 +81,9 @@ class ChunkPool:
         self._outstanding: list[deque[list[int]]] = [deque() for _ in range(w)]
         self._reclaimed: deque[Range] = deque()
         self.epoch_start_ms = float(now_ms)
+        self._remaining = self.total_samples
+        """Unassigned samples (residues + reclaimed), kept as they move: remaining() is asked per chunk, and a
+        sum over every rank's span each time made a window O(W^2) at a thousand ranks."""
 
     # -- read-outs -----------------------------------------------------------
     @property
@@ -111,8 +122,10 @@ class ChunkPool:
         return list(self._reclaimed)
 
     def remaining(self) -> int:
-        return sum(self.residue(r) for r in range(self.world_size)) + sum(
-            s for _, s in self._reclaimed)
+        return self._remaining
+
+    def _recount(self) -> int:
+        return sum(self.residue(r) for r in range(self.world_size)) + sum(s for _, s in self._reclaimed)
 
     def in_flight(self, rank: int) -> int:
         return max(self._dispatched[rank] - self._completed[rank], 0)
@@ -126,6 +139,7 @@ class ChunkPool:
 
     # -- mutation ------------------------------------------------------------
     def _book(self, rank: int, off: int, size: int) -> Range:
+        self._remaining -= size
         self._dispatched[rank] += size
         self._chunks_sent[rank] += 1
         if size > 0:
@@ -185,6 +199,7 @@ class ChunkPool:
             self._completed[rank] -= size
             self._dispatched[rank] -= size
             self._reclaimed.append((int(offset), size))
+            self._remaining += size
         return size
 
     def forfeit(self, rank: int) -> int:
@@ -197,6 +212,7 @@ class ChunkPool:
             moved += sz
             self._reclaimed.append((off, sz))
         self._dispatched[rank] = max(self._dispatched[rank] - moved, 0)
+        self._remaining += moved
         return moved
 
     def rollback_take(self, rank: int, offset: int, size: int) -> None:
@@ -217,6 +233,7 @@ class ChunkPool:
             self._cursor[rank] = offset
         else:
             self._reclaimed.appendleft((offset, size))
+        self._remaining = self._recount()
 
     # -- coverage (checkpoint / resume) --------------------------------------
     def uncovered_ranges(self) -> list[Range]:
@@ -244,6 +261,7 @@ class ChunkPool:
                                  f"[0, {pool.total_samples})")
             end = o + s
         pool._reclaimed = deque(holes)
+        pool._remaining = pool._recount()
         return pool
 
     def to_dict(self) -> dict[str, Any]:
@@ -365,18 +383,34 @@ def refresh_final_window_plan(prev: FinalWindowPlan | None, *, epoch: int, rem: 
 
 
 # -- staging advisories (§5.10) ------------------------------------------------
-def stage_advisory(pool: ChunkPool, rank: int, counts: list[int], alive: list[bool]) -> list[Range]:
+ADVISORY_DONORS = 8
+"""Peers whose residue tails an advisory names: the largest residues, the ones ``take_chunk`` steals from."""
+
+
+def advisory_donors(pool: ChunkPool, alive: list[bool], k: int = ADVISORY_DONORS) -> list[int]:
+    """The ``k + 1`` live ranks with the largest residue (ties: the highest rank, as ``take_chunk``), in rank
+    order: computed once per advisory round, so a round is O(W), not O(W^2), at a thousand ranks."""
+    live = [r for r in range(pool.world_size) if alive[r] and pool.residue(r) > 0]
+    if len(live) > k + 1:
+        live = sorted(sorted(live, key=lambda r: (pool.residue(r), r), reverse=True)[:k + 1])
+    return live
+
+
+def stage_advisory(pool: ChunkPool, rank: int, counts: list[int], alive: list[bool],
+                   donors: Optional[list[int]] = None) -> list[Range]:
     """The picks ``rank`` is likely to be handed from ``pool``, most likely first: the unassigned rest of its
-    own span, then the tail of every other live rank's residue (``max(counts[o], 1)`` batches, capped at the
-    residue: what it would take over from a slower peer). ``(offset, size)`` ranges of the epoch's permutation.
-    Purely advisory: it never changes the allocation."""
+    own span, then the tail of the other live ranks' residue (``max(counts[o], 1)`` batches, capped at the
+    residue: what it would take over from a slower peer), of at most :data:`ADVISORY_DONORS` peers (the largest
+    residues, ``donors``; every live peer on worlds up to 9 ranks). ``(offset, size)`` ranges of the epoch's
+    permutation. Purely advisory: it never changes the allocation."""
     bs = pool.batch_size
     out: list[Range] = []
     off, size = pool.reservation(rank)
     if size > 0:
         out.append((off, size))
-    for o in range(pool.world_size):
-        if o == rank or not alive[o]:
+    peers = [o for o in (donors if donors is not None else advisory_donors(pool, alive)) if o != rank][:ADVISORY_DONORS]
+    for o in peers:
+        if not alive[o]:
             continue
         res = pool.residue(o)
         if res <= 0:
@@ -387,11 +421,11 @@ def stage_advisory(pool: ChunkPool, rank: int, counts: list[int], alive: list[bo
 
 
 # -- chunk sizing (§5.3) ------------------------------------------------------
-def _at(xs: list[int], i: int) -> int:
+def _at(xs: IntLookup, i: int) -> int:
     return xs[i] if 0 <= i < len(xs) else 0
 
 
-def reduce_budget(rank: int, counts: list[int], is_async: bool, max_overshoot: int) -> int:
+def reduce_budget(rank: int, counts: Sequence[int], is_async: bool, max_overshoot: int) -> int:
     """Steps ``rank`` may run between reduces; 0 means "no barrier" (0-share rank)."""
     c = _at(counts, rank)
     if c == 0:
@@ -399,15 +433,15 @@ def reduce_budget(rank: int, counts: list[int], is_async: bool, max_overshoot: i
     return c + max_overshoot if is_async else c
 
 
-def cap_to_budget(rank: int, x: int, *, counts: list[int], steps: list[int],
+def cap_to_budget(rank: int, x: int, *, counts: Sequence[int], steps: IntLookup,
                   is_async: bool, max_overshoot: int) -> int:
     """Never size a chunk past the reduce barrier (floor 1, never inflating x)."""
     b = reduce_budget(rank, counts, is_async, max_overshoot)
     return x if b == 0 else min(x, max(b - _at(steps, rank), 1))
 
 
-def compute_chunk_batches(*, rank: int, rem_batches: int, counts: list[int],
-                          steps: list[int], barrier_paced: bool, is_async: bool,
+def compute_chunk_batches(*, rank: int, rem_batches: int, counts: Sequence[int],
+                          steps: IntLookup, barrier_paced: bool, is_async: bool,
                           max_overshoot: int, calibrated: bool, has_speed_hint: bool,
                           total_samples: int, world_size: int, batch_size: int,
                           final_alloc: list[int] | tuple[int, ...] | None,

@@ -44,6 +44,7 @@ class Cohort:
         self.roles_elected = False
         """Fastest-rank election happened (sticky until a death)."""
         self._alive = [False] * world_size
+        self._n_alive = 0
         self._exited = [False] * world_size
         self._last_seen = [now] * world_size
         self.finals: dict[int, dict[str, Any]] = {}
@@ -65,6 +66,9 @@ class Cohort:
 
     def alive_ranks(self) -> list[int]:
         return [r for r in range(self.world_size) if self._alive[r]]
+
+    def alive_count(self) -> int:
+        return self._n_alive
 
     def all_joined(self) -> bool:
         return all(self._alive)
@@ -97,6 +101,8 @@ class Cohort:
 
     # -- events -----------------------------------------------------------
     def join(self, r: int, now: float) -> None:
+        if not self._alive[r]:
+            self._n_alive += 1
         self._alive[r] = True
         self._last_seen[r] = now
 
@@ -115,6 +121,7 @@ class Cohort:
         if not self._alive[r]:
             return None
         self._alive[r] = False
+        self._n_alive -= 1
         if self._exited[r]:
             return None
         report = self.errors.get(r) or {}

@@ -442,7 +442,8 @@ class Coordinator:
                                window=self.cycle.version)
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
         self.dispatch.on_batch(r, b.chunk)
-        probe_ms = self.cycle.seed_from_probe(self.cohort.alive_ranks())
+        probe_ms = (self.cycle.seed_from_probe(self.cohort.alive_ranks())
+                    if self.cycle.probing and self.cycle.probe_full >= self.cohort.alive_count() else None)
         if probe_ms is not None:  # the first window re-sized by measured speed: the fast ranks get its rest
             self.events.emit({"event": "probe", "ms_per_batch": [round(m, 3) for m in probe_ms],
                               "counts": self.cycle.counts})

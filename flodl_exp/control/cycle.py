@@ -18,7 +18,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -145,11 +145,24 @@ class AveragingCycle:
         self._probe: Optional[list[list[float]]] = (
             [[] for _ in range(world_size)] if elche is not None and policy != "sync" else None)
         """Compute ms of each rank's first steps, until the cold-start probe has been taken (then None)."""
+        self.probe_full = 0
+        """Ranks that have timed PROBE_STEPS steps (the probe is due when every live rank has)."""
+        self._ones = [1] * world_size
 
     # -- state ------------------------------------------------------------
     @property
     def counts(self) -> list[int]:
         return self.elche.batch_counts if self.elche is not None else [1] * self.world_size
+
+    @property
+    def counts_view(self) -> Sequence[int]:
+        """:attr:`counts` without the copy, for per-chunk reads (see ElChe.counts_view)."""
+        return self.elche.counts_view if self.elche is not None else self._ones
+
+    @property
+    def probing(self) -> bool:
+        """The cold-start probe is still open (every rank's first steps being timed)."""
+        return self._probe is not None
 
     def restore(self, global_step: int, version: int) -> None:
         self.global_step, self.version = global_step, version
@@ -174,6 +187,8 @@ class AveragingCycle:
             self.lr_seen = b.lr
         if self._probe is not None and len(self._probe[r]) < PROBE_STEPS:
             self._probe[r].append(b.ms)
+            if len(self._probe[r]) == PROBE_STEPS:
+                self.probe_full += 1
 
     def seed_from_probe(self, alive: list[int]) -> Optional[list[float]]:
         """Cold start (once per run): when every live rank has timed :data:`PROBE_STEPS` steps and no reduce

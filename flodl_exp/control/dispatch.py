@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -31,6 +32,7 @@ from .chunk_pool import (
     ChunkPool,
     FinalWindowPlan,
     OvershootTuner,
+    advisory_donors,
     compute_chunk_batches,
     reduce_budget,
     refresh_final_window_plan,
@@ -58,6 +60,54 @@ class Chunk:
     epoch: int
     offset: int
     size: int
+
+
+class ChunkBook(dict[int, Chunk]):
+    """chunk id -> Chunk, counting chunks per rank and per epoch as they come and go (the only ways the
+    book changes), so "has rank r a chunk out" and "has epoch e one" are O(1), not a scan of every chunk
+    (asked per chunk handed out: O(W^2) a window at a thousand ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_rank: Counter[int] = Counter()
+        self.by_epoch: Counter[int] = Counter()
+
+    def __setitem__(self, cid: int, ch: Chunk) -> None:
+        old = self.get(cid)
+        if old is not None:
+            self._drop(old)
+        super().__setitem__(cid, ch)
+        self.by_rank[ch.rank] += 1
+        self.by_epoch[ch.epoch] += 1
+
+    def _drop(self, ch: Chunk) -> None:
+        self.by_rank[ch.rank] -= 1
+        self.by_epoch[ch.epoch] -= 1
+
+    def __delitem__(self, cid: int) -> None:
+        self._drop(self[cid])
+        super().__delitem__(cid)
+
+    def pop(self, cid: int, default: Any = None) -> Any:
+        if cid in self:
+            ch = super().pop(cid)
+            self._drop(ch)
+            return ch
+        return default
+
+
+class _Steps:
+    """Every rank's steps since the last reduce, read from the cycle's ledger on demand (a list built per
+    chunk handed out would cost O(W) each)."""
+
+    def __init__(self, cycle: AveragingCycle, world_size: int) -> None:
+        self._cycle, self._w = cycle, world_size
+
+    def __len__(self) -> int:
+        return self._w
+
+    def __getitem__(self, r: int) -> int:
+        return self._cycle.steps(r)
 
 
 @dataclass
@@ -96,7 +146,7 @@ class Dispatcher:
         self.accs: dict[int, EpochAccumulator] = {}
         self.pools: dict[int, ChunkPool] = {}
         self.final_plans: dict[int, Optional[FinalWindowPlan]] = {}
-        self.chunks: dict[int, Chunk] = {}
+        self.chunks: dict[int, Chunk] = ChunkBook()
         """chunk id -> every chunk sent and not yet reported."""
         self.progress: list[dict[int, int]] = [{} for _ in range(world_size)]
         self.answered: list[dict[int, int]] = [{} for _ in range(world_size)]
@@ -110,6 +160,7 @@ class Dispatcher:
         self.coverage: dict[int, list[list[int]]] = {}
         """Aggregated epoch -> the [offset, size] ranges its chunks covered."""
         self.rank_epoch = [0] * self.W
+        self._steps = _Steps(cycle, world_size)
         self._ids = itertools.count()
 
     def _open(self, e: int) -> EpochAccumulator:
@@ -132,7 +183,10 @@ class Dispatcher:
         return self.last_aggregated + 1
 
     def in_flight(self, r: int) -> bool:
-        return any(c.rank == r for c in self.chunks.values())
+        book = self.chunks
+        if isinstance(book, ChunkBook):
+            return book.by_rank[r] > 0
+        return any(c.rank == r for c in book.values())
 
     # -- starting epochs ------------------------------------------------
     def start(self, total_picks: int, resume_meta: Optional[dict[str, Any]]) -> None:
@@ -281,13 +335,17 @@ class Dispatcher:
         layouts = [(e, self.pools[e])]
         if e + 1 < self.epochs:
             layouts.append((e + 1, self.pools.get(e + 1) or ChunkPool(e + 1, self.total, self.bs, counts)))
+        donors = [advisory_donors(pool, alive) for _, pool in layouts]
         for r in self._cohort.alive_ranks():
-            segs = [[ep, off, size] for ep, pool in layouts for off, size in stage_advisory(pool, r, counts, alive)]
+            segs = [[ep, off, size] for (ep, pool), d in zip(layouts, donors)
+                    for off, size in stage_advisory(pool, r, counts, alive, d)]
             if segs:
                 self._out.send(r, StageAdvisory(segments=segs, counts=counts))
 
     # -- progressive chunks ---------------------------------------------
     def _final_alloc(self, e: int) -> Optional[list[int]]:
+        if not self.barrier_paced:  # final-window plans pin barrier-paced epochs only (no O(W) list per chunk)
+            return None
         pool = self.pools[e]
         plan = refresh_final_window_plan(
             self.final_plans.get(e), epoch=e, rem=pool.remaining() // self.bs, counts=self._cycle.counts,
@@ -300,8 +358,8 @@ class Dispatcher:
         elche = self._cycle.elche
         assert elche is not None, "progressive dispatch needs ElChe (2+ ranks)"
         nb = compute_chunk_batches(
-            rank=r, rem_batches=pool.remaining() // self.bs, counts=self._cycle.counts,
-            steps=[self._cycle.steps(q) for q in range(self.W)], barrier_paced=self.barrier_paced, is_async=self.is_async,
+            rank=r, rem_batches=pool.remaining() // self.bs, counts=self._cycle.counts_view,
+            steps=self._steps, barrier_paced=self.barrier_paced, is_async=self.is_async,
             max_overshoot=self.overshoot.value, calibrated=elche.is_calibrated, has_speed_hint=elche.has_speed_hint(),
             total_samples=self.total, world_size=self.W, batch_size=self.bs, final_alloc=self._final_alloc(e))
         if nb <= 0:
@@ -320,7 +378,7 @@ class Dispatcher:
             return
         if self.barrier_paced and self.in_flight(r):
             return
-        b = reduce_budget(r, self._cycle.counts, self.is_async, self.overshoot.value)
+        b = reduce_budget(r, self._cycle.counts_view, self.is_async, self.overshoot.value)
         if b > 0 and self._cycle.steps(r) >= b:
             return
         e = self.rank_epoch[r]
@@ -416,7 +474,9 @@ class Dispatcher:
             self.send_advisories()
 
     def _ready(self, e: int) -> bool:
-        if e not in self.accs or any(c.epoch == e for c in self.chunks.values()):
+        book = self.chunks
+        out = book.by_epoch[e] > 0 if isinstance(book, ChunkBook) else any(c.epoch == e for c in book.values())
+        if e not in self.accs or out:
             return False
         if self.progressive:
             pool = self.pools.get(e)

@@ -344,6 +344,12 @@ class ElChe:
         return list(self._counts)
 
     @property
+    def counts_view(self) -> Sequence[int]:
+        """The schedule itself, not a copy (read it, never keep or change it): for the dispatcher's per-chunk
+        reads, where a copy each time is O(W) per chunk handed out."""
+        return self._counts
+
+    @property
     def anchor(self) -> int:
         return self._anchor
 
