@@ -82,13 +82,37 @@ def _routable_address(peers: list[str]) -> Optional[str]:
     return None
 
 
+def _own_address(name: str) -> Optional[str]:
+    """The first non-loopback IPv4 address ``name`` resolves to (None: unresolvable or loopback only)."""
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for ai in infos:
+        addr = str(ai[4][0])
+        if not addr.startswith("127."):
+            return addr
+    return None
+
+
+def _peer_hosts() -> list[str]:
+    """The other nodes of this SLURM job (host names), from submitit's job environment ([] outside a job)."""
+    try:
+        me = submitit.JobEnvironment()
+        mine = {socket.gethostname(), me.hostname}
+        return [h for h in me.hostnames if h not in mine]
+    except Exception:
+        return []
+
+
 def coordinator_host(spec: dict) -> str:
     """The address the coordinator binds and advertises in rendezvous.json.
 
-    ``cluster.host`` when set; 127.0.0.1 locally; on SLURM the node's host name, which
-    every node of the job resolves. Where the host name maps to a loopback address
-    (Debian's ``127.0.1.1`` line) and the job spans nodes, the address on the route to
-    the other nodes instead.
+    ``cluster.host`` when set; 127.0.0.1 locally; on one SLURM node the node's host name. When the
+    job spans nodes, an IP address the other nodes reach, so no rank depends on resolving task 0's
+    host name the way task 0 does (Debian maps a host's own name to ``127.0.1.1``): this node's
+    address on the route to the other nodes of the job, else the non-loopback address its host
+    name resolves to, else (with a warning) the host name.
     """
     cluster = load_cluster(spec["config"]["cluster"])
     if cluster.host:
@@ -96,18 +120,63 @@ def coordinator_host(spec: dict) -> str:
     if cluster.executor == "local":
         return "127.0.0.1"
     name = socket.gethostname()
-    if cluster.nodes > 1 and _is_loopback(name):
-        try:
-            me = submitit.JobEnvironment()
-            others = [h for h in me.hostnames if h != name and h != me.hostname]
-        except Exception:
-            others = []
-        addr = _routable_address(others)
+    if cluster.nodes > 1:
+        addr = _routable_address(_peer_hosts()) or _own_address(name)
         if addr:
             return addr
-        log.warning("host name %s resolves to a loopback address and no routable address was found: "
-                    "ranks on other nodes may not reach the coordinator (set cluster.host)", name)
+        log.warning("no routable address for host %s (its name resolves to loopback or not at all, and no other "
+                    "node of the job resolves): ranks on other nodes may not reach the coordinator (set cluster.host)",
+                    name)
     return name
+
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def _interface_of(addr: str) -> Optional[str]:
+    """The network interface holding the IPv4 address ``addr`` (Linux; None when unknown)."""
+    try:
+        import fcntl
+        import struct
+
+        names = [n for _, n in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError):
+        return None
+    for name in names:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            if socket.inet_ntoa(raw[20:24]) == addr:
+                return name
+        except OSError:
+            continue
+    return None
+
+
+def gloo_interface(cluster: Any, env: Any, hostname: Optional[str] = None) -> Optional[str]:
+    """Set ``GLOO_SOCKET_IFNAME`` for a multi-node job where Gloo would pick loopback; returns what it set.
+
+    Gloo advertises the address its host name resolves to (loopback when it resolves to ``127.0.1.1``
+    or not at all), and peers on other nodes then cannot connect: the cross-node all_reduce of the
+    ``nccl_*`` modes on CPU (and any Gloo group) fails. Then the interface on the route to the other
+    nodes is chosen. A user's ``GLOO_SOCKET_IFNAME``, one node, or a host name with a routable
+    address leave it alone.
+    """
+    if cluster.executor != "slurm" or int(cluster.nodes) <= 1 or env.get(GLOO_IFNAME):
+        return None
+    name = hostname or socket.gethostname()
+    if _own_address(name) is not None:
+        return None
+    addr = _routable_address(_peer_hosts())
+    ifname = _interface_of(addr) if addr else None
+    if ifname is None:
+        log.warning("host name %s resolves to loopback (or not at all) and no interface towards the other nodes was "
+                    "found: Gloo may not connect across nodes (export GLOO_SOCKET_IFNAME)", name)
+        return None
+    env[GLOO_IFNAME] = ifname
+    log.info("host name %s resolves to loopback: %s=%s (address %s, towards the other nodes)", name, GLOO_IFNAME,
+             ifname, addr)
+    return ifname
 
 
 def spawn_coordinator(spec_path: str, host: str) -> subprocess.Popen:
@@ -188,6 +257,7 @@ class RunTask(submitit.helpers.Checkpointable):
         add_import_paths(spec)
         cluster = load_cluster(spec["config"]["cluster"])
         restore_visible_devices(cluster.executor, spec.get("cuda_visible_devices"), os.environ)
+        gloo_interface(cluster, os.environ)
         if cluster.device != "cuda":
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         if attempt:

@@ -87,18 +87,40 @@ class CollectiveBackend:
         self.timeout = timedelta(seconds=self.op_timeout_s + self.GROUP_TIMEOUT_MARGIN_S)
         self._init(generation, rank, world_size)
 
-    def _init(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
+    def _init(self, generation: int, rank: int, world_size: int, session: str = "", arrive: bool = False) -> None:
         pstore = self.dist.PrefixStore(group_prefix(self.token, generation, session), self.store)
+        if arrive:
+            self._arrive(pstore, rank, world_size)
         # device_id (NCCL): the communicator binds this GPU eagerly, so a bad device setup fails here, at start-up.
         device_id = self.device if self.backend == "nccl" else None
         self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout,
                                      device_id=device_id)
         self.generation, self.rank, self.world_size = generation, rank, world_size
 
+    def _arrive(self, pstore: Any, rank: int, world_size: int) -> None:
+        """Wait for every member at the generation's store prefix, reading control between checks, before
+        ``init_process_group`` (which blocks in C++ until the group's timeout when a member never comes).
+
+        A node loss kills several ranks at once, and their deaths reach the coordinator a little apart: the
+        survivors may be told to form a group that still names a rank dead since. Here the next regroup (or a
+        shutdown) ends the wait at once (``poll`` raises), and the coordinator's request for a session id is
+        answered meanwhile, so the group the survivors form is the one of the latest generation."""
+        pstore.set(f"arrived/{rank}", b"1")
+        keys = [f"arrived/{q}" for q in range(world_size)]
+        deadline = self._clock() + self.op_timeout_s
+        pause = 1e-3
+        while not pstore.check(keys):
+            self.poll()
+            if self._clock() > deadline:
+                raise CollectiveTimeout(f"forming the group waited {self.op_timeout_s:.0f}s for its members "
+                                        "(cluster.collective_timeout_s)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
     def rebuild(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
         """Elastic regroup: abort the old group (a member is gone), form a new one on a fresh prefix of the same store."""
         self.abort()
-        self._init(generation, rank, world_size, session)
+        self._init(generation, rank, world_size, session, arrive=True)
 
     def _wait(self, work: Any) -> None:
         """Wait for ``work``, reading control between checks; raises its error, a timeout, or what ``poll`` raises."""

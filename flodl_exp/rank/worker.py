@@ -591,8 +591,8 @@ class RankWorker:
             if isinstance(msg, Shutdown):
                 self.handle(msg)
                 raise CollectiveInterrupted("shutdown arrived mid-collective")
-            if isinstance(msg, (CoordHeartbeat, SetGlobalStep)):
-                self.handle(msg)
+            if isinstance(msg, (CoordHeartbeat, SetGlobalStep, RequestSession)):
+                self.handle(msg)  # a session id for the next regroup: asked while this rank waits on the last one
             else:
                 self.deferred.append(msg)
 

@@ -1,19 +1,64 @@
 # Shared by up.sh and down.sh (sourced, not executed).
 # Layout of the state dir and helpers to manage the daemons by their PID files.
+#
+# Topology: FLODL_SLURM_NODES (up.sh --nodes N) = 1 (default): one node, everything on 127.0.0.1,
+# state in /tmp/flodl-slurm. N > 1: N compute nodes, each a network namespace with its own host
+# name (UTS namespace), address on a bridge this script creates, slurmd and spool; slurmctld,
+# slurmdbd, mariadbd and munged stay in the root namespace (see up.sh). State in
+# /tmp/flodl-slurm<N>, cluster flodl<N>, ports +10: it can run next to the one-node cluster.
+# down.sh reads N from the state dir (<dir>/nodes), so `down.sh <dir>` needs no flag.
 
-FLODL_SLURM_DIR="${1:-${FLODL_SLURM_DIR:-/tmp/flodl-slurm}}"
+_arg_dir="${1:-}"
+NODES="${FLODL_SLURM_NODES:-}"
+if [ -n "$_arg_dir" ]; then
+  FLODL_SLURM_DIR="$_arg_dir"
+elif [ -n "$NODES" ] && [ "$NODES" != 1 ]; then
+  FLODL_SLURM_DIR="${FLODL_SLURM_MULTI_DIR:-/tmp/flodl-slurm$NODES}"
+else
+  FLODL_SLURM_DIR="${FLODL_SLURM_DIR:-/tmp/flodl-slurm}"
+fi
 case "$FLODL_SLURM_DIR" in /*) ;; *) FLODL_SLURM_DIR="$(pwd)/$FLODL_SLURM_DIR" ;; esac
 D="$FLODL_SLURM_DIR"
+if [ -z "$NODES" ]; then  # down.sh: the topology this state dir was brought up with
+  NODES="$(tr -dc '0-9' <"$D/nodes" 2>/dev/null || true)"
+  NODES="${NODES:-1}"
+fi
+case "$NODES" in '' | *[!0-9]* | 0) echo "[flodl-slurm] --nodes must be a positive integer (got '$NODES')" >&2; exit 1 ;; esac
+[ "$NODES" -le 8 ] || { echo "[flodl-slurm] --nodes $NODES: at most 8 nodes" >&2; exit 1; }
 
-# Ports (all bound to 127.0.0.1). Override to run next to another cluster.
-CTLD_PORT="${FLODL_SLURM_CTLD_PORT:-6817}"
-SLURMD_PORT="${FLODL_SLURM_SLURMD_PORT:-6818}"
-DBD_PORT="${FLODL_SLURM_DBD_PORT:-6819}"
-DB_PORT="${FLODL_SLURM_DB_PORT:-3307}"
+if [ "$NODES" -eq 1 ]; then
+  _port_base=0
+  CLUSTER="${FLODL_SLURM_CLUSTER:-flodl}"
+else
+  _port_base=10
+  CLUSTER="${FLODL_SLURM_CLUSTER:-flodl$NODES}"
+fi
+# Ports. One node: all bound to 127.0.0.1. Several: slurmctld binds the bridge's root-side address,
+# slurmd the node's own address in its namespace. Override to run next to another cluster.
+CTLD_PORT="${FLODL_SLURM_CTLD_PORT:-$((6817 + _port_base))}"
+SLURMD_PORT="${FLODL_SLURM_SLURMD_PORT:-$((6818 + _port_base))}"
+DBD_PORT="${FLODL_SLURM_DBD_PORT:-$((6819 + _port_base))}"
+DB_PORT="${FLODL_SLURM_DB_PORT:-$((3307 + _port_base / 10))}"
 NODE_CPUS="${FLODL_SLURM_CPUS:-4}"
 NODE_MEM_MB="${FLODL_SLURM_MEM_MB:-8000}"
-CLUSTER="${FLODL_SLURM_CLUSTER:-flodl}"
 CRED_EXPIRE="${FLODL_SLURM_CRED_EXPIRE:-10}"  # also the delay before a requeued job restarts
+
+# Several nodes: names (node name = namespace name = host name inside it), the bridge, addresses.
+# Interface names stay under 15 characters: the cluster name is at most 8.
+SUBNET="${FLODL_SLURM_SUBNET:-10.213.$NODES}"   # a /24: bridge .1, node i .(10+i)
+BRIDGE="${CLUSTER}-br"
+HEAD_ADDR="$SUBNET.1"
+HEAD_NAME="${CLUSTER}-head"  # slurmctld's host name (its own UTS namespace, in the root network namespace)
+NODE_NAMES=()
+NODE_ADDRS=()
+if [ "$NODES" -gt 1 ]; then
+  case "$CLUSTER" in *[!a-z0-9]* | ?????????*) echo "[flodl-slurm] cluster name '$CLUSTER': 1-8 of [a-z0-9]" >&2; exit 1 ;; esac
+  for ((_i = 0; _i < NODES; _i++)); do
+    NODE_NAMES+=("${CLUSTER}-n$_i")
+    NODE_ADDRS+=("$SUBNET.$((10 + _i))")
+  done
+fi
+node_veth() { echo "${CLUSTER}-v$1"; }  # root side of node <index>'s veth (its peer is eth0 in the node)
 
 SLURM_CONF="$D/slurm.conf"
 export SLURM_CONF
@@ -31,8 +76,17 @@ DAEMONS=(
   "mariadbd|$DB_DIR/mariadbd.pid|$DB_DIR/mariadbd.log|mariadbd"
   "slurmdbd|$RUN_DIR/slurmdbd.pid|$LOG_DIR/slurmdbd.log|slurmdbd"
   "slurmctld|$RUN_DIR/slurmctld.pid|$LOG_DIR/slurmctld.log|slurmctld"
-  "slurmd|$RUN_DIR/slurmd.pid|$LOG_DIR/slurmd.log|slurmd"
 )
+if [ "$NODES" -eq 1 ]; then
+  DAEMONS+=("slurmd|$RUN_DIR/slurmd.pid|$LOG_DIR/slurmd.log|slurmd")
+  SLURMDS=(slurmd)
+else
+  SLURMDS=()
+  for _n in "${NODE_NAMES[@]}"; do  # SlurmdPidFile/SlurmdLogFile use %n (the node name)
+    DAEMONS+=("slurmd@$_n|$RUN_DIR/slurmd-$_n.pid|$LOG_DIR/slurmd-$_n.log|slurmd")
+    SLURMDS+=("slurmd@$_n")
+  done
+fi
 
 log() { echo "[flodl-slurm] $*" >&2; }
 
@@ -166,4 +220,110 @@ tail_logs() {
       tail -n 25 "$l" >&2
     fi
   done
+}
+
+# ---------- the nodes' network (several nodes only) ---------------------------------------------
+# One Linux bridge ($BRIDGE, $HEAD_ADDR/24, in the root namespace) and per node a network namespace
+# named like the node, joined to the bridge by a veth (root side $(node_veth i), "eth0" inside), with
+# loopback up and no default route: a node reaches the bridge's addresses and nothing else.
+# Processes run in a node through in_node: its network namespace, a UTS namespace named like the node
+# and a mount namespace where $D/net/<node>.hosts (every node by its bridge address, as a cluster's DNS
+# would) is bound over /etc/hosts. Not `ip netns exec`: it remounts /sys, which hides
+# /sys/fs/cgroup, and slurmd 22.05 refuses to start without it ("No filesystem mounted on
+# /sys/fs/cgroup"). Nothing is written under /etc. Namespace and link names derive from the cluster
+# name, so net_down finds what a crashed bring-up left without any state file.
+NETNS_ERR_RC=4  # up.sh's exit code when the container forbids namespaces/links (callers may skip)
+ns_exists() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qxF "$1"; }
+
+net_ok() {  # the bridge with its address, every namespace with its address and veth
+  local i n
+  ip -o -4 addr show dev "$BRIDGE" 2>/dev/null | grep -q " $HEAD_ADDR/24 " || return 1
+  for ((i = 0; i < NODES; i++)); do
+    n="${NODE_NAMES[$i]}"
+    ns_exists "$n" || return 1
+    ip -n "$n" -o -4 addr show dev eth0 2>/dev/null | grep -q " ${NODE_ADDRS[$i]}/24 " || return 1
+    ip -o link show "$(node_veth "$i")" 2>/dev/null | grep -q "master $BRIDGE .*state UP\|master $BRIDGE state UP" || return 1
+    [ -s "$D/net/$n.hosts" ] || return 1
+  done
+  [ -s "$D/net/head.hosts" ] && [ -s "$D/net/resolv.conf" ] || return 1
+}
+
+net_down() {  # idempotent: what runs in our namespaces (by PID), the namespaces, veths, bridge, hosts files
+  local i n pids sig k
+  for ((i = 0; i < NODES; i++)); do
+    n="${NODE_NAMES[$i]}"
+    if ns_exists "$n"; then
+      for sig in TERM KILL; do
+        pids="$(ip netns pids "$n" 2>/dev/null | tr '\n' ' ')"
+        [ -n "${pids// /}" ] || break
+        log "SIG$sig to processes left in namespace $n: $pids"
+        # shellcheck disable=SC2086
+        kill -"$sig" $pids 2>/dev/null || true
+        for ((k = 0; k < 50; k++)); do [ -z "$(ip netns pids "$n" 2>/dev/null)" ] && break; sleep 0.1; done
+      done
+      ip netns del "$n" 2>/dev/null || log "could not delete namespace $n: $(ip netns del "$n" 2>&1)"
+    fi
+    ip link del "$(node_veth "$i")" 2>/dev/null || true
+    rm -f "$D/net/$n.hosts"
+  done
+  rm -f "$D/net/head.hosts" "$D/net/resolv.conf"
+  ip link del "$BRIDGE" 2>/dev/null || true
+}
+
+net_up() {  # fails with $NETNS_ERR_RC (and the exact error) where the container forbids it
+  local i n v out
+  if ip -o -4 addr show | grep -v " $BRIDGE " | grep -q " inet $SUBNET\.[0-9]*/"; then
+    log "subnet $SUBNET.0/24 is already used on this machine: set FLODL_SLURM_SUBNET (e.g. 10.214.$NODES)"
+    ip -o -4 addr show | grep " inet $SUBNET\." >&2
+    exit 1
+  fi
+  net_try() { out="$("$@" 2>&1)" || { log "ERROR: '$*' failed: $out"; log "the container forbids network namespaces/links: cannot build the $NODES-node cluster"; net_down; exit "$NETNS_ERR_RC"; }; }
+  mkdir -p "$D/net"
+  net_try ip link add "$BRIDGE" type bridge
+  net_try ip addr add "$HEAD_ADDR/24" dev "$BRIDGE"
+  net_try ip link set "$BRIDGE" up
+  for ((i = 0; i < NODES; i++)); do
+    n="${NODE_NAMES[$i]}"; v="$(node_veth "$i")"
+    net_try ip netns add "$n"
+    net_try ip link add "$v" type veth peer name eth0 netns "$n"
+    net_try ip link set "$v" master "$BRIDGE"
+    net_try ip link set "$v" up
+    net_try ip -n "$n" addr add "${NODE_ADDRS[$i]}/24" dev eth0
+    net_try ip -n "$n" link set lo up
+    net_try ip -n "$n" link set eth0 up
+    {
+      echo "# Generated by tests/slurm/up.sh for node $n of cluster $CLUSTER (bound over /etc/hosts in the node)"
+      echo "127.0.0.1 localhost"
+      echo "::1 localhost ip6-localhost ip6-loopback"
+      echo "$HEAD_ADDR $HEAD_NAME"
+      local j
+      for ((j = 0; j < NODES; j++)); do echo "${NODE_ADDRS[$j]} ${NODE_NAMES[$j]}"; done
+    } >"$D/net/$n.hosts"
+  done
+  sed "s/for node $n of/for the head ($HEAD_NAME, slurmctld) of/" "$D/net/$n.hosts" >"$D/net/head.hosts"
+  # Names resolve from the hosts file only: a DNS query goes to loopback (refused at once), never out.
+  printf '# Generated by tests/slurm/up.sh: the nodes resolve names from /etc/hosts only\nnameserver 127.0.0.1\n' >"$D/net/resolv.conf"
+  # a process inside a node sees its host name, resolves it to its bridge address and reaches the
+  # bridge (also proves that nsenter/unshare/mount work here)
+  n="${NODE_NAMES[$((NODES - 1))]}"
+  net_try in_node "$n" sh -c '[ "$(hostname -s)" = "$1" ] && getent hosts "$1" | grep -q "^$2 " && ip -o -4 addr show dev eth0 | grep -q " $2/"' sh "$n" "${NODE_ADDRS[$((NODES - 1))]}"
+}
+
+# Runs "$@" as the head: the root network namespace (it reaches the bridge and 127.0.0.1), a UTS
+# namespace named $HEAD_NAME, the head's hosts file. With CommunicationParameters=NoCtldInAddrAny,
+# slurmctld binds what its host name resolves to: $HEAD_NAME -> $HEAD_ADDR, the bridge only (with the
+# machine's own name it would bind 127.0.0.1, which the nodes cannot reach).
+in_head() {
+  unshare --mount --uts --propagation slave -- \
+    sh -c 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"' "$HEAD_NAME" "$D/net/head.hosts" "$@"
+}
+
+# Runs "$@" inside node <name>: its network namespace, a UTS namespace with the node's host name, and
+# a mount namespace with the node's hosts file over /etc/hosts and a resolv.conf that sends no DNS
+# query out (the rest of the file system is shared).
+in_node() {
+  local n="$1"; shift
+  nsenter --net="/run/netns/$n" -- unshare --mount --uts --propagation slave -- \
+    sh -c 'mount --bind "$1" /etc/hosts && { [ ! -e /etc/resolv.conf ] || mount --bind "$2" /etc/resolv.conf; } && hostname "$0" && shift 2 && exec "$@"' \
+    "$n" "$D/net/$n.hosts" "$D/net/resolv.conf" "$@"
 }

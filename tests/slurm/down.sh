@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Stop the cluster started by tests/slurm/up.sh (same STATE_DIR argument / $FLODL_SLURM_DIR),
 # unless another live caller of up.sh still holds a lease (see common.sh).
+#   bash tests/slurm/down.sh [STATE_DIR]          # the topology is read from STATE_DIR/nodes
+#   bash tests/slurm/down.sh --nodes 2            # the default dir of the two-node cluster
+# Several nodes: also removes the nodes' namespaces (ending what still runs in them), veths, bridge
+# and the nodes' hosts files, by name (so also after a crashed bring-up).
 # Cancels this cluster's jobs, then stops each daemon by its PID file (TERM, bounded wait,
 # KILL). Touches only processes named in our PID files (checked against /proc/<pid>/comm)
 # and slurmstepd processes of this cluster. Idempotent; keeps the state dir (rm -rf it to
@@ -8,10 +12,20 @@
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+_dir=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) [ $# -ge 2 ] || { echo "[flodl-slurm] --nodes needs a value" >&2; exit 1; }; export FLODL_SLURM_NODES="$2"; shift 2 ;;
+    --nodes=*) export FLODL_SLURM_NODES="${1#--nodes=}"; shift ;;
+    -*) echo "[flodl-slurm] unknown option $1 (usage: down.sh [--nodes N] [STATE_DIR])" >&2; exit 1 ;;
+    *) _dir="$1"; shift ;;
+  esac
+done
 # shellcheck source=common.sh
-source "$HERE/common.sh" "${1:-}"
+source "$HERE/common.sh" "$_dir"
 
 if [ ! -d "$D" ]; then
+  [ "$NODES" -gt 1 ] && net_down  # namespaces and links are named after the cluster, not the dir
   log "nothing to stop ($D does not exist)"
   exit 0
 fi
@@ -53,6 +67,12 @@ if [ -n "${stepds// /}" ]; then
   log "killing leftover job steps of this cluster: pids $tree"
   # shellcheck disable=SC2086
   kill -KILL $tree 2>/dev/null || true
+fi
+if [ "$NODES" -gt 1 ]; then
+  # What still runs in the nodes' namespaces (by PID: only processes inside namespaces we made), then
+  # the namespaces, veths, bridge and hosts files. By name, so also what a crashed bring-up left.
+  net_down
+  log "removed namespaces ${NODE_NAMES[*]} and bridge $BRIDGE"
 fi
 rm -f "$D/env.sh"
 log "down ($D)"

@@ -1,23 +1,47 @@
 #!/usr/bin/env bash
-# Bring up a real one-node SLURM cluster (with slurmdbd accounting) on 127.0.0.1.
+# Bring up a real SLURM cluster (with slurmdbd accounting).
 #
-#   bash tests/slurm/up.sh [STATE_DIR]     # default: $FLODL_SLURM_DIR or /tmp/flodl-slurm
-#   source STATE_DIR/env.sh                # exports SLURM_CONF for sbatch/srun/sinfo/submitit
+#   bash tests/slurm/up.sh [STATE_DIR]            # one node on 127.0.0.1; default $FLODL_SLURM_DIR or /tmp/flodl-slurm
+#   bash tests/slurm/up.sh --nodes 2 [STATE_DIR]  # two nodes, each a network namespace (default /tmp/flodl-slurm2)
+#   source STATE_DIR/env.sh                       # exports SLURM_CONF for sbatch/srun/sinfo/submitit
+#
+# --nodes N > 1: node i is the network namespace ${CLUSTER}-n<i> (cluster flodl<N>): its own host name
+# (UTS namespace, `hostname -s` = the node name), its own address <subnet>.(10+i) on a bridge this script
+# creates (<subnet>.1 on the root side, FLODL_SLURM_SUBNET, default 10.213.<N>), its own slurmd, spool,
+# pid and log file. munged, mariadbd and slurmdbd run in the root namespace on 127.0.0.1 as for one node;
+# slurmctld runs as host flodl<N>-head (own UTS namespace) and binds only the bridge's root-side address
+# (CommunicationParameters=NoCtldInAddrAny), so SLURM traffic stays on the bridge. The shared file system is the same disk. Without --nodes, the topology is
+# the one STATE_DIR was brought up with (one node for a new dir).
 #
 # Idempotent: installs packages only when missing, starts only daemons that are not running,
 # returns at once when the cluster is already up. Stop it with tests/slurm/down.sh.
 # Exit codes: 0 up; 1 bring-up failed (daemon log tails printed); 2 not root;
-# 3 packages missing and cannot be installed (callers may skip on 2 and 3 only).
+# 3 packages missing and cannot be installed; 4 the container forbids network namespaces, veths or
+# bridges (--nodes > 1; the failing command and its error are printed) (callers may skip on 2, 3, 4 only).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+_dir=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) [ $# -ge 2 ] || { echo "[flodl-slurm] --nodes needs a value" >&2; exit 1; }; export FLODL_SLURM_NODES="$2"; shift 2 ;;
+    --nodes=*) export FLODL_SLURM_NODES="${1#--nodes=}"; shift ;;
+    -*) echo "[flodl-slurm] unknown option $1 (usage: up.sh [--nodes N] [STATE_DIR])" >&2; exit 1 ;;
+    *) _dir="$1"; shift ;;
+  esac
+done
 # shellcheck source=common.sh
-source "$HERE/common.sh" "${1:-}"
+source "$HERE/common.sh" "$_dir"
 
 READY_TIMEOUT="${FLODL_SLURM_READY_TIMEOUT:-60}"
 # Bump when the generated configs change: a cluster running older configs takes the slow path.
 CONF_MARK="# flodl-slurm-config 2 cred_expire=$CRED_EXPIRE"
 HOST="$(hostname -s)"
+if [ "$NODES" -eq 1 ]; then
+  NODE_NAMES=("$HOST")
+else
+  CONF_MARK="$CONF_MARK nodes=$NODES subnet=$SUBNET"
+fi
 T0=$(date +%s.%N)
 
 fail() { log "ERROR: $*"; tail_logs; exit 1; }
@@ -28,7 +52,11 @@ finish() {
   printf 'export FLODL_SLURM_DIR=%q\n' "$D" >>"$D/env.sh.tmp"
   mv -f "$D/env.sh.tmp" "$D/env.sh"
   add_lease "$(lease_pid)"
-  log "cluster '$CLUSTER' up on $HOST ($1, $(elapsed)s); source $D/env.sh or:"
+  if [ "$NODES" -eq 1 ]; then
+    log "cluster '$CLUSTER' up on $HOST ($1, $(elapsed)s); source $D/env.sh or:"
+  else
+    log "cluster '$CLUSTER' up: nodes ${NODE_NAMES[*]} at ${NODE_ADDRS[*]}, slurmctld on $HEAD_ADDR:$CTLD_PORT ($BRIDGE) ($1, $(elapsed)s); source $D/env.sh or:"
+  fi
   echo "export SLURM_CONF=$SLURM_CONF"
   exit 0
 }
@@ -41,8 +69,13 @@ fi
 take_lock
 
 # Compact state, e.g. "idle", "mix", "idle*" (not responding), "down*", "drain".
-node_state() { timeout 10 sinfo -h -N -n "$HOST" -o %t 2>/dev/null | head -n1 | tr -d ' '; }
-node_usable() { case "$(node_state)" in idle | mix | alloc | comp) return 0 ;; *) return 1 ;; esac; }
+node_state() { timeout 10 sinfo -h -N -n "${1:-$HOST}" -o %t 2>/dev/null | head -n1 | tr -d ' '; }
+node_usable() {  # every node (or node $1)
+  local n
+  for n in "${@:-${NODE_NAMES[@]}}"; do
+    case "$(node_state "$n")" in idle | mix | alloc | comp) ;; *) return 1 ;; esac
+  done
+}
 
 # ---------- fast path: already up ----------------------------------------------------------
 all_alive() {
@@ -54,13 +87,15 @@ all_alive() {
 }
 # (a cluster started with other settings, e.g. by an older up.sh, goes through the slow path,
 # which rewrites the configs and restarts the daemons whose config changed)
-if [ -f "$SLURM_CONF" ] && grep -qxF "$CONF_MARK" "$SLURM_CONF" && all_alive && node_usable; then
+if [ -f "$SLURM_CONF" ] && grep -qxF "$CONF_MARK" "$SLURM_CONF" && all_alive && { [ "$NODES" -eq 1 ] || net_ok; } && node_usable; then
   finish "already running"
 fi
 
 # ---------- packages ------------------------------------------------------------------------
 mkdir -p "$D"
+echo "$NODES" >"$D/nodes"  # down.sh's topology, also after a bring-up that died half way
 PKGS=(slurm-wlm munge slurmdbd mariadb-server)
+[ "$NODES" -eq 1 ] || PKGS+=(iproute2)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -96,6 +131,11 @@ fi
 for b in munged mariadbd mariadb-install-db mariadb slurmdbd slurmctld slurmd sinfo sacctmgr sacct; do
   command -v "$b" >/dev/null || { log "$b not found after install"; exit 3; }
 done
+if [ "$NODES" -gt 1 ]; then
+  for b in ip unshare nsenter mount getent; do
+    command -v "$b" >/dev/null || { log "$b not found (packages iproute2, util-linux, libc-bin)"; exit 3; }
+  done
+fi
 id munge >/dev/null 2>&1 || { log "user munge missing"; exit 3; }
 id mysql >/dev/null 2>&1 || { log "user mysql missing"; exit 3; }
 
@@ -126,11 +166,37 @@ write_if_changed() {  # write_if_changed <file> <mode> ; content on stdin; retur
 }
 
 changed=0
+if [ "$NODES" -eq 1 ]; then
+  CONF_TITLE="one node, everything on 127.0.0.1."
+  CTLD_ADDR=127.0.0.1
+  CTLD_NAME="$HOST"
+  SLURMD_FILES="SlurmdSpoolDir=$D/spool
+SlurmdPidFile=$RUN_DIR/slurmd.pid
+SlurmdLogFile=$LOG_DIR/slurmd.log"
+  NODE_LINES="NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN"
+  PART_NODES="$HOST"
+else
+  CONF_TITLE="$NODES nodes, each a network namespace on bridge $BRIDGE ($SUBNET.0/24); slurmctld on $HEAD_ADDR."
+  CTLD_ADDR="$HEAD_ADDR"
+  CTLD_NAME="$HEAD_NAME"
+  SLURMD_FILES="# %n: the node name (each slurmd its own spool, pid and log file)
+SlurmdSpoolDir=$D/spool/%n
+SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
+# slurmctld (host name $HEAD_NAME -> $HEAD_ADDR) binds the bridge only, not every address of this machine
+CommunicationParameters=NoCtldInAddrAny"
+  NODE_LINES=""
+  for ((i = 0; i < NODES; i++)); do
+    NODE_LINES+="NodeName=${NODE_NAMES[$i]} NodeHostname=${NODE_NAMES[$i]} NodeAddr=${NODE_ADDRS[$i]} CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN"$'\n'
+  done
+  NODE_LINES="${NODE_LINES%$'\n'}"
+  PART_NODES="$(IFS=,; echo "${NODE_NAMES[*]}")"
+fi
 write_if_changed "$SLURM_CONF" 600 <<EOF && changed=1 || true
-# Generated by tests/slurm/up.sh -- one node, everything on 127.0.0.1.
+# Generated by tests/slurm/up.sh -- $CONF_TITLE
 $CONF_MARK
 ClusterName=$CLUSTER
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$CTLD_NAME($CTLD_ADDR)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 SlurmUser=root
@@ -151,11 +217,9 @@ KillWait=5
 MinJobAge=3600
 MailProg=/bin/true
 StateSaveLocation=$D/state
-SlurmdSpoolDir=$D/spool
 SlurmctldPidFile=$RUN_DIR/slurmctld.pid
-SlurmdPidFile=$RUN_DIR/slurmd.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+$SLURMD_FILES
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/slurmdbd
@@ -163,10 +227,10 @@ AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$DBD_PORT
 # For the slurmdbd plugin this names the munge socket used towards slurmdbd (AuthInfo is not).
 AccountingStoragePass=$MUNGE_SOCKET
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN
+$NODE_LINES
 # Schedule every 2 s (default 60 s) so a requeued job restarts as soon as its BeginTime passes.
 SchedulerParameters=sched_interval=2,bf_interval=2
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=$PART_NODES Default=YES MaxTime=INFINITE State=UP
 EOF
 
 write_if_changed "$D/slurmdbd.conf" 600 <<EOF && changed=1 || true
@@ -188,7 +252,7 @@ StoragePass=$DB_PASS
 EOF
 
 if [ $changed -eq 1 ]; then
-  for n in slurmd slurmctld slurmdbd; do
+  for n in "${SLURMDS[@]}" slurmctld slurmdbd; do
     if daemon_alive "$n"; then log "config changed: restarting $n"; stop_daemon "$n"; fi
   done
 fi
@@ -256,30 +320,65 @@ if ! timeout 10 sacctmgr -n -P show cluster format=cluster | grep -qxF "$CLUSTER
   timeout 20 sacctmgr -i add cluster "$CLUSTER" >&2 || fail "sacctmgr add cluster failed"
 fi
 
+# ---------- the nodes' network (several nodes) ----------------------------------------------
+if [ "$NODES" -gt 1 ]; then
+  reset=0
+  net_ok || reset=1
+  for n in "${SLURMDS[@]}"; do daemon_alive "$n" || reset=1; done
+  if [ $reset -eq 1 ]; then
+    # From scratch: whatever a dead bring-up or a crashed run left in the namespaces goes with them.
+    for n in "${SLURMDS[@]}"; do stop_daemon "$n"; done
+    # slurmctld is bound to the bridge's address: it starts again on the rebuilt bridge
+    if daemon_alive slurmctld; then log "rebuilding the nodes' network: restarting slurmctld"; stop_daemon slurmctld; fi
+    net_down
+    log "creating bridge $BRIDGE ($HEAD_ADDR/24) and namespaces ${NODE_NAMES[*]}"
+    net_up
+  fi
+  for n in "${NODE_NAMES[@]}"; do mkdir -p "$D/spool/$n"; chmod 700 "$D/spool/$n"; done
+fi
+
 # ---------- slurmctld, slurmd ---------------------------------------------------------------
 if ! daemon_alive slurmctld; then
   log "starting slurmctld"
-  slurmctld -i </dev/null >>"$LOG_DIR/slurmctld.log" 2>&1 9>&- || fail "slurmctld did not start"
+  if [ "$NODES" -eq 1 ]; then
+    slurmctld -i </dev/null >>"$LOG_DIR/slurmctld.log" 2>&1 9>&- || fail "slurmctld did not start"
+  else
+    in_head slurmctld -i </dev/null >>"$LOG_DIR/slurmctld.log" 2>&1 9>&- || fail "slurmctld did not start"
+  fi
   wait_for 10 slurmctld daemon_alive slurmctld
 fi
-if ! daemon_alive slurmd; then
-  log "starting slurmd"
-  slurmd -N "$HOST" </dev/null >>"$LOG_DIR/slurmd.log" 2>&1 9>&- || fail "slurmd did not start"
-  wait_for 10 slurmd daemon_alive slurmd
+if [ "$NODES" -eq 1 ]; then
+  if ! daemon_alive slurmd; then
+    log "starting slurmd"
+    slurmd -N "$HOST" </dev/null >>"$LOG_DIR/slurmd.log" 2>&1 9>&- || fail "slurmd did not start"
+    wait_for 10 slurmd daemon_alive slurmd
+  fi
+else
+  for ((i = 0; i < NODES; i++)); do
+    n="${NODE_NAMES[$i]}"
+    if ! daemon_alive "slurmd@$n"; then
+      log "starting slurmd in node $n (${NODE_ADDRS[$i]})"
+      in_node "$n" slurmd -N "$n" </dev/null >>"$LOG_DIR/slurmd-$n.log" 2>&1 9>&- || fail "slurmd of $n did not start"
+      wait_for 10 "slurmd of $n" daemon_alive "slurmd@$n"
+    fi
+  done
 fi
 
 # ---------- ready? --------------------------------------------------------------------------
 deadline=$(($(date +%s) + READY_TIMEOUT))
 resumed=0
 until node_usable; do
-  st="$(node_state || true)"
-  if [ $resumed -eq 0 ] && case "${st%%[*~#!%\$@^-]*}" in down | drain | drng | fail | failg) true ;; *) false ;; esac; then
-    log "node $HOST is '$st': resuming it"
-    timeout 10 scontrol update nodename="$HOST" state=resume >&2 || true
-    resumed=1
-  fi
-  [ "$(date +%s)" -lt "$deadline" ] || fail "node $HOST not idle after ${READY_TIMEOUT}s (state '${st:-?}'); sinfo: $(sinfo 2>&1 | tr '\n' ' ')"
-  for n in slurmctld slurmd; do daemon_alive "$n" || fail "$n died"; done
+  for node in "${NODE_NAMES[@]}"; do
+    node_usable "$node" && continue
+    st="$(node_state "$node" || true)"
+    if [ $resumed -eq 0 ] && case "${st%%[*~#!%\$@^-]*}" in down | drain | drng | fail | failg) true ;; *) false ;; esac; then
+      log "node $node is '$st': resuming it"
+      timeout 10 scontrol update nodename="$node" state=resume >&2 || true
+    fi
+    [ "$(date +%s)" -lt "$deadline" ] || fail "node $node not idle after ${READY_TIMEOUT}s (state '${st:-?}'); sinfo: $(sinfo 2>&1 | tr '\n' ' ')"
+  done
+  resumed=1
+  for n in slurmctld "${SLURMDS[@]}"; do daemon_alive "$n" || fail "$n died"; done
   sleep 0.3
 done
 until timeout 10 sacct -n -X -S now-1hours >/dev/null 2>&1; do
