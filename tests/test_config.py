@@ -536,7 +536,7 @@ def test_presets_only_use_schema_keys():
     frozen = set(read_snapshot())
     for path in sorted(CONF.glob("*/*.yaml")):
         group = path.parent.name
-        if group == "simulate":  # the simulator's own app and schema (tests/test_simulate.py composes them)
+        if group in ("simulate", "bench"):  # own apps and schemas (tests/test_simulate.py, tests/test_bench_suite.py)
             continue
         body = OmegaConf.load(path)
         for key in flatten_keys(body, walk_dicts=True):
