@@ -59,7 +59,8 @@ def test_sync_wall_is_bounded_by_the_slow_rank() -> None:
 
 
 def test_real_books_and_indexed_books_agree() -> None:
-    """The simulator's O(1) indexes (fast.py) answer as the real scans do, on every call."""
+    """The coordinator's running books (ChunkBook, a pool's remaining) answer as full scans do, at every
+    aggregation check of a simulated run."""
     for mode in ("nccl_cadence", "cpu_async"):
         Engine(rig(1.0, 0.5, 0.25, epochs=2), mode, check=True).run()
 
