@@ -223,8 +223,9 @@ class RankServer:
                 self._drop(rank, conn, f"WireError: {conn.peer} stalled mid-frame; stream abandoned")
 
     def _drop(self, rank: int, conn: Connection, reason: str) -> None:
-        """Close ``rank``'s connection and report it once (``closed`` event, one log line unless a plain close)."""
-        conn.close()
+        """Report ``rank``'s connection closed once (``closed`` event, one log line unless a plain close), then
+        close it. The report comes first: closing wakes the read thread, whose own drop (a plain ``closed``)
+        must find the cause (a send stall, say) already reported."""
         with self._lock:
             first = rank not in self._reported
             self._reported.add(rank)
@@ -232,6 +233,7 @@ class RankServer:
             if reason != "closed":
                 log.warning("rank %d connection broken: %s", rank, reason)
             self.events.put(("closed", rank, reason))
+        conn.close()
 
     def send(self, rank: int, msg: Message) -> bool:
         conn = self.conns.get(rank)
