@@ -146,6 +146,7 @@ def test_plots_are_valid_pngs(full):
         assert f"]({name})" in full[1]
 
 
+@pytest.mark.e2e  # the report's CLI in a subprocess (imports mlflow and torch): make test, not make test-fast
 def test_cli_parent_run_logs_artifacts(store, tmp_path):
     out = tmp_path / "sweep"
     r = subprocess.run([sys.executable, "-m", "flodl_exp.report", "--experiment", EXP, "--parent-run", store["parent"],
