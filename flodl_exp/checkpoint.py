@@ -84,6 +84,11 @@ def atomic_json(obj: Any, path: str, mode: Optional[int] = None) -> None:
     _atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2, sort_keys=True).encode()), mode)
 
 
+def atomic_text(text: str, path: str, mode: Optional[int] = 0o644) -> None:
+    """A report file (UTF-8 text) written whole or not at all, readable by others (0644)."""
+    _atomic_write(path, lambda fh: fh.write(text.encode("utf-8")), mode)
+
+
 def bundle_files(stem: str) -> list[str]:
     """Every piece of ``stem`` on disk now (model, optimizer pieces, meta): not temp files, not other stems."""
     d, name = os.path.dirname(os.path.abspath(stem)), os.path.basename(stem)

@@ -21,7 +21,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from typing import Any, Iterable, Optional, Sequence
 
 THEMES = ("light", "dark", "auto")
@@ -236,19 +235,10 @@ def _link(text: str, href: str) -> str:
 def write_dashboard(path: str, title: str, epochs: list[dict], windows: list[dict], evals: list[dict],
                     theme: str = "auto", links: Sequence[tuple[str, str]] = ()) -> str:
     """Render and write atomically (temp file + rename), so a reader never sees half a page."""
+    from .checkpoint import atomic_text  # imports torch: only when a page is written
+
     doc = render_dashboard(title, epochs, windows, evals, theme, links)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".dashboard-", suffix=".html.tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(doc)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_text(doc, path)
     return os.path.abspath(path)
 
 

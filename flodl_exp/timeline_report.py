@@ -17,7 +17,6 @@ import html
 import json
 import math
 import os
-import tempfile
 from typing import Any, Optional
 
 from .control.timeline import CAUSES, KINDS, TimelineRecorder
@@ -58,20 +57,6 @@ def timeline_data(rec: TimelineRecorder, meta: Optional[dict[str, Any]] = None) 
 
 
 # -- files -------------------------------------------------------------------------
-def _atomic_write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".timeline-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def render_csv(data: dict[str, Any]) -> str:
     import io
 
@@ -105,13 +90,15 @@ def read_csv(path: str) -> list[list[Any]]:
 
 def write_timeline(directory: str, rec: TimelineRecorder, meta: Optional[dict[str, Any]] = None) -> list[str]:
     """Write the three files into ``directory`` (created); returns their paths."""
+    from .checkpoint import atomic_text  # imports torch: not at module import (the coordinator has it by now)
+
     os.makedirs(directory, exist_ok=True)
     data = timeline_data(rec, meta)
     texts = (json.dumps(data, separators=(",", ":"), allow_nan=False), render_csv(data),
              render_html(data))
     paths = [os.path.join(directory, f) for f in FILES]
     for p, text in zip(paths, texts):
-        _atomic_write(p, text)
+        atomic_text(text, p)
     return paths
 
 
