@@ -146,7 +146,7 @@ class Dispatcher:
         self.accs: dict[int, EpochAccumulator] = {}
         self.pools: dict[int, ChunkPool] = {}
         self.final_plans: dict[int, Optional[FinalWindowPlan]] = {}
-        self.chunks: dict[int, Chunk] = ChunkBook()
+        self.chunks = ChunkBook()
         """chunk id -> every chunk sent and not yet reported."""
         self.progress: list[dict[int, int]] = [{} for _ in range(world_size)]
         self.answered: list[dict[int, int]] = [{} for _ in range(world_size)]
@@ -183,10 +183,7 @@ class Dispatcher:
         return self.last_aggregated + 1
 
     def in_flight(self, r: int) -> bool:
-        book = self.chunks
-        if isinstance(book, ChunkBook):
-            return book.by_rank[r] > 0
-        return any(c.rank == r for c in book.values())
+        return self.chunks.by_rank[r] > 0
 
     # -- starting epochs ------------------------------------------------
     def start(self, total_picks: int, resume_meta: Optional[dict[str, Any]]) -> None:
@@ -474,9 +471,7 @@ class Dispatcher:
             self.send_advisories()
 
     def _ready(self, e: int) -> bool:
-        book = self.chunks
-        out = book.by_epoch[e] > 0 if isinstance(book, ChunkBook) else any(c.epoch == e for c in book.values())
-        if e not in self.accs or out:
+        if e not in self.accs or self.chunks.by_epoch[e] > 0:
             return False
         if self.progressive:
             pool = self.pools.get(e)

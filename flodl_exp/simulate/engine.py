@@ -43,7 +43,7 @@ from ..control.channels import Outbox
 from ..control.cohort import Cohort
 from ..control.controllers import build_elche, build_run_guard
 from ..control.cycle import PROBE_STEPS, AveragingCycle, ReduceOutcome
-from ..control.dispatch import ChunkBook, Gate
+from ..control.dispatch import Gate
 from ..control.meta import LrEventMeta
 from ..protocol import (
     Batch,
@@ -163,7 +163,6 @@ class Engine:
             cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock)
         self.stats = RunStats(mode, w)
         chunks = self.dispatch.chunks
-        assert isinstance(chunks, ChunkBook)
         self.inflight = chunks.by_rank
         """Chunks sent to each rank and not reported (the dispatcher's own books, indexed)."""
         self._probe_left = w if self.cycle.elche is not None and self.policy != "sync" else 0
