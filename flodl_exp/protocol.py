@@ -7,17 +7,37 @@ carries, and turns payloads into messages and back (:func:`encode`,
 read by name in one place and an unread field is visible as dead code.
 
 Decoding is strict about what is there and lenient about what is extra: a
-missing required field or a wrong JSON type raises :class:`ProtocolError`
-(the receiver logs it and drops that message); fields a newer peer adds are
-ignored; an unknown kind decodes to ``None`` (logged and ignored).
+missing required field or a value its field's rules refuse raises :class:`ProtocolError`
+(the receiver logs it and drops that message; nothing else escapes :func:`decode`);
+fields a newer peer adds are ignored; an unknown kind decodes to ``None`` (logged and ignored).
+
+The rules sit on the dataclasses' annotations, so a field says what it accepts where it is declared:
+
+* ``int``: an int (not a bool) in signed 64 bits, the range any peer's counters live in;
+  :data:`Count` (ids, indices, counts, sizes: epochs, chunks, offsets, steps, ranks, pids) is also
+  non-negative.
+* ``float``: an int or float that fits a float and is finite. Times, durations, resource samples
+  and blend factors are plain ``float``: a NaN or infinite one is a broken clock or sensor, and it would
+  poison the sums and medians it is fed to (ElChe's costs, the callback slack). Their sign is not
+  checked: a report is not refused over a clock that stepped back.
+* :data:`Reading` (losses, learning rates, divergence norms, user metrics): any IEEE value, NaN and
+  +-inf included. A diverging model reports them and the report must still count (the ledger skips a
+  non-finite loss, the guards read NaN as 0); a loss refused would lose its batch's accounting.
+* ``str``, ``bool``: that exact JSON type (a bool is no int, an int no bool).
+* ``list[X]`` and ``dict[str, X]``: every element (every key a str) checked as ``X``; :class:`Len`
+  fixes a record's length (``[offset, size]``, ``[epoch, offset, size]``...).
+
+A float field given an int is converted (JSON has one number type); the payload is a fresh copy, so
+``encode(decode(m))`` decodes to the same payload.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union
+from typing import Annotated, Any, Callable, ClassVar, Optional, Union
 
 import torch
 
@@ -26,6 +46,32 @@ from .wire import Message, WireError
 
 class ProtocolError(WireError):
     """A message whose kind is known but whose fields do not fit its payload."""
+
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Num:
+    """A numeric field's rule beyond its type (attached with ``Annotated``): ``lo``/``hi`` narrow the
+    signed 64-bit range of an int; ``finite=False`` lets a float be NaN or +-inf."""
+
+    lo: int = I64_MIN
+    hi: int = I64_MAX
+    finite: bool = True
+
+
+@dataclass(frozen=True)
+class Len:
+    """A list that is a fixed-length record (``[offset, size]``): exactly ``n`` elements."""
+
+    n: int
+
+
+Count = Annotated[int, Num(lo=0)]
+"""An id, index, count or size: 0 <= v < 2**63."""
+Reading = Annotated[float, Num(finite=False)]
+"""A loss, learning rate, norm or metric: any IEEE value (a diverging model reports NaN and inf)."""
 
 
 class Kind(str, enum.Enum):
@@ -71,10 +117,10 @@ class StartEpoch:
     """Train picks ``[offset, offset + size)`` of epoch ``epoch``'s permutation as chunk ``chunk``."""
 
     KIND: ClassVar[Kind] = Kind.START_EPOCH
-    epoch: int
-    offset: int
-    size: int
-    chunk: int
+    epoch: Count
+    offset: Count
+    size: Count
+    chunk: Count
 
 
 @dataclass
@@ -82,10 +128,10 @@ class ExtendPartition:
     """A dead rank's remainder: append it to the running chunk of that epoch (or run it alone)."""
 
     KIND: ClassVar[Kind] = Kind.EXTEND_PARTITION
-    epoch: int
-    offset: int
-    size: int
-    chunk: int
+    epoch: Count
+    offset: Count
+    size: Count
+    chunk: Count
 
 
 @dataclass
@@ -103,10 +149,10 @@ class Regroup:
     """Re-form the process group: this rank becomes ``new_rank`` of ``world_size`` (generation = store prefix)."""
 
     KIND: ClassVar[Kind] = Kind.REGROUP
-    generation: int
-    new_rank: int
-    world_size: int
-    ranks: list[int]
+    generation: Count
+    new_rank: Count
+    world_size: Count
+    ranks: list[Count]
     session: str = ""
     """The generator rank's session id: the new group's store prefix (the NCCL unique id's place)."""
 
@@ -116,7 +162,7 @@ class SyncNow:
     """nccl backend: all_reduce now (read the divergence when ``divergence``)."""
 
     KIND: ClassVar[Kind] = Kind.SYNC_NOW
-    version: int
+    version: Count
     divergence: bool = True
 
 
@@ -125,7 +171,7 @@ class RequestParams:
     """cpu backend: send a snapshot; with ``barrier`` wait for the update before training on."""
 
     KIND: ClassVar[Kind] = Kind.REQUEST_PARAMS
-    version: int
+    version: Count
     barrier: bool
 
 
@@ -135,18 +181,18 @@ class Update:
     ``skip`` = nobody moved, keep your state. ``n`` = the steps of yours this reduce consumed."""
 
     KIND: ClassVar[Kind] = Kind.UPDATE
-    n: int
+    n: Count
     alpha: Optional[float] = None
     skip: bool = False
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    next_plan: Optional[list[int]] = None
+    next_plan: Optional[Annotated[list[Count], Len(4)]] = None
     """cpu cadence: the rank's next chunk ``[epoch, offset, size, chunk]`` folded in (a StartEpoch saved)."""
 
 
 @dataclass
 class SetGlobalStep:
     KIND: ClassVar[Kind] = Kind.SET_GLOBAL_STEP
-    global_step: int
+    global_step: Count
 
 
 @dataclass
@@ -159,7 +205,7 @@ class Throttle:
 @dataclass
 class ExecuteEval:
     KIND: ClassVar[Kind] = Kind.EXECUTE_EVAL
-    epoch: int
+    epoch: Count
     final: bool = False
 
 
@@ -188,13 +234,13 @@ class RequestSession:
     """Regroup, step 1 (algorithms.md 7.4): the chosen generator makes the new group's session id."""
 
     KIND: ClassVar[Kind] = Kind.REQUEST_SESSION
-    generation: int
+    generation: Count
 
 
 @dataclass
 class SessionReady:
     KIND: ClassVar[Kind] = Kind.SESSION_READY
-    generation: int
+    generation: Count
     session: str
 
 
@@ -214,9 +260,9 @@ class Batch:
     KIND: ClassVar[Kind] = Kind.BATCH
     ms: float
     data_ms: float
-    chunk: int
-    loss: Optional[float] = None
-    lr: Optional[float] = None
+    chunk: Count
+    loss: Optional[Reading] = None
+    lr: Optional[Reading] = None
 
 
 @dataclass
@@ -224,13 +270,13 @@ class SyncAck:
     """nccl backend: the all_reduce is done. ``n`` steps were averaged in; ``d``/``pre``/``post`` = divergence read-out."""
 
     KIND: ClassVar[Kind] = Kind.SYNC_ACK
-    n: int
-    d: Optional[float] = None
-    pre: Optional[float] = None
-    post: Optional[float] = None
-    outer_step: Optional[float] = None
+    n: Count
+    d: Optional[Reading] = None
+    pre: Optional[Reading] = None
+    post: Optional[Reading] = None
+    outer_step: Optional[Reading] = None
     """Norm of the outer optimizer's step after this reduce (None: outer=avg, or nobody moved)."""
-    outer_momentum: Optional[float] = None
+    outer_momentum: Optional[Reading] = None
     """Norm of the outer momentum after this reduce."""
 
 
@@ -239,7 +285,7 @@ class Snapshot:
     """cpu backend: this rank's parameters (``p<i>``) and float buffers (``b<j>``) after ``n`` steps."""
 
     KIND: ClassVar[Kind] = Kind.SNAPSHOT
-    n: int
+    n: Count
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -248,28 +294,28 @@ class ChunkMetrics:
     """A finished chunk (algorithms.md 9.3); ``ranges`` = the [offset, size] it covered."""
 
     KIND: ClassVar[Kind] = Kind.METRICS
-    epoch: int
-    chunk: int
-    avg_loss: float
-    batches: int
-    samples: int
+    epoch: Count
+    chunk: Count
+    avg_loss: Reading
+    batches: Count
+    samples: Count
     epoch_ms: float
     share_complete_ms: float
     compute_only_ms: float
     data_starve_ms: float
-    scalars: dict[str, list[float]] = field(default_factory=dict)
-    ranges: list[list[int]] = field(default_factory=list)
-    extra_chunks: list[int] = field(default_factory=list)
+    scalars: dict[str, list[Reading]] = field(default_factory=dict)
+    ranges: list[Annotated[list[Count], Len(2)]] = field(default_factory=list)
+    extra_chunks: list[Count] = field(default_factory=list)
     """ExtendPartition chunks this chunk absorbed."""
-    loss_batches: Optional[int] = None
+    loss_batches: Optional[Count] = None
     """Batches behind ``avg_loss`` when fewer than ``batches`` (a cooperative loop's steps without a loss)."""
 
 
 @dataclass
 class EvalResult:
     KIND: ClassVar[Kind] = Kind.EVAL_RESULT
-    epoch: int
-    metrics: dict[str, float] = field(default_factory=dict)
+    epoch: Count
+    metrics: dict[str, Reading] = field(default_factory=dict)
     error: Optional[str] = None
     final: bool = False
     elapsed_ms: Optional[float] = None
@@ -300,11 +346,11 @@ class Exiting:
     """A clean exit: the replica's hash (equal hashes = identical replicas) and counters."""
 
     KIND: ClassVar[Kind] = Kind.EXITING
-    rank: int
-    pid: int
+    rank: Count
+    pid: Count
     hash: str
-    steps: int
-    global_step: int
+    steps: Count
+    global_step: Count
 
 
 @dataclass
@@ -332,7 +378,7 @@ class Heartbeat:
     frozen has a stuck main thread (the coordinator's progress watch)."""
 
     KIND: ClassVar[Kind] = Kind.HEARTBEAT
-    steps: Optional[int] = None
+    steps: Optional[Count] = None
     state: Optional[str] = None
 
 
@@ -352,8 +398,8 @@ class SetEpochRole:
     first chunk and whenever the role moves (algorithms.md 3.15)."""
 
     KIND: ClassVar[Kind] = Kind.SET_EPOCH_ROLE
-    rank: int
-    from_epoch: int = 0
+    rank: Count
+    from_epoch: Count = 0
     """The first epoch this holder runs the hook for (a role moved mid-run starts after the newest epoch begun)."""
 
 
@@ -363,8 +409,8 @@ class StageAdvisory:
     epoch start and at each reduce, for its data plane to stage ahead (algorithms.md 5.10). Purely advisory."""
 
     KIND: ClassVar[Kind] = Kind.STAGE_ADVISORY
-    segments: list[list[int]] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
+    segments: list[Annotated[list[Count], Len(3)]] = field(default_factory=list)
+    counts: list[Count] = field(default_factory=list)
 
 
 @dataclass
@@ -372,8 +418,8 @@ class EpochAggregated:
     """Epoch ``epoch`` is complete on every rank: its cohort-level metrics (loss, times, global step)."""
 
     KIND: ClassVar[Kind] = Kind.EPOCH_AGGREGATED
-    epoch: int
-    metrics: dict[str, float] = field(default_factory=dict)
+    epoch: Count
+    metrics: dict[str, Reading] = field(default_factory=dict)
 
 
 @dataclass
@@ -381,9 +427,9 @@ class EpochFnResult:
     """The epoch-role rank ran ``experiment.epoch_fn`` before epoch ``epoch``."""
 
     KIND: ClassVar[Kind] = Kind.EPOCH_FN_RESULT
-    epoch: int
+    epoch: Count
     elapsed_ms: float
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Reading] = field(default_factory=dict)
     error: Optional[str] = None
 
 
@@ -433,64 +479,195 @@ def encode(p: Any) -> Message:
     return Message(p.KIND.value, fields, tensors)
 
 
-_JSON_TYPES: dict[Any, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+class _Bad(Exception):
+    """A value a rule refuses; ``path`` (``[3]``, ``['loss']``) is built as it unwinds out of containers,
+    so the common case (nothing wrong) formats no string."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+        self.path = ""
 
 
-def _check(kind: str, name: str, hint: Any, value: Any) -> Any:
+def _show(v: Any) -> str:
+    """A short, always printable account of a refused value (``repr`` of a 5,000-digit int raises)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return repr(v) if -(10**30) < v < 10**30 else f"an int of {v.bit_length()} bits"
+    if v is None or isinstance(v, (bool, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return repr(v[:40]) + ("..." if len(v) > 40 else "")
+    return f"a {type(v).__name__}"
+
+
+def _bound(n: int) -> str:
+    return {I64_MIN: "-2**63", I64_MAX + 1: "2**63"}.get(n, str(n))
+
+
+_Check = Callable[[Any], Any]
+
+
+def _compile(hint: Any, rule: Num | None = None, length: int | None = None) -> _Check:
+    """A checker for values of ``hint`` (see the module docstring): returns the value as the payload holds it
+    (floats converted, containers copied) or raises :class:`_Bad`. Built once per field at import."""
     origin = typing.get_origin(hint)
+    if origin is Annotated:
+        base, *meta = typing.get_args(hint)
+        rule = next((m for m in meta if isinstance(m, Num)), rule)
+        length = next((m.n for m in meta if isinstance(m, Len)), length)
+        return _compile(base, rule, length)
     if origin is Union:  # Optional[X]
-        if value is None:
-            return None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        origin = typing.get_origin(hint)
-    if origin in (list, dict):
-        if not isinstance(value, origin):
-            raise ProtocolError(f"{kind}.{name}: expected a {origin.__name__}, got {type(value).__name__}")
-        return value
-    allowed = _JSON_TYPES.get(hint)
-    if allowed is not None:
-        if isinstance(value, bool) and hint is not bool or not isinstance(value, allowed):
-            raise ProtocolError(f"{kind}.{name}: expected {hint.__name__}, got {value!r}")
-        return float(typing.cast(float, value)) if hint is float else value
-    return value
+        (inner_hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        inner = _compile(inner_hint, rule, length)
+        return lambda v: None if v is None else inner(v)
+    if origin is list:
+        (elem_hint,) = typing.get_args(hint)
+        return _list_check(_compile(elem_hint), length)
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        if key_hint is not str:
+            raise TypeError(f"protocol dicts have str keys (JSON objects), not {key_hint}")
+        return _dict_check(_compile(value_hint))
+    r = rule or Num()
+    if hint is int:
+        return _int_check(r.lo, r.hi)
+    if hint is float:
+        return _float_check(r.finite)
+    if hint is str:
+        return _type_check(str)
+    if hint is bool:
+        return _type_check(bool)
+    raise TypeError(f"no protocol rule for {hint!r}")
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+def _int_check(lo: int, hi: int) -> _Check:
+    def check(v: Any) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise _Bad(f"expected int, got {_show(v)}")
+        if not lo <= v <= hi:
+            raise _Bad(f"{_show(v)} is outside [{_bound(lo)}, {_bound(hi + 1)})")
+        return v
+    return check
+
+
+def _float_check(finite: bool) -> _Check:
+    def check(v: Any) -> float:
+        if isinstance(v, float):
+            f = float(v)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            try:
+                f = float(v)
+            except OverflowError:
+                raise _Bad(f"{_show(v)} does not fit a float") from None
+        else:
+            raise _Bad(f"expected float, got {_show(v)}")
+        if finite and not math.isfinite(f):
+            raise _Bad(f"expected a finite float, got {f!r}")
+        return f
+    return check
+
+
+def _type_check(t: type) -> _Check:
+    def check(v: Any) -> Any:
+        if not isinstance(v, t) or (t is not bool and isinstance(v, bool)):
+            raise _Bad(f"expected {t.__name__}, got {_show(v)}")
+        return v
+    return check
+
+
+def _list_check(elem: _Check, length: int | None) -> _Check:
+    def check(v: Any) -> list[Any]:
+        if not isinstance(v, list):
+            raise _Bad(f"expected a list, got {_show(v)}")
+        if length is not None and len(v) != length:
+            raise _Bad(f"expected a list of {length}, got {len(v)} items")
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(elem(x))
+            except _Bad as e:
+                e.path = f"[{i}]{e.path}"
+                raise
+        return out
+    return check
+
+
+def _dict_check(value: _Check) -> _Check:
+    def check(v: Any) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise _Bad(f"expected a dict, got {_show(v)}")
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise _Bad(f"key {_show(k)} is not a str")
+            try:
+                out[k] = value(x)
+            except _Bad as e:
+                e.path = f"[{_show(k)}]{e.path}"
+                raise
+        return out
+    return check
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    check: Optional[_Check]
+    """None: the message's tensors."""
+    required: bool
+
+
+def _fields_of(cls: type) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return tuple(_Field(f.name, None if f.name == "tensors" else _compile(hints[f.name]),
+                        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls))
+
+
+_DECODERS: dict[type, tuple[_Field, ...]] = {cls: _fields_of(cls) for cls in PAYLOADS.values()}
+"""Every payload's field checkers, compiled at import (a field type without a rule fails here, not on a message)."""
 
 
 def _decode_batch(f: dict[str, Any]) -> Optional[Batch]:
     """The hot message (one per trained batch per rank) without the generic walk; None when anything is
-    off the common shape (a missing field, a type to check or convert), so the generic path decides
-    and words the error the same way."""
+    off the common shape (a missing field, a type to check or convert, a value out of its rules), so the
+    generic path decides and words the error the same way. The rules, inline: ``ms``/``data_ms`` finite
+    floats, ``chunk`` a :data:`Count`, ``loss``/``lr`` any float or None."""
     try:
         ms, data_ms, chunk = f["ms"], f["data_ms"], f["chunk"]
     except KeyError:
         return None
     loss, lr = f.get("loss"), f.get("lr")
     if (type(ms) is float and type(data_ms) is float and type(chunk) is int
+            and ms - ms == 0.0 and data_ms - data_ms == 0.0  # finite: inf - inf and nan - nan are nan
+            and 0 <= chunk <= I64_MAX
             and (loss is None or type(loss) is float) and (lr is None or type(lr) is float)):
         return Batch(ms, data_ms, chunk, loss, lr)
     return None
 
 
 def decode(msg: Message) -> Optional[Payload]:
-    """The payload of ``msg``; ``None`` for a kind this version does not know. Raises ProtocolError."""
+    """The payload of ``msg``; ``None`` for a kind this version does not know. Raises ProtocolError, and
+    nothing else, for fields that do not fit (see the module docstring for the rules)."""
+    fields = msg.fields
+    if type(fields) is not dict:
+        raise ProtocolError(f"{msg.kind!r:.50}: fields must be an object, got {_show(fields)}")
     if msg.kind == "batch" and not msg.tensors:
-        fast = _decode_batch(msg.fields)
+        fast = _decode_batch(fields)
         if fast is not None:
             return fast
-    cls = PAYLOADS.get(msg.kind)
+    cls = PAYLOADS.get(msg.kind) if isinstance(msg.kind, str) else None
     if cls is None:
         return None
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name == "tensors":
+    for f in _DECODERS[cls]:
+        if f.check is None:
             kwargs["tensors"] = msg.tensors
-        elif f.name in msg.fields:
-            kwargs[f.name] = _check(msg.kind, f.name, hints[f.name], msg.fields[f.name])
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        elif f.name in fields:
+            try:
+                kwargs[f.name] = f.check(fields[f.name])
+            except _Bad as e:
+                raise ProtocolError(f"{msg.kind}.{f.name}{e.path}: {e.what}") from None
+        elif f.required:
             raise ProtocolError(f"{msg.kind}: missing field {f.name!r}")
     return typing.cast(Payload, cls(**kwargs))
