@@ -17,6 +17,11 @@ Why it looks like this:
   dtype, so a hostile frame can at worst raise :class:`WireError`.
 * The ceiling is checked from the 12-byte prefix before the body is read or
   allocated, so a bogus or hostile length can never make us allocate much.
+  Within the ceiling, a frame's buffers grow as its bytes arrive, never to what the
+  prefix claims: until its MAC is checked a frame costs at most what arrived (plus
+  the 1/8 a growing buffer over-allocates) plus one :data:`RECV_STEP` (1 MiB), see
+  :func:`recv_allocation_bound`. A 53-byte forged prefix and header cannot make us
+  reserve the ceiling and hold it for the stall timeout.
   A connection starts at :data:`HANDSHAKE_MAX_FRAME` (64 KiB); raise
   ``Connection.max_frame_bytes`` (see :func:`frame_ceiling`) once the peer is
   authenticated and the model size is known.
@@ -39,7 +44,11 @@ Why it looks like this:
   connections from a selector (the coordinator's rank server). Both check the same
   prefix, MAC, sequence and header; a connection uses one or the other after its handshake.
   A small frame's MAC is one call (``hmac.digest``) over its bytes; a large one is MACed
-  buffer by buffer, never copied.
+  buffer by buffer, never copied. ``read_ready`` returns the good frames that came before
+  a bad one in the same read (a rank's last ``error`` report is not lost with its
+  connection) and raises the error on the next call (``Connection.read_error`` says so at once).
+* A header is text any sender could have encoded: JSON that decodes to a lone UTF-16
+  surrogate (``"\\ud800"``) is refused, so every decoded message re-encodes.
 """
 from __future__ import annotations
 
@@ -48,6 +57,7 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import secrets
 import select
 import socket
@@ -72,6 +82,10 @@ _U32_MAX = 2**32 - 1
 _MAX_NDIM, _MAX_DIM = 32, 2**40
 _COALESCE = 64 * 1024  # buffers smaller than this are joined before sendall
 _ONE_SHOT_MAC = 64 * 1024  # frames up to this size are MACed in one call over a joined copy
+RECV_STEP = 2**20
+"""recv reads a frame part larger than this in steps of this size, so its buffer grows with the bytes that
+arrived, not with the length the prefix claims (see :func:`recv_allocation_bound`)."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -139,7 +153,7 @@ def encode_buffers(msg: Message) -> list[bytes | memoryview]:
     try:
         header = json.dumps({"kind": msg.kind, "fields": msg.fields, "tensors": descs},
                             separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise WireError(f"fields are not JSON-serialisable: {e}") from None
     payload_len = sum(d["nbytes"] for d in descs)
     if len(header) > MAX_HEADER_BYTES or payload_len > _U32_MAX:
@@ -180,6 +194,11 @@ def _parse_header(raw: bytes | bytearray, payload_len: int) -> tuple[str, dict[s
         h = json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise WireError(f"header is not UTF-8 JSON: {type(e).__name__}") from None
+    if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw):  # rare: only then look for a lone surrogate
+        try:
+            json.dumps(h, ensure_ascii=False).encode("utf-8")
+        except (ValueError, RecursionError):
+            raise WireError("header holds a lone UTF-16 surrogate: no sender could have encoded it") from None
     if not isinstance(h, dict) or set(h) != _HEADER_KEYS:
         raise WireError("header must be an object with exactly kind, fields, tensors")
     kind, fields, descs = h["kind"], h["fields"], h["tensors"]
@@ -244,6 +263,13 @@ def decode(frame: bytes | bytearray, max_frame_bytes: int) -> Message:
     return Message(kind, fields, _build_tensors(specs, bytearray(memoryview(frame)[n + header_len:])))
 
 
+def recv_allocation_bound(arrived: int) -> int:
+    """The most :meth:`Connection.recv` holds for a frame of which ``arrived`` bytes came, whatever its prefix
+    claims, until the frame is complete and its MAC checked: what arrived, 1/8 on top (a growing
+    ``bytearray``'s over-allocation) and one :data:`RECV_STEP` being filled."""
+    return arrived + arrived // 8 + RECV_STEP + MAC_BYTES
+
+
 def frame_ceiling(model_bytes: int, headroom: float = 4.0, floor: int = 16 * 2**20) -> int:
     """Largest frame to accept: ``max(floor, ceil(model_bytes * headroom))``."""
     if model_bytes < 0 or headroom < 1.0 or floor < 0:
@@ -288,11 +314,24 @@ class Connection:
         self._rx_seq = 0
         self._rbuf = bytearray()  # read_ready: bytes received, not yet a complete frame
         self._rx_last = time.monotonic()  # read_ready: when the last byte came
+        self._read_error: WireError | None = None  # read_ready: why reading stopped (raised by every later call)
 
     @property
     def closed(self) -> bool:
         """close() was called (the socket may still be registered with a selector: unregister it)."""
         return self._closed
+
+    @property
+    def buffered(self) -> int:
+        """Bytes :meth:`read_ready` holds of a frame not complete yet (0 once the connection failed or closed)."""
+        return len(self._rbuf)
+
+    @property
+    def read_error(self) -> WireError | None:
+        """Why :meth:`read_ready` stopped reading (a bad frame, EOF), or None. Set as soon as it is met, also
+        when the call that met it returned the good frames before it: a caller that serves many connections
+        checks it after each call instead of waiting for a readiness event that may never come."""
+        return self._read_error
 
     @property
     def authenticated(self) -> bool:
@@ -394,12 +433,10 @@ class Connection:
                 key = self._rx_key
                 header_len, payload_len = _parse_prefix(prefix, self.max_frame_bytes,
                                                         MAGIC if key is None else MAGIC_AUTH)
-                header = bytearray(header_len)
-                self._fill(header, deadline, True, whole_frame)
+                header = self._read_part(header_len, deadline, whole_frame)
                 if key is None:
                     kind, fields, specs = _parse_header(header, payload_len)
-                payload = bytearray(payload_len)
-                self._fill(payload, deadline, True, whole_frame)
+                payload = self._read_part(payload_len, deadline, whole_frame)
                 if key is not None:  # verify before anything in the frame is parsed
                     tag = bytearray(MAC_BYTES)
                     self._fill(tag, deadline, True, whole_frame)
@@ -424,7 +461,22 @@ class Connection:
                 self._broken = e if isinstance(e, WireError) else WireError(f"recv aborted: {e!r}")
                 raise
 
-    def _fill(self, buf: bytearray, deadline: float | None, started: bool, whole_frame: bool) -> None:
+    def _read_part(self, size: int, deadline: float | None, whole_frame: bool) -> bytearray:
+        """``size`` bytes of a frame already started. Up to :data:`RECV_STEP` they are read in place; a larger
+        part is read a step at a time and appended, so the buffer holds what arrived, not what the prefix
+        claimed (:func:`recv_allocation_bound`). The extra copy is one memcpy per byte, against a network."""
+        if size <= RECV_STEP:
+            buf = bytearray(size)
+            self._fill(buf, deadline, True, whole_frame)
+            return buf
+        buf, step = bytearray(), memoryview(bytearray(RECV_STEP))
+        while len(buf) < size:
+            part = step[:min(RECV_STEP, size - len(buf))]
+            self._fill(part, deadline, True, whole_frame)
+            buf += part
+        return buf
+
+    def _fill(self, buf: bytearray | memoryview, deadline: float | None, started: bool, whole_frame: bool) -> None:
         view, got = memoryview(buf), 0
         while got < len(buf):
             left = None if deadline is None else deadline - time.monotonic()
@@ -456,10 +508,17 @@ class Connection:
 
         Raises :class:`ConnectionClosed` at EOF, :class:`FrameAuthError` / :class:`WireError` on a bad
         frame (checked as in :meth:`recv`: the ceiling from the prefix before anything is kept, the MAC
-        and sequence before the header is parsed); the connection is then unusable. A peer silent
-        mid-frame for ``stall_timeout`` is the caller's to find (:meth:`stalled`)."""
+        and sequence before the header is parsed); the connection is then unusable. Frames that came
+        before a bad one in the same read are returned first (they passed every check, and their
+        sequence numbers are spent): the error is then :attr:`read_error` at once and raised by the next
+        call, and by every call after it. A failed or closed connection frees its partial frame. A peer
+        silent mid-frame for ``stall_timeout`` is the caller's to find (:meth:`stalled`)."""
         with self._recv_lock:
-            self._check_usable()
+            if self._closed or self._broken is not None:
+                self._rbuf = bytearray()  # a connection that is done holds no partial frame
+                if self._read_error is not None and not self._closed:
+                    raise self._read_error
+                self._check_usable()
             try:
                 try:
                     n = self.sock.recv_into(scratch, len(scratch), socket.MSG_DONTWAIT)
@@ -471,15 +530,35 @@ class Connection:
                     raise ConnectionClosed(f"{self.peer} closed the connection" + (" mid-frame" if self._rbuf else ""))
                 self._rx_last = time.monotonic()
                 self._rbuf += scratch[:n]
-                return self._complete_frames()
+                out, error = self._complete_frames()
+            except WireError as e:
+                out, error = [], e
             except BaseException as e:
-                self._broken = e if isinstance(e, WireError) else WireError(f"read aborted: {e!r}")
+                self._fail_read(WireError(f"read aborted: {e!r}"))
                 raise
+            if error is not None:
+                self._fail_read(error)
+                if not out:
+                    raise error
+            return out
 
-    def _complete_frames(self) -> list[Message]:
+    def _fail_read(self, error: WireError) -> None:
+        self._broken = self._read_error = error
+        self._rbuf = bytearray()
+
+    def _complete_frames(self) -> tuple[list[Message], WireError | None]:
+        """Every complete frame in the buffer, in order, and the error that stopped the walk (None: the rest
+        is an incomplete frame, kept)."""
+        out: list[Message] = []
+        try:
+            self._walk_frames(out)
+        except WireError as e:
+            return out, e
+        return out, None
+
+    def _walk_frames(self, out: list[Message]) -> None:
         buf, key, n = self._rbuf, self._rx_key, PREFIX.size
         magic, tail = (MAGIC, 0) if key is None else (MAGIC_AUTH, MAC_BYTES)
-        out: list[Message] = []
         pos = 0
         while len(buf) - pos >= n:
             header_len, payload_len = _parse_prefix(buf[pos:pos + n], self.max_frame_bytes, magic)
@@ -506,7 +585,6 @@ class Connection:
             pos = end
         if pos:
             del buf[:pos]
-        return out
 
     def stalled(self, now: float) -> bool:
         """:meth:`read_ready` holds part of a frame and the peer sent nothing for ``stall_timeout``."""
@@ -520,6 +598,11 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        if self._recv_lock.acquire(blocking=False):  # else a read_ready under way frees it on its next call
+            try:
+                self._rbuf = bytearray()
+            finally:
+                self._recv_lock.release()
 
 
 def _peer_name(sock: socket.socket) -> str:
@@ -676,7 +759,11 @@ def accept(listener: socket.socket, timeout: float | None = None) -> Connection:
     """Accept one peer (TimeoutError after ``timeout``); sets the listener's timeout."""
     listener.settimeout(timeout)
     sock, _ = listener.accept()
-    return Connection(_tune(sock))
+    try:
+        return Connection(_tune(sock))
+    except BaseException:  # e.g. the peer reset before setsockopt: never leak the descriptor
+        sock.close()
+        raise
 
 
 def dial(host: str, port: int, timeout: float) -> Connection:

@@ -16,7 +16,7 @@ import torch
 
 from flodl_exp import wire
 from flodl_exp.control.server import MAX_HANDSHAKES, RankServer, start_store
-from flodl_exp.protocol import CoordHeartbeat, encode
+from flodl_exp.protocol import CoordHeartbeat, RankError, encode
 from flodl_exp.store_names import group_prefix, is_loopback_host, loopback_ifname, pin_gloo_to_loopback
 from flodl_exp.wire import Message
 
@@ -256,3 +256,21 @@ def test_a_peer_that_stops_reading_does_not_stop_beacons_to_the_others(server):
     assert all(e[0] != "closed" or e[1] != 0 for e in list(srv.events.queue))  # reported once
     stuck.close()
     good.close()
+
+
+# ---------------------------------------------------------------- issue 26: frames before a bad one
+def test_a_ranks_report_sent_just_before_a_bad_frame_reaches_the_event_loop_first(server):
+    srv = server()
+    conn = _join(srv.port, 0)
+    _next_event(srv.events, "join")
+    captured = bytearray()
+    conn._sendall = captured.extend  # type: ignore[method-assign]  # MAC the report with its real sequence number ...
+    conn.send(encode(RankError(error="CUDA out of memory")))
+    del conn._sendall
+    forged = wire.MAGIC_AUTH + wire.encode(Message("save", {"path": "/tmp/x"}))[4:] + os.urandom(32)
+    conn.sock.sendall(bytes(captured) + forged)  # ... and send it with a bad frame in one write: one read
+    ev = _next_event(srv.events, "msg")
+    assert ev[1] == 0 and ev[2].kind == "error" and ev[2].fields["error"] == "CUDA out of memory"
+    closed = _next_event(srv.events, "closed")
+    assert closed[1] == 0 and "FrameAuthError" in closed[2]
+    conn.close()

@@ -745,3 +745,117 @@ def test_send_stall_deadline_breaks_the_connection():
         conn.send(Message("more"))
     conn.close()
     b.close()
+
+
+# ------------------------------------------------------------------ issue 26: allocation before the MAC, frames before a bad one
+def _session_pair(ceiling: int = 64 * MiB, stall: float | None = 0.3) -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    client = Connection(a, max_frame_bytes=ceiling)
+    server = Connection(b, max_frame_bytes=ceiling, stall_timeout=stall)
+    for c, is_server in ((client, False), (server, True)):
+        c._start_session(TOKEN, b"s" * 32, b"c" * 32, server=is_server)
+    return client, server
+
+
+@pytest.mark.parametrize("authenticated", [True, False], ids=["session", "handshake"])
+def test_recv_allocates_as_bytes_arrive_not_as_the_prefix_claims(authenticated):
+    """A forged prefix and header claiming a payload near the ceiling, then silence: recv holds what arrived
+    plus one growth step (wire.RECV_STEP), not the claim, until the stall timeout drops it."""
+    claim = 48 * MiB
+    if authenticated:
+        client, conn = _session_pair()
+        header = json.dumps({"kind": "update", "fields": {}, "tensors": []}).encode()
+        magic = wire.MAGIC_AUTH
+    else:
+        a, b = socket.socketpair()
+        client, conn = Connection(a), Connection(b, max_frame_bytes=64 * MiB, stall_timeout=0.3)
+        header = json.dumps({"kind": "x", "fields": {}, "tensors": [desc(shape=(claim // 4,), nbytes=claim)]}).encode()
+        magic = wire.MAGIC
+    sent = struct.pack(">4sII", magic, len(header), claim) + header + b"\0" * 1000
+    client.sock.sendall(sent)
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match="stalled"):
+            conn.recv(timeout=5)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < wire.recv_allocation_bound(len(sent)) + 256 * 1024 < 2 * MiB, peak
+    client.close()
+    conn.close()
+
+
+def test_recv_still_takes_frames_larger_than_one_growth_step():
+    client, server = _session_pair(stall=5)
+    big = torch.randn(3 * wire.RECV_STEP // 4 + 12345)  # ~3 steps and a bit: the buffer grows several times
+    t = threading.Thread(target=client.send, args=(Message("update", {"v": 1}, {"w": big, "e": torch.zeros(0)}),))
+    t.start()
+    got = server.recv(timeout=10)
+    t.join(10)
+    assert got.fields == {"v": 1} and torch.equal(got.tensors["w"], big) and got.tensors["e"].numel() == 0
+    client.send(Message("after"))
+    assert server.recv(timeout=5).kind == "after"  # the sequence numbers still agree
+    client.close()
+    server.close()
+
+
+def test_read_ready_delivers_the_frames_before_a_bad_one_then_raises():
+    """A rank's genuine report followed, in the same read, by a bad frame: the report is delivered (its
+    sequence number was spent on it), and the error is raised by the next call."""
+    client, server = _session_pair()
+    report = Message("error", {"error": "CUDA out of memory"})
+    wire_bytes = bytearray()
+    client._sendall = wire_bytes.extend  # type: ignore[method-assign]  # capture the MACed frame, send it below
+    client.send(report)
+    client.send(Message("batch", {"ms": 1.0}))
+    forged = wire.MAGIC_AUTH + encode(Message("save", {"path": "/tmp/x"}))[4:] + os.urandom(32)
+    client.sock.sendall(bytes(wire_bytes) + forged)
+    scratch = memoryview(bytearray(64 * 1024))
+    got = server.read_ready(scratch)
+    assert [m.kind for m in got] == ["error", "batch"] and got[0].fields == report.fields
+    assert isinstance(server.read_error, wire.FrameAuthError)
+    assert server.buffered == 0  # the rest of the stream is dropped with the connection
+    for _ in range(2):  # and stays the cause, however often it is asked
+        with pytest.raises(wire.FrameAuthError):
+            server.read_ready(scratch)
+    with pytest.raises(WireError):
+        server.send(Message("x"))
+    client.close()
+    server.close()
+
+
+def test_read_ready_frees_its_partial_frame_on_a_failure_and_on_close():
+    client, server = _session_pair()
+    frame = bytearray()
+    client._sendall = frame.extend  # type: ignore[method-assign]
+    client.send(Message("snapshot", {"n": 1}, {"p0": torch.zeros(50_000)}))
+    client.sock.sendall(bytes(frame[:100_000]))  # half a snapshot
+    scratch = memoryview(bytearray(256 * 1024))
+    deadline = time.monotonic() + 5
+    while server.buffered < 100_000 and time.monotonic() < deadline:
+        assert server.read_ready(scratch) == []
+    assert server.buffered == 100_000
+    client.close()  # EOF mid-frame
+    with pytest.raises(ConnectionClosed, match="mid-frame"):
+        server.read_ready(scratch)
+    assert server.buffered == 0
+    _, other = _session_pair()
+    other._rbuf += b"\0" * 1000  # part of a frame held when the owner closes it
+    other.close()
+    assert other.buffered == 0
+    server.close()
+
+
+def test_accept_closes_the_socket_when_tuning_it_fails(monkeypatch):
+    listener = listen("127.0.0.1", 0)
+    taken: list[socket.socket] = []
+
+    def broken_tune(sock: socket.socket) -> socket.socket:
+        taken.append(sock)
+        raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(wire, "_tune", broken_tune)
+    with socket.create_connection(listener.getsockname(), timeout=5):
+        with pytest.raises(OSError):
+            accept(listener, timeout=5)
+    assert len(taken) == 1 and taken[0].fileno() == -1  # closed, not leaked
+    listener.close()

@@ -9,7 +9,8 @@ the coordinator's event loop: ``("join", rank, hello)``, ``("msg", rank, Message
   ``max_handshakes`` at once; more are closed at once);
 * one read thread for every authenticated connection: a selector (epoll) over their
   sockets, one non-blocking ``recv`` per ready socket and turn, every complete frame in
-  it checked and queued in order (``Connection.read_ready``). A thread per rank would
+  it checked and queued in order (``Connection.read_ready``); the good frames before a
+  bad one are queued before that rank's ``closed``. A thread per rank would
   make a thousand ranks a thousand threads taking turns on the GIL with the event loop;
   one reader takes several frames per system call and keeps the loop's share of the
   interpreter (bench: experiments/bench_coordinator.py).
@@ -169,13 +170,15 @@ class RankServer:
                 rank, conn = key.data
                 try:
                     msgs = conn.read_ready(scratch)
+                    error: Optional[BaseException] = conn.read_error
                 except Exception as e:
-                    self._forget(key.fileobj)
-                    reason = "closed" if isinstance(e, wire.ConnectionClosed) else f"{type(e).__name__}: {e}"
-                    self._drop(rank, conn, reason)
-                    continue
-                for m in msgs:
+                    msgs, error = [], e
+                for m in msgs:  # the good frames before a bad one first: a rank's last error report among them
                     put(("msg", rank, m))
+                if error is not None:
+                    self._forget(key.fileobj)
+                    reason = "closed" if isinstance(error, wire.ConnectionClosed) else f"{type(error).__name__}: {error}"
+                    self._drop(rank, conn, reason)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.5
