@@ -1,6 +1,7 @@
 """Issue 14: the coordinator's rank server and TCPStore under hostile or broken peers. Loopback only."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -274,3 +275,103 @@ def test_a_ranks_report_sent_just_before_a_bad_frame_reaches_the_event_loop_firs
     closed = _next_event(srv.events, "closed")
     assert closed[1] == 0 and "FrameAuthError" in closed[2]
     conn.close()
+
+
+# ---------------------------------------------------------------- issue 26: the accept thread outlives a failed accept
+def test_accept_goes_on_after_descriptor_exhaustion(server, monkeypatch, caplog):
+    real = wire.accept
+    failed = []
+
+    def exhausted_then_fine(listener, timeout=None):
+        if len(failed) < 3:
+            failed.append(time.monotonic())
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(listener, timeout)
+    monkeypatch.setattr(wire, "accept", exhausted_then_fine)
+    caplog.set_level(logging.WARNING, logger="flodl_exp.coordinator")
+    srv = server()
+    conn = wire.dial(HOST, srv.port, timeout=5)  # waits in the backlog while accept fails
+    wire.client_handshake(conn, TOKEN, {"rank": 0, "model_bytes": 1000}, timeout=8)
+    assert _next_event(srv.events, "join")[1] == 0
+    assert len(failed) == 3 and failed[2] - failed[0] >= 0.1  # backed off between failures, not spun
+    lines = [r.getMessage() for r in caplog.records if "accepting rank connections" in r.getMessage()]
+    assert len(lines) == 2 and "Too many open files" in lines[0] and "again after 3" in lines[1], lines
+    conn.close()
+
+
+def test_a_closing_server_ends_its_accept_thread_even_while_accept_fails(server, monkeypatch):
+    def always_exhausted(listener, timeout=None):
+        raise OSError(errno.ENFILE, "Too many open files in system")
+    monkeypatch.setattr(wire, "accept", always_exhausted)
+    srv = server()
+    time.sleep(0.3)
+    assert srv._acceptor.is_alive()  # still trying
+    t0 = time.monotonic()
+    srv.close()
+    srv._acceptor.join(5)
+    assert not srv._acceptor.is_alive() and time.monotonic() - t0 < 3
+
+
+# ---------------------------------------------------------------- issue 26: dropped connections and hello values
+def test_a_dropped_connection_leaves_conns_with_its_partial_frame(server):
+    srv = server()
+    conn = _join(srv.port, 0)
+    _next_event(srv.events, "join")
+    held = srv.conns[0]
+    frame = bytearray()
+    conn._sendall = frame.extend  # type: ignore[method-assign]
+    conn.send(Message("snapshot", {"n": 1}, {"p0": torch.zeros(200_000)}))  # 800 KB
+    conn.sock.sendall(bytes(frame[:500_000]))  # part of it, then the rank dies
+    deadline = time.monotonic() + 10
+    while held.buffered < 500_000:
+        assert time.monotonic() < deadline, f"the read thread holds {held.buffered} bytes"
+        time.sleep(0.02)
+    conn.sock.close()
+    ev = _next_event(srv.events, "closed")
+    assert ev[1] == 0
+    assert 0 not in srv.conns and held.closed and held.buffered == 0
+    assert srv.send(0, encode(CoordHeartbeat())) is False
+
+
+@pytest.mark.parametrize(("hello", "reason"), [
+    pytest.param({"rank": 1.9, "model_bytes": 10}, "hello rank 1.9 is not an int in [0, 2)", id="rank-float"),
+    pytest.param({"rank": True}, "hello rank True", id="rank-bool"),
+    pytest.param({"rank": "0"}, "hello rank '0'", id="rank-str"),
+    pytest.param({"model_bytes": 10}, "hello rank None", id="rank-missing"),
+    pytest.param({"rank": 2}, "hello rank 2 is not an int in [0, 2)", id="rank-out-of-range"),
+    pytest.param({"rank": -1}, "hello rank -1", id="rank-negative"),
+    pytest.param({"rank": 0, "model_bytes": 1e300}, "hello model_bytes 1e+300", id="model-bytes-huge-float"),
+    pytest.param({"rank": 0, "model_bytes": -1}, "hello model_bytes -1", id="model-bytes-negative"),
+    pytest.param({"rank": 0, "model_bytes": 2**40 + 1}, "is not an int in [0, 2**40]", id="model-bytes-over-max"),
+    pytest.param({"rank": 0, "model_bytes": 10**400}, "an int of 1329 bits", id="model-bytes-400-digits"),
+    pytest.param({"rank": 0, "samples": "many"}, "hello samples 'many' is not a non-negative int", id="samples-str"),
+    pytest.param({"rank": 0, "pid": -5}, "hello pid -5", id="pid-negative"),
+    pytest.param({"rank": 0, "device_score": float("nan")}, "hello device_score nan", id="score-nan"),
+    pytest.param({"rank": 0, "host": 3}, "hello host 3 is not a str", id="host-int"),
+    pytest.param({"rank": 0, "inputs": ["x"]}, "hello inputs", id="inputs-not-objects"),
+])
+def test_a_hello_with_bad_values_is_refused_with_its_reason(server, hello, reason, caplog):
+    srv = server()
+    caplog.set_level(logging.WARNING, logger="flodl_exp.coordinator")
+    conn = wire.dial(HOST, srv.port, timeout=5)
+    with pytest.raises(wire.AuthError, match="rejected us") as ei:
+        wire.client_handshake(conn, TOKEN, hello, timeout=10)
+    assert reason in str(ei.value)
+    conn.close()
+    deadline = time.monotonic() + 5
+    while not any(reason in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "no log line names the reason"
+        time.sleep(0.02)
+    assert srv.rejected == 1 and srv.conns == {} and srv.events.empty()
+    good = _join(srv.port, 0)  # nothing was reserved: rank 0 can still join
+    assert _next_event(srv.events, "join")[1] == 0 and srv.conns[0].max_frame_bytes == wire.frame_ceiling(1000)
+    good.close()
+
+
+def test_a_valid_full_hello_joins():
+    from flodl_exp.control.server import hello_problem
+
+    full = {"rank": 1, "host": "n1", "pid": 42, "device": "cuda:0", "device_uuid": "GPU-1", "device_score": 2.5,
+            "model_bytes": 4 * 10**9, "samples": 60000, "inputs": [{"name": "train"}], "added_later": object()}
+    assert hello_problem(full, 2) is None
+    assert hello_problem({"rank": 0, "device_uuid": None, "device_score": None}, 1) is None

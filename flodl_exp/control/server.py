@@ -16,9 +16,16 @@ the coordinator's event loop: ``("join", rank, hello)``, ``("msg", rank, Message
   interpreter (bench: experiments/bench_coordinator.py).
 
 A peer that fails the handshake (wrong token, random bytes, an oversized or
-malformed frame) is closed with a log line; the run goes on. A rank id is reserved
-under the lock before the welcome goes out, so two clients can never both be
-accepted as one rank.
+malformed frame) is closed with a log line; the run goes on. An authenticated hello
+whose values do not fit (:func:`hello_problem`: a rank that is no int in range, a
+model size that is no sane int) is refused with its reason (``server_reject``) before
+anything is reserved. A rank id is reserved under the lock before the welcome goes
+out, so two clients can never both be accepted as one rank.
+
+The accept thread outlives a failed ``accept`` (descriptors exhausted, a connection
+aborted in the backlog): it logs once, backs off (:data:`ACCEPT_BACKOFF_S`) and accepts
+again, so a brief descriptor shortage does not shut the door on every later rank. It
+ends only when the server closes.
 
 Every frame after the handshake is MACed (wire.py): a forged, tampered or
 replayed frame closes that rank's connection (``FrameAuthError``), reported like
@@ -26,19 +33,21 @@ any other broken connection, as is a rank silent mid-frame for the connection's
 ``stall_timeout``. Sends carry a stall deadline (``send_stall_timeout``): a rank that
 stops reading is closed and reported as ``closed`` with a reason naming the stall,
 so it cannot hold the event loop (beacons, liveness, signals) for longer than that.
+A dropped connection leaves ``conns`` at once, with any partial frame it held.
 The selector is changed by the read thread only: the others hand it new
 connections through a queue and a wake-up socket.
 """
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeGuard
 
 from .. import wire
 from ..wire import Connection, Message
@@ -51,6 +60,65 @@ SEND_STALL_TIMEOUT_S = 10.0
 """Default: a rank that accepts no byte of a frame for this long is treated as dead."""
 READ_CHUNK = 256 * 1024
 """Bytes the read thread takes from one socket per turn (a snapshot larger than this takes several turns)."""
+ACCEPT_BACKOFF_S = (0.05, 2.0)
+"""After a failed accept: wait the first, doubling on each failure in a row up to the second, then accept again."""
+MAX_MODEL_BYTES = 2**40
+"""The largest ``model_bytes`` a hello may state (a terabyte of float32 state; past it the number is garbage).
+It sizes the connection's frame ceiling (``wire.frame_ceiling``)."""
+_I64_MAX = 2**63 - 1
+
+
+def _is_int(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _show(v: Any) -> str:
+    if _is_int(v) and not -(10**30) < v < 10**30:
+        return f"an int of {v.bit_length()} bits"  # repr of a 5,000-digit int raises
+    if v is None or isinstance(v, (int, float)):
+        return repr(v)
+    return f"{v!r:.40}" if isinstance(v, str) else f"a {type(v).__name__}"
+
+
+def hello_problem(hello: dict[str, Any], world_size: int) -> Optional[str]:
+    """Why an authenticated ``hello`` cannot join (None: it can), checked before its rank is reserved or
+    welcomed, so a bad value is refused with a reason the rank logs instead of taken half-way (``rank: 1.9``
+    as rank 1, a negative ``model_bytes`` welcomed then closed, ``1e300`` lifting the frame ceiling) or
+    crashing the event loop that reads it (``int(hello["samples"])``).
+
+    ``rank``: an int in ``[0, world_size)`` (required); ``model_bytes``: an int in ``[0, MAX_MODEL_BYTES]``
+    (default 0); ``pid``, ``samples``: non-negative ints; ``device_score``: a finite number; ``host``,
+    ``device``: str; ``device_uuid``: str; ``inputs``: a list of objects. Each but ``rank`` may be absent
+    (or None); fields this version does not read are not checked."""
+    rank = hello.get("rank")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        return f"hello rank {_show(rank)} is not an int in [0, {world_size})"
+    model_bytes = hello.get("model_bytes", 0)
+    if not _is_int(model_bytes) or not 0 <= model_bytes <= MAX_MODEL_BYTES:
+        return f"hello model_bytes {_show(model_bytes)} is not an int in [0, 2**40]"
+    for name in ("pid", "samples"):
+        v = hello.get(name)
+        if v is not None and not (_is_int(v) and 0 <= v <= _I64_MAX):
+            return f"hello {name} {_show(v)} is not a non-negative int"
+    score = hello.get("device_score")
+    if score is not None and not (isinstance(score, (int, float)) and not isinstance(score, bool)
+                                  and _finite(score)):
+        return f"hello device_score {_show(score)} is not a finite number"
+    for name in ("host", "device", "device_uuid"):
+        v = hello.get(name)
+        if v is not None and not isinstance(v, str):
+            return f"hello {name} {_show(v)} is not a str"
+    inputs = hello.get("inputs")
+    if inputs is not None and not (isinstance(inputs, list) and all(isinstance(i, dict) for i in inputs)):
+        return "hello inputs is not a list of objects"
+    return None
+
+
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 class RankServer:
@@ -74,6 +142,7 @@ class RankServer:
         self._reported: set[int] = set()  # ranks whose "closed" event is out
         self._handshaking = 0
         self._closed = False
+        self._stop = threading.Event()  # set by close(): wakes the accept thread's back-off
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -83,16 +152,32 @@ class RankServer:
         """Authenticated connections for the read thread to register (it alone changes the selector)."""
         self._reader = threading.Thread(target=self._read_loop, name="coord-read", daemon=True)
         self._reader.start()
-        threading.Thread(target=self._accept_loop, name="coord-accept", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="coord-accept", daemon=True)
+        self._acceptor.start()
 
     def _accept_loop(self) -> None:
+        """Accept until the server closes. A failed accept (EMFILE, ENFILE, ENOBUFS, ECONNABORTED...) is logged
+        once per run of failures and retried after a back-off, never the end of accepting: a rank that comes
+        after a brief descriptor shortage must still be able to join."""
+        failures, backoff = 0, 0.0
         while not self._closed:
             try:
                 conn = wire.accept(self.listener, timeout=0.5)
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as e:
+                if self._closed:
+                    return
+                failures += 1
+                backoff = min(ACCEPT_BACKOFF_S[1], max(ACCEPT_BACKOFF_S[0], backoff * 2))
+                if failures == 1:
+                    log.warning("accepting rank connections failed (%s): retrying, backing off up to %.1fs",
+                                e, ACCEPT_BACKOFF_S[1])
+                self._stop.wait(backoff)
+                continue
+            if failures:
+                log.warning("accepting rank connections again after %d failed accepts", failures)
+                failures, backoff = 0, 0.0
             with self._lock:
                 full = self._handshaking >= self.max_handshakes
                 if not full:
@@ -104,15 +189,24 @@ class RankServer:
                 conn.close()
                 continue
             conn.send_stall_timeout = self.send_stall_timeout
-            threading.Thread(target=self._serve, args=(conn,), name="coord-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="coord-conn", daemon=True).start()
+            except RuntimeError as e:  # can't start a thread (out of memory or thread limits): as a failed accept
+                with self._lock:
+                    self._handshaking -= 1
+                self.rejected += 1
+                log.warning("closed connection from %s: %s", conn.peer, e)
+                conn.close()
+                self._stop.wait(ACCEPT_BACKOFF_S[0])
 
     def _handshake(self, conn: Connection) -> tuple[int, dict[str, Any]]:
         """Authenticate, reserve the rank, welcome; raises on any failure (the reservation is released)."""
         hello = wire.server_handshake(conn, self.token, timeout=self.handshake_timeout)
-        rank = int(hello.get("rank", -1))
+        problem = hello_problem(hello, self.world_size)
+        rank: int = hello["rank"] if problem is None else -1
         with self._lock:
-            problem = (f"rank {rank} outside [0, {self.world_size})" if not (0 <= rank < self.world_size)
-                       else f"rank {rank} already claimed or connected" if rank in self._reserved else None)
+            if problem is None and rank in self._reserved:
+                problem = f"rank {rank} already claimed or connected"
             if problem is None:
                 self._reserved.add(rank)
         if problem:
@@ -122,7 +216,7 @@ class RankServer:
             if self.before_welcome is not None:
                 self.before_welcome(rank)
             wire.server_accept(conn, {"world_size": self.world_size})
-            conn.max_frame_bytes = wire.frame_ceiling(int(hello.get("model_bytes", 0)))
+            conn.max_frame_bytes = wire.frame_ceiling(hello.get("model_bytes", 0))
         except BaseException:
             with self._lock:
                 self._reserved.discard(rank)
@@ -228,10 +322,13 @@ class RankServer:
     def _drop(self, rank: int, conn: Connection, reason: str) -> None:
         """Report ``rank``'s connection closed once (``closed`` event, one log line unless a plain close), then
         close it. The report comes first: closing wakes the read thread, whose own drop (a plain ``closed``)
-        must find the cause (a send stall, say) already reported."""
+        must find the cause (a send stall, say) already reported. The connection leaves ``conns`` here (sends
+        to the rank are refused from now on) and its partial frame is freed with it."""
         with self._lock:
             first = rank not in self._reported
             self._reported.add(rank)
+            if self.conns.get(rank) is conn:
+                del self.conns[rank]
         if first:
             if reason != "closed":
                 log.warning("rank %d connection broken: %s", rank, reason)
@@ -254,6 +351,7 @@ class RankServer:
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
         try:
             self.listener.close()
         except OSError:
