@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -32,7 +34,8 @@ def main(cfg: DictConfig) -> None:
 
         t0 = time.monotonic()
         multirun = _is_multirun()
-        handle = launch(cfg, parent_run_id=os.environ.get(PARENT_ENV) if multirun else None)
+        # own_sigint: Ctrl-C is the launcher's to answer (it cancels the whole job); the job's processes ignore it
+        handle = launch(cfg, parent_run_id=os.environ.get(PARENT_ENV) if multirun else None, own_sigint=True)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         if _is_multirun():
@@ -65,9 +68,7 @@ def main(cfg: DictConfig) -> None:
         follow(handle, cfg.run.progress)
         result = handle.wait()
     except KeyboardInterrupt:
-        print("\ninterrupted: cancelling the job ...", file=sys.stderr, flush=True)
-        handle.shutdown()
-        sys.exit(130)
+        _interrupted(handle, multirun)
     except RunFailed as e:
         print(summary(handle, handle.result, time.monotonic() - t0, str(e)))
         print(f"\nrun failed:\n{e}", file=sys.stderr)
@@ -77,6 +78,23 @@ def main(cfg: DictConfig) -> None:
     print(summary(handle, result, time.monotonic() - t0))
     if not multirun:
         _leave(0)
+
+
+def _interrupted(handle: Any, multirun: bool) -> None:
+    """Ctrl-C: cancel the job (every process of it), mark the run KILLED, say so in one line, leave with 130.
+
+    A second Ctrl-C is ignored from here: the cancel is bounded (seconds), and cutting it short would leave
+    processes running and the MLflow run RUNNING."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"\ninterrupted: cancelling job {handle.job_id} ...", end="", file=sys.stderr, flush=True)
+    try:
+        status = handle.shutdown()
+        print(f" done; MLflow run {handle.run_id} {status or 'ended'}", file=sys.stderr, flush=True)
+    except Exception as e:
+        print(f" failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", file=sys.stderr, flush=True)
+    if multirun:
+        sys.exit(130)
+    _leave(130)
 
 
 def _leave(code: int) -> None:

@@ -12,9 +12,12 @@ import contextlib
 import io
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
@@ -113,6 +116,83 @@ def _tags(cfg: Any, root: str) -> dict[str, str]:
     except Exception:
         pass
     return tags
+
+
+CANCEL_WAIT_S = 20.0
+"""SLURM: how long :meth:`RunHandle.shutdown` waits for the scheduler to report the cancelled job ended."""
+KILL_WAIT_S = 5.0
+"""Local: how long :meth:`RunHandle.shutdown` waits for the killed processes of the job to be gone."""
+
+
+def _children(parents: set[int]) -> set[int]:
+    """The processes whose parent is in ``parents`` (Linux /proc; empty where it cannot be read)."""
+    out: set[int] = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid in parents:
+            out.add(int(name))
+    return out
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def kill_tree(root: int) -> set[int]:
+    """SIGKILL ``root`` and every process under it; returns their pids.
+
+    Each process is frozen (SIGSTOP) as it is found, before its children are looked up: a frozen
+    process starts nothing and is not reaped, so none escapes the walk by being reparented to init
+    in between (task 0 dying first would hand the coordinator to init, and we would miss it)."""
+    found: set[int] = set()
+    todo = {root}
+    for _ in range(64):  # bounded: a tree deeper than this is not ours
+        todo -= found
+        if not todo:
+            break
+        found |= {p for p in todo if _signal(p, signal.SIGSTOP)}
+        todo = _children(todo)
+    for p in found:
+        _signal(p, signal.SIGKILL)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Alive and not a zombie (a killed child of a dead parent waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def _sigint_ignored(on: bool) -> Iterator[None]:
+    """SIGINT ignored while the job's processes are started, so they inherit the disposition (exec keeps an
+    ignored signal ignored, and Python then installs no KeyboardInterrupt handler). Only from the main thread:
+    elsewhere Python cannot change a handler."""
+    if not on or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
 
 
 class RunHandle:
@@ -265,20 +345,51 @@ class RunHandle:
 
         return load_model_state(self.stem)
 
-    def shutdown(self) -> None:
-        """Cancel the job (Ctrl-C path) and mark the run KILLED."""
-        from ..tracking import end_run
+    def shutdown(self) -> Optional[str]:
+        """Cancel the job (Ctrl-C, a bench run past its time) and mark the run KILLED unless it already ended;
+        returns the run's status after (None when this handle had already ended it).
 
-        try:
-            self.job.cancel(check=False)
-        except Exception:
-            pass
-        deadline = time.monotonic() + 20
-        while not self.job.done() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not self._ended:
-            end_run(self.tracking_uri, self.run_id, "KILLED", error="cancelled by the user")
-            self._ended = True
+        Local: the job's whole process tree (submitit's controller, every task, the coordinator under task 0)
+        is frozen and SIGKILLed, then waited for (:data:`KILL_WAIT_S`). submitit's own cancel is a SIGINT
+        to its controller, whose cleanup (SIGINT to the tasks, 1 s, SIGKILL) a second SIGINT cuts short,
+        leaving task 0 and the coordinator running; a CLI job ignores SIGINT altogether (``launch``'s
+        ``own_sigint``). SLURM: scancel, then the scheduler's state, asked every few seconds, for at most
+        :data:`CANCEL_WAIT_S`."""
+        from ..tracking import client
+
+        if self.on_slurm or not os.path.isdir("/proc"):
+            try:
+                self.job.cancel(check=False)
+            except Exception:
+                pass
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            while not self.done() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        else:
+            self._kill_local()
+        if self._ended:
+            return None
+        self._ended = True
+        c = client(self.tracking_uri)
+        status = str(c.get_run(self.run_id).info.status)
+        if status in ("RUNNING", "SCHEDULED"):
+            c.set_tag(self.run_id, "error", "cancelled by the user")
+            c.set_terminated(self.run_id, status="KILLED")
+            status = "KILLED"
+        return status
+
+    def _kill_local(self) -> None:
+        proc = getattr(self.job, "_process", None)
+        if proc is None or proc.poll() is not None:
+            # Not ours to walk: the controller ended (its tasks with it) and its pid may be another process's now.
+            # Until we reap it, a controller that ends after this check keeps its pid (a zombie).
+            return
+        pids = kill_tree(proc.pid)
+        with contextlib.suppress(Exception):  # the controller is our child: reap it
+            proc.wait(KILL_WAIT_S)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _tail_lines(text: str, n: int) -> str:
@@ -302,8 +413,16 @@ def experiment_import_paths(root: str) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str] = None) -> RunHandle:
-    """Validate, create the MLflow run, submit the job; returns at once with a RunHandle."""
+def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str] = None,
+           own_sigint: bool = False) -> RunHandle:
+    """Validate, create the MLflow run, submit the job; returns at once with a RunHandle.
+
+    ``own_sigint``: the caller answers Ctrl-C by cancelling the whole job (:meth:`RunHandle.shutdown`, as the CLI
+    does), so a local job's processes start with SIGINT ignored. A terminal's Ctrl-C reaches every process of its
+    foreground process group, the local job's included, and each would act on its own: the coordinator ends the
+    run FAILED as a crash, submitit's controller prints a traceback and starts a cleanup the launcher's cancel
+    cuts short, task 0 waits on its coordinator. Off by default: a program that does not cancel on
+    KeyboardInterrupt would leave the job running."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
     for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
@@ -350,7 +469,9 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
 
     try:
         ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, run_name(cfg))
-        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr: it goes in our one line
+        with contextlib.redirect_stderr(io.StringIO()), \
+                _sigint_ignored(own_sigint and cfg.cluster.executor == "local"):
+            # (submitit echoes sbatch's stderr: it goes in our one line)
             job = ex.submit(run_task, spec_path)
     except Exception as e:
         from ..tracking import end_run
