@@ -1,4 +1,4 @@
-"""The launcher's side of a run's end: Ctrl-C on a hung run."""
+"""The launcher's side of a run's end: task 0 (the coordinator's host) lost, and Ctrl-C on a hung run."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, alive, base_overrides, read_events, wait_for
+from conftest import ROOT, alive, base_overrides, launch_run, read_events, read_result, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -23,6 +23,46 @@ START_S = 180.0
 
 def _joined(job: Path) -> dict[int, int]:
     return {e["rank"]: e["pid"] for e in read_events(job) if e.get("event") == "joined"}
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_losing_the_coordinators_host_task_fails_the_run_in_one_line(store, tmp_path, monkeypatch):
+    """Task 0 SIGKILLed: its coordinator dies with it and nobody writes the run's end. The launcher says so in one
+    line, and leaves result.json, an end event and a FAILED MLflow run as any other failure does."""
+    from flodl_exp.jobs.launcher import RunFailed
+
+    gate = tmp_path / "gate"  # both ranks wait at their first batch: the run is in progress at the kill, on any machine
+    monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:1:gate:{gate},1:1:gate:{gate}")
+    h = launch_run(store, "launcher_faults", "mode=nccl_cadence", "experiment.epochs=3", "cluster.heartbeat_timeout_s=10")
+    job = Path(h.job_dir)
+    try:
+        wait_for(lambda: len(_joined(job)) == 2, timeout=START_S, what="both ranks joined")
+        pids = _joined(job)
+        coord = json.loads((job / "rendezvous.json").read_text())["pid"]
+        assert _ppid(coord) == pids[0], "the coordinator runs under task 0, the process of rank 0"
+        assert not any(e.get("event") == "end" for e in read_events(job)), "the gate should hold the run open"
+        os.kill(pids[0], signal.SIGKILL)
+    finally:
+        gate.touch()
+    with pytest.raises(RunFailed) as err:
+        h.wait()
+    msg = str(err.value)
+    assert msg.startswith(f"the coordinator's host task (task 0, pid {pids[0]} on host {os.uname().nodename}) was lost"), msg
+    assert "\n" not in msg and "UncompletedJobError" not in msg and "has not produced any output" not in msg
+    res = read_result(job)
+    assert res["status"] == "FAILED" and res["failure"] == msg and res["end_reason"] == "coordinator_host_lost"
+    assert res["world_size"] == 2 and res["deaths"] == [] and res["stem"] == h.stem  # the coordinator's keys
+    ends = [e for e in read_events(job) if e.get("event") == "end"]
+    assert len(ends) == 1 and ends[0]["status"] == "FAILED" and ends[0]["failure"] == msg and "t" in ends[0]
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["end_reason"] == "coordinator_host_lost" and run.data.tags["error"] == msg
+    job_pids = [*pids.values(), coord, int(h.job_id)]  # ranks, coordinator, submitit's controller
+    wait_for(lambda: not any(alive(p) for p in job_pids), timeout=30, what="every process of the run to end")
 
 
 def test_ctrl_c_cancels_a_hung_run_within_seconds(store, tmp_path):

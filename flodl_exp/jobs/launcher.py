@@ -122,6 +122,8 @@ CANCEL_WAIT_S = 20.0
 """SLURM: how long :meth:`RunHandle.shutdown` waits for the scheduler to report the cancelled job ended."""
 KILL_WAIT_S = 5.0
 """Local: how long :meth:`RunHandle.shutdown` waits for the killed processes of the job to be gone."""
+HOST_LOST = "coordinator_host_lost"
+"""``end_reason`` of a run whose task 0 (the coordinator's host) ended without a result."""
 
 
 def _children(parents: set[int]) -> set[int]:
@@ -210,6 +212,7 @@ class RunHandle:
         self.result: Optional[dict] = None
         self._ended = False
         self._last_force = 0.0
+        self._t0 = time.monotonic()
 
     @property
     def job_id(self) -> str:
@@ -262,7 +265,10 @@ class RunHandle:
         *lines, self._buffer = self._buffer.split("\n")
         for line in lines:
             if line.strip():
-                ev = json.loads(line)
+                try:
+                    ev = json.loads(line)
+                except ValueError:  # a line torn by a writer killed mid-write (the next one starts afresh)
+                    continue
                 self.events.append(ev)
                 self._queue.append(ev)
 
@@ -306,19 +312,26 @@ class RunHandle:
         error: Optional[str] = None
         while not self.done():
             time.sleep(0.1)
-        if self.on_slurm and os.path.exists(os.path.join(self.job_dir, "result.json")):
-            # A task SIGKILLed by SLURM leaves no result file: submitit would wait 15 s for it per task.
+        path = os.path.join(self.job_dir, "result.json")
+        if not self.on_slurm or os.path.exists(path):
+            # submitit waits 15 s per task for a result pickle that is not there. Locally every task wrote its
+            # pickle before its process ended, so one missing now never comes; on SLURM, with result.json
+            # written, it is a task SIGKILLed by SLURM.
             for j in [self.job, *getattr(self.job, "_sub_jobs", [])]:
-                j._results_timeout_s = 2
+                j._results_timeout_s = 2 if self.on_slurm else 0
         try:
             self.job.results()
         except Exception as e:  # FailedJobError / UncompletedJobError carry the task's traceback tail
             error = f"{type(e).__name__}: {e}"
         self._read_events()
-        path = os.path.join(self.job_dir, "result.json")
         if os.path.exists(path):
             with open(path) as fh:
                 self.result = json.load(fh)
+        else:
+            lost = self._host_task_lost()
+            if lost is not None:
+                self._fail_host_lost(lost)
+                raise RunFailed(lost)
         result = self.result or {}
         status = result.get("status")
         if status == "FINISHED":
@@ -337,6 +350,117 @@ class RunHandle:
         end_run(self.tracking_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
         raise RunFailed(_tail_lines(reason, 40))
+
+    # -- task 0 lost: the coordinator went with it and wrote nothing -----------------
+    def _task0(self) -> Any:
+        return self.job.task(0) if self.job.num_tasks > 1 else self.job
+
+    def _host_task_lost(self) -> Optional[str]:
+        """One line when task 0 (the coordinator's host) ended without a result of its own, else None.
+
+        A task that ends in Python leaves submitit a result pickle (its return or its traceback), and a
+        coordinator that ends writes result.json; a task 0 killed outright (SIGKILL, the OOM killer, a lost
+        node) leaves neither, and its coordinator dies with it (PR_SET_PDEATHSIG): nothing else records the
+        run's end. Its exit status went to submitit's controller (or srun), which keeps it to itself."""
+        try:
+            if self._task0().paths.result_pickle.exists():
+                return None
+        except Exception:
+            return None
+        from .rendezvous import rank_marker_path
+
+        who = "pid unknown"
+        try:
+            with open(rank_marker_path(self.job_dir, 0)) as fh:
+                marker = json.load(fh)
+            who = f"pid {marker['pid']} on host {marker['host']}"
+        except (OSError, ValueError, KeyError):
+            joined = [e for e in self.events if e.get("event") == "joined" and e.get("rank") == 0]
+            if joined:
+                who = f"pid {joined[-1].get('pid')} on host {joined[-1].get('host')}"
+        limit = float(self.cfg.run.timeout_min) * 60
+        if self.on_slurm:
+            cause = f"killed: SIGKILL, the OOM killer, a lost node; SLURM state {self.queue_state()}"
+        elif time.monotonic() - self._t0 >= limit:
+            cause = f"killed by submitit at the job's time limit, run.timeout_min={self.cfg.run.timeout_min}"
+        else:
+            cause = "killed: SIGKILL, the OOM killer"
+        try:
+            log = f"; its log: {self._task0().paths.stderr}"
+        except Exception:
+            log = ""
+        return (f"the coordinator's host task (task 0, {who}) was lost: it ended without a result or a traceback "
+                f"({cause}), and the coordinator with it{log}")
+
+    def _lost_result(self, failure: str) -> dict:
+        """result.json for a run whose coordinator wrote none: the coordinator's keys (Coordinator.result and
+        _close), with what the launcher knows (the config, the events) and empty values for the rest."""
+        epochs = [e for e in self.events if e.get("event") == "epoch"]
+        first = next((e for e in self.events if "wall" in e and "t" in e), None)
+        wall_s = time.time() - (first["wall"] - first["t"]) if first else time.monotonic() - self._t0
+        resume = self.cfg.checkpoint.resume_from
+        return {
+            "status": "FAILED", "failure": failure, "end_reason": HOST_LOST, "world_size": world_size(self.cfg),
+            "epochs": int(self.cfg.experiment.epochs), "global_step": epochs[-1].get("global_step", 0) if epochs else 0,
+            "syncs": int(epochs[-1].get("syncs", 0)) if epochs else 0, "final_eval": {},
+            "evals": [e for e in self.events if e.get("event") == "eval"], "finals": {}, "coverage": {},
+            "total_picks": None, "wall_s": round(wall_s, 3), "callback_rank": None, "stem": self.stem,
+            "rejected_connections": 0, "deaths": [], "errors": {}, "regroups": 0, "saved_stem": None,
+            "resumed_from": str(resume) if resume else None, "attempt": self._attempt(),
+        }
+
+    def _attempt(self) -> int:
+        """The attempt the job was on (a requeue bumps it; rank 0's marker names it)."""
+        from .rendezvous import rank_marker_path
+
+        try:
+            with open(rank_marker_path(self.job_dir, 0)) as fh:
+                return int(str(json.load(fh)["incarnation"]).split(".")[0])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    def _append_event(self, event: dict) -> None:
+        """Append one event as the coordinator does (same keys: ``t`` on its clock, from its first event)."""
+        path = os.path.join(self.job_dir, "events.jsonl")
+        first = next((e for e in self.events if "wall" in e and "t" in e), None)
+        now = time.time()
+        event = dict(event, t=round(now - (first["wall"] - first["t"]), 3) if first else 0.0, wall=round(now, 3))
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(-1, os.SEEK_END)
+                torn = fh.read(1) != b"\n"  # the coordinator was killed mid-line: end it first
+        except OSError:
+            torn = False
+        with open(path, "a") as fh:
+            fh.write(("\n" if torn else "") + json.dumps(event, default=str) + "\n")
+
+    def _fail_host_lost(self, failure: str) -> None:
+        """Record the run's end as the coordinator would have: result.json, an ``end`` event, the MLflow run
+        FAILED (with ``end_reason``) and both files as run artifacts. A write that fails is said, never raised
+        over the run's own failure."""
+        from ..checkpoint import atomic_json
+        from ..tracking import client
+        from .job import fail_run_if_running
+
+        self.result = self._lost_result(failure)
+        path = os.path.join(self.job_dir, "result.json")
+        try:
+            atomic_json(self.result, path)
+        except OSError as e:
+            print(f"warning: could not write {path}: {e}", file=sys.stderr)
+        if not any(e.get("event") == "end" for e in self.events):
+            try:
+                self._append_event({"event": "end", "status": "FAILED", "failure": failure})
+            except OSError as e:
+                print(f"warning: could not append the end event to events.jsonl: {e}", file=sys.stderr)
+        fail_run_if_running({"tracking_uri": self.tracking_uri, "run_id": self.run_id}, failure, {"end_reason": HOST_LOST})
+        self._ended = True
+        for name in ("result.json", "events.jsonl"):
+            try:
+                client(self.tracking_uri).log_artifact(self.run_id, os.path.join(self.job_dir, name), "run")
+            except Exception as e:  # a report, never a reason to hide the failure
+                print(f"warning: could not log {name} to MLflow: {str(e).splitlines()[0] if str(e) else e}",
+                      file=sys.stderr)
 
     def join(self) -> dict:
         """Wait for the run and return the final consensus model state (from the bundle)."""
