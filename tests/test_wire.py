@@ -162,10 +162,18 @@ GOOD_PAYLOAD = b"\0" * 8
                  id="payload-longer-than-tensors"),
     pytest.param(raw_frame({"kind": "x", "fields": {}, "tensors": [desc(dtype="bool", shape=(2,), nbytes=2)]},
                            b"\x01\x07"), id="bool-not-0-1"),
+    pytest.param(raw_frame(b'{"kind":"x","fields":{"s":"\\ud800"},"tensors":[]}'), id="lone-surrogate"),
+    pytest.param(raw_frame(b'{"kind":"x","fields":{"\\udfff":1},"tensors":[]}'), id="lone-surrogate-key"),
 ])
 def test_decode_rejects(frame):
     with pytest.raises(WireError):
         decode(frame, MiB)
+
+
+def test_a_header_that_spells_a_surrogate_pair_is_text_and_re_encodes():
+    frame = raw_frame(b'{"kind":"x","fields":{"s":"\\ud83d\\ude00 \\u00e9"},"tensors":[]}')
+    msg = decode(frame, MiB)
+    assert msg.fields == {"s": "\U0001f600 \u00e9"} and decode(encode(msg), MiB) == msg
 
 
 def test_decode_oversize_from_prefix_alone():
