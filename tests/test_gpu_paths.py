@@ -189,11 +189,12 @@ def test_a_one_rank_sync_leaves_parameters_and_buffers_unchanged_and_abort_allow
     after = list(model.parameters()) + list(model.buffers())
     assert all(torch.allclose(x, y) for x, y in zip(before, after)) and d is not None and d < 1e-6
     b.abort()
-    assert not dist.is_initialized(), "abort leaves no group behind"
+    assert b.group is None and not dist.is_initialized(), "abort leaves no group behind (Gloo never uses the default one)"
     b.rebuild(1, 0, 1, session="s1")
-    assert dist.is_initialized() and b.generation == 1
+    assert b.group is not None and b.generation == 1
+    b.sync(model, 1, 1.0)
     b.close()
-    assert not dist.is_initialized()
+    assert b.group is None and not dist.is_initialized()
 
 
 def test_nccl_is_refused_for_a_cpu_rank():

@@ -111,7 +111,7 @@ def test_collective_backend_names_its_groups_by_the_token():
 
     seen = []
     fake = SimpleNamespace(PrefixStore=lambda prefix, store: seen.append(prefix) or (prefix, store),
-                           init_process_group=lambda *a, **k: None)
+                           init_process_group=lambda *a, **k: None, ProcessGroupGloo=lambda *a: object())
     cb = object.__new__(CollectiveBackend)
     cb.dist, cb.store, cb.token, cb.device, cb.backend, cb.timeout = fake, object(), TOKEN, torch.device("cpu"), "gloo", None
     cb._init(2, 0, 2)

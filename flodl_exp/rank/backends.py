@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -24,6 +25,27 @@ from ..protocol import Snapshot, Update
 from ..store_names import group_prefix
 
 log = logging.getLogger(__name__)
+
+
+_RETIRED: list[Any] = []
+"""Gloo groups (and their pending work) given up on: kept for the life of the process (see :func:`retire`)."""
+
+
+def retire(*objs: Any) -> None:
+    """Keep ``objs`` alive until the process ends, without ever running their destructors.
+
+    A Gloo group left with a collective pending on a peer that is alive but gave up on it (it saw a dead
+    member and moved on) cannot be torn down: both ``abort`` and its destructor wait for that collective,
+    which ends only at the group's timeout (``collective_timeout_s`` + 60 s). Seen: of two survivors of a
+    three-rank group, the one whose all_reduce was still pending sat in ``abort`` past 2 minutes. The
+    group is not needed any more, so it is kept, with an extra reference that interpreter teardown never
+    drops: its threads and sockets go with the process.
+    """
+    for o in objs:
+        if o is None:
+            continue
+        _RETIRED.append(o)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 
 
 class CollectiveTimeout(RuntimeError):
@@ -54,6 +76,11 @@ class CollectiveBackend:
     aborting the process (its async error handling is turned off here, and the group's
     own timeout is set past ours). On any failure :meth:`abort` tears the group down
     without waiting for pending work (``destroy_process_group`` would hang on a dead peer).
+
+    Gloo groups are standalone ``ProcessGroupGloo`` objects, one per generation, never the default
+    group: a regroup makes a new one beside the old, and the old one, if a collective is still pending
+    in it, is retired (:func:`retire`) instead of aborted, since Gloo's abort waits for that collective.
+    NCCL uses the default group and aborts its communicators (that abort does not wait).
     """
 
     GROUP_TIMEOUT_MARGIN_S = 60.0
@@ -83,6 +110,10 @@ class CollectiveBackend:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         self.reduced = False
         """The last sync averaged (some rank moved): the outer optimizer steps only then."""
+        self.group: Any = None
+        """Gloo: this generation's standalone process group (NCCL: the default group, through ``dist``)."""
+        self.pending: Any = None
+        """The collective being waited for (retired with its group if the wait ends before it does)."""
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
         self.timeout = timedelta(seconds=self.op_timeout_s + self.GROUP_TIMEOUT_MARGIN_S)
         self._init(generation, rank, world_size)
@@ -92,9 +123,11 @@ class CollectiveBackend:
         if arrive:
             self._arrive(pstore, rank, world_size)
         # device_id (NCCL): the communicator binds this GPU eagerly, so a bad device setup fails here, at start-up.
-        device_id = self.device if self.backend == "nccl" else None
-        self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout,
-                                     device_id=device_id)
+        if self.backend == "gloo":
+            self.group = self.dist.ProcessGroupGloo(pstore, rank, world_size, self.timeout)
+        else:
+            self.dist.init_process_group(self.backend, store=pstore, rank=rank, world_size=world_size, timeout=self.timeout,
+                                         device_id=self.device)
         self.generation, self.rank, self.world_size = generation, rank, world_size
 
     def _arrive(self, pstore: Any, rank: int, world_size: int) -> None:
@@ -126,6 +159,7 @@ class CollectiveBackend:
         """Wait for ``work``, reading control between checks; raises its error, a timeout, or what ``poll`` raises."""
         deadline = self._clock() + self.op_timeout_s
         pause = 5e-5
+        self.pending = work
         while not work.is_completed():
             self.poll()
             if self._clock() > deadline:
@@ -133,10 +167,14 @@ class CollectiveBackend:
                                         "(cluster.collective_timeout_s)")
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+        self.pending = None
         work.wait()
 
     def _all_reduce(self, t: torch.Tensor) -> None:
-        self._wait(self.dist.all_reduce(t, async_op=True))
+        if self.group is not None:
+            self._wait(self.group.allreduce([t]))
+        else:
+            self._wait(self.dist.all_reduce(t, async_op=True))
 
     def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True) -> tuple[Optional[float], Optional[float], Optional[float]]:
         params = [p for p in model.parameters()]
@@ -181,10 +219,16 @@ class CollectiveBackend:
     def abort(self) -> None:
         """Tear the group down without waiting for its pending work (the failure path, and every regroup).
 
-        NCCL aborts its communicators at once. Gloo has no pending work after a failed
-        collective (the error completed it); one still pending (a peer alive but silent)
-        ends at the group's timeout.
+        NCCL aborts its communicators at once. A Gloo group is dropped: at once when nothing is
+        pending in it (a failed collective completed with its error), retired when a collective
+        is still pending (a peer alive but silent, or one that gave up first): see :func:`retire`.
         """
+        if self.group is not None:
+            group, pending = self.group, self.pending
+            self.group = self.pending = None
+            if pending is not None and not pending.is_completed():
+                retire(group, pending)
+            return
         try:
             if self.dist.is_initialized():
                 from torch.distributed.distributed_c10d import _abort_process_group
@@ -195,6 +239,9 @@ class CollectiveBackend:
 
     def close(self) -> None:
         """Orderly teardown at the end of a healthy run."""
+        if self.group is not None:
+            self.abort()
+            return
         try:
             if self.dist.is_initialized():
                 self.dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""The collective backend's regroup on real processes over Gloo: a survivor whose all_reduce is still
+pending when it learns of a regroup must leave that group at once and reduce in the next generation.
+
+Before Gloo groups were standalone, that survivor sat in ``_abort_process_group`` (Gloo's abort waits for the
+pending collective until the group's timeout) while the other survivor waited for it in the new generation's
+rendezvous: ``nccl_sync`` with a rank killed hung for good (issue 26)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def _survivor(rank: int, port: int, q) -> None:
+    torch.set_num_threads(1)
+    from flodl_exp.rank.backends import CollectiveBackend, CollectiveInterrupted
+
+    looks = [0]
+
+    def poll() -> None:  # rank 0: the regroup message arrives while its all_reduce waits for rank 1
+        looks[0] += 1
+        if rank == 0 and gen[0] == 0 and looks[0] > 200:
+            raise CollectiveInterrupted("regroup to generation 1 arrived mid-collective")
+
+    gen = [0]
+    b = CollectiveBackend(host="127.0.0.1", store_port=port, rank=rank, world_size=2, device=torch.device("cpu"),
+                          backend="gloo", op_timeout_s=60, store_timeout_s=60, poll=poll)
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(rank + 1))
+    b.sync(model, 1, 1.0)  # generation 0 works for both
+    t0 = time.monotonic()
+    if rank == 0:
+        try:
+            b.sync(model, 1, 1.0)  # rank 1 never joins this one: it gave up on generation 0
+            q.put((rank, "the pending collective completed", 0.0))
+            return
+        except CollectiveInterrupted:
+            pass
+        b.abort()  # must not wait for the pending collective
+    else:
+        kept = b.group  # a peer that gave up on generation 0 but still holds its sockets open (as Gloo's abort
+        b.abort()       # left them): rank 0's collective stays pending, however long it is waited for
+    gen[0] = 1
+    b.rebuild(1, rank, 2, session="s1")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(rank + 1))
+    b.sync(model, 1, 1.0)
+    value = float(next(model.parameters()).flatten()[0])
+    b.close()
+    if rank == 1:
+        assert kept is not None
+    q.put((rank, value, time.monotonic() - t0))
+
+
+def test_a_survivor_with_a_pending_collective_regroups_at_once(master_store):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_survivor, args=(r, master_store.port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {r: (v, s) for r, v, s in (q.get(timeout=90) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got[0][0] == got[1][0] == pytest.approx(1.5), got  # the new generation averaged (1 + 2) / 2
+    assert got[0][1] < 20, f"leaving the old group and forming the new one took {got[0][1]:.1f}s"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
