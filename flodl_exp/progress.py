@@ -139,6 +139,12 @@ def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Opt
         for k, v in (result.get("final_eval") or {}).items():
             lines.append(f"  {k:<11} {v:.4f}")
         lines.append(f"  syncs       {result.get('syncs')}   global step {result.get('global_step')}")
+        if result.get("deaths"):
+            dead = ", ".join(f"rank {d.get('rank')}" for d in result["deaths"])
+            lines.append(f"  deaths      {dead}   retrained picks {result.get('retrained_picks', 0)}")
+        if result.get("lost_picks"):
+            lines.append(f"  LOST PICKS  {result['lost_picks']} trained picks of dead ranks are in no consensus and were not "
+                         "retrained (no survivor)")
         lines.append(f"  bundle      {result.get('stem')}.pt")
     lines.append(f"  wall time   {wall_s:.1f}s")
     lines.append(f"  status      {'FAILED: ' + error.splitlines()[0] if error else 'FINISHED'}")

@@ -278,6 +278,8 @@ class SyncAck:
     """Norm of the outer optimizer's step after this reduce (None: outer=avg, or nobody moved)."""
     outer_momentum: Optional[Reading] = None
     """Norm of the outer momentum after this reduce."""
+    generation: Count = 0
+    """The process group's generation whose all_reduce this rank completed (a regroup redoes it in the next)."""
 
 
 @dataclass

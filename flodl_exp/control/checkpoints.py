@@ -196,6 +196,17 @@ class BundleWriter:
         self._expected.pop(r, None)
         self._maybe_conclude()
 
+    def on_rank_dead(self, r: int) -> None:
+        """``r`` died with saves outstanding: they are forfeit, the bundle never waits for them; when it owed
+        the model piece, that piece goes to another live rank (every replica holds the same consensus)."""
+        owed_model = self._pending.get(r, 0) > 0 and r == self.model_rank and self.stem_in_progress is not None
+        self._pending.pop(r, None)
+        self._expected.pop(r, None)
+        if owed_model:
+            assert self.stem_in_progress is not None
+            self._retry_model_piece(self.stem_in_progress, f"rank {r} died before it wrote it")
+        self._maybe_conclude()
+
     def _maybe_conclude(self) -> None:
         """Once the saves of the bundle in progress settled: decide whether it failed; write a deferred meta."""
         stem = self.stem_in_progress

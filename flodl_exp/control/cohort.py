@@ -26,6 +26,8 @@ class Death:
     traceback: str = ""
     unreduced_steps: int = 0
     """Batches it trained that no finished reduce holds: survivors retrain those picks."""
+    acked_steps: int = 0
+    """Batches in its answer to the nccl reduce in flight: in the consensus if that reduce keeps its share."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "reason": self.reason, "epoch": self.epoch, "global_step": self.global_step}
@@ -116,7 +118,8 @@ class Cohort:
         self._exited[r] = True
         self.finals[r] = final
 
-    def mark_dead(self, r: int, reason: str, *, epoch: int, global_step: int, unreduced_steps: int = 0) -> Optional[Death]:
+    def mark_dead(self, r: int, reason: str, *, epoch: int, global_step: int, unreduced_steps: int = 0,
+                  acked_steps: int = 0) -> Optional[Death]:
         """Take ``r`` out of the cohort. Returns the Death, or None when it was already gone or had exited cleanly."""
         if not self._alive[r]:
             return None
@@ -127,7 +130,8 @@ class Cohort:
         report = self.errors.get(r) or {}
         err = report.get("error")
         death = Death(r, f"{reason}: {err}" if err else reason, epoch, global_step, last_step=self.batches[r],
-                      unix_time=time.time(), traceback=str(report.get("traceback") or ""), unreduced_steps=unreduced_steps)
+                      unix_time=time.time(), traceback=str(report.get("traceback") or ""), unreduced_steps=unreduced_steps,
+                      acked_steps=acked_steps)
         self.deaths.append(death)
         return death
 

@@ -380,6 +380,8 @@ class Coordinator:
 
     def _drain_or_finish(self) -> None:
         """Every epoch aggregated: one last consensus reduce if replicas may differ, then the final eval and bundle."""
+        if self.dispatch.any_in_flight():
+            return  # a dead rank's picks are being retrained: the last reduce waits for them
         alive = self.cohort.alive_ranks()
         blended = self.shape.easgd_alpha is not None and not self.final_overwrite_done
         if self.W > 1 and (blended or self.cycle.any_steps(alive)):
@@ -521,6 +523,13 @@ class Coordinator:
                 self._after_reduce(out)
 
     def _after_reduce(self, out: ReduceOutcome) -> None:
+        for r in out.dead_in:
+            self.dispatch.release_held(r)
+        for r in out.dead_out:  # its answer is not in the consensus: the survivors redid the collective without it
+            picks = self.dispatch.retrain_held(r)
+            log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
+                        "generation without its share: its %d picks are trained again", r, picks)
+            self.events.emit({"event": "retrain", "rank": r, "picks": picks, "why": "answer_not_in_consensus"})
         elche = self.cycle.elche
         if elche is not None and elche.is_calibrated and self.cohort.fixed_callback is None and not self.cohort.roles_elected:
             self.cohort.roles_elected = True  # sticky: re-elected only on death
@@ -663,8 +672,26 @@ class Coordinator:
             return
         if self.life.is_(Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING):
             self._drop_pending_of(r)
-        elif self.faults.recover(death):
-            self._try_finish_reduce()
+            return
+        lost, retrained = self.dispatch.lost_picks, self.dispatch.retrained_picks
+        if not self.faults.recover(death):
+            return
+        self._report_picks_of_the_dead(r, lost, retrained)
+        if r in self.writer.pending:  # a bundle in progress (periodic, coverage) does not wait for its pieces
+            self.writer.on_rank_dead(r)
+            self._after_saves()
+        self._try_finish_reduce()
+
+    def _report_picks_of_the_dead(self, r: int, lost_before: int, retrained_before: int) -> None:
+        """What a death did to trained picks of epochs already aggregated: retrained by the survivors (an event),
+        or, with none left to do it, lost, which the run says in a metric, a tag and its result."""
+        d = self.dispatch
+        if d.retrained_picks > retrained_before:
+            self.events.emit({"event": "retrain", "rank": r, "picks": d.retrained_picks - retrained_before})
+        if d.lost_picks > lost_before:
+            self.sink.set_tags({"lost_picks": d.lost_picks})
+            self.sink.log_metrics({"lost_picks": float(d.lost_picks)}, step=self.current_epoch())
+            self.events.emit({"event": "lost_picks", "rank": r, "picks": d.lost_picks - lost_before})
 
     def _on_heartbeat(self, r: int, hb: Heartbeat) -> None:
         if self.cohort.alive(r):
@@ -680,17 +707,18 @@ class Coordinator:
     def _drop_pending_of(self, r: int) -> None:
         """A rank died while a bundle was being written: its pieces are forfeit; the final eval and
         the consensus model move to another survivor."""
-        self.writer.drop(r)
         alive = self.cohort.alive_ranks()
-        if self.life.is_(Phase.FINISHING) and self.final_eval_rank == r and alive:
-            cb = alive[0]
-            self.final_eval_rank = cb
-            self.writer.expect(cb)
-            self.timeline.on_eval_sent(cb, self.epochs - 1, final=True)
-            self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
-            self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
+        if not (self.life.is_(Phase.FINISHING) and self.final_eval_rank == r and alive):
+            self.writer.on_rank_dead(r)  # a model piece it owed moves to another survivor
+            self._after_saves()
             return
-        self._after_saves()
+        self.writer.drop(r)
+        cb = alive[0]
+        self.final_eval_rank = cb
+        self.writer.expect(cb)
+        self.timeline.on_eval_sent(cb, self.epochs - 1, final=True)
+        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+        self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
         self.faults.shutdown_with_save(reason, detail)
@@ -724,6 +752,8 @@ class Coordinator:
             "deaths": [d.as_dict() for d in self.cohort.deaths],
             "errors": {str(r): v for r, v in self.cohort.errors.items()},
             "regroups": self.cohort.generation,
+            "lost_picks": self.dispatch.lost_picks,
+            "retrained_picks": self.dispatch.retrained_picks,
             "saved_stem": self.saved_stem,
             "resumed_from": (self.resume or {}).get("stem"),
         }

@@ -106,6 +106,11 @@ class ReduceOutcome:
     final: bool
     outer: Optional[OuterStep] = None
     """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
+    dead_in: list[int] = field(default_factory=list)
+    """nccl: members that answered and died since, whose share the survivors' collective holds (same generation)."""
+    dead_out: list[int] = field(default_factory=list)
+    """nccl: members that answered and died since, whose share is not in the consensus: the survivors redid the
+    collective without them in a later generation (their answered batches must be trained again)."""
 
     @property
     def d_max(self) -> Optional[float]:
@@ -215,11 +220,15 @@ class AveragingCycle:
         if red is not None and red.backend == "cpu" and r in red.members:
             red.snapshots[r] = snap
 
-    def unreduced_steps(self, r: int) -> int:
-        """Steps of ``r`` that are in no finished reduce (an nccl ack already put its share in the consensus)."""
+    def acked_steps(self, r: int) -> int:
+        """Steps of ``r`` in its answer to the nccl reduce in flight (0: none in flight, or not answered)."""
         red = self.in_flight
-        acked = red.acks[r].n if red is not None and red.backend == "nccl" and r in red.acks else 0
-        return max(0, self.ledger[r].steps - acked)
+        return min(red.acks[r].n, self.ledger[r].steps) if red is not None and red.backend == "nccl" and r in red.acks else 0
+
+    def unreduced_steps(self, r: int) -> int:
+        """Steps of ``r`` that are in no finished reduce nor in its answer to the one in flight (an nccl ack holds
+        its share, if the survivors' collective holds it: see :attr:`ReduceOutcome.dead_out`)."""
+        return max(0, self.ledger[r].steps - self.acked_steps(r))
 
     def forget(self, r: int) -> None:
         """A dead rank's unreduced steps never reach the consensus."""
@@ -278,8 +287,14 @@ class AveragingCycle:
         if red.backend == "nccl":
             if not set(live).issubset(red.acks):
                 return None
-            # A member that acked and died since: the collective completed with its share in the consensus.
-            live = sorted(set(live) | set(red.acks))
+            # A member that acked and died since completed the collective of its generation. Its share is in the
+            # consensus when the survivors completed that same one; when they redid it in a later generation
+            # (regrouped without it), it is not: not counted, and its answered batches are trained again.
+            gen = max((red.acks[r].generation for r in live), default=None)
+            dead_acked = sorted(set(red.acks) - set(live))
+            dead_out = [r for r in dead_acked if gen is not None and red.acks[r].generation != gen]
+            dead_in = [r for r in dead_acked if r not in dead_out]
+            live = sorted(set(live) | set(dead_in))
             n = {r: red.acks[r].n for r in live}
             div: dict[int, Optional[float]] = {r: red.acks[r].d for r in live}
             pre: dict[int, Optional[float]] = {r: red.acks[r].pre for r in live}
@@ -291,7 +306,10 @@ class AveragingCycle:
             if not set(live).issubset(red.snapshots):
                 return None
             n, div, pre, post, outer = self._average_cpu(red, live)
-        return self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
+            dead_in, dead_out = [], []
+        out = self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
+        out.dead_in, out.dead_out = dead_in, dead_out
+        return out
 
     def _average_cpu(self, red: Reduce, ranks: list[int]) -> tuple[dict[int, int], dict[int, Optional[float]],
                                                                    dict[int, Optional[float]], Optional[float],

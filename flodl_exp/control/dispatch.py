@@ -157,6 +157,11 @@ class Dispatcher:
         """rank -> (epoch, trained ranges) of each chunk it finished since its last reduce."""
         self.lost_picks = 0
         """Trained picks of dead ranks that no reduce holds and no survivor could retrain (epoch already aggregated)."""
+        self.retrained_picks = 0
+        """Trained picks of dead ranks that no reduce held, of an epoch already aggregated, handed to the survivors."""
+        self.held: dict[int, list[tuple[int, int, int, int]]] = {}
+        """Dead rank -> (epoch, offset, size, last picks) it trained and answered the reduce in flight with: in the
+        consensus only if that reduce finishes with its share (see on_rank_dead)."""
         self.coverage: dict[int, list[list[int]]] = {}
         """Aggregated epoch -> the [offset, size] ranges its chunks covered."""
         self.rank_epoch = [0] * self.W
@@ -212,12 +217,20 @@ class Dispatcher:
         else:
             self._dispatch_plans(start)
 
-    def on_rank_dead(self, r: int, unreduced_batches: int = 0) -> None:
+    def on_rank_dead(self, r: int, unreduced_batches: int = 0, acked_batches: int = 0) -> None:
         """Give a dead rank's work back to the survivors (algorithms.md 5.1, 7.2): its untrained picks,
         and the picks it trained since its last reduce (the last ``unreduced_batches``: they never
-        reached the consensus). What it trained before that stays covered."""
+        reached the consensus). What it trained before that stays covered.
+
+        ``acked_batches``: the rank had answered the collective reduce in flight with that many batches before
+        it died. Whether they are in the consensus is known only when that reduce finishes (the survivors may
+        complete the collective it completed, or redo it in a regrouped generation without it): until then their
+        picks are held, then released (:meth:`release_held`) or retrained (:meth:`retrain_held`)."""
         back = unreduced_batches * self.bs  # samples to take back, most recent first
+        hold = acked_batches * self.bs  # the next ones back: held until the reduce finishes
         survivors = self._cohort.alive_ranks()
+        held: list[tuple[int, int, int, int]] = []
+        counts = [0, 0]  # retrained, lost
         for cid, ch in sorted(((c, ch) for c, ch in self.chunks.items() if ch.rank == r), key=lambda x: x[0], reverse=True):
             del self.chunks[cid]
             trained = min(self.progress[r].get(cid, 0) * self.bs, ch.size)
@@ -229,33 +242,77 @@ class Dispatcher:
                 acc.ranges.append([ch.offset, keep])
                 acc.ranks[r].batches += keep // self.bs
                 acc.ranks[r].samples += keep
+                h = min(hold, keep)
+                hold -= h
+                if h:
+                    held.append((ch.epoch, ch.offset, keep, h))
             if self.progressive and ch.epoch in self.pools:
                 self.pools[ch.epoch].mark_completed(r, keep)  # the rest of the chunk is forfeited below
             elif ch.size > keep:
                 self._extend_over(survivors, ch.epoch, ch.offset + keep, ch.size - keep)
-        lost = 0
         for epoch, ranges in reversed(self.unreduced_chunks[r]):
             for off, n in reversed(ranges):
                 undo = min(back, n)
-                if undo <= 0:
-                    continue
                 back -= undo
-                if epoch <= self.last_aggregated:  # already aggregated and logged: cannot be retrained into it
-                    lost += undo
-                    continue
-                self._uncover(r, epoch, off, n, undo)
-                if self.progressive and epoch in self.pools:
-                    self.pools[epoch].reopen(r, off + n - undo, undo)
-                else:
-                    self._extend_over(survivors, epoch, off + n - undo, undo)
+                if undo > 0:
+                    self._give_back(r, epoch, off, n, undo, survivors, counts)
+                h = min(hold, n - undo)
+                hold -= h
+                if h:
+                    held.append((epoch, off, n - undo, h))
         self.unreduced_chunks[r].clear()
-        if lost:
-            self.lost_picks += lost
-            log.warning("rank %d died with %d trained picks of an aggregated epoch in no reduce: they are lost", r, lost)
+        self.held[r] = held
+        self._log_given_back(r, counts)
         if self.progressive:
             for pool in self.pools.values():
                 pool.forfeit(r)
             self.after_finish()
+
+    def _give_back(self, r: int, epoch: int, off: int, n: int, undo: int, survivors: list[int], counts: list[int]) -> None:
+        """The last ``undo`` picks of r's reported range [off, off+n) are in no consensus: trained again."""
+        if epoch <= self.last_aggregated:
+            # Already aggregated (its metrics and coverage logged, counting these picks as trained): the
+            # survivors retrain them as a chunk of that epoch, so the consensus holds each pick once and the
+            # books stay true. Only with no survivor are they lost (counted, never hidden).
+            if survivors:
+                self._extend_over(survivors, epoch, off + n - undo, undo)
+                counts[0] += undo
+            else:
+                counts[1] += undo
+            return
+        self._uncover(r, epoch, off, n, undo)
+        if self.progressive and epoch in self.pools:
+            self.pools[epoch].reopen(r, off + n - undo, undo)
+        else:
+            self._extend_over(survivors, epoch, off + n - undo, undo)
+
+    def _log_given_back(self, r: int, counts: list[int]) -> None:
+        retrained, lost = counts
+        if retrained:
+            self.retrained_picks += retrained
+            log.warning("rank %d died with %d trained picks of an aggregated epoch in no reduce: the survivors retrain them",
+                        r, retrained)
+        if lost:
+            self.lost_picks += lost
+            log.error("rank %d died with %d trained picks of an aggregated epoch in no reduce and no survivor: they are lost",
+                      r, lost)
+
+    def release_held(self, r: int) -> None:
+        """The reduce the dead rank had answered finished with its share: its held picks stay covered."""
+        self.held.pop(r, None)
+
+    def retrain_held(self, r: int) -> int:
+        """The reduce the dead rank had answered finished without its share (the survivors redid the collective
+        in a later generation): its held picks are trained again. Returns the picks handed back."""
+        held = self.held.pop(r, [])
+        survivors = self._cohort.alive_ranks()
+        counts = [0, 0]
+        for epoch, off, n, undo in held:
+            self._give_back(r, epoch, off, n, undo, survivors, counts)
+        self._log_given_back(r, counts)
+        if self.progressive:
+            self.after_finish()
+        return sum(u for *_, u in held)
 
     def _uncover(self, r: int, epoch: int, off: int, n: int, undo: int) -> None:
         """Take the last ``undo`` picks of a reported range [off, off+n) off the epoch's books."""
@@ -433,6 +490,12 @@ class Dispatcher:
             self.unreduced_chunks[r].append((m.epoch, [(int(o), int(n)) for o, n in m.ranges]))
         for extra in m.extra_chunks:
             self.chunks.pop(int(extra), None)
+        if m.epoch <= self.last_aggregated:
+            # A dead rank's picks retrained after their epoch aggregated (on_rank_dead): that epoch's metrics
+            # and coverage already count them; the chunk only has to reach the next reduce.
+            if self.progressive and chunk is not None:
+                self.dispatch_next(r)
+            return
         self._open(m.epoch).add_chunk(r, m)
         if self.progressive and chunk is not None and m.epoch in self.pools:
             self.pools[m.epoch].mark_completed(r, chunk.size)
@@ -521,3 +584,7 @@ class Dispatcher:
 
     def all_aggregated(self) -> bool:
         return self.last_aggregated >= self.epochs - 1
+
+    def any_in_flight(self) -> bool:
+        """Some chunk is out and not reported (after the last aggregation: a dead rank's picks being retrained)."""
+        return len(self.chunks) > 0

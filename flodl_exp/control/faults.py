@@ -102,7 +102,7 @@ class FaultHandler:
         """Take ``r`` out of the cohort and the gate; None when it was already gone or had exited cleanly."""
         epoch = self._dispatch.current_epoch()
         death = self._cohort.mark_dead(r, reason, epoch=epoch, global_step=self._cycle.global_step,
-                                       unreduced_steps=self._cycle.unreduced_steps(r))
+                                       unreduced_steps=self._cycle.unreduced_steps(r), acked_steps=self._cycle.acked_steps(r))
         if death is None:
             return None
         log.error("rank %d declared dead: %s", r, death.reason)
@@ -135,7 +135,7 @@ class FaultHandler:
             self.shutdown_with_save(why, f"rank {r} {death.reason}")
             return False
         if not self._life.is_(Phase.CONNECTING):
-            self._dispatch.on_rank_dead(r, death.unreduced_steps)
+            self._dispatch.on_rank_dead(r, death.unreduced_steps, death.acked_steps)
         if self._cohort.fixed_callback is None or self._cohort.callback_rank == r:
             elche = self._cycle.elche
             self._cohort.elect_callback(elche.smoothed_ms if elche is not None and elche.is_calibrated else None, force=True)

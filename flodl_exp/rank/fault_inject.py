@@ -4,6 +4,9 @@
 after its ``step``-th batch, the way a real crash, OOM kill or hung device would.
 
 Kinds: ``raise`` | ``exit`` | ``kill`` | ``hang`` (SIGSTOP: the whole process freezes) |
+``killsync`` (SIGKILL at the start of the rank's next averaging once ``step`` is reached: a death
+during a reduce, its answer never sent) | ``killsave`` (SIGKILL on the next bundle ``save`` it is
+sent once ``step`` is reached: a death while a bundle is being written) |
 ``stall`` (only the main thread stops, for at most :data:`STALL_MAX_S`, while the heartbeat
 thread beats on: a read hung on a network mount), and ``gate:<path>``: at/after
 its ``step``-th batch the rank blocks until the file ``<path>`` exists (polled
@@ -31,7 +34,17 @@ GATE_MAX_WAIT_S = 600.0
 STALL_MAX_S = 3600.0
 """A stalled main thread resumes after this long (the coordinator evicts it long before)."""
 
-KINDS = ("raise", "exit", "kill", "hang", "stall", "gate")
+KINDS = ("raise", "exit", "kill", "hang", "stall", "gate", "killsync", "killsave")
+ARMED_KINDS = ("killsync", "killsave")
+"""Kinds that fire later than the step that arms them, where the rank's code calls :func:`fire_armed`."""
+
+
+def fire_armed(armed: Optional[str], where: str, rank: int) -> None:
+    """SIGKILL this process when ``armed`` (a kind of :data:`ARMED_KINDS`, or None) fires at ``where``."""
+    if armed is not None and armed == where:
+        log.error("rank %d: injected fault %r", rank, armed)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 _gates_done: set[str] = set()
 """Gate paths this process already passed (released or given up): later steps do not wait again."""
@@ -57,7 +70,7 @@ def parse_fault(spec: Optional[str], rank: int) -> Optional[tuple[int, str]]:
             continue
         kind = parts[2]
         if split_kind(kind)[0] not in KINDS or kind in ("gate", "gate:"):
-            log.warning("rank %d: ignoring fault spec %r (kind: raise|exit|kill|hang|stall|gate:<path>)", rank, item.strip())
+            log.warning("rank %d: ignoring fault spec %r (kind: raise|exit|kill|hang|stall|killsync|killsave|gate:<path>)", rank, item.strip())
             continue
         return int(parts[1]), kind
     return None

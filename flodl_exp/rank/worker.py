@@ -67,7 +67,7 @@ from ..protocol import (
 from ..store_names import pin_gloo_to_loopback
 from ..wire import Message
 from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, snapshot_nbytes
-from .fault_inject import inject_fault, parse_fault
+from .fault_inject import ARMED_KINDS, fire_armed, inject_fault, parse_fault
 from .trainer import Batch as BatchData
 from .trainer import EpochState, PendingStep, RankTrainer
 
@@ -165,6 +165,8 @@ class RankWorker:
     epoch_role_from = 0
     """... from this epoch on."""
 
+    armed_fault: Optional[str] = None
+    """An injected fault that fires at the next averaging or save (fault_inject.ARMED_KINDS); set per instance."""
     resume_stem: Optional[str] = None
     """The resume bundle whose optimizer state is not loaded yet: loaded as training starts (:meth:`run`, or the
     cooperative ``w.epochs()``, after ``w.setup`` registered the loop's optimizers)."""
@@ -450,6 +452,7 @@ class RankWorker:
             self.plans.append(StartEpoch(epoch=m.epoch, offset=m.offset, size=m.size, chunk=m.chunk))
 
     def _on_request_params(self, m: RequestParams) -> None:
+        fire_armed(self.armed_fault, "killsync", self.rank)
         n = self.trainer.steps_since_avg
         self.conn.send(encode(self.cpu.snapshot(self.trainer.model, n)))
         if m.barrier:
@@ -636,6 +639,7 @@ class RankWorker:
             self._sync_collective_now(m)
 
     def _sync_collective_now(self, m: SyncNow) -> None:
+        fire_armed(self.armed_fault, "killsync", self.rank)
         with_div = m.divergence
         n = self.trainer.steps_since_avg
         d: Optional[float] = 0.0
@@ -666,7 +670,8 @@ class RankWorker:
         self.trainer.steps_since_avg = 0
         self.trainer.step_count += 1
         self.conn.send(encode(SyncAck(n=n, d=d, post=post, pre=pre, outer_step=step.step_norm if step else None,
-                                      outer_momentum=step.momentum_norm if step else None)))
+                                      outer_momentum=step.momentum_norm if step else None,
+                                      generation=self.collective.generation if self.collective is not None else 0)))
 
     def _outer_step(self) -> Optional[OuterStep]:
         """nccl: the outer optimizer on the all-reduced parameters, after the divergence read-out. Every
@@ -692,6 +697,7 @@ class RankWorker:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
         from ..checkpoint import save_rank_pieces
 
+        fire_armed(self.armed_fault, "killsave", self.rank)
         err = None
         try:
             with self.doing("save"):
@@ -753,6 +759,9 @@ class RankWorker:
         self.report_batches(wait=False)
         if self.fault is not None and tr.step_count >= self.fault[0]:
             self.report_batches(wait=True)
+            if self.fault[1] in ARMED_KINDS:
+                self.armed_fault = self.fault[1]
+                return
             inject_fault(self.fault[1], self.rank, tr.step_count, serve=self._serve_while_gated)
 
     def run(self) -> dict[str, Any]:
