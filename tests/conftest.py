@@ -125,6 +125,27 @@ def launch_run(store: dict, experiment: str, *overrides: str):
     return launch(compose([*base_overrides(store, experiment), *overrides]))
 
 
+def run_spawned(target, args: list[tuple], timeout: float = 120.0) -> tuple[list, list]:
+    """Run ``target(*a, q)`` in one spawned process per ``a``; returns (what each put on ``q``, exit codes).
+    Every process is joined (killed past a deadline), whatever happens."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return got, [p.exitcode for p in procs]
+
+
 def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None:
     import time
 

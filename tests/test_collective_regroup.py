@@ -6,11 +6,12 @@ pending collective until the group's timeout) while the other survivor waited fo
 rendezvous: ``nccl_sync`` with a rank killed hung for good (issue 26)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 import torch
+
+from conftest import run_spawned
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -60,18 +61,8 @@ def _survivor(rank: int, port: int, q) -> None:
 
 
 def test_a_survivor_with_a_pending_collective_regroups_at_once(master_store):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_survivor, args=(r, master_store.port, q)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = {r: (v, s) for r, v, s in (q.get(timeout=90) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results, codes = run_spawned(_survivor, [(0, master_store.port), (1, master_store.port)], timeout=90)
+    got = {r: (v, s) for r, v, s in results}
     assert got[0][0] == got[1][0] == pytest.approx(1.5), got  # the new generation averaged (1 + 2) / 2
     assert got[0][1] < 20, f"leaving the old group and forming the new one took {got[0][1]:.1f}s"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert codes == [0, 0], codes

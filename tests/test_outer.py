@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import multiprocessing as mp
 import os
 from types import SimpleNamespace
 
@@ -15,6 +14,8 @@ from flodl_exp.control.epoch_metrics import EpochAccumulator
 from flodl_exp.control.guards import build_guard
 from flodl_exp.outer import OuterOptimizer, OuterSpec
 from flodl_exp.protocol import Snapshot, Update
+
+from conftest import run_spawned
 
 SLOWMO = OuterSpec("slowmo", lr=1.0, mu=0.9)
 DILOCO = OuterSpec("diloco", lr=0.7, mu=0.9)
@@ -251,18 +252,7 @@ def _replica(rank: int, port: int, q) -> None:
 def test_the_nccl_path_replicates_the_outer_step_identically(master_store):
     """Two real processes all-reduce over Gloo and step the outer optimizer on their own: equal state hashes
     on both after every reduce, with no collective beyond the reduce."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_replica, args=(r, master_store.port, q)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict((r, (h, m)) for r, h, m in (q.get(timeout=120) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                os.kill(p.pid, 9)
+    got = {r: (h, m) for r, h, m in run_spawned(_replica, [(0, master_store.port), (1, master_store.port)])[0]}
     assert got[0][0] == got[1][0] and len(set(got[0][0])) == 3
     assert got[0][1] == got[1][1] > 0
 
