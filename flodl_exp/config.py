@@ -169,6 +169,10 @@ class ClusterConfig:
     """A rank whose heartbeat keeps arriving while its main thread takes no training step for this
     long, with a chunk in progress, is declared dead and recovered from like a crash (a hung data
     read, a stuck kernel). 0 turns the watch off. Evals, saves and collectives are not counted."""
+    stall_dump_s: float = 120.0
+    """The stall watchdog's interval: when the global step has not moved this long with ranks alive, the
+    coordinator dumps its state to ``stall-<k>.json`` (again each interval, at most 5 a run). 120 is the
+    reference's production interval (healthy long windows and evals stay quiet); 15 its debugging one."""
     max_failure: Optional[int] = None
     """Dead ranks that end the run with ShutdownWithSave (unset = down to the backend floor)."""
     max_failure_pct: Optional[float] = None
@@ -605,6 +609,8 @@ def validate(cfg: Any) -> List[str]:
             raise _err("cluster.rank_speeds", speeds, "factors in (0, 1]")
     if not _finite_positive(c.heartbeat_timeout_s):
         raise _err("cluster.heartbeat_timeout_s", c.heartbeat_timeout_s, "a number > 0")
+    if not _finite_positive(c.stall_dump_s):
+        raise _err("cluster.stall_dump_s", c.stall_dump_s, "a number of seconds > 0 (15 = the reference's debug interval)")
     if not _finite_positive(c.rendezvous_timeout_s):
         raise _err("cluster.rendezvous_timeout_s", c.rendezvous_timeout_s, "a number > 0")
     if c.max_failure is not None and c.max_failure < 1:

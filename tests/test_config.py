@@ -167,6 +167,7 @@ REFUSED = [
     case("heartbeat-zero", "cluster.heartbeat_timeout_s", "0.0", "cluster.heartbeat_timeout_s=0"),
     case("heartbeat-negative", "cluster.heartbeat_timeout_s", "-1.0", "cluster.heartbeat_timeout_s=-1"),
     case("rendezvous-zero", "cluster.rendezvous_timeout_s", "0.0", "cluster.rendezvous_timeout_s=0"),
+    case("stall_dump-zero", "cluster.stall_dump_s", "0.0", "cluster.stall_dump_s=0"),
     case("rendezvous-negative", "cluster.rendezvous_timeout_s", "-5.0", "cluster.rendezvous_timeout_s=-5"),
     case("max_failure-zero", "cluster.max_failure", "0", "cluster.max_failure=0"),
     case("max_failure-negative", "cluster.max_failure", "-1", "cluster.max_failure=-1"),

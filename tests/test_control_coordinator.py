@@ -337,8 +337,10 @@ def test_max_failure_as_a_share_of_the_world(tmp_path, pct, ends):
         assert (h.co.life.failure or "").startswith("max_failure_exceeded")
 
 
-def test_the_stall_watchdog_dumps_at_15_and_120_seconds(tmp_path):
-    h = Harness(tmp_path, "nccl_sync", world=2)
+def test_the_stall_watchdog_at_the_debug_interval_dumps_every_15_seconds_at_most_5_times(tmp_path, caplog):
+    """``cluster.stall_dump_s=15`` (the reference's -vvv interval): a dump 15 s into a stall, again every 15 s
+    while it lasts, at most 5 a run (then one line says the rest are suppressed); progress re-arms it."""
+    h = Harness(tmp_path, "nccl_sync", world=2, **{"cluster.stall_dump_s": 15.0})
     plans = h.start()
     h.batches(0, plans[0][0].chunk, 1)  # rank 1 never steps: the sync gate stays closed
     h.tick()
@@ -351,18 +353,55 @@ def test_the_stall_watchdog_dumps_at_15_and_120_seconds(tmp_path):
     dump = json.load(open(h.co.watchdog.paths[0]))
     assert dump["phase"] == "training" and dump["global_step"] == 0 and dump["idle_s"] >= 15
     assert [(r["rank"], r["batches"], r["window_steps"]) for r in dump["ranks"]] == [(0, 1, 1), (1, 0, 0)]
-    h.pass_time(100, alive=[0, 1])
+    h.pass_time(10, alive=[0, 1])
     h.tick()
     assert len(h.co.watchdog.paths) == 1
-    h.pass_time(5, alive=[0, 1])
+    h.pass_time(6, alive=[0, 1])
     h.tick()
-    assert len(h.co.watchdog.paths) == 2, "again at 120 s"
+    assert len(h.co.watchdog.paths) == 2, "again one interval later"
+    with caplog.at_level("WARNING", logger="flodl_exp.coordinator"):
+        for _ in range(10):
+            h.pass_time(15, alive=[0, 1])
+            h.tick()
+    assert len(h.co.watchdog.paths) == 5, "at most 5 dumps a run"
+    assert sorted(os.listdir(tmp_path)) == sorted(f for f in os.listdir(tmp_path) if not f.startswith("stall-")) + \
+        [f"stall-{k}.json" for k in range(1, 6)]
+    assert sum("further dumps are suppressed" in r.getMessage() for r in caplog.records) == 1
     h.batches(1, plans[1][0].chunk, 1)
     h.tick()  # the reduce fires; once it finishes the global step moves and the clock restarts
     h.ack_all([0, 1])
     h.pass_time(14, alive=[0, 1])
     h.tick()
-    assert len(h.co.watchdog.paths) == 2
+    assert len(h.co.watchdog.paths) == 5
+
+
+def test_healthy_30_second_windows_write_no_stall_dump_by_default(tmp_path):
+    """Epoch-long healthy windows (the global step still for 30 s while every rank heartbeats and trains) are
+    not stalls at the default (production) interval, 120 s: no stall file, no stall event."""
+    h = Harness(tmp_path, "nccl_sync", world=2)
+    assert h.co.watchdog.interval_s == 120.0
+    plans = h.start()
+    chunk = {r: plans[r][0].chunk for r in (0, 1)}
+    windows = plans[0][0].size // BATCH
+    for k in range(windows):
+        h.batches(0, chunk[0], 1)
+        for _ in range(3):  # 30 s of a window: both ranks alive, rank 1 still on its batch, no reduce yet
+            h.pass_time(10, alive=[0, 1])
+            h.tick()
+        assert h.co.cycle.global_step == 2 * k
+        h.batches(1, chunk[1], 1)
+        h.tick()  # the reduce fires
+        h.ack_all([0, 1])
+        assert h.co.cycle.global_step == 2 * (k + 1)
+    assert windows * 30 > 120, "longer, all told, than the interval"
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("stall-")] and h.co.watchdog.paths == []
+    events = os.path.join(tmp_path, "events.jsonl")
+    assert not [line for line in open(events) if json.loads(line).get("event") == "stall"]
+    # the production interval still catches a real stall, one interval in
+    h.tick()
+    h.pass_time(121, alive=[0, 1])
+    h.tick()
+    assert len(h.co.watchdog.paths) == 1
 
 
 def test_telemetry_after_the_last_epoch_is_logged_at_that_epoch(tmp_path):

@@ -140,7 +140,7 @@ class Coordinator:
             life=self.life, enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.shutdown_with_save,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, checkpoints=self.checkpoints,
             outbox=self.outbox, events=self.events, sink=sink, clock=clock)
-        self.watchdog = StallWatchdog(job_dir, clock)
+        self.watchdog = StallWatchdog(job_dir, clock, interval_s=cfg.cluster.stall_dump_s)
         self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=w, epochs=self.epochs,
                                       batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
                                       records=self.records, clock=clock)
