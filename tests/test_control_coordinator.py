@@ -605,6 +605,37 @@ def test_a_silent_or_dead_regroup_generator_is_passed_over(tmp_path):
     assert h.co.faults.regroup is None
 
 
+def test_the_regroup_generator_is_the_lowest_live_rank_on_the_coordinators_host(tmp_path):
+    """algorithms.md 7.4, tier 1: the lowest live rank co-located with the coordinator, however fast its
+    co-located peers are; tier 2 (none co-located): the smallest per-batch compute wall, ties to the lower
+    rank. Retries walk the same order."""
+    from flodl_exp.control.faults import REGROUP_RETRY_S, generator_order
+    from flodl_exp.protocol import Batch
+
+    assert generator_order([0, 1, 2, 4], [False, True, True, False, True], [1.0, 9.0, 2.0, None, 0.5]) == [1, 2, 4, 0]
+    assert generator_order([0, 1, 2], [False] * 3, [3.0, None, 2.0]) == [2, 0, 1]
+    assert generator_order([0, 1, 2], [False] * 3, [2.0, 2.0, 2.0]) == [0, 1, 2]
+
+    h = Harness(tmp_path, "nccl_cadence", world=4)
+    here = os.uname().nodename
+    hosts = {0: "elsewhere", 1: here, 2: here, 3: here}
+    for r in range(4):
+        h.co.on_event(("join", r, {"samples": SAMPLES, "host": hosts[r], "pid": 100 + r}))
+    h.co.start()
+    plans = h.plans()
+    for r, ms in ((0, 1.0), (1, 9.0), (2, 2.0), (3, 3.0)):  # rank 2 is the fastest co-located rank
+        h.msg(r, Batch(ms=ms, data_ms=0.1, chunk=plans[r][0].chunk, loss=1.0, lr=0.1))
+    h.transport.take()
+    h.co.on_event(("closed", 3, "closed"))
+    assert [r for r, _ in h.transport.take(RequestSession)] == [1], "the lowest co-located rank, not the fastest"
+    h.pass_time(REGROUP_RETRY_S + 0.5, alive=[0, 1, 2])
+    h.tick()
+    assert [r for r, _ in h.transport.take(RequestSession)] == [2], "then the next co-located rank"
+    h.pass_time(REGROUP_RETRY_S + 0.5, alive=[0, 1, 2])
+    h.tick()
+    assert [r for r, _ in h.transport.take(RequestSession)] == [0], "then the ranks elsewhere"
+
+
 def test_no_generator_left_ends_the_run_with_a_bundle(tmp_path):
     from flodl_exp.control.faults import REGROUP_RETRY_S
 

@@ -57,9 +57,18 @@ def regroup_plan(survivors: list[int], generation: int, session: str = "") -> di
 
 
 def generator_order(alive: list[int], local: list[bool], step_ms: list[Optional[float]]) -> list[int]:
-    """Who makes the new group's session id, best first (algorithms.md 7.4): ranks co-located with the
-    coordinator (lowest first), then the smallest per-batch compute wall this window (no data last)."""
-    return sorted(alive, key=lambda r: (not local[r], step_ms[r] if step_ms[r] is not None else math.inf, r))
+    """Who makes the new group's session id, best first (algorithms.md 7.4): the live ranks co-located with
+    the coordinator by rank number, lowest first (the reference's tier 1, speed not consulted: a local rank
+    reaches the coordinator's store without crossing the network, and the lowest one is a choice every
+    reader of the log can predict), then the others by their per-batch compute wall this window, smallest
+    first (no data last, ties to the lower rank). Retries walk the same order."""
+    def key(r: int) -> tuple[bool, float, int]:
+        if local[r]:
+            return (False, 0.0, r)
+        ms = step_ms[r]
+        return (True, ms if ms is not None else math.inf, r)
+
+    return sorted(alive, key=key)
 
 
 @dataclass
