@@ -536,6 +536,60 @@ def test_a_rank_lost_before_it_joined_is_named_at_once(tmp_path):
         h.co.on_event(("closed", 0, "closed"))
 
 
+def test_a_rank_lost_during_start_up_leads_the_error_before_a_collateral_close(tmp_path):
+    """Rank 1 of 3 is SIGKILLed before it connects; rank 2 (joined, its setup waiting for rank 1) fails at once
+    and its close arrives while rank 1's process is still unreaped (a zombie, as under the task manager's
+    poll). The run fails naming rank 1 first (pid, host), rank 2's close after it; before, it ended with
+    ``rank 2 failed before training started (ranks [1] never connected): closed``."""
+    import signal
+    import subprocess
+    import sys
+
+    from flodl_exp.control.lifecycle import RunFailure
+    from flodl_exp.jobs.rendezvous import rank_marker_path, write_rank_marker
+
+    h = Harness(tmp_path, "nccl_sync", world=3)
+    for r in (0, 2):
+        h.co.on_event(("join", r, {"samples": SAMPLES}))
+    task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_rank_marker(h.job_dir, 1, 0)
+        marker = json.load(open(rank_marker_path(h.job_dir, 1)))
+        marker["pid"] = task.pid
+        json.dump(marker, open(rank_marker_path(h.job_dir, 1), "w"))
+        h.co.on_event(("closed", 2, "closed"))  # rank 1 still runs: the close is not blamed yet
+        assert h.co.life.is_(Phase.CONNECTING)
+        task.send_signal(signal.SIGKILL)  # ... and is never reaped here: a zombie, as in the race
+        with pytest.raises(RunFailure) as err:
+            h.co.run(connect_timeout=600.0)
+        msg = str(err.value)
+        assert msg.startswith(f"rank 1 was lost before training started: its process {task.pid} on "
+                              f"{marker['host']} exited before it connected"), msg
+        assert msg.endswith("; after it, rank 2 failed: closed"), msg
+    finally:
+        task.kill()
+        task.wait()
+
+
+def test_a_close_while_a_rank_is_missing_is_blamed_after_the_grace(tmp_path):
+    """No rank found lost (its task on another host, say) within LOST_PEER_GRACE_S: the first close is blamed,
+    the missing ranks named, later closes after it."""
+    from flodl_exp.control.coordinator import LOST_PEER_GRACE_S
+    from flodl_exp.control.lifecycle import RunFailure
+
+    h = Harness(tmp_path, "nccl_sync", world=3)
+    for r in (0, 2):
+        h.co.on_event(("join", r, {"samples": SAMPLES}))
+    h.co.on_event(("closed", 2, "closed"))
+    h.co.on_event(("closed", 0, "RuntimeError: store timeout"))
+    h.clock.advance(LOST_PEER_GRACE_S - 0.5)
+    h.co._check_connect_closes()  # within the grace: still waiting for rank 1 to be found lost
+    h.clock.advance(1.0)
+    with pytest.raises(RunFailure, match=r"^rank 2 failed before training started \(ranks \[1\] never connected\): "
+                       r"closed; then rank 0 failed: RuntimeError: store timeout$"):
+        h.co.run(connect_timeout=600.0)
+
+
 def test_a_failed_model_piece_is_written_by_another_live_rank(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=3, epochs=1)
     plans = h.start()

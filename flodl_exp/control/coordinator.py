@@ -78,6 +78,11 @@ from .watchdog import StallWatchdog, run_state
 log = logging.getLogger("flodl_exp.coordinator")
 
 COORD_HEARTBEAT_S = 1.0
+LOST_PEER_GRACE_S = 3.0
+"""Start-up: how long a joined rank's failure waits for a rank that never connected to be found lost before
+the failure is blamed on the joined rank. A task's death ends its joined peers' setup at once (collateral
+closes), often before its own process reads as gone (a zombie until the task manager reaps it; 24 polls a
+second under submitit's local executor)."""
 
 Event = tuple[Any, ...]
 """From the rank server: ``("join", rank, hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
@@ -180,6 +185,10 @@ class Coordinator:
         }
         self._first_batch_seen = False
         self._inputs_logged = False
+        self._connect_closes: list[tuple[int, str]] = []
+        """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
+        self._blame_by: Optional[float] = None
+        """When the first of those closes is blamed if no rank that never connected was found lost by then."""
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
@@ -286,7 +295,9 @@ class Coordinator:
         next_check = self.clock()
         while self.life.is_(Phase.CONNECTING):
             self.pump(0.1)
-            if self.cohort.all_joined():
+            if self._connect_closes:
+                self._check_connect_closes()
+            elif self.cohort.all_joined():
                 self.start()
             elif self.clock() > deadline:
                 raise RunFailure(f"ranks {self.cohort.missing()} did not connect within {connect_timeout:.0f}s")
@@ -299,13 +310,52 @@ class Coordinator:
         return self.life.status
 
     def _check_lost_before_join(self) -> None:
-        """A task whose process is gone before its rank said hello can never join: fail now, naming it."""
+        """A task whose process is gone before its rank said hello can never join: fail now, naming it (its
+        pid and host) first, then any joined rank that failed since (collateral: its setup waited for it)."""
         from ..jobs.rendezvous import lost_before_join
 
+        closed = {q for q, _ in self._connect_closes}
         for r in self.cohort.missing():
+            if r in closed:
+                continue
             why = lost_before_join(self.job_dir, r, int(self.spec.get("attempt", 0)))
             if why:
-                raise RunFailure(f"rank {r} was lost before training started: {why}")
+                after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._connect_closes)
+                raise RunFailure(f"rank {r} was lost before training started: {why}{after}")
+
+    def _on_close_while_connecting(self, r: int, err: str) -> None:
+        """A rank's connection closed before training started: the run cannot start. When another rank never
+        connected, its loss is the likelier first cause (its death ends the joined ranks' setup at once): the
+        failure waits up to LOST_PEER_GRACE_S for it to be found lost (``_check_connect_closes``), then
+        blames this close."""
+        self._connect_closes.append((r, err))
+        self._check_lost_before_join()
+        closed = {q for q, _ in self._connect_closes}
+        others = [q for q in self.cohort.missing() if q not in closed]
+        if not others:
+            raise self._connect_failure()
+        if self._blame_by is None:
+            self._blame_by = self.clock() + LOST_PEER_GRACE_S
+            log.warning("rank %d failed before training started (%s); ranks %s never connected: waiting up to "
+                        "%.0fs for one of them to be found lost (the likelier first cause)", r, err, others,
+                        LOST_PEER_GRACE_S)
+
+    def _check_connect_closes(self) -> None:
+        """Connecting with a close pending: a rank found lost leads the failure; past the grace, or once every
+        rank joined after all, the first close is blamed."""
+        self._check_lost_before_join()
+        assert self._blame_by is not None
+        if self.clock() >= self._blame_by or self.cohort.all_joined():
+            raise self._connect_failure()
+
+    def _connect_failure(self) -> RunFailure:
+        """The first close before training started, blamed; any later ones after it."""
+        (r, err), later = self._connect_closes[0], self._connect_closes[1:]
+        closed = {q for q, _ in self._connect_closes}
+        missing = [q for q in self.cohort.missing() if q not in closed]
+        cause = f" (ranks {missing} never connected)" if missing else ""
+        after = "".join(f"; then rank {q} failed: {e}" for q, e in later)
+        return RunFailure(f"rank {r} failed before training started{cause}: {err}{after}")
 
     def pump(self, timeout: float) -> None:
         """Handle every queued rank event (waiting up to ``timeout`` for the first)."""
@@ -400,11 +450,8 @@ class Coordinator:
             self.on_message(rank, ev[2])
         elif kind == "closed":
             if self.life.is_(Phase.CONNECTING) and not self.cohort.exited(rank):
-                err = (self.cohort.errors.get(rank) or {}).get("error") or ev[2]
-                self._check_lost_before_join()  # a peer that never joined is the cause, not this rank
-                missing = [r for r in self.cohort.missing() if r != rank]
-                cause = f" (ranks {missing} never connected)" if missing else ""
-                raise RunFailure(f"rank {rank} failed before training started{cause}: {err}")
+                self._on_close_while_connecting(rank, str((self.cohort.errors.get(rank) or {}).get("error") or ev[2]))
+                return
             self.declare_dead(rank, "connection closed" if ev[2] == "closed" else str(ev[2]))
 
     def _on_join(self, r: int, hello: dict[str, Any]) -> None:

@@ -99,10 +99,24 @@ def lost_before_join(job_dir: str, rank: int, attempt: int) -> Optional[str]:
     pid = int(info.get("pid", 0))
     if pid <= 0:
         return None
+    gone = f"its process {pid} on {info.get('host')} exited before it connected"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return f"its process {pid} on {info.get('host')} exited before it connected"
+        return gone
     except PermissionError:
         return None
-    return None
+    return gone if _exited_unreaped(pid) else None
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """``pid`` exited but its parent (the task manager, which polls) has not reaped it yet: signal 0 still
+    reaches a zombie, and a killed rank is one for that while, which is when its peers' collateral failures
+    arrive. Linux's /proc; elsewhere a zombie reads as alive until it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(")") + 2:stat.rfind(")") + 3]
+    return state in ("Z", "X")
