@@ -894,3 +894,95 @@ def test_an_answer_of_a_rank_that_died_counts_only_if_the_survivors_completed_it
         assert not h.co.dispatch.held
     else:  # rank 2's answered batch goes back to the survivors with the rest of its plan
         assert sum(p.size for p in extends) == plans[2][0].size
+
+
+def _paced_play(h: Harness, speeds: list[int], samples: int, ticks: int = 1000) -> tuple[list[tuple[str, int, int, int]], int]:
+    """Ranks that train ``speeds[r]`` batches a tick and obey like the real ones: a Throttle holds a rank until
+    the next Update, a barrier RequestParams too; every chunk is trained whole and reported. Returns the
+    throttles sent (``("throttle", rank, steps, count)``) and the ticks taken; stops at the run's end."""
+    from collections import deque
+
+    from flodl_exp.protocol import Batch, ChunkMetrics, Throttle
+
+    w = len(speeds)
+    chunks: dict[int, deque[list[int]]] = {r: deque() for r in range(w)}
+    held = [False] * w
+    seen: list[tuple[str, int, int, int]] = []
+    todo = [(r, p) for r, ps in h.start(samples=samples).items() for p in ps]
+    for t in range(ticks):
+        for r, p in todo:
+            if isinstance(p, (StartEpoch, ExtendPartition)):
+                chunks[r].append([p.epoch, p.offset, p.size // BATCH, p.chunk, 0])
+            elif isinstance(p, Throttle):
+                held[r] = True
+                seen.append(("throttle", r, h.co.cycle.steps(r), h.co.cycle.counts[r]))
+            elif isinstance(p, RequestParams):
+                h.snapshot(r, h.co.cycle.steps(r), float(r))
+                held[r] = held[r] or p.barrier
+            elif isinstance(p, Update):
+                held[r] = False
+            elif isinstance(p, ExecuteEval):
+                h.msg(r, EvalResult(epoch=p.epoch, metrics={"accuracy": 0.5}, final=p.final))
+            elif isinstance(p, Save):
+                h.msg(r, SaveResult(stem=p.stem))
+        if h.co.life.status is not Status.RUNNING:
+            return seen, t
+        for r in range(w):
+            n = speeds[r]
+            while n > 0 and chunks[r] and not held[r]:
+                c = chunks[r][0]
+                h.msg(r, Batch(ms=10.0 / speeds[r], data_ms=0.1, chunk=c[3], loss=1.0, lr=0.1))
+                c[4] += 1
+                n -= 1
+                if c[4] == c[2]:
+                    chunks[r].popleft()
+                    h.msg(r, ChunkMetrics(epoch=c[0], chunk=c[3], avg_loss=1.0, batches=c[2], samples=c[2] * BATCH,
+                                          epoch_ms=1.0, share_complete_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0,
+                                          ranges=[[c[1], c[2] * BATCH]]))
+        h.tick()
+        todo = h.transport.take()
+    return seen, ticks
+
+
+@pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
+def test_max_batch_diff_holds_the_fast_rank_and_the_run_still_finishes(tmp_path, mode):
+    """cpu backend, ``mode.max_batch_diff=2``, one rank 3x faster: throttles are sent and the run still trains
+    every batch of both epochs and finishes. cpu_sync wedged before (global step 80 of 240): the fast rank done
+    with its epoch share at 0 steps this window, the slow one held at 3 steps with its share unfinished, the
+    sync gate waiting for a step of the fast rank. The throttle now measures the lead against the ranks that
+    still have a chunk in flight."""
+    h = Harness(tmp_path, mode, world=2, epochs=2, **{"mode.max_batch_diff": 2})
+    throttles, _ = _paced_play(h, [3, 1], samples=960)
+    assert throttles, "the throttle took part"
+    assert h.co.life.status is Status.FINISHED, (h.co.life.phase, h.co.cycle.global_step, h.co.stall_state())
+    assert h.co.cycle.global_step == 2 * 960 // BATCH
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+def test_the_references_gate_wedges_on_a_throttled_rank_short_of_its_count(tmp_path, mode, monkeypatch):
+    """Why a throttled rank counts as arrived at the reduce gate (README, "Differences from flodl 0.7.0"):
+    with the reference's rule (algorithms.md 3.3: the count, or a quiesced rank in progressive modes) the
+    run above never reduces. A Throttle holds a rank until the next update, so the fast rank held short of
+    its count can never reach it, and the slow rank, stepping on, gets held too once it leads the frozen one:
+    both held below their counts with a chunk in flight (not quiesced), the gate shut for good."""
+    from flodl_exp.control.cycle import AveragingCycle
+
+    def reference_gate(self: AveragingCycle, alive: list[int], quiesced: Any) -> bool:
+        if self.world_size < 2 or self.in_flight is not None:
+            return False
+        any_mover = False
+        for r in alive:
+            s = self.ledger[r].steps
+            any_mover = any_mover or s > 0
+            hit = s >= 1 if self.policy == "sync" else s >= self.counts[r]
+            if not (hit or (self.progressive and quiesced(r))):
+                return False
+        return any_mover
+
+    monkeypatch.setattr(AveragingCycle, "should_average", reference_gate)
+    h = Harness(tmp_path, mode, world=2, epochs=2, **{"mode.max_batch_diff": 2})
+    throttles, ticks = _paced_play(h, [3, 1], samples=960, ticks=300)
+    assert ticks == 300 and h.co.life.is_(Phase.TRAINING) and h.co.cycle.global_step == 0, "wedged"
+    assert sorted(r for _, r, _, _ in throttles) == [0, 1]
+    assert all(h.co.cycle.ledger[r].throttled and h.co.cycle.steps(r) < h.co.cycle.counts[r] for r in (0, 1))
+    assert all(h.co.dispatch.in_flight(r) and not h.co.dispatch.quiesced(r) for r in (0, 1))

@@ -51,7 +51,9 @@ def test_cadence_gate_waits_for_every_count():
 
 
 def test_a_throttled_rank_counts_as_arrived():
-    """max_batch_diff holds the fast rank short of its count until the reduce: the gate must not wait for it."""
+    """max_batch_diff holds the fast rank short of its count until the reduce: the gate must not wait for it
+    (a deviation from the reference's gate, which wedges there: test_control_coordinator.py,
+    test_the_references_gate_wedges_on_a_throttled_rank_short_of_its_count)."""
     assert _gate("cadence", [13, 10], [30, 10], [True, False])
     assert not _gate("cadence", [13, 9], [30, 10], [True, False])
 
@@ -62,3 +64,13 @@ def test_throttle_holds_ranks_ahead_of_the_slowest_once():
     c.throttle([0, 1])
     out = c._out.sent  # type: ignore[attr-defined]
     assert [(r, type(p)) for r, p in out] == [(0, Throttle)] and c.ledger[0].throttled
+
+
+def test_the_throttle_measures_the_lead_against_ranks_with_work_in_flight():
+    """cpu_sync's epoch tail: rank 0 finished its share (0 steps this window, nothing in flight), rank 1 trains
+    on. Held behind rank 0, rank 1 could never finish the epoch that would give rank 0 work again."""
+    c = _cycle("sync", [0, 3], [1, 1], [False, False], max_batch_diff=2)
+    c.throttle([0, 1], working=lambda r: r == 1)
+    assert c._out.sent == [] and not c.ledger[1].throttled  # type: ignore[attr-defined]
+    c.throttle([0, 1], working=lambda r: True)  # both still training: the reference's rule
+    assert [(r, type(p)) for r, p in c._out.sent] == [(1, Throttle)]  # type: ignore[attr-defined]

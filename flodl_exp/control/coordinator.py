@@ -396,7 +396,7 @@ class Coordinator:
         if self.life.phase in TRAINING_PHASES:
             self._push_epoch_role()                          #    the epoch role moved (an election, a death)
             alive = self.cohort.alive_ranks()
-            self.cycle.throttle(alive)                       # 5. max_batch_diff
+            self.cycle.throttle(alive, self.dispatch.in_flight)  # 5. max_batch_diff
             if (self.faults.regroup is None and not self._eval_holds_sync()
                     and self.cycle.should_average(alive, self.dispatch.quiesced)):
                 self.cycle.trigger(alive)                    # 8. fire a reduce

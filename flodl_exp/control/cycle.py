@@ -248,17 +248,28 @@ class AveragingCycle:
             hit = s >= 1 if self.policy == "sync" else s >= counts[r]
             # A throttled rank is held at max_batch_diff ahead of the slowest on purpose: it waits for
             # this reduce, so it counts as arrived (else the gate and the throttle wait on each other).
+            # The reference fires on the count only (or quiesced): held short of its count, with its chunk
+            # in flight, a rank can never arrive there (README, "Differences from flodl 0.7.0").
             hit = hit or self.ledger[r].throttled
             if not (hit or (self.progressive and quiesced(r))):
                 return False
         return any_mover
 
-    def throttle(self, alive: list[int]) -> None:
-        """cpu backend, ``max_batch_diff``: hold ranks that ran that far ahead of the slowest (full cohort only)."""
+    def throttle(self, alive: list[int], working: Callable[[int], bool] = lambda r: True) -> None:
+        """cpu backend, ``max_batch_diff``: hold ranks that ran that far ahead of the slowest (full cohort only).
+
+        The slowest among the ranks still ``working`` (a chunk in flight): a rank without one (its epoch share
+        done, or at its count waiting for the reduce) steps again only after the reduce or the epoch's end,
+        which a rank held behind it would block. The reference takes the minimum over every rank, and
+        cpu_sync wedged: the fast rank done with its share at 0 steps this window, the slow one held at
+        ``max_batch_diff + 1`` with its share unfinished, the sync gate waiting for the fast rank's step."""
         mbd = self.max_batch_diff
         if self.backend != "cpu" or mbd is None or len(alive) < self.world_size or self.world_size < 2:
             return
-        low = min(self.ledger[r].steps for r in alive)
+        busy = [r for r in alive if working(r)]
+        if not busy:
+            return
+        low = min(self.ledger[r].steps for r in busy)
         for r in alive:
             led = self.ledger[r]
             if led.steps > low + int(mbd) and not led.throttled:

@@ -425,7 +425,7 @@ class Engine:
         if self.done:
             return
         if not self.draining:
-            self.cycle.throttle(self.alive)
+            self.cycle.throttle(self.alive, self.dispatch.in_flight)
             if (self.cycle.in_flight is None and self.W >= 2 and not self._blocked()
                     and self.cycle.should_average(self.alive, self.dispatch.quiesced)):
                 self.cycle.trigger(self.alive)
