@@ -986,3 +986,27 @@ def test_the_references_gate_wedges_on_a_throttled_rank_short_of_its_count(tmp_p
     assert sorted(r for _, r, _, _ in throttles) == [0, 1]
     assert all(h.co.cycle.ledger[r].throttled and h.co.cycle.steps(r) < h.co.cycle.counts[r] for r in (0, 1))
     assert all(h.co.dispatch.in_flight(r) and not h.co.dispatch.quiesced(r) for r in (0, 1))
+
+
+def test_batches_of_an_extension_appended_to_a_running_chunk_are_booked_on_the_extension(tmp_path):
+    """A rank appends an ExtendPartition to its running chunk and reports its batches under that chunk's id.
+    Booked there, they were clamped to the chunk's size, so when the rank died too its extension went back to
+    the survivors whole, reduced batches included (nccl_sync, two ranks killed: global step 221 of 220)."""
+    h = Harness(tmp_path, "nccl_sync", world=4)
+    plans = h.start()
+    h.co.on_event(("closed", 2, "closed"))  # rank 2 dies untrained: its plan goes to ranks 0, 1 and 3
+    h.msg(0, SessionReady(generation=1, session="s1"))
+    ext0 = next(p for r, p in h.transport.take(ExtendPartition) if r == 0)
+    own = plans[0][0].size // BATCH
+    h.batches(0, plans[0][0].chunk, own + 1)  # its whole plan, then one batch of the extension, under the plan's id
+    assert h.co.dispatch.progress[0].get(ext0.chunk) == 1
+    for r in (1, 3):
+        h.batches(r, plans[r][0].chunk, 1)
+    h.tick()
+    h.transport.take()
+    for r in (0, 1, 3):
+        h.msg(r, SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0, generation=1))
+    assert h.co.cycle.in_flight is None and h.co.cycle.steps(0) == 0
+    h.co.on_event(("closed", 0, "closed"))  # every batch rank 0 trained is in the consensus
+    back = [p for r, p in h.transport.take(ExtendPartition) if r in (1, 3)]
+    assert sum(p.size for p in back) == ext0.size - BATCH, "only the extension's untrained rest goes back"

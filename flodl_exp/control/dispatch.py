@@ -165,6 +165,8 @@ class Dispatcher:
         self.coverage: dict[int, list[list[int]]] = {}
         """Aggregated epoch -> the [offset, size] ranges its chunks covered."""
         self.rank_epoch = [0] * self.W
+        self.extensions: list[list[int]] = [[] for _ in range(world_size)]
+        """rank -> ExtendPartition chunk ids sent to it, in order (see _extension_in_training)."""
         self._steps = _Steps(cycle, world_size)
         self._ids = itertools.count()
 
@@ -346,6 +348,8 @@ class Dispatcher:
         self.chunks[cid] = Chunk(r, e, offset, size)
         if not self._out.send(r, ExtendPartition(epoch=e, offset=offset, size=size, chunk=cid)):
             del self.chunks[cid]
+            return
+        self.extensions[r] = [x for x in self.extensions[r] if x in self.chunks] + [cid]
 
     def _dispatch_plans(self, e: int) -> None:
         self._open(e)
@@ -479,7 +483,21 @@ class Dispatcher:
 
     # -- reports ----------------------------------------------------------
     def on_batch(self, r: int, chunk: int) -> None:
+        ch = self.chunks.get(chunk)
+        if ch is not None and self.extensions[r] and self.progress[r].get(chunk, 0) * self.bs >= ch.size:
+            chunk = self._extension_in_training(r, ch.epoch, chunk)
         self.progress[r][chunk] = self.progress[r].get(chunk, 0) + 1
+
+    def _extension_in_training(self, r: int, epoch: int, chunk: int) -> int:
+        """A rank appends an ExtendPartition to its running chunk of the same epoch and reports the batches under
+        that chunk's id: past the chunk's own size they are the extension's, in the order sent. Booked there, a
+        death hands back exactly what the extension did not get into a reduce (booked on the full chunk they
+        were clamped away, and an extension already reduced went back to the survivors whole: trained twice)."""
+        for ext in self.extensions[r]:
+            ec = self.chunks.get(ext)
+            if ec is not None and ec.epoch == epoch and self.progress[r].get(ext, 0) * self.bs < ec.size:
+                return ext
+        return chunk
 
     def on_answer(self, r: int) -> None:
         """Rank r answered a reduce: what its in-flight chunks trained so far is in that reduce."""
