@@ -230,6 +230,25 @@ def test_a_regroup_mid_collective_ends_the_wait_and_is_handled_by_the_retry():
     assert w.rebuilt == [(1, 0, 2, "s1")] and list(w.deferred), "other work waits its turn"
 
 
+def test_a_newer_regroup_while_one_forms_is_formed_instead():
+    """A node loss is two deaths a little apart: an idle rank forming generation 1 (waiting for its members at
+    the store) hears of generation 2. That regroup ends the wait and is formed; the interrupt no longer escapes
+    the handler and ends the rank (it did in the two-node SLURM test)."""
+    second = Regroup(generation=2, new_rank=0, world_size=2, ranks=[0, 1], session="s2")
+    w = _rank([])
+    calls: list = []
+
+    def rebuild(*a):
+        calls.append(a)
+        if len(calls) == 1:  # generation 1's wait for its members reads control and finds generation 2
+            w.pending_regroup = second
+            raise CollectiveInterrupted("regroup to generation 2 arrived mid-collective")
+
+    w.collective = SimpleNamespace(rebuild=rebuild)  # type: ignore[assignment]
+    w.handle(Regroup(generation=1, new_rank=0, world_size=3, ranks=[0, 1, 3], session="s1"))
+    assert calls == [(1, 0, 3, "s1"), (2, 0, 2, "s2")] and w.pending_regroup is None
+
+
 def test_a_shutdown_mid_collective_stops_the_rank():
     w = _rank([Shutdown(reason="done")])
     with pytest.raises(CollectiveInterrupted):

@@ -433,7 +433,7 @@ class RankWorker:
 
     def _handler_table(self) -> dict[type, Callable[[Any], None]]:
         return {
-            StartEpoch: self.plans.append, ExtendPartition: self._on_extend, Regroup: self._regroup, FormGroup: self._form_group,
+            StartEpoch: self.plans.append, ExtendPartition: self._on_extend, Regroup: self._on_regroup, FormGroup: self._form_group,
             SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
             SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
             SetEpochRole: self._on_epoch_role, EpochAggregated: self._on_epoch_aggregated,
@@ -599,13 +599,32 @@ class RankWorker:
             else:
                 self.deferred.append(msg)
 
-    def _regroup(self, m: Regroup) -> None:
-        """Re-form the process group with the survivors (fresh store prefix, renumbered ranks)."""
+    def _on_regroup(self, m: Regroup) -> None:
+        self._regroup(m)
+
+    def _regroup(self, m: Regroup) -> bool:
+        """Re-form the process group with the survivors (fresh store prefix, renumbered ranks). True once formed.
+
+        A later regroup arriving while this one waits for its members (a node loss: two deaths a little apart)
+        ends that wait and is formed instead; a shutdown ends it for good (False). Before, that interrupt
+        escaped the handler when the regroup came to an idle rank, and ended the rank (two-node SLURM test)."""
         if self.collective is None:
-            return
-        with self.doing("collective"):  # forming a group waits on every member
-            self.collective.rebuild(m.generation, m.new_rank, m.world_size, m.session)
-        log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, m.new_rank, m.world_size, m.generation)
+            return False
+        msg: Optional[Regroup] = m
+        for _ in range(32):  # bounded: each pass is a newer generation
+            if msg is None or self.stopping:
+                return False
+            try:
+                with self.doing("collective"):  # forming a group waits on every member
+                    self.collective.rebuild(msg.generation, msg.new_rank, msg.world_size, msg.session)
+            except CollectiveInterrupted as e:
+                log.warning("rank %d: regroup to generation %d interrupted: %s", self.rank, msg.generation, e)
+                msg, self.pending_regroup = self.pending_regroup, None
+                continue
+            log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, msg.new_rank, msg.world_size,
+                     msg.generation)
+            return True
+        return False
 
     def _await_regroup(self, deadline_s: float = 60.0) -> bool:
         """After a failed collective: wait for the coordinator's regroup (other work is deferred)."""
@@ -621,8 +640,9 @@ class RankWorker:
                     continue
                 if isinstance(msg, Regroup):
                     try:
-                        self._regroup(msg)
-                        return True
+                        if self._regroup(msg):
+                            return True
+                        continue
                     except Exception as e:  # a member vanished during init: wait for the next generation
                         log.warning("rank %d: regroup failed: %s", self.rank, e)
                         continue
