@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned here (dev/CI) to the CPU wheel; the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
-FAST := not e2e and not slurm and not gpu and not conformance
+FAST := not e2e and not slurm and not gpu and not conformance and not fuzz
 
 .PHONY: run test test-fast conformance lint typecheck ui venv clean clean-all
 

@@ -31,7 +31,7 @@ from flodl_exp.wire import Connection, Message, WireError
 MiB = 2**20
 CEILING = 4 * MiB
 TOKEN = b"k" * 32
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.fuzz]  # make test runs it; make test-fast does not (its 2-minute budget)
 
 
 def fuzz(n: int) -> settings:
