@@ -583,7 +583,7 @@ class Coordinator:
             self.cohort.elect_callback(elche.smoothed_ms)
         if elche is not None:
             self.dispatch.on_verdict(out.action)
-        self.dispatch.on_reduce_finished(out.n)
+        self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.cycle.backend == "nccl")
         self.windows.on_reduce(out, self.current_epoch())
         self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
         if self.preemption.on_reduce_finished():

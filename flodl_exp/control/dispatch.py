@@ -155,6 +155,8 @@ class Dispatcher:
         """rank -> chunk id -> batches reported trained."""
         self.unreduced_chunks: list[list[tuple[int, list[tuple[int, int]]]]] = [[] for _ in range(world_size)]
         """rank -> (epoch, trained ranges) of each chunk it finished since its last reduce."""
+        self._answered_chunks = [0] * world_size
+        """rank -> how many of its unreduced_chunks it had finished when it answered the reduce in flight."""
         self.lost_picks = 0
         """Trained picks of dead ranks that no reduce holds and no survivor could retrain (epoch already aggregated)."""
         self.retrained_picks = 0
@@ -502,11 +504,19 @@ class Dispatcher:
     def on_answer(self, r: int) -> None:
         """Rank r answered a reduce: what its in-flight chunks trained so far is in that reduce."""
         self.answered[r] = dict(self.progress[r])
+        self._answered_chunks[r] = len(self.unreduced_chunks[r])
 
-    def on_reduce_finished(self, members: Iterable[int]) -> None:
-        """What the members trained so far is in the consensus: their finished chunks are safe."""
+    def on_reduce_finished(self, members: Iterable[int], *, keep_after_answer: bool = False) -> None:
+        """What the members trained up to their answer is in the consensus: the chunks they finished by then are
+        safe. ``keep_after_answer`` (nccl): a rank trains on after its ack while its peers finish the collective,
+        so a chunk it finished after its ack holds batches in no consensus yet (the ledger counts them toward the
+        next window): it stays on the books, or a death then could not hand those picks back."""
         for r in members:
-            self.unreduced_chunks[r].clear()
+            if keep_after_answer:
+                del self.unreduced_chunks[r][:self._answered_chunks[r]]
+            else:
+                self.unreduced_chunks[r].clear()
+            self._answered_chunks[r] = 0
 
     def on_metrics(self, r: int, m: ChunkMetrics) -> None:
         chunk = self.chunks.pop(m.chunk, None)
