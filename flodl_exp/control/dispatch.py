@@ -485,9 +485,10 @@ class Dispatcher:
 
     # -- reports ----------------------------------------------------------
     def on_batch(self, r: int, chunk: int) -> None:
-        ch = self.chunks.get(chunk)
-        if ch is not None and self.extensions[r] and self.progress[r].get(chunk, 0) * self.bs >= ch.size:
-            chunk = self._extension_in_training(r, ch.epoch, chunk)
+        if self.extensions[r]:  # the per-batch path looks at the chunk only while the rank has an extension out
+            ch = self.chunks.get(chunk)
+            if ch is not None and self.progress[r].get(chunk, 0) * self.bs >= ch.size:
+                chunk = self._extension_in_training(r, ch.epoch, chunk)
         self.progress[r][chunk] = self.progress[r].get(chunk, 0) + 1
 
     def _extension_in_training(self, r: int, epoch: int, chunk: int) -> int:
