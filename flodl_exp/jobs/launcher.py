@@ -175,11 +175,9 @@ def kill_tree(root: int) -> set[int]:
 
 def _alive(pid: int) -> bool:
     """Alive and not a zombie (a killed child of a dead parent waits for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    from .rendezvous import process_state
+
+    return process_state(pid) not in (None, "Z", "X")
 
 
 @contextlib.contextmanager

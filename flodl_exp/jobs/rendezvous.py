@@ -109,14 +109,19 @@ def lost_before_join(job_dir: str, rank: int, attempt: int) -> Optional[str]:
     return gone if _exited_unreaped(pid) else None
 
 
-def _exited_unreaped(pid: int) -> bool:
-    """``pid`` exited but its parent (the task manager, which polls) has not reaped it yet: signal 0 still
-    reaches a zombie, and a killed rank is one for that while, which is when its peers' collateral failures
-    arrive. Linux's /proc; elsewhere a zombie reads as alive until it is reaped."""
+def process_state(pid: int) -> Optional[str]:
+    """The one-letter state of ``pid`` from Linux's /proc (``R``, ``S``, ``Z`` zombie, ``X`` dead...), or None
+    when it cannot be read (gone, or not Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             stat = fh.read()
     except OSError:
-        return False
-    state = stat[stat.rfind(")") + 2:stat.rfind(")") + 3]
-    return state in ("Z", "X")
+        return None
+    return stat[stat.rfind(")") + 2:stat.rfind(")") + 3] or None
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """``pid`` exited but its parent (the task manager, which polls) has not reaped it yet: signal 0 still
+    reaches a zombie, and a killed rank is one for that while, which is when its peers' collateral failures
+    arrive. Linux's /proc; elsewhere a zombie reads as alive until it is reaped."""
+    return process_state(pid) in ("Z", "X")
