@@ -501,18 +501,26 @@ def _history(store, run_id: str, key: str) -> list[float]:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_e2e_prefetch_and_cache_cut_data_starvation(store):
-    common = ["experiment=digits_slow", "experiment.epochs=3", "experiment.train_data.sleep_ms=2.0",
+    """The sample cache takes the loader off the critical path after epoch 0; with the RAM budget at 0 the
+    fetch is synchronous and every sample's load is waited for. Asserted on mechanisms, not on speed: the
+    synchronous run's starvation is at least the loader's sleeps (a floor no machine can beat), and the
+    cached epochs of the other run wait less than half that. How much prefetch alone gains in epoch 0 is a
+    speed claim: ``experiments/bench_data.py`` measures it."""
+    sleep_ms = 2.0
+    common = ["experiment=digits_slow", "experiment.epochs=3", f"experiment.train_data.sleep_ms={sleep_ms}",
               "cluster.ranks_per_node=2"]
     fast, _ = _cli(store, *common, "data_plane=default")
     sync, _ = _cli(store, *common, "data_plane=default", "data_plane.ram_max_usage=0")
     for r in range(2):
         s_fast = _history(store, fast, f"rank{r}/data_starve_ms")
         s_sync = _history(store, sync, f"rank{r}/data_starve_ms")
+        b_sync = _history(store, sync, f"rank{r}/batches")
         assert len(s_fast) == len(s_sync) == 3
         for e in range(3):
-            assert s_fast[e] <= 0.5 * s_sync[e], f"rank {r} epoch {e}: {s_fast} vs {s_sync}"
-    t = _history(store, fast, "epoch_time_s")
-    assert t[1] < t[0] and t[2] < t[0], f"the sample cache should make epochs 2+ faster: {t}"
+            floor = 0.95 * b_sync[e] * 32 * sleep_ms  # the last batch may be short: 5% slack
+            assert s_sync[e] >= floor - 32 * sleep_ms, f"rank {r} epoch {e}: synchronous fetch {s_sync} < {floor}"
+        for e in (1, 2):
+            assert s_fast[e] <= 0.5 * s_sync[e], f"rank {r} epoch {e}: cached {s_fast} vs reloaded {s_sync}"
 
 
 @pytest.mark.e2e
