@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flodl_exp.fsio import atomic_write
+
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 
@@ -65,27 +67,13 @@ def _read_split(path: Optional[str]) -> Optional[tuple[np.ndarray, ...]]:
 
 
 def _write_split(path: Optional[str], parts: tuple[np.ndarray, ...]) -> None:
-    """Atomic (a temp file in the same folder, then a rename): a reader sees the old file or the new one."""
+    """Atomic (flodl_exp.fsio: a temp file in the same folder, then a rename): a reader sees the old file or the new one."""
     if path is None:
         return
-    import tempfile
-
-    tmp = None
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **dict(zip(SPLIT_NAMES, parts)))
-        os.replace(tmp, path)
-        tmp = None
+        atomic_write(path, lambda fh: np.savez(fh, **dict(zip(SPLIT_NAMES, parts))), mode=0o600)
     except OSError:  # a read-only or full disk: built each time
         pass
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 @lru_cache(maxsize=1)

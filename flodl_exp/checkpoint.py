@@ -8,16 +8,19 @@ into place, so a crash mid-write never leaves a torn bundle. Loading uses
 The meta is written last and lists the pieces the ranks reported written (``pieces``); a bundle
 whose save failed gets no meta. Resuming checks every listed piece (:func:`check_pieces`). Pieces
 get the permissions the user's umask gives a new file (``0666 & ~umask``), like ``open()`` would.
+The writes themselves are :mod:`flodl_exp.fsio`'s; only the torch one lives here.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Optional, cast
 
 import torch
 from torch import nn
+
+from .fsio import atomic_json, atomic_write
+from .fsio import atomic_text as atomic_text  # re-exported; new code imports both from flodl_exp.fsio (no torch)
 
 META_SCHEMA_VERSION = 1
 
@@ -43,50 +46,8 @@ BUNDLE_SUFFIXES = (".pt", ".optim.pt", ".outer.pt", ".meta.json")
 """Every fixed piece suffix of a bundle (besides the per-rank ``.optim.r<N>.pt``)."""
 
 
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
-def _atomic_write(path: str, write, mode: Optional[int] = None) -> None:
-    """Temp file + fsync + rename; ``mode`` None = what the umask gives a new file (mkstemp alone gives 0600)."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    try:
-        os.fchmod(fd, (0o666 & ~_umask()) if mode is None else mode)
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def atomic_torch_save(obj: Any, path: str) -> None:
-    _atomic_write(path, lambda fh: torch.save(obj, fh))
-
-
-def atomic_json(obj: Any, path: str, mode: Optional[int] = None) -> None:
-    _atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2, sort_keys=True).encode()), mode)
-
-
-def atomic_text(text: str, path: str, mode: Optional[int] = 0o644) -> None:
-    """A report file (UTF-8 text) written whole or not at all, readable by others (0644)."""
-    _atomic_write(path, lambda fh: fh.write(text.encode("utf-8")), mode)
+    atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
 def bundle_files(stem: str) -> list[str]:

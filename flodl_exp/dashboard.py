@@ -23,6 +23,8 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
+from .fsio import atomic_text
+
 THEMES = ("light", "dark", "auto")
 _LIGHT = ("--bg:#ffffff;--fg:#1f2328;--muted:#656d76;--grid:#d8dee4;--panel:#f6f8fa;"
           "--c0:#1f77b4;--c1:#d62728;--c2:#2ca02c;--c3:#9467bd;--c4:#ff7f0e;--c5:#17becf;--c6:#8c564b;--c7:#e377c2;")
@@ -235,8 +237,6 @@ def _link(text: str, href: str) -> str:
 def write_dashboard(path: str, title: str, epochs: list[dict], windows: list[dict], evals: list[dict],
                     theme: str = "auto", links: Sequence[tuple[str, str]] = ()) -> str:
     """Render and write atomically (temp file + rename), so a reader never sees half a page."""
-    from .checkpoint import atomic_text  # imports torch: only when a page is written
-
     doc = render_dashboard(title, epochs, windows, evals, theme, links)
     atomic_text(doc, path)
     return os.path.abspath(path)

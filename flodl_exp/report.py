@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from .fsio import atomic_text
+
 MODE_ORDER = ["nccl_sync", "nccl_cadence", "nccl_async", "cpu_sync", "cpu_cadence", "cpu_async"]
 NEEDED = ("loss", "epoch_time_s", "syncs", "sync_ms_avg", "eval/accuracy", "eval/loss", "anchor",
           "divergence_max", "guard_action", "alive_ranks")
@@ -372,10 +374,7 @@ def generate_report(experiment: str, tracking_uri: Optional[str] = None, out: Op
     plot_batch_share(rows, os.path.join(out, PLOTS[1]))
     source = f"{uri}, experiment `{experiment}`" + (f", children of run `{parent_run_id}`" if parent_run_id else "")
     md_path = os.path.join(out, "report.md")
-    tmp = md_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(build_markdown(experiment, rows, superseded, source))
-    os.replace(tmp, md_path)
+    atomic_text(build_markdown(experiment, rows, superseded, source), md_path, mode=None)
     if parent_run_id:
         for name in ("report.md", *PLOTS):
             client.log_artifact(parent_run_id, os.path.join(out, name), "report")

@@ -20,6 +20,7 @@ import os
 from typing import Any, Optional
 
 from .control.timeline import CAUSES, KINDS, TimelineRecorder
+from .fsio import atomic_text
 
 COLUMNS = ("rank", "kind", "start_s", "end_s", "epoch", "window", "n", "busy_ms", "data_ms", "note")
 FILES = ("timeline.json", "timeline.csv", "timeline.html")
@@ -90,8 +91,6 @@ def read_csv(path: str) -> list[list[Any]]:
 
 def write_timeline(directory: str, rec: TimelineRecorder, meta: Optional[dict[str, Any]] = None) -> list[str]:
     """Write the three files into ``directory`` (created); returns their paths."""
-    from .checkpoint import atomic_text  # imports torch: not at module import (the coordinator has it by now)
-
     os.makedirs(directory, exist_ok=True)
     data = timeline_data(rec, meta)
     texts = (json.dumps(data, separators=(",", ":"), allow_nan=False), render_csv(data),

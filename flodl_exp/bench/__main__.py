@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError
+from ..fsio import atomic_text
 from .suite import BenchConfig, plan, register
 
 PRESET_FLAGS = {"--quick": "preset=quick", "--full": "preset=full"}
@@ -95,9 +96,7 @@ def write_report(cfg: BenchConfig, c: object, parent: str, out: str, wall: float
               f"DDP workers by {cfg.ddp_start_method}; bench wall {wall:.1f} s (every run, start-up included)"]
     md = build_markdown(rows, title=cfg.name, header=header, models=cfg.models, plots=PLOTS)
     md_path = os.path.join(out, "report.md")
-    with open(md_path + ".tmp", "w", encoding="utf-8") as fh:
-        fh.write(md)
-    os.replace(md_path + ".tmp", md_path)
+    atomic_text(md, md_path, mode=None)
     for name in ("report.md", *PLOTS):
         c.log_artifact(parent, os.path.join(out, name), "report")  # type: ignore[attr-defined]
     return md_path

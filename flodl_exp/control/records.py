@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
+
+from ..fsio import atomic_write
 
 if TYPE_CHECKING:  # records.py is imported by channels.py; these only annotate
     from .channels import EventLog
@@ -161,18 +162,8 @@ class RingLog:
                 fh.write(line)
 
     def _rewrite(self) -> None:
-        d = os.path.dirname(os.path.abspath(self.path))
-        fd, tmp = tempfile.mkstemp(prefix=".ring-", dir=d)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.writelines(self.lines)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # no fsync: the ring is rewritten at every append once full, and a record log lost to a power cut costs little
+        atomic_write(self.path, lambda fh: fh.writelines(self.lines), fsync=False)
 
 
 class RecordLog:

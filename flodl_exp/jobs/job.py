@@ -387,7 +387,8 @@ class RunTask(submitit.helpers.Checkpointable):
         return self._requeue_spec(live, mark, time.monotonic() - t0)
 
     def _requeue_spec(self, live: dict, mark: dict, waited_s: float) -> Optional[submitit.helpers.DelayedSubmission]:
-        from ..checkpoint import atomic_json, check_pieces, load_meta
+        from ..checkpoint import check_pieces, load_meta
+        from ..fsio import atomic_json
 
         spec, job_dir, attempt = live["spec"], live["job_dir"], live["attempt"]
         stem = str(mark["stem"])

@@ -436,7 +436,7 @@ class RunHandle:
         """Record the run's end as the coordinator would have: result.json, an ``end`` event, the MLflow run
         FAILED (with ``end_reason``) and both files as run artifacts. A write that fails is said, never raised
         over the run's own failure."""
-        from ..checkpoint import atomic_json
+        from ..fsio import atomic_json
         from ..tracking import client
         from .job import fail_run_if_running
 

@@ -1,7 +1,7 @@
 """``rendezvous.json``: how ranks find the coordinator.
 
 The coordinator writes host, port, store port and the job token into the job
-folder (mode 0600, temp file + rename so a reader never sees half a file);
+folder (mode 0600, written atomically by :mod:`flodl_exp.fsio` so a reader never sees half a file);
 ranks poll for it with a bounded wait. On SLURM the job folder is on shared
 storage, which submitit already requires.
 """
@@ -9,25 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from typing import Callable, Optional
+
+from ..fsio import atomic_text
 
 FILENAME = "rendezvous.json"
 
 
 def write_rendezvous(job_dir: str, info: dict) -> str:
     path = os.path.join(job_dir, FILENAME)
-    fd, tmp = tempfile.mkstemp(prefix=".rdv-", dir=job_dir)
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(info, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_text(json.dumps(info), path, mode=0o600)  # the job token: the owner's only
     return path
 
 
@@ -79,11 +71,8 @@ def write_rank_marker(job_dir: str, rank: int, attempt: int) -> None:
     """Each task says who runs rank ``rank`` (pid, host, incarnation) before it dials the coordinator, so a
     rank lost before it connected can be named at once instead of after a process-group timeout."""
     path = rank_marker_path(job_dir, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".rank-", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"pid": os.getpid(), "host": os.uname().nodename, "incarnation": incarnation(attempt)}, fh)
-    os.replace(tmp, path)
+    atomic_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "incarnation": incarnation(attempt)}),
+                path, mode=0o600)
 
 
 def lost_before_join(job_dir: str, rank: int, attempt: int) -> Optional[str]:
