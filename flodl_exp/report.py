@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .fsio import atomic_text
+from .reporting import EVAL_TOLERANCE, MISSING, best_and_fastest, fmt, fmt_delta, fmt_eval, sampled, secs, table
 
 MODE_ORDER = ["nccl_sync", "nccl_cadence", "nccl_async", "cpu_sync", "cpu_cadence", "cpu_async"]
 NEEDED = ("loss", "epoch_time_s", "syncs", "sync_ms_avg", "eval/accuracy", "eval/loss", "anchor",
           "divergence_max", "guard_action", "alive_ranks")
 RANK_KEY = re.compile(r"^rank(\d+)/(batch_share|idle_frac)$")
-EVAL_TOLERANCE = 0.02  # "fastest within 2 % of the best eval" (reference 12.2)
-MAX_TRAJECTORY_ROWS = 20
 PLOTS = ("loss_vs_time.png", "batch_share.png")
 
 
@@ -146,51 +145,23 @@ def select_runs(runs: Sequence[RunData]) -> tuple[list[RunSummary], int]:
 
 
 def best_modes(rows: Sequence[RunSummary], higher_better: bool) -> Optional[tuple[RunSummary, RunSummary]]:
-    """(best eval row, fastest row whose eval is within 2 % of the best)."""
-    scored = [s for s in rows if s.eval_value is not None and math.isfinite(s.eval_value)]
-    if not scored:
+    """(best eval row, fastest row whose eval is within 2 % of the best): :func:`flodl_exp.reporting.best_and_fastest`."""
+    bm = best_and_fastest(rows, lambda s: s.eval_value, lambda s: s.total_s, higher_better)
+    if bm is None:
         return None
-    best = (max if higher_better else min)(scored, key=lambda s: s.eval_value)  # type: ignore[arg-type,return-value]
-    bound = best.eval_value * (1 - EVAL_TOLERANCE if higher_better else 1 + EVAL_TOLERANCE)  # type: ignore[operator]
-    near = [s for s in scored if (s.eval_value >= bound if higher_better else s.eval_value <= bound)]  # type: ignore[operator]
-    return best, min(near, key=lambda s: s.total_s)
+    best, fast = bm
+    assert fast is not None  # the bar is the best eval: the best row itself qualifies
+    return best, fast
 
 
 # -- pure: markdown -----------------------------------------------------------
-def _f(v: Optional[float], fmt: str = "{:.4f}") -> str:
-    return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
+def _delta(v: Optional[float], ref: Optional[float], acc: bool) -> str:
+    return fmt_delta(None if v is None or ref is None else v - ref, acc)
 
 
-def _secs(v: float) -> str:
-    return _f(v, "{:.2f}" if v < 10 else "{:.1f}")
-
-
-def _fmt_eval(v: Optional[float], acc: bool) -> str:
-    return _f(v, "{:.2%}") if acc else _f(v)
-
-
-def _fmt_delta(v: Optional[float], solo: Optional[float], acc: bool) -> str:
-    if v is None or solo is None:
-        return "—"
-    return f"{(v - solo) * 100:+.2f} pp" if acc else f"{v - solo:+.4f}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    esc = lambda c: str(c).replace("|", "\\|")
-    return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + \
-        ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
-
-
-def _per_rank_cells(vals: list[float], n: int, fmt: str, joined: bool) -> list[str]:
-    cells = [_f(vals[i], fmt) if i < len(vals) else "—" for i in range(n)]
+def _per_rank_cells(vals: list[float], n: int, spec: str, joined: bool) -> list[str]:
+    cells = [fmt(vals[i], spec) if i < len(vals) else MISSING for i in range(n)]
     return [" / ".join(cells)] if joined else cells
-
-
-def _sampled_epochs(n: int) -> list[int]:
-    if n <= MAX_TRAJECTORY_ROWS:
-        return list(range(n))
-    step = (n - 1) / (MAX_TRAJECTORY_ROWS - 1)
-    return sorted({round(i * step) for i in range(MAX_TRAJECTORY_ROWS)})
 
 
 def experiment_section(exp: str, rows: Sequence[RunSummary], ekey: Optional[str]) -> list[str]:
@@ -206,22 +177,22 @@ def experiment_section(exp: str, rows: Sequence[RunSummary], ekey: Optional[str]
     body = []
     for s in rows:
         ranks = str(s.world_size) + (f" ({s.alive_final} alive)" if s.alive_final is not None and s.alive_final < s.world_size else "")
-        delta = (["—" if s is solo else _fmt_delta(s.eval_value, solo.eval_value, acc)] if solo else [])
-        body.append([s.label, ranks, _f(s.final_loss), _fmt_eval(s.eval_value, acc)] + delta +
-                    [_secs(s.total_s), f"{s.syncs:.0f}", _f(s.sync_ms_avg, "{:.1f}")] +
+        delta = (["—" if s is solo else _delta(s.eval_value, solo.eval_value, acc)] if solo else [])
+        body.append([s.label, ranks, fmt(s.final_loss), fmt_eval(s.eval_value, acc)] + delta +
+                    [secs(s.total_s), f"{s.syncs:.0f}", fmt(s.sync_ms_avg, "{:.1f}")] +
                     _per_rank_cells(s.util, n_ranks, "{:.0%}", joined) + _per_rank_cells(s.idle_s, n_ranks, "{:.2f}", joined))
-    lines = [f"## Experiment `{exp}`", "", *_table(header, body), ""]
+    lines = [f"## Experiment `{exp}`", "", *table(header, body), ""]
     if solo is not None and len(rows) > 1:
         lines += ["### Speedup and convergence vs solo", "",
                   "Speedup = solo total / mode total (equal epoch counts only); loss ratio = final loss / solo final loss.", ""]
-        vs = [[s.label, _f(solo.total_s / s.total_s, "{:.2f}×") if s.epochs == solo.epochs and s.total_s > 0 else "—",
-               _f(s.final_loss / solo.final_loss, "{:.2f}") if solo.final_loss else "—"] for s in rows if s is not solo]
-        lines += [*_table(["Mode", "Speedup", "Loss ratio"], vs), ""]
+        vs = [[s.label, fmt(solo.total_s / s.total_s, "{:.2f}×") if s.epochs == solo.epochs and s.total_s > 0 else "—",
+               fmt(s.final_loss / solo.final_loss, "{:.2f}") if solo.final_loss else "—"] for s in rows if s is not solo]
+        lines += [*table(["Mode", "Speedup", "Loss ratio"], vs), ""]
     n_ep = max(s.epochs for s in rows)
     traj = []
-    for e in _sampled_epochs(n_ep):
-        traj.append([str(e)] + [_f(dict(s.run.history["loss"]).get(e)) for s in rows])
-    lines += ["### Per-epoch loss trajectory", "", *_table(["Epoch"] + [s.label for s in rows], traj), ""]
+    for e in sampled(n_ep):
+        traj.append([str(e)] + [fmt(dict(s.run.history["loss"]).get(e)) for s in rows])
+    lines += ["### Per-epoch loss trajectory", "", *table(["Epoch"] + [s.label for s in rows], traj), ""]
     return lines
 
 
@@ -247,11 +218,11 @@ def build_markdown(title: str, rows: Sequence[RunSummary], superseded: int = 0, 
         acc = ekey == "eval/accuracy"
         bm = best_modes(rs, higher_better=acc)
         if bm:
-            best_rows.append([exp, _fmt_eval(bm[0].eval_value, acc), bm[0].label,
-                              f"{_secs(bm[1].total_s)} s ({_fmt_eval(bm[1].eval_value, acc)})", bm[1].label])
+            best_rows.append([exp, fmt_eval(bm[0].eval_value, acc), bm[0].label,
+                              f"{secs(bm[1].total_s)} s ({fmt_eval(bm[1].eval_value, acc)})", bm[1].label])
     lines += ["## Best mode per experiment", ""]
     if best_rows:
-        lines += _table(["Experiment", "Best eval", "Mode", f"Fastest (within {EVAL_TOLERANCE:.0%} of best eval)", "Mode"], best_rows)
+        lines += table(["Experiment", "Best eval", "Mode", f"Fastest (within {EVAL_TOLERANCE:.0%} of best eval)", "Mode"], best_rows)
     else:
         lines.append("No run logged an eval metric.")
     lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from flodl_exp import report as rep
+from flodl_exp import reporting
 
 ROOT = Path(__file__).resolve().parents[1]
 EXP = "bench"
@@ -211,6 +212,6 @@ def test_best_modes_lower_is_better_for_eval_loss():
 
 
 def test_trajectory_sampling_keeps_first_and_last():
-    assert rep._sampled_epochs(5) == [0, 1, 2, 3, 4]
-    s = rep._sampled_epochs(200)
-    assert s[0] == 0 and s[-1] == 199 and len(s) == rep.MAX_TRAJECTORY_ROWS
+    assert reporting.sampled(5) == [0, 1, 2, 3, 4]
+    s = reporting.sampled(200)
+    assert s[0] == 0 and s[-1] == 199 and len(s) == reporting.MAX_TRAJECTORY_ROWS

@@ -16,15 +16,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..reporting import EVAL_TOLERANCE, MISSING, best_and_fastest, fmt, fmt_delta, fmt_eval, sampled, secs, table
 from .suite import REFERENCE_RUN
 
-EVAL_TOLERANCE = 0.02
-"""Fastest mode: the quickest whose eval is within 2 % of solo_fast's (reference 12.2)."""
 HIGHER_BETTER = {"eval/accuracy": True, "eval/mse": False, "eval/loss": False}
 EVAL_KEYS = tuple(HIGHER_BETTER)
 """Preference order of the eval metric a model is judged by."""
 CAUSES = ("epoch_boundary", "sync", "cpu_avg", "eval", "unexplained", "short")
-MAX_TRAJECTORY_ROWS = 20
 OVERLAP_EPS_S = 0.002
 """Overlap below this is timestamp rounding (events carry ms), reported as none."""
 PLOTS = ("loss_vs_time.png", "speedup.png", "idle.png")
@@ -111,18 +109,12 @@ def best_mode(rows: Sequence[BenchRow], key: Optional[str]) -> Optional[tuple[Be
     """(best eval row, fastest row whose eval is within 2 % of solo_fast's; None when none is), or None.
 
     Without a solo_fast eval the bar is the best eval (the rule still names a fastest good-enough mode)."""
-    scored = [r for r in rows if r.ok and eval_of(r, key) is not None]
-    if not scored or key is None:
+    if key is None:
         return None
-    hb = HIGHER_BETTER[key]
-    best = (max if hb else min)(scored, key=lambda r: eval_of(r, key))  # type: ignore[arg-type,return-value]
+    ok = [r for r in rows if r.ok]
     ref = reference(rows)
-    bar = eval_of(ref, key) if ref is not None else None
-    bar = eval_of(best, key) if bar is None else bar
-    assert bar is not None
-    bound = bar - abs(bar) * EVAL_TOLERANCE if hb else bar + abs(bar) * EVAL_TOLERANCE
-    near = [r for r in scored if (eval_of(r, key) >= bound if hb else eval_of(r, key) <= bound)]  # type: ignore[operator]
-    return best, (min(near, key=lambda r: r.total_s) if near else None)
+    return best_and_fastest(ok, lambda r: eval_of(r, key), lambda r: r.total_s, HIGHER_BETTER[key],
+                            bar=eval_of(ref, key) if ref is not None else None)
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -194,52 +186,29 @@ def idle_rows(row: BenchRow) -> list[tuple[int, float, dict[str, float], str]]:
 
 
 # -- markdown ---------------------------------------------------------------------
-def _f(v: Optional[float], fmt: str = "{:.4f}") -> str:
-    return "—" if v is None or not math.isfinite(v) else fmt.format(v)
-
-
-def _secs(v: Optional[float]) -> str:
-    return _f(v, "{:.2f}" if v is not None and abs(v) < 10 else "{:.1f}")
-
-
 def _eval_fmt(v: Optional[float], key: Optional[str]) -> str:
-    return _f(v, "{:.2%}") if key == "eval/accuracy" else _f(v)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    def esc(c: object) -> str:
-        return str(c).replace("|", "\\|")
-
-    return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header),
-            *["| " + " | ".join(map(esc, r)) + " |" for r in rows], ""]
+    return fmt_eval(v, key == "eval/accuracy")
 
 
 def _label(r: BenchRow) -> str:
     return r.run if r.status == "FINISHED" else f"{r.run} [{r.status}]"
 
 
-def _per_rank(vals: Sequence[float], fmt: str) -> str:
-    return " / ".join(_f(v, fmt) for v in vals) if vals else "—"
-
-
-def _sampled(n: int) -> list[int]:
-    if n <= MAX_TRAJECTORY_ROWS:
-        return list(range(n))
-    step = (n - 1) / (MAX_TRAJECTORY_ROWS - 1)
-    return sorted({round(i * step) for i in range(MAX_TRAJECTORY_ROWS)})
+def _per_rank(vals: Sequence[float], spec: str) -> str:
+    return " / ".join(fmt(v, spec) for v in vals) if vals else MISSING
 
 
 def model_section(model: str, rows: Sequence[BenchRow]) -> list[str]:
     key = eval_key(rows)
     name = key.split("/", 1)[1] if key else "eval"
-    body = [[_label(r), _f(r.final_loss), _eval_fmt(eval_of(r, key), key), _secs(r.total_s), f"{r.syncs:.0f}",
-             _f(r.sync_ms_avg, "{:.1f}"), _per_rank(r.util, "{:.0%}"), _per_rank(r.idle_s, "{:.2f}")] for r in rows]
+    body = [[_label(r), fmt(r.final_loss), _eval_fmt(eval_of(r, key), key), secs(r.total_s), f"{r.syncs:.0f}",
+             fmt(r.sync_ms_avg, "{:.1f}"), _per_rank(r.util, "{:.0%}"), _per_rank(r.idle_s, "{:.2f}")] for r in rows]
     lines = [f"## Model `{model}`", "",
-             *_table(["Mode", "Loss", f"Eval ({name})", "Total s", "Syncs", "Avg sync ms", "Util (r0 / r1 ...)",
-                      "Idle s (r0 / r1 ...)"], body)]
+             *table(["Mode", "Loss", f"Eval ({name})", "Total s", "Syncs", "Avg sync ms", "Util (r0 / r1 ...)",
+                     "Idle s (r0 / r1 ...)"], body), ""]
     n = max((r.epochs for r in rows), default=0)
-    traj = [[str(e), *[_f(dict(r.losses).get(e)) for r in rows]] for e in _sampled(n)]
-    lines += [f"### `{model}`: per-epoch loss trajectory", "", *_table(["Epoch", *[_label(r) for r in rows]], traj)]
+    traj = [[str(e), *[fmt(dict(r.losses).get(e)) for r in rows]] for e in sampled(n)]
+    lines += [f"### `{model}`: per-epoch loss trajectory", "", *table(["Epoch", *[_label(r) for r in rows]], traj), ""]
     return lines
 
 
@@ -253,7 +222,7 @@ def _matrix(by_model: dict[str, list[BenchRow]], cell: Any) -> list[str]:
     for m, rs in by_model.items():
         by = {r.run: r for r in rs}
         body.append([m, *[cell(by[c], reference(rs), rs) if c in by else "" for c in cols]])
-    return _table(["Model", *cols], body)
+    return [*table(["Model", *cols], body), ""]
 
 
 def cross_sections(by_model: dict[str, list[BenchRow]]) -> list[str]:
@@ -267,24 +236,24 @@ def cross_sections(by_model: dict[str, list[BenchRow]]) -> list[str]:
             continue
         b, fast = bm
         best.append([m, f"{_eval_fmt(eval_of(b, key), key)} ({key})", b.run,
-                     "—" if fast is None else f"{_secs(fast.total_s)} s ({_eval_fmt(eval_of(fast, key), key)})",
+                     "—" if fast is None else f"{secs(fast.total_s)} s ({_eval_fmt(eval_of(fast, key), key)})",
                      "—" if fast is None else fast.run])
     lines += ["## Best mode per model", "",
               "Best eval, and the fastest run (least total s) whose eval is within "
               f"{EVAL_TOLERANCE:.0%} of solo_fast's (higher accuracy, lower MSE or loss is better).", "",
-              *_table(["Model", "Best eval", "Mode", f"Fastest (within {EVAL_TOLERANCE:.0%} of solo_fast)", "Mode"], best)]
+              *table(["Model", "Best eval", "Mode", f"Fastest (within {EVAL_TOLERANCE:.0%} of solo_fast)", "Mode"], best), ""]
 
     def delta(r: BenchRow, ref: Optional[BenchRow], rs: list[BenchRow]) -> str:
         key = eval_key(rs)
         d = eval_delta(r, ref, key)
-        return "—" if d is None else (f"{d * 100:+.2f} pp" if key == "eval/accuracy" else f"{d:+.4f}")
+        return fmt_delta(d, key == "eval/accuracy")
 
     lines += ["## Eval vs solo_fast", "", "Run eval − solo_fast eval (accuracy in points; MSE / loss: lower is better).", "",
               *_matrix(by_model, delta)]
     lines += ["## Final-loss ratio vs solo_fast", "", "Final training loss / solo_fast's (convergence quality).", "",
-              *_matrix(by_model, lambda r, ref, rs: _f(loss_ratio(r, ref), "{:.2f}"))]
+              *_matrix(by_model, lambda r, ref, rs: fmt(loss_ratio(r, ref), "{:.2f}"))]
     lines += ["## Speedup vs solo_fast", "", "solo_fast total s / run total s (equal epoch counts only).", "",
-              *_matrix(by_model, lambda r, ref, rs: _f(speedup(r, ref), "{:.2f}×"))]
+              *_matrix(by_model, lambda r, ref, rs: fmt(speedup(r, ref), "{:.2f}×"))]
     calib = []
     for m, rs in by_model.items():
         for r in rs:
@@ -292,40 +261,40 @@ def cross_sections(by_model: dict[str, list[BenchRow]]) -> list[str]:
                 continue
             iv = intervals_ms(r.sync_starts or [])
             cpu = r.cpu_avg_ms
-            calib.append([m, _label(r), _f(anchor_changes(r.anchors), "{:d}") if r.anchors is not None else "—",
-                          _f(r.anchors[-1], "{:.0f}") if r.anchors else "—",
-                          "—" if r.throttles is None else str(r.throttles), f"{r.syncs:.0f}", _f(r.sync_ms_avg, "{:.1f}"),
-                          _f(percentile(iv, 50), "{:.1f}"), _f(percentile(iv, 95), "{:.1f}"),
+            calib.append([m, _label(r), fmt(anchor_changes(r.anchors), "{:d}") if r.anchors is not None else "—",
+                          fmt(r.anchors[-1], "{:.0f}") if r.anchors else "—",
+                          "—" if r.throttles is None else str(r.throttles), f"{r.syncs:.0f}", fmt(r.sync_ms_avg, "{:.1f}"),
+                          fmt(percentile(iv, 50), "{:.1f}"), fmt(percentile(iv, 95), "{:.1f}"),
                           "—" if cpu is None else str(len(cpu)),
-                          _f(sum(cpu) / len(cpu), "{:.1f}") if cpu else "—"])
+                          fmt(sum(cpu) / len(cpu), "{:.1f}") if cpu else "—"])
     lines += ["## ElChe calibration", "",
               "Anchor changes (ElChe recalibrations) and the final anchor, throttles (cpu backend, "
               "mode.max_batch_diff), syncs, sync interval p50/p95 (between reduce starts, from the run's timeline), "
               "and the coordinator's CPU averages (cpu backend).", "",
-              *_table(["Model", "Mode", "Anchor changes", "Final anchor", "Throttles", "Syncs", "Avg sync ms",
-                       "Sync interval p50 ms", "p95 ms", "CPU avgs", "Avg CPU ms"], calib)]
+              *table(["Model", "Mode", "Anchor changes", "Final anchor", "Throttles", "Syncs", "Avg sync ms",
+                      "Sync interval p50 ms", "p95 ms", "CPU avgs", "Avg CPU ms"], calib), ""]
     ov = []
     for m, rs in by_model.items():
         for r in rs:
             if r.world_size < 2 or not r.ok:
                 continue
             o, wall = epoch_overlap(r.epoch_windows)
-            ov.append([m, _label(r), str(r.epochs), _secs(o), _f(o / wall if wall > 0 else None, "{:.1%}"), _secs(wall)])
+            ov.append([m, _label(r), str(r.epochs), secs(o), fmt(o / wall if wall > 0 else None, "{:.1%}"), secs(wall)])
     lines += ["## Streaming epoch overlap", "",
               "Seconds in which two epochs were in flight (a rank training epoch e+1 before epoch e aggregated: "
               "Σ epoch walls − their union) and their share of the training wall (first epoch start → last "
-              "aggregation).", "", *_table(["Model", "Mode", "Epochs", "Overlap s", "% of wall", "Training wall s"], ov)]
+              "aggregation).", "", *table(["Model", "Mode", "Epochs", "Overlap s", "% of wall", "Training wall s"], ov), ""]
     idle = []
     for m, rs in by_model.items():
         for r in rs:
             for rank, tot, by_cause, src in idle_rows(r):
-                idle.append([m, _label(r), str(rank), _secs(tot),
-                             *[_secs(by_cause.get(c, 0.0)) if by_cause else "—" for c in CAUSES], src])
+                idle.append([m, _label(r), str(rank), secs(tot),
+                             *[secs(by_cause.get(c, 0.0)) if by_cause else "—" for c in CAUSES], src])
     lines += ["## Idle analysis", "",
               "Idle seconds per rank. With a timeline (flodl_exp runs), gaps of 0.5 s or more are classified by the "
               "nearest event (epoch boundary, sync, cpu averaging, eval; none near: unexplained) and shorter gaps are "
               "summed as short; without one (DDP, torch solo), idle = Σ idle_frac · epoch_time_s.", "",
-              *_table(["Model", "Mode", "Rank", "Idle s", *CAUSES, "Source"], idle)]
+              *table(["Model", "Mode", "Rank", "Idle s", *CAUSES, "Source"], idle), ""]
     return lines
 
 
