@@ -17,15 +17,61 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from ..fsio import atomic_write
 
-if TYPE_CHECKING:  # records.py is imported by channels.py; these only annotate
-    from .channels import EventLog
-    from .cycle import AveragingCycle, ReduceOutcome
-
 log = logging.getLogger("flodl_exp.coordinator")
+
+
+# What the window records read of their neighbours, as Protocols rather than imports: channels.py imports
+# this module for RecordLog, and cycle.py imports channels, so importing either back would close a circle.
+class _Anchored(Protocol):
+    @property
+    def anchor(self) -> int: ...
+
+
+class CycleView(Protocol):
+    """The averaging cycle as a window record reads it (:class:`flodl_exp.control.cycle.AveragingCycle`)."""
+
+    @property
+    def elche(self) -> Optional[_Anchored]: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def window_t0(self) -> float: ...
+
+    def window_loss(self) -> float: ...
+
+
+class OutcomeView(Protocol):
+    """A finished reduce as a window record reads it (:class:`flodl_exp.control.cycle.ReduceOutcome`)."""
+
+    @property
+    def n(self) -> dict[int, int]: ...
+
+    @property
+    def k_used(self) -> int: ...
+
+    @property
+    def sync_ms(self) -> float: ...
+
+    @property
+    def window_loss(self) -> float: ...
+
+    @property
+    def window_s(self) -> float: ...
+
+    @property
+    def d_max(self) -> Optional[float]: ...
+
+
+class EventSink(Protocol):
+    """Where events go (:class:`flodl_exp.control.channels.EventLog`)."""
+
+    def emit(self, event: dict[str, Any]) -> None: ...
 
 
 class WindowReporter:
@@ -60,8 +106,8 @@ class WindowRecorder:
     and a per-rank record-log line, at the reduces that close a slice and for slices still owed
     when an epoch is aggregated."""
 
-    def __init__(self, *, reports_per_epoch: int, world_size: int, epochs: int, batch_size: int, cycle: AveragingCycle,
-                 sink: Any, events: EventLog, records: RecordLog, clock: Callable[[], float]) -> None:
+    def __init__(self, *, reports_per_epoch: int, world_size: int, epochs: int, batch_size: int, cycle: CycleView,
+                 sink: Any, events: EventSink, records: RecordLog, clock: Callable[[], float]) -> None:
         self.per_epoch = reports_per_epoch
         self.world_size = world_size
         self.epochs = epochs
@@ -77,7 +123,7 @@ class WindowRecorder:
     def start(self, total_picks: int) -> None:
         self.reporter = WindowReporter(self.per_epoch, total_picks // self.batch_size)
 
-    def on_reduce(self, out: ReduceOutcome, epoch: int) -> None:
+    def on_reduce(self, out: OutcomeView, epoch: int) -> None:
         if epoch >= self.epochs or not self.reporter.on_window(epoch, out.k_used):
             return  # the drain reduce after the last epoch belongs to no epoch's slices
         self._write(out, epoch)
@@ -86,7 +132,7 @@ class WindowRecorder:
         for _ in range(self.reporter.owed(epoch)):
             self._write(None, epoch)
 
-    def _write(self, out: Optional[ReduceOutcome], epoch: int) -> None:
+    def _write(self, out: Optional[OutcomeView], epoch: int) -> None:
         cycle = self._cycle
         k_used = out.k_used if out is not None else 0
         n = out.n if out is not None else {}
