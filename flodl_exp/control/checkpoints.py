@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -324,7 +325,7 @@ class Checkpoints:
 
     def __init__(self, *, every: int, at_epoch: Optional[int], epochs: int, progressive: bool, world_size: int,
                  writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, events: EventLog,
-                 intents: Intents) -> None:
+                 intents: Intents, fire_reduce: Callable[..., bool]) -> None:
         self.every = every
         self.at_epoch = at_epoch if progressive else None
         self.epochs = epochs
@@ -343,6 +344,8 @@ class Checkpoints:
         """A coverage bundle whose pieces are being written (its meta follows)."""
         self.at_epoch_done = False
         self._intents = intents
+        self._fire_reduce = fire_reduce
+        """The core's one way to start a reduce (ControlCore.fire_reduce): asked for a bundle's consensus."""
         """Progressive: a cooperative loop's ``w.request_checkpoint()`` is taken at the next reduce finish."""
         if self.at_epoch is not None:
             dispatch.epoch_ceiling = self.at_epoch
@@ -367,7 +370,7 @@ class Checkpoints:
         if not ck.saving:
             alive = self._cohort.alive_ranks()
             if self.world_size > 1 and self._cycle.any_steps(alive):
-                self._cycle.trigger(alive, final=True)
+                self._fire_reduce(final=True)
                 return False
             ck.saving = True
             self._writer.send_saves(ck.stem)

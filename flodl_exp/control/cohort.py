@@ -47,6 +47,7 @@ class Cohort:
         """Fastest-rank election happened (sticky until a death)."""
         self._alive = [False] * world_size
         self._n_alive = 0
+        self._alive_list: Optional[list[int]] = None
         self._exited = [False] * world_size
         self._last_seen = [now] * world_size
         self.finals: dict[int, dict[str, Any]] = {}
@@ -67,7 +68,11 @@ class Cohort:
         return self._exited[r]
 
     def alive_ranks(self) -> list[int]:
-        return [r for r in range(self.world_size) if self._alive[r]]
+        """The live ranks, ascending (a fresh list; the one it copies is rebuilt only on a join or a death,
+        so the coordinator's per-tick reads cost a copy, not a scan of the world)."""
+        if self._alive_list is None:
+            self._alive_list = [r for r in range(self.world_size) if self._alive[r]]
+        return list(self._alive_list)
 
     def alive_count(self) -> int:
         return self._n_alive
@@ -106,6 +111,7 @@ class Cohort:
         if not self._alive[r]:
             self._n_alive += 1
         self._alive[r] = True
+        self._alive_list = None
         self._last_seen[r] = now
 
     def seen(self, r: int, now: float) -> None:
@@ -125,6 +131,7 @@ class Cohort:
             return None
         self._alive[r] = False
         self._n_alive -= 1
+        self._alive_list = None
         if self._exited[r]:
             return None
         report = self.errors.get(r) or {}

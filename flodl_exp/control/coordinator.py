@@ -31,45 +31,33 @@ from typing import Any, Optional
 
 from ..config import RunShape, load_config
 from ..protocol import (
-    INTENT_KINDS,
     Batch,
     ChunkMetrics,
     CoordHeartbeat,
-    EpochAggregated,
     EpochFnResult,
     EvalResult,
     Evict,
-    ExecuteEval,
     Exiting,
     FormGroup,
     Heartbeat,
-    Intent,
     LoopNotice,
     ProtocolError,
     RankError,
     Save,
     SaveResult,
     SessionReady,
-    SetEpochRole,
-    Snapshot,
-    SyncAck,
     Telemetry,
     decode,
 )
-from ..protocol import Shutdown as ShutdownMsg
 from ..wire import Message
-from .callback_slack import CallbackSlack
 from .channels import EventLog, Outbox, Transport
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
-from .cohort import Cohort, ProgressWatch
-from .controllers import build_elche, build_run_guard
-from .cycle import AveragingCycle, ReduceOutcome
+from .cohort import ProgressWatch
+from .core import ControlCore, NullObserver
+from .cycle import Reduce, ReduceOutcome
 from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
-from .dispatch import Dispatcher, Gate
 from .faults import SHUTDOWN_GRACE_S, FaultHandler
-from .intents import Intents
-from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, RunFailure, Status
-from .meta import LrEventMeta
+from .lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
 from .preemption import Preemption
 from .records import RecordLog, WindowRecorder
 from .timeline import TimelineRecorder
@@ -88,10 +76,91 @@ Event = tuple[Any, ...]
 """From the rank server: ``("join", rank, hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
 
 
-_GATE_FOR = {Phase.TRAINING: Gate.OPEN, Phase.CHECKPOINTING: Gate.HOLD_EPOCH}
+
+
+class ShellObserver:
+    """The coordinator's records of the core's decisions: the timeline, the window records, MLflow and
+    events.jsonl (the core's :class:`~.core.CoreObserver`)."""
+
+    def __init__(self, *, timeline: TimelineRecorder, windows: WindowRecorder, sink: Any, events: EventLog) -> None:
+        self.timeline, self.windows, self.sink, self.events = timeline, windows, sink, events
+
+    def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None:
+        self.timeline.on_batch(r, b.ms, b.data_ms, chunk=b.chunk, epoch=epoch, window=window)
+
+    def on_answer(self, r: int, started: float) -> None:
+        self.timeline.on_answer(r, started)
+
+    def on_reduce_finished(self, red: Reduce, out: ReduceOutcome, window: int, averaging_from: float,
+                           epoch: int) -> None:
+        self.timeline.on_reduce_finished(started=red.started, members=out.n, backend=red.backend, window=window,
+                                         final=red.final, averaging_from=averaging_from)
+        self.windows.on_reduce(out, epoch)
+
+    def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None:
+        self.timeline.on_eval_sent(r, epoch, final=final)
+
+    def on_eval_result(self, r: int, epoch: int, final: bool) -> None:
+        self.timeline.on_eval_result(r, epoch, final)
+
+    def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
+        self.windows.flush_epoch(e)
+        self.timeline.on_epoch_aggregated(e, metrics)
+        self.sink.log_metrics(metrics, step=e)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.sink.log_metrics(metrics, step=step)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.sink.set_tags(tags)
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.events.emit(event)
+
+
+class ShellHooks:
+    """The bundle writer and preemption, as the core consults them (the core's :class:`~.core.RunHooks`)."""
+
+    def __init__(self, co: Coordinator) -> None:
+        self._co = co
+
+    @property
+    def bundles_settled(self) -> bool:
+        return self._co.writer.settled
+
+    def after_reduce(self) -> bool:
+        co = self._co
+        if co.preemption.on_reduce_finished():
+            return True
+        if co.life.phase in TRAINING_PHASES:
+            co.checkpoints.maybe_coverage_bundle()
+        return False
+
+    def periodic_bundle_due(self, e: int) -> bool:
+        return self._co.checkpoints.periodic_due(e)
+
+    def begin_periodic_bundle(self, e: int) -> None:
+        self._co.checkpoints.begin_periodic(e)
+
+    def progressive_bundles(self) -> bool:
+        return self._co.checkpoints.progressive
+
+    def send_final_saves(self, model_rank: int) -> None:
+        w = self._co.writer
+        w.send_saves(w.stem, model_rank=model_rank)
+
+    def complete(self) -> Optional[str]:
+        w = self._co.writer
+        w.write_meta("completed", w.stem, epoch=self._co.epochs)
+        err = w.failed.get(w.stem)
+        return f"bundle {w.stem} failed: {err}" if err else None
 
 
 class Coordinator:
+    """The I/O shell around the :class:`~.core.ControlCore`: the rank transport, the sink, events.jsonl, the
+    record log, bundles on disk, signals and timers. It turns what arrives into the core's inputs and keeps
+    the tick order of the reference (algorithms.md 3.1) in :meth:`tick`."""
+
     def __init__(self, spec: dict[str, Any], server: Transport, events: queue.Queue[Event], sink: Any, job_dir: str,
                  *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
         cfg = load_config(spec["config"])
@@ -109,86 +178,62 @@ class Coordinator:
         self.stall_ceiling = max(10 * self.hb_timeout, 300.0)
         self.t_start = clock()
         self._node = os.uname().nodename
-        self.life = Lifecycle()
-        self.cohort = Cohort(w, shape.fixed_callback_rank, clock())
         self.progress = ProgressWatch(cfg.cluster.progress_timeout_s)
         self.records = RecordLog(os.path.abspath(cfg.record_log.dir) if cfg.record_log.dir else None, cfg.record_log.max_bytes)
         self.events = EventLog(job_dir, self.records, clock)
-        self.outbox = Outbox(server, self.cohort)
-        elche = build_elche(cfg.mode, w) if w >= 2 else None
-        self.cycle = AveragingCycle(
-            world_size=w, policy=cfg.mode.policy, backend=cfg.mode.backend, gamma=cfg.mode.gamma, alpha=shape.easgd_alpha,
-            progressive=shape.progressive, elche=elche, guard=build_run_guard(cfg.guard, shape.easgd_alpha),
-            meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None, relax_up=cfg.mode.relax_up,
-            max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock, outer=shape.outer)
-        self.dispatch = Dispatcher(
-            world_size=w, batch_size=cfg.experiment.batch_size, epochs=self.epochs, policy=cfg.mode.policy,
-            progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot, partition_ratios=cfg.mode.partition_ratios,
-            scalar_reductions=dict(cfg.scalar_reductions), cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=clock)
+        self.timeline = TimelineRecorder(w, clock)
+        """Per-rank spans (compute, data wait, sync, eval) from what arrives here; written at the run's end."""
+        self.core = ControlCore(shape=shape, cfg=cfg, outbox_for=lambda cohort: Outbox(server, cohort), clock=clock,
+                                observer=NullObserver(), hooks=ShellHooks(self), start=clock())
+        core = self.core
+        self.life, self.cohort, self.cycle, self.dispatch = core.life, core.cohort, core.cycle, core.dispatch
+        self.outbox, self.intents, self.slack = core.outbox, core.intents, core.slack
         self.writer = BundleWriter(
             stem=spec["checkpoint_stem"], cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, outbox=self.outbox,
             sink=sink, facts=MetaFacts(world_size=w, epochs=self.epochs, experiment=cfg.experiment.name,
                                        guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
                                        shuffle_seed=int(spec.get("shuffle_seed", cfg.seed))))
-        self.intents = Intents()
-        """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
         self.checkpoints = Checkpoints(
             every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs, progressive=shape.progressive,
             world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, events=self.events,
-            intents=self.intents)
+            intents=self.intents, fire_reduce=core.fire_reduce)
         self.faults = FaultHandler(
-            world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
+            world_size=w, max_failure=shape.max_failure, life=self.life, enter=core.enter, shutdown=core.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
             events=self.events, sink=sink, clock=clock, is_local=self._is_local)
         self.preemption = Preemption(
             attempt=int(spec.get("attempt", 0)), progressive=shape.progressive, world_size=w, job_dir=job_dir,
-            life=self.life, enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.shutdown_with_save,
+            life=self.life, enter=core.enter, shutdown=core.shutdown, shutdown_with_save=self.shutdown_with_save,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, checkpoints=self.checkpoints,
-            outbox=self.outbox, events=self.events, sink=sink, clock=clock)
+            outbox=self.outbox, events=self.events, sink=sink, clock=clock, fire_reduce=core.fire_reduce)
         self.watchdog = StallWatchdog(job_dir, clock, interval_s=cfg.cluster.stall_dump_s)
         self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=w, epochs=self.epochs,
                                       batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
                                       records=self.records, clock=clock)
-        self.timeline = TimelineRecorder(w, clock)
-        """Per-rank spans (compute, data wait, sync, eval) from what arrives here; written at the run's end."""
+        core.obs = ShellObserver(timeline=self.timeline, windows=self.windows, sink=sink, events=self.events)
         self.total_picks = 0
         self.devices: dict[int, RankDevice] = {}
-        self.slack = CallbackSlack(enabled=cfg.eval.callback_slack and shape.progressive, eval_every=cfg.eval.every,
-                                   epochs=self.epochs, epoch_fn=cfg.experiment.epoch_fn is not None)
-        self._epoch_role_sent: Optional[int] = None
-        self.cycle.slack_source = self._callback_slack
-        self.dispatch.advise = shape.progressive and cfg.data_plane.stage_advisories
-        self.fold_updates = cfg.mode.backend == "cpu" and cfg.mode.policy == "cadence" and shape.progressive
-        """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
         """What each rank trains on, from its hello (the cohort's collective is chosen from these)."""
-        self.eval_pending: Optional[int] = None
-        self.eval_pending_epoch: Optional[int] = None
-        """The epoch whose periodic eval is running (with eval_pending)."""
-        """nccl: the rank running a periodic eval; no collective starts until it answers (its peers
-        would wait in the all_reduce for as long as the eval takes)."""
-        self.eval_history: list[dict[str, Any]] = []
-        self.final_eval: dict[str, float] = {}
-        self.final_eval_rank: Optional[int] = None
-        """Finishing: the rank running the final eval and writing the consensus model (None once it reported)."""
-        self.final_overwrite_done = False
         self.last_beacon = -math.inf
         self.resume: Optional[dict[str, Any]] = spec.get("resume")
         if self.resume:
             self._restore(self.resume["meta"])
             self._restore_outer(self.resume["stem"])
         self._handlers: dict[type, Callable[[int, Any], None]] = {
-            Batch: self._on_batch, SyncAck: self._on_ack, Snapshot: self._on_snapshot, ChunkMetrics: self._on_metrics,
-            EvalResult: self._on_eval, SaveResult: self._on_save_result, RankError: self._on_error,
-            SessionReady: self.faults.on_session_ready,
+            SaveResult: self._on_save_result, RankError: self._on_error, SessionReady: self.faults.on_session_ready,
             Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: self._on_heartbeat,
-            EpochFnResult: self._on_epoch_fn, Intent: self._on_intent, LoopNotice: self._on_loop_notice,
+            EpochFnResult: self._on_epoch_fn, LoopNotice: self._on_loop_notice, ChunkMetrics: self._on_metrics,
+            EvalResult: self._on_eval,
         }
-        self._first_batch_seen = False
         self._inputs_logged = False
         self._connect_closes: list[tuple[int, str]] = []
         """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
         self._blame_by: Optional[float] = None
         """When the first of those closes is blamed if no rank that never connected was found lost by then."""
+
+    @property
+    def eval_pending(self) -> Optional[int]:
+        return self.core.evals.pending
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
@@ -214,9 +259,7 @@ class Coordinator:
 
     # -- phase ------------------------------------------------------------
     def enter(self, phase: Phase) -> None:
-        """The one way the phase changes: the lifecycle checks the transition, dispatch follows the phase."""
-        self.life.move(phase)
-        self.dispatch.gate = _GATE_FOR.get(phase, Gate.CLOSED)
+        self.core.enter(phase)
 
     def _is_local(self, r: int) -> bool:
         return self.records.hosts.get(r) == self._node
@@ -225,26 +268,16 @@ class Coordinator:
         return self.dispatch.current_epoch()
 
     def start(self) -> None:
-        """Every rank said hello: plan the first epoch (or the resumed coverage)."""
+        """Every rank said hello: the collective, the cold-start anchor, then the core plans the first epoch
+        (or the resumed coverage)."""
         self._form_group()
         self._apply_spec_prior()
-        self._push_epoch_role()
-        self.enter(Phase.TRAINING)
         self.timeline.on_start()
         self.windows.start(self.total_picks)
+        self.core.push_epoch_role()
+        self.core.enter(Phase.TRAINING)
         self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
         self.dispatch.start(self.total_picks, self.resume["meta"] if self.resume else None)
-
-    def _push_epoch_role(self) -> None:
-        """Tell every rank who runs ``experiment.epoch_fn`` (the callback rank), at the start and when it moves.
-        A role that moves mid-run moves from the epoch after the newest one started, so no epoch's hook runs
-        twice (one whose first chunk the old holder never reached is skipped)."""
-        r = self.cohort.callback_rank
-        if self.cfg.experiment.epoch_fn is None or r == self._epoch_role_sent:
-            return
-        first = 0 if self._epoch_role_sent is None else max(self.dispatch.rank_epoch, default=-1) + 1
-        self._epoch_role_sent = r
-        self.outbox.broadcast(SetEpochRole(rank=r, from_epoch=first))
 
     def _on_epoch_fn(self, r: int, f: EpochFnResult) -> None:
         self.slack.on_elapsed(r, f.elapsed_ms, kind="epoch_fn")
@@ -283,11 +316,6 @@ class Coordinator:
         self.sink.set_tags({"collective": choice.backend})
         self.events.emit({"event": "collective", "backend": choice.backend, "reason": choice.reason})
         self.outbox.broadcast(FormGroup(backend=choice.backend, reason=choice.reason))
-
-    def _eval_holds_sync(self) -> bool:
-        """nccl: a periodic eval is running on a live rank, so no collective may start yet."""
-        r = self.eval_pending
-        return self.cycle.backend == "nccl" and r is not None and self.cohort.alive(r)
 
     # -- main loop ----------------------------------------------------------
     def run(self, connect_timeout: float) -> Status:
@@ -393,20 +421,9 @@ class Coordinator:
         if self.cycle.stalled(now, self.stall_ceiling):      # 6-7. stall ceiling
             self.shutdown_with_save("reduce_stall", f"a reduce waited {self.stall_ceiling:.0f}s with the cohort alive")
             return
-        if self.life.phase in TRAINING_PHASES:
-            self._push_epoch_role()                          #    the epoch role moved (an election, a death)
-            alive = self.cohort.alive_ranks()
-            self.cycle.throttle(alive, self.dispatch.in_flight)  # 5. max_batch_diff
-            if (self.faults.regroup is None and not self._eval_holds_sync()
-                    and self.cycle.should_average(alive, self.dispatch.quiesced)):
-                self.cycle.trigger(alive)                    # 8. fire a reduce
-            if self.watchdog.check(self.cycle.global_step, self.stall_state):  # 9. stall watchdog
-                self.events.emit({"event": "stall", "global_step": self.cycle.global_step, "dump": self.watchdog.paths[-1]})
-            self._aggregate()                                # 10. aggregate ready epochs
-            if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
-                self.enter(Phase.DRAINING)
-        if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None and not self._eval_holds_sync():
-            self._drain_or_finish()                          # 11. end of run (3.14)
+        self.core.tick(regrouping=self.faults.regroup is not None)  # 5, 8, 10, 11: the core's decisions
+        if self.watchdog.check(self.cycle.global_step, self.stall_state):  # 9. stall watchdog
+            self.events.emit({"event": "stall", "global_step": self.cycle.global_step, "dump": self.watchdog.paths[-1]})
 
     def _beacon(self, now: float) -> None:
         if now - self.last_beacon >= COORD_HEARTBEAT_S:
@@ -427,18 +444,6 @@ class Coordinator:
                 self.shutdown()
             return True
         return self.life.is_(Phase.PREEMPTING)
-
-    def _drain_or_finish(self) -> None:
-        """Every epoch aggregated: one last consensus reduce if replicas may differ, then the final eval and bundle."""
-        if self.dispatch.any_in_flight():
-            return  # a dead rank's picks are being retrained: the last reduce waits for them
-        alive = self.cohort.alive_ranks()
-        blended = self.shape.easgd_alpha is not None and not self.final_overwrite_done
-        if self.W > 1 and (blended or self.cycle.any_steps(alive)):
-            self.final_overwrite_done = True
-            self.cycle.trigger(alive, final=True)
-        else:
-            self._finish_run()
 
     # -- events ---------------------------------------------------------------
     def on_event(self, ev: Event) -> None:
@@ -476,43 +481,19 @@ class Coordinator:
             log.warning("unknown message %r from rank %d ignored", msg.kind, r)
             return
         handler = self._handlers.get(type(payload))
+        if handler is None and self.core.on_message(r, payload):
+            return
         if handler is None:
             log.warning("message %r is not for the coordinator (from rank %d): ignored", msg.kind, r)
             return
         handler(r, payload)
 
-    def _on_batch(self, r: int, b: Batch) -> None:
-        if not self._first_batch_seen:  # the run's first trained batch (start-up ends here: bench_startup)
-            self._first_batch_seen = True
-            self.events.emit({"event": "first_batch", "rank": r})
-        self.cohort.batches[r] += 1
-        chunk = self.dispatch.chunks.get(b.chunk)
-        self.timeline.on_batch(r, b.ms, b.data_ms, chunk=b.chunk, epoch=chunk.epoch if chunk else None,
-                               window=self.cycle.version)
-        self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
-        self.dispatch.on_batch(r, b.chunk)
-        probe_ms = (self.cycle.seed_from_probe(self.cohort.alive_ranks())
-                    if self.cycle.probing and self.cycle.probe_full >= self.cohort.alive_count() else None)
-        if probe_ms is not None:  # the first window re-sized by measured speed: the fast ranks get its rest
-            self.events.emit({"event": "probe", "ms_per_batch": [round(m, 3) for m in probe_ms],
-                              "counts": self.cycle.counts})
-            self.dispatch.after_finish()
-
-    def _on_ack(self, r: int, ack: SyncAck) -> None:
-        self._timeline_answer(r)
-        self.cycle.on_ack(r, ack)
-        self.dispatch.on_answer(r)
-        self._try_finish_reduce()
-
-    def _on_snapshot(self, r: int, snap: Snapshot) -> None:
-        self._timeline_answer(r)
-        self.cycle.on_snapshot(r, snap)
-        self.dispatch.on_answer(r)
-        self._try_finish_reduce()
-
     def _on_metrics(self, r: int, m: ChunkMetrics) -> None:
         self.records.rank(r, "chunk", {k: v for k, v in dataclasses.asdict(m).items() if k != "ranges"})
-        self.dispatch.on_metrics(r, m)
+        self.core.on_metrics(r, m)
+
+    def _on_eval(self, r: int, f: EvalResult) -> None:
+        self.core.on_eval(r, f)
 
     def _on_telemetry(self, r: int, t: Telemetry) -> None:
         if self.dispatch.on_telemetry(r, t) is None and self.dispatch.last_aggregated >= 0:
@@ -526,24 +507,6 @@ class Coordinator:
             self.sink.set_tags({"error": f"rank {r}: {e.error}\n{e.traceback}"[:5000]})
             self.shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
 
-    def _on_intent(self, r: int, i: Intent) -> None:
-        """The user's loop asked for an eval or a bundle: folded into the next boundary (_on_epoch_aggregated
-        for an eval and, in non-progressive modes, a bundle; the next reduce finish for a progressive bundle)."""
-        if i.kind not in INTENT_KINDS:
-            log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
-            return
-        self.events.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
-        if self.life.phase not in TRAINING_PHASES or not self.intents.ask(i.kind, i.epoch):
-            return  # the run's end (its final eval and bundle) answers it, or a boundary already did
-        if i.kind == "eval" and self.intents.due("eval", self.dispatch.last_aggregated):
-            # its boundary passed before the intent came (a sync loop asks once the next epoch's plan is in):
-            # evaluate now, not an epoch late
-            e = self.dispatch.last_aggregated
-            self.intents.answer("eval", e)
-            if e != self.epochs - 1 and self.eval_pending is None:
-                self._send_eval(e)
-        # a bundle: at the next epoch boundary (_on_epoch_aggregated), or the next reduce finish when progressive
-
     def _on_loop_notice(self, r: int, n: LoopNotice) -> None:
         log.error("%s", n.message)
         self.sink.set_tags({f"loop_warning.rank{r}": n.message[:4000]})
@@ -553,124 +516,7 @@ class Coordinator:
         self.cohort.mark_exited(r, {"rank": x.rank, "pid": x.pid, "hash": x.hash, "steps": x.steps,
                                     "global_step": x.global_step})
 
-    # -- reduces and epochs -----------------------------------------------------
-    def _timeline_answer(self, r: int) -> None:
-        red = self.cycle.in_flight
-        if red is not None and r in red.members:
-            self.timeline.on_answer(r, red.started)
-
-    def _try_finish_reduce(self) -> None:
-        red, version, t = self.cycle.in_flight, self.cycle.version, self.clock()
-        with self.outbox.folding_updates(self.fold_updates):
-            out = self.cycle.try_finish(self.cohort.alive)
-            if out is not None:
-                assert red is not None
-                self.timeline.on_reduce_finished(started=red.started, members=out.n, backend=red.backend, window=version,
-                                                 final=red.final, averaging_from=t)
-                self._after_reduce(out)
-
-    def _after_reduce(self, out: ReduceOutcome) -> None:
-        for r in out.dead_in:
-            self.dispatch.release_held(r)
-        for r in out.dead_out:  # its answer is not in the consensus: the survivors redid the collective without it
-            picks = self.dispatch.retrain_held(r)
-            log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
-                        "generation without its share: its %d picks are trained again", r, picks)
-            self.events.emit({"event": "retrain", "rank": r, "picks": picks, "why": "answer_not_in_consensus"})
-        elche = self.cycle.elche
-        if elche is not None and elche.is_calibrated and self.cohort.fixed_callback is None and not self.cohort.roles_elected:
-            self.cohort.roles_elected = True  # sticky: re-elected only on death
-            self.cohort.elect_callback(elche.smoothed_ms)
-        if elche is not None:
-            self.dispatch.on_verdict(out.action)
-        self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.cycle.backend == "nccl")
-        self.windows.on_reduce(out, self.current_epoch())
-        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
-        if self.preemption.on_reduce_finished():
-            return
-        if self.life.phase in TRAINING_PHASES:
-            self.checkpoints.maybe_coverage_bundle()
-        self.dispatch.after_finish()
-
-    def _aggregate(self) -> None:
-        while self.life.phase in TRAINING_PHASES:
-            agg = self.dispatch.pop_aggregated()
-            if agg is None:
-                return
-            self._on_epoch_aggregated(agg.epoch, agg.metrics)
-            if self.life.is_(Phase.CHECKPOINTING):
-                return  # the next epoch waits for the bundle
-            self.dispatch.advance()
-
-    def _on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
-        metrics["global_step"] = float(self.cycle.global_step)
-        metrics["alive_ranks"] = float(len(self.cohort.alive_ranks()))
-        if self.cycle.elche is not None:
-            metrics["anchor"] = float(self.cycle.elche.anchor)
-        self.windows.flush_epoch(e)
-        self.timeline.on_epoch_aggregated(e, metrics)
-        self.sink.log_metrics(metrics, step=e)
-        self.outbox.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
-        self.events.emit({"event": "epoch", "epoch": e,
-                          **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
-        last = e == self.epochs - 1  # the final eval and bundle answer every intent
-        periodic = self.cfg.eval.every > 0 and (e + 1) % self.cfg.eval.every == 0
-        if (self.intents.due("eval", e) or periodic) and not last and self._send_eval(e):
-            self.intents.answer("eval", e)
-        # (progressive modes take both kinds of bundle at a reduce finish instead: Checkpoints.maybe_coverage_bundle)
-        bundle = not last and not self.checkpoints.progressive and (
-            self.intents.due("checkpoint", e) or self.checkpoints.periodic_due(e))
-        if bundle or last:
-            self.intents.answer("checkpoint", e)
-        if last:
-            self.intents.answer("eval", e)
-        if bundle:
-            self.checkpoints.begin_periodic(e)
-            self.enter(Phase.CHECKPOINTING)
-
     # -- eval, saves, end -----------------------------------------------------------
-    def _send_eval(self, e: int) -> bool:
-        """A periodic (or asked-for) eval of epoch e on the callback rank; False when that rank is dead. nccl:
-        no collective starts until it answers (eval_pending)."""
-        cb = self.cohort.callback_rank
-        if not self.cohort.alive(cb):
-            return False
-        self.eval_pending, self.eval_pending_epoch = cb, e
-        self.timeline.on_eval_sent(cb, e)
-        self.outbox.send(cb, ExecuteEval(epoch=e))
-        return True
-
-    def _callback_slack(self) -> dict[int, float]:
-        # The epoch whose last chunk is out; or, when it aggregated before this reduce finished (its chunks
-        # done first, as in nccl cadence), the epoch whose eval is running now: the next window overlaps it.
-        e = self.dispatch.closing_epoch()
-        if e is None and self.eval_pending is not None:
-            e = self.eval_pending_epoch
-        due = self.slack.due(e, self.cohort.callback_rank)
-        for r, ms in due.items():
-            log.info("callback slack: rank %d gets %.0f ms less work in the window of the eval after epoch %s", r, ms, e)
-            self.events.emit({"event": "callback_slack", "rank": r, "epoch": e, "ms": ms})
-        return due
-
-    def _on_eval(self, r: int, f: EvalResult) -> None:
-        self.timeline.on_eval_result(r, f.epoch, f.final)
-        if not f.final:
-            self.slack.on_elapsed(r, f.elapsed_ms, kind="eval")
-        if not f.final and self.eval_pending == r:
-            self.eval_pending = None
-        if f.error:
-            log.warning("eval on rank %d failed: %s", r, f.error)
-            self.sink.set_tags({"eval_error": f.error})
-        metrics = {f"eval/{k}": v for k, v in f.metrics.items()}
-        if metrics:
-            self.sink.log_metrics(metrics, step=f.epoch)
-        self.eval_history.append({"epoch": f.epoch, **metrics})
-        self.events.emit({"event": "eval", "epoch": f.epoch, "final": f.final, **metrics})
-        if f.final:
-            self.final_eval = metrics
-            self.final_eval_rank = None
-            self._maybe_complete()
-
     def _on_save_result(self, r: int, res: SaveResult) -> None:
         self.writer.on_result(r, res)
         self._after_saves()
@@ -683,33 +529,10 @@ class Coordinator:
             self.faults.on_saves_settled()
         elif self.life.is_(Phase.PREEMPTING):
             self.preemption.on_saves_settled()
-        self._maybe_complete()
-
-    def _finish_run(self) -> None:
-        """Every epoch aggregated and the last reduce settled: final eval and bundle, then shutdown."""
-        self.enter(Phase.FINISHING)
-        cb = self.cohort.primary()
-        self.final_eval_rank = cb
-        self.timeline.on_eval_sent(cb, self.epochs - 1, final=True)
-        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
-        self.writer.send_saves(self.writer.stem, model_rank=cb)
-
-    def _maybe_complete(self) -> None:
-        if self.life.is_(Phase.FINISHING) and self.final_eval_rank is None and self.writer.settled:
-            self.writer.write_meta("completed", self.writer.stem, epoch=self.epochs)
-            err = self.writer.failed.get(self.writer.stem)
-            if err:  # the final bundle could not be written: the run says so rather than end FINISHED on nothing
-                self.life.end(Status.FAILED, f"bundle {self.writer.stem} failed: {err}", end_reason="bundle_failed")
-            else:
-                self.life.end(Status.FINISHED)
-            self.shutdown()
+        self.core.maybe_complete()
 
     def shutdown(self) -> None:
-        if self.life.ending:
-            return
-        self.enter(Phase.SHUTDOWN)
-        self.life.shutdown_at = self.clock()
-        self.outbox.broadcast(ShutdownMsg(reason=self.life.failure or "completed"))
+        self.core.shutdown()
 
     # -- faults -------------------------------------------------------------------
     def declare_dead(self, r: int, reason: str) -> None:
@@ -727,7 +550,7 @@ class Coordinator:
         if r in self.writer.pending:  # a bundle in progress (periodic, coverage) does not wait for its pieces
             self.writer.on_rank_dead(r)
             self._after_saves()
-        self._try_finish_reduce()
+        self.core.try_finish_reduce()
 
     def _report_picks_of_the_dead(self, r: int, lost_before: int, retrained_before: int) -> None:
         """What a death did to trained picks of epochs already aggregated: retrained by the survivors (an event),
@@ -755,16 +578,14 @@ class Coordinator:
         """A rank died while a bundle was being written: its pieces are forfeit; the final eval and
         the consensus model move to another survivor."""
         alive = self.cohort.alive_ranks()
-        if not (self.life.is_(Phase.FINISHING) and self.final_eval_rank == r and alive):
+        if not (self.life.is_(Phase.FINISHING) and self.core.evals.final_rank == r and alive):
             self.writer.on_rank_dead(r)  # a model piece it owed moves to another survivor
             self._after_saves()
             return
         self.writer.drop(r)
         cb = alive[0]
-        self.final_eval_rank = cb
         self.writer.expect(cb)
-        self.timeline.on_eval_sent(cb, self.epochs - 1, final=True)
-        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+        self.core.move_final_eval(cb)
         self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
@@ -787,8 +608,8 @@ class Coordinator:
             "epochs": self.epochs,
             "global_step": self.cycle.global_step,
             "syncs": self.cycle.version,
-            "final_eval": self.final_eval,
-            "evals": self.eval_history,
+            "final_eval": self.core.evals.final,
+            "evals": self.core.evals.history,
             "finals": {str(r): v for r, v in self.cohort.finals.items()},
             "coverage": {str(e): v for e, v in self.dispatch.coverage.items()},
             "total_picks": self.total_picks,

@@ -277,6 +277,10 @@ class AveragingCycle:
                 self._out.send(r, Throttle())
 
     def trigger(self, members: list[int], *, final: bool = False) -> None:
+        """Start a reduce over ``members``. Only the control core calls this (ControlCore.fire_reduce), and
+        never with one in flight: a second would overwrite the first's answers."""
+        if self.in_flight is not None:
+            raise RuntimeError(f"a reduce is already in flight (version {self.version}): one at a time")
         self.in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
         if self.backend == "nccl":
             self._out.broadcast(SyncNow(version=self.version, divergence=True))

@@ -574,7 +574,10 @@ class Dispatcher:
         if self.progressive:
             pool = self.pools.get(e)
             return pool is not None and pool.is_epoch_done()
-        return all(r in self.accs[e].reported for r in self._cohort.alive_ranks())
+        reported = self.accs[e].reported
+        if len(reported) < self._cohort.alive_count():  # O(1): some live rank has not reported yet
+            return False
+        return all(r in reported for r in self._cohort.alive_ranks())
 
     def pop_aggregated(self) -> Optional[AggregatedEpoch]:
         """The next epoch in order once every pick of it is reported; None when it is not ready."""

@@ -73,7 +73,7 @@ class Preemption:
                  enter: Callable[[Phase], None], shutdown: Callable[[], None],
                  shutdown_with_save: Callable[[str, str], None], cohort: Cohort, cycle: AveragingCycle,
                  dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints, outbox: Outbox,
-                 events: EventLog, sink: Any, clock: Callable[[], float]) -> None:
+                 events: EventLog, sink: Any, clock: Callable[[], float], fire_reduce: Callable[..., bool]) -> None:
         self.attempt = attempt
         self.progressive = progressive
         self.world_size = world_size
@@ -84,6 +84,8 @@ class Preemption:
         self._shutdown_with_save = shutdown_with_save
         self._cohort = cohort
         self._cycle = cycle
+        self._fire_reduce = fire_reduce
+        """The core's one way to start a reduce (ControlCore.fire_reduce): asked for a bundle's consensus."""
         self._dispatch = dispatch
         self._writer = writer
         self._checkpoints = checkpoints
@@ -135,7 +137,7 @@ class Preemption:
                 p.reduce_triggered = True
                 log.warning("preemption: no reduce finished within %.0fs: firing one for the bundle's coverage",
                             PREEMPT_ARM_FALLBACK_S)
-                self._cycle.trigger(alive)
+                self._fire_reduce()
             elif now - p.armed_at > 2 * PREEMPT_ARM_FALLBACK_S:
                 log.warning("preemption: no reduce finished within %.0fs: saving an epoch-granular bundle",
                             2 * PREEMPT_ARM_FALLBACK_S)
@@ -144,7 +146,7 @@ class Preemption:
             alive = self._cohort.alive_ranks()
             if not p.reduce_triggered and self.world_size > 1 and self._cycle.any_steps(alive):
                 p.reduce_triggered = True
-                self._cycle.trigger(alive, final=True)
+                self._fire_reduce(final=True)
             else:
                 self._save(p, coverage=False)
         elif p.stage in (Stage.ARMED, Stage.REDUCE, Stage.SAVING) and now > p.deadline:

@@ -2,15 +2,14 @@
 
 What is real and what is modelled:
 
-* **Real** (flodl_exp.control, unchanged): ``AveragingCycle`` (window ledger, the reduce gate
-  ``should_average``, throttle, trigger, finish, ElChe's timing feed, the guard's verdict, the LR
-  meta-controller), ``ElChe`` (built by ``build_elche``, cold-start probe included), the guard
-  (``build_run_guard``), ``Dispatcher`` (plans, chunk pools, chunk sizing, final-window plans, barriers,
-  async streaming and overshoot tuning, in-order epoch aggregation, the per-epoch metrics), ``Cohort``
-  and the run-shape derivations and validation of flodl_exp.config. They read :class:`SimClock`
-  (their injected clock) and send through :class:`SimOutbox`, which hands each message to a simulated
-  rank after the link latency. The glue here mirrors ``Coordinator`` (``_on_batch``, ``_on_ack``,
-  ``_on_snapshot``, ``_after_reduce``, ``tick``, ``_aggregate``, ``_drain_or_finish``).
+* **Real**: the coordinator's own :class:`~flodl_exp.control.core.ControlCore`, every decision of the
+  run (the reduce gate, throttle, ElChe and its cold-start probe, the guard, the LR meta-controller,
+  dispatch, chunk pools, final-window plans, async overshoot, in-order epoch aggregation and its metrics,
+  the final consensus), built from the rig's run config by the same ``ControlCore.from_config``, with the
+  run-shape derivations and validation of flodl_exp.config. It reads :class:`SimClock` (its injected clock)
+  and sends through :class:`SimOutbox`, which hands each message to a simulated rank after the link
+  latency. The engine keeps no decision of its own: it feeds the core the rank messages and calls its
+  ``tick`` after each, as the coordinator does after each batch of arrivals.
 * **Modelled**: each rank is a small state machine that behaves as ``rank/worker.py`` does: control is
   handled between batches (at the top of each one, and at once while idle, at a barrier or throttled);
   ``sync_now`` blocks the rank in the collective until every member entered (then the ring all-reduce
@@ -38,13 +37,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..averaging import mass
-from ..config import RunShape
 from ..control.channels import Outbox
 from ..control.cohort import Cohort
-from ..control.controllers import build_elche, build_run_guard
-from ..control.cycle import PROBE_STEPS, AveragingCycle, ReduceOutcome
-from ..control.dispatch import Gate
-from ..control.meta import LrEventMeta
+from ..control.core import ControlCore, NullObserver
+from ..control.cycle import Reduce, ReduceOutcome
+from ..control.lifecycle import Phase
 from ..protocol import (
     Batch,
     ChunkMetrics,
@@ -125,15 +122,32 @@ class RunStats:
     probe: Optional[list[float]] = None
 
 
+class _Stats(NullObserver):
+    """What the engine keeps of the core's decisions: each aggregated epoch and each finished reduce."""
+
+    def __init__(self, stats: RunStats, clock: SimClock) -> None:
+        self.stats, self.clock = stats, clock
+
+    def on_reduce_finished(self, red: Reduce, out: ReduceOutcome, window: int, averaging_from: float,
+                           epoch: int) -> None:
+        self.stats.syncs.append((self.clock.t, out.sync_ms, out.anchor_after))
+
+    def emit(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "epoch":
+            self.stats.epochs.append({**event, "t": self.clock.t})
+            self.stats.wall_s = self.clock.t
+        elif kind == "probe":
+            self.stats.probe = list(event["ms_per_batch"])
+
+
 class Engine:
     def __init__(self, cfg: SimulateConfig, mode: str, *, check: bool = False) -> None:
         steps = rank_steps(cfg)
         w = len(steps)
         run = run_config(cfg, mode, w)
-        shape = RunShape.of(run)
         self.cfg, self.mode, self.W = cfg, mode, w
         self.policy, self.backend = run.mode.policy, run.mode.backend
-        self.alpha = shape.easgd_alpha
         self.gamma = run.mode.gamma
         self.clock = SimClock()
         self.q = EventQueue(self.clock, cfg.max_events)
@@ -144,46 +158,29 @@ class Engine:
         self.lrf = lr_factor(cfg)
         self.rng = random.Random(cfg.seed)
         self.ranks = [SimRank(r, ms, d, j) for r, (ms, d, j) in enumerate(steps)]
-        self.cohort = Cohort(w, None, 0.0)
+        self.stats = RunStats(mode, w)
+        self.core = ControlCore.from_config(
+            run, outbox_for=lambda cohort: SimOutbox(cohort, self._to_rank), clock=self.clock,
+            observer=_Stats(self.stats, self.clock), dispatcher=lambda **kw: SimDispatcher(check=check, **kw))
+        self.cohort, self.cycle, self.dispatch = self.core.cohort, self.core.cycle, self.core.dispatch
         for r in range(w):
             self.cohort.join(r, 0.0)
         self.alive = self.cohort.alive_ranks()
-        self.outbox = SimOutbox(self.cohort, self._to_rank)
-        elche = build_elche(run.mode, w) if w >= 2 else None
-        self.cycle = AveragingCycle(
-            world_size=w, policy=self.policy, backend=self.backend, gamma=self.gamma, alpha=self.alpha,
-            progressive=shape.progressive, elche=elche, guard=build_run_guard(run.guard, self.alpha),
-            meta=LrEventMeta() if (run.mode.meta_controller and elche is not None) else None,
-            relax_up=run.mode.relax_up, max_batch_diff=run.mode.max_batch_diff, outbox=self.outbox,
-            clock=self.clock, outer=shape.outer)
-        self.dispatch = SimDispatcher(
-            check=check,
-            world_size=w, batch_size=self.bs, epochs=cfg.epochs, policy=self.policy, progressive=shape.progressive,
-            max_overshoot=run.mode.max_overshoot, partition_ratios=run.mode.partition_ratios, scalar_reductions={},
-            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock)
-        self.stats = RunStats(mode, w)
-        chunks = self.dispatch.chunks
-        self.inflight = chunks.by_rank
-        """Chunks sent to each rank and not reported (the dispatcher's own books, indexed)."""
-        self._probe_left = w if self.cycle.elche is not None and self.policy != "sync" else 0
-        """Ranks with fewer than PROBE_STEPS batches reported (seed_from_probe cannot fire before 0)."""
-        self._counts = self.cycle.counts
-        self._blocker: Optional[int] = None
-        self._aggregate_due = False
         self._coll: Optional[dict[int, tuple[float, int]]] = None
         """nccl: who entered the armed collective, when, with how many steps (None: none armed)."""
         self._coll_n: dict[int, int] = {}
         self._nic_free = 0.0
-        self.draining = False
-        self.final_done = False
-        self.done = False
+
+    @property
+    def done(self) -> bool:
+        """Training is over once the core asks for the final eval (evals are not modelled)."""
+        return self.core.life.phase not in (Phase.TRAINING, Phase.DRAINING)
 
     # -- the run ------------------------------------------------------------------
     def run(self) -> RunStats:
-        self.dispatch.gate = Gate.OPEN
-        self.dispatch.start(self.cfg.samples, None)
         self.stats.epochs.append({"event": "started", "world_size": self.W, "epochs": self.cfg.epochs, "t": 0.0})
-        self._tick()
+        self.core.start(self.cfg.samples, None)
+        self.core.tick()
         handlers: dict[int, Callable[[int, Any], None]] = {RANK_MSG: self._rank_msg, BATCH_END: self._batch_end, COLL_DONE: self._coll_done,
                     COORD_MSG: self._coord_msg, COORD_FINISH: self._coord_finish}
         while not self.done:
@@ -328,42 +325,22 @@ class Engine:
         lr = self.lrf(self.cycle.global_step)
         return max(0.0, d.per_step * n * lr * (1.0 + d.noise * self.rng.gauss(0.0, 1.0)))
 
-    # -- the coordinator side (Coordinator's handlers) ------------------------------
+    # -- the coordinator side: the core's inputs -----------------------------------------
     def _coord_msg(self, r: int, p: Payload) -> None:
-        if isinstance(p, Batch):
-            self.cohort.batches[r] += 1
-            self.cycle.on_batch(r, p, speaks_for_lr=r == self.alive[0])
-            self.dispatch.on_batch(r, p.chunk)
-            if self._probe_left and self.cohort.batches[r] == PROBE_STEPS:
-                self._probe_left -= 1
-            probe = self.cycle.seed_from_probe(self.alive) if self._probe_left == 0 else None
-            if probe is not None:
-                self.stats.probe = probe
-                self._counts = self.cycle.counts
-                self.dispatch.after_finish()
-        elif isinstance(p, ChunkMetrics):
-            self.dispatch.on_metrics(r, p)
-            self._aggregate_due = True
-        elif isinstance(p, SyncAck):
-            self.cycle.on_ack(r, p)
-            self.dispatch.on_answer(r)
-            red = self.cycle.in_flight
-            if red is not None and len(red.acks) >= len(red.members):  # no deaths: every member answers
-                self._try_finish()  # (the coordinator tries at every ack; it finishes at the last one)
-        elif isinstance(p, Snapshot):
-            red = self.cycle.in_flight
-            if red is not None and set(red.snapshots) | {r} >= {q for q in red.members if self.cohort.alive(q)}:
-                movers = sum(1 for s in [*red.snapshots.values(), p] if s.n > 0)
-                self.q.after(self.costs.average_s(movers) + self.costs.scatter_s(len(red.members)) + self.costs.fixed_s(),
-                             COORD_FINISH, r, p)
-                return
-            self.cycle.on_snapshot(r, p)
-            self.dispatch.on_answer(r)
-        self._tick()
+        red = self.cycle.in_flight
+        if (isinstance(p, Snapshot) and red is not None
+                and set(red.snapshots) | {r} >= {q for q in red.members if self.cohort.alive(q)}):
+            # the last snapshot of a cpu reduce: the coordinator averages and scatters (modelled time) first
+            movers = sum(1 for s in [*red.snapshots.values(), p] if s.n > 0)
+            self.q.after(self.costs.average_s(movers) + self.costs.scatter_s(len(red.members)) + self.costs.fixed_s(),
+                         COORD_FINISH, r, p)
+            return
+        self.core.on_message(r, p)
+        self.core.tick()
 
     def _coord_finish(self, r: int, p: Snapshot) -> None:
         """The last snapshot of a cpu reduce, once averaged and scattered: set the snapshots' values so the
-        real average reads the modelled drift, then the real finish."""
+        real average reads the modelled drift, then hand it to the core."""
         red = self.cycle.in_flight
         assert red is not None
         snaps = {**red.snapshots, r: p}
@@ -377,86 +354,8 @@ class Engine:
             den = (1 - wk) ** 2 - (drift * wk) ** 2
             a = drift / math.sqrt(den) if den > 0 else drift / max(1 - wk, 1e-6)
             snaps[k].tensors["p0"][1] = a  # max relative delta = drift (algebra in the module docstring)
-        self.cycle.on_snapshot(r, p)
-        self.dispatch.on_answer(r)
-        self._try_finish()
-        self._tick()
-
-    def _try_finish(self) -> None:
-        out = self.cycle.try_finish(self.cohort.alive)
-        if out is not None:
-            self._after_reduce(out)
-
-    def _after_reduce(self, out: ReduceOutcome) -> None:
-        if self.cycle.elche is not None:
-            self.dispatch.on_verdict(out.action)
-        self.dispatch.on_reduce_finished(out.n)
-        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
-        self.stats.syncs.append((self.clock.t, out.sync_ms, out.anchor_after))
-        self._counts = self.cycle.counts
-        self._blocker = None
-        self._aggregate_due = True
-        if out.final:
-            self.done = True
-            return
-        self.dispatch.after_finish()
-
-    def _threshold(self, r: int) -> int:
-        return 1 if self.policy == "sync" else self._counts[r]
-
-    def _blocked(self) -> bool:
-        """A cheap necessary condition for the real gate: some rank still trains a chunk below its count (it is
-        neither hit, nor throttled, nor quiesced). The real ``should_average`` decides when none does."""
-        led = self.cycle.ledger
-        b = self._blocker
-        if b is not None and self.inflight[b] > 0 and led[b].steps < self._threshold(b) and not led[b].throttled:
-            return True
-        best, deficit = None, 0
-        for r in self.alive:
-            if self.inflight[r] > 0 and not led[r].throttled:
-                d = self._threshold(r) - led[r].steps
-                if d > deficit:
-                    best, deficit = r, d
-        self._blocker = best
-        return best is not None
-
-    def _tick(self) -> None:
-        """Coordinator.tick's order for what the simulator models: throttle, the gate, aggregation, the end."""
-        if self.done:
-            return
-        if not self.draining:
-            self.cycle.throttle(self.alive, self.dispatch.in_flight)
-            if (self.cycle.in_flight is None and self.W >= 2 and not self._blocked()
-                    and self.cycle.should_average(self.alive, self.dispatch.quiesced)):
-                self.cycle.trigger(self.alive)
-            if self._aggregate_due and self.dispatch.maybe_ready():
-                self._aggregate_due = False
-                self._aggregate()
-            if self.dispatch.all_aggregated():
-                self.draining = True
-        if self.draining and self.cycle.in_flight is None:
-            self._drain_or_finish()
-
-    def _aggregate(self) -> None:
-        while True:
-            agg = self.dispatch.pop_aggregated()
-            if agg is None:
-                return
-            m = dict(agg.metrics)
-            m["global_step"] = float(self.cycle.global_step)
-            if self.cycle.elche is not None:
-                m["anchor"] = float(self.cycle.elche.anchor)
-            self.stats.epochs.append({"event": "epoch", "epoch": agg.epoch, **m, "t": self.clock.t})
-            self.stats.wall_s = self.clock.t
-            self.dispatch.advance()
-
-    def _drain_or_finish(self) -> None:
-        blended = self.alpha is not None and not self.final_done
-        if self.W > 1 and not self.final_done and (blended or self.cycle.any_steps(self.alive)):
-            self.final_done = True
-            self.cycle.trigger(self.alive, final=True)
-        else:
-            self.done = True
+        self.core.on_message(r, p)
+        self.core.tick()
 
 
 def simulate(cfg: SimulateConfig, mode: str) -> RunStats:

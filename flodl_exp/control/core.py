@@ -1,0 +1,615 @@
+"""The control core: every decision of the run's training loop, in one place, for the coordinator and the
+simulator alike.
+
+The core owns the cohort, the averaging cycle (with ElChe, the guard and the meta-controller), dispatch
+and epoch aggregation, the user's intents, callback slack, the periodic evals and the end of the run. It
+alone decides when a reduce fires (:meth:`ControlCore.fire_reduce`, the one caller of
+``AveragingCycle.trigger``), when an epoch aggregates, when an epoch-boundary bundle is due and when
+training ends. It holds no socket, thread or file: what it decides leaves through three ports,
+
+* the :class:`~.channels.Outbox` (messages to ranks: the coordinator encodes them onto sockets, the
+  simulator hands them to simulated ranks; :class:`CommandOutbox` records them as commands);
+* a :class:`CoreObserver` (what the shell records: the timeline, window records, MLflow, events.jsonl; the
+  core never reads back from it);
+* :class:`RunHooks` (the bundle writer and preemption of the coordinator; the simulator models neither).
+
+Inputs are the rank messages (:meth:`on_batch`, :meth:`on_ack`, ...) and :meth:`tick`, which takes the
+reference's tick steps 5, 8, 10 and 11 (algorithms.md 3.1) in order; the shell keeps 2-4 (heartbeats,
+deaths, regroups) and the signals around it. :meth:`handle` takes one event and returns the commands it
+caused, for tests that feed a scripted sequence (tests/test_control_core.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
+
+from ..config import RunShape
+from ..protocol import (
+    INTENT_KINDS,
+    Batch,
+    ChunkMetrics,
+    EpochAggregated,
+    EvalResult,
+    ExecuteEval,
+    Intent,
+    Payload,
+    SetEpochRole,
+    Snapshot,
+    SyncAck,
+)
+from ..protocol import Shutdown as ShutdownMsg
+from .callback_slack import CallbackSlack
+from .channels import Outbox
+from .cohort import Cohort
+from .controllers import build_elche, build_run_guard
+from .cycle import AveragingCycle, Reduce, ReduceOutcome
+from .dispatch import Dispatcher, Gate
+from .intents import Intents
+from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
+from .meta import LrEventMeta
+
+if TYPE_CHECKING:
+    from ..wire import Message
+
+log = logging.getLogger("flodl_exp.coordinator")
+
+_GATE_FOR = {Phase.TRAINING: Gate.OPEN, Phase.CHECKPOINTING: Gate.HOLD_EPOCH}
+
+
+# -- ports ------------------------------------------------------------------------
+class CoreObserver(Protocol):
+    """What the shell records of the core's decisions (timeline spans, window records, MLflow, events.jsonl).
+
+    Write-only: nothing the core decides depends on it."""
+
+    def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None: ...
+    def on_answer(self, r: int, started: float) -> None: ...
+    def on_reduce_finished(self, red: Reduce, out: ReduceOutcome, window: int, averaging_from: float,
+                           epoch: int) -> None: ...
+    def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None: ...
+    def on_eval_result(self, r: int, epoch: int, final: bool) -> None: ...
+    def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+    def emit(self, event: dict[str, Any]) -> None: ...
+
+
+class RunHooks(Protocol):
+    """The coordinator's bundle writer and preemption, as the core consults them."""
+
+    @property
+    def bundles_settled(self) -> bool: ...
+    def after_reduce(self) -> bool:
+        """A reduce finished (its books are closed): True when preemption took the run over (no new chunk)."""
+        ...
+    def periodic_bundle_due(self, e: int) -> bool: ...
+    def begin_periodic_bundle(self, e: int) -> None: ...
+    def progressive_bundles(self) -> bool: ...
+    def send_final_saves(self, model_rank: int) -> None: ...
+    def complete(self) -> Optional[str]:
+        """The final bundle's meta; the error when the bundle could not be written."""
+        ...
+
+
+class NullObserver:
+    """Records nothing (the simulator keeps its own statistics through :meth:`emit` and the reduce hook)."""
+
+    def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None:
+        pass
+
+    def on_answer(self, r: int, started: float) -> None:
+        pass
+
+    def on_reduce_finished(self, red: Reduce, out: ReduceOutcome, window: int, averaging_from: float,
+                           epoch: int) -> None:
+        pass
+
+    def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None:
+        pass
+
+    def on_eval_result(self, r: int, epoch: int, final: bool) -> None:
+        pass
+
+    def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        pass
+
+    def emit(self, event: dict[str, Any]) -> None:
+        pass
+
+
+class NoBundles:
+    """No bundle writer, no preemption (the simulator; core unit tests): saves settle at once."""
+
+    bundles_settled = True
+
+    def after_reduce(self) -> bool:
+        return False
+
+    def periodic_bundle_due(self, e: int) -> bool:
+        return False
+
+    def begin_periodic_bundle(self, e: int) -> None:  # pragma: no cover - never due
+        raise AssertionError("no bundles here")
+
+    def progressive_bundles(self) -> bool:
+        return False
+
+    def send_final_saves(self, model_rank: int) -> None:
+        pass
+
+    def complete(self) -> Optional[str]:
+        return None
+
+
+# -- commands (what :meth:`ControlCore.handle` returns) -------------------------------
+@dataclass(frozen=True)
+class Send:
+    rank: int
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    payload: Payload
+    to: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Record:
+    """An observation: ``kind`` is the observer method, ``args`` its arguments."""
+
+    kind: str
+    args: tuple[Any, ...]
+
+
+Command = Union[Send, Broadcast, Record]
+
+
+class CommandOutbox(Outbox):
+    """An outbox that records what would be sent (no transport, no encoding)."""
+
+    def __init__(self, cohort: Cohort, commands: list[Command]) -> None:
+        super().__init__(_NoTransport(), cohort)
+        self._commands = commands
+
+    def send(self, r: int, payload: Payload) -> bool:
+        self._commands.append(Send(r, payload))
+        return True
+
+    def broadcast(self, payload: Payload) -> None:
+        self._commands.append(Broadcast(payload, tuple(self._cohort.alive_ranks())))
+
+
+class RecordingObserver:
+    """Every observation as a :class:`Record` command (the events and metrics included)."""
+
+    def __init__(self, commands: list[Command]) -> None:
+        self._commands = commands
+
+    def __getattr__(self, kind: str) -> Callable[..., None]:
+        if kind.startswith("_"):
+            raise AttributeError(kind)
+
+        def record(*args: Any, **kw: Any) -> None:
+            self._commands.append(Record(kind, (*args, *kw.values())))
+        return record
+
+
+class _NoTransport:
+    def send(self, rank: int, msg: Message) -> bool:  # pragma: no cover - the command outbox never encodes
+        raise AssertionError("commands are recorded, not sent")
+
+
+# -- events (what :meth:`ControlCore.handle` takes) -----------------------------------
+@dataclass(frozen=True)
+class RankMessage:
+    rank: int
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class Tick:
+    regrouping: bool = False
+
+
+Event = Union[RankMessage, Tick]
+
+
+@dataclass
+class EvalState:
+    """Periodic evals and the end of the run: what is running where."""
+
+    pending: Optional[int] = None
+    """nccl: the rank running a periodic eval; no collective starts until it answers (its peers would wait in
+    the all_reduce for as long as the eval takes)."""
+    pending_epoch: Optional[int] = None
+    """The epoch whose periodic eval is running (with ``pending``)."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    final: dict[str, float] = field(default_factory=dict)
+    final_rank: Optional[int] = None
+    """Finishing: the rank running the final eval and writing the consensus model (None once it reported)."""
+    final_overwrite_done: bool = False
+
+
+class ControlCore:
+    """The run's decisions; see the module docstring. Build it with :meth:`from_config`."""
+
+    def __init__(self, *, shape: RunShape, cfg: Any, outbox_for: Callable[[Cohort], Outbox],
+                 clock: Callable[[], float], observer: CoreObserver, hooks: RunHooks,
+                 dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0) -> None:
+        w = shape.world_size
+        self.W, self.shape, self.epochs = w, shape, cfg.experiment.epochs
+        self.clock = clock
+        self.obs, self.hooks = observer, hooks
+        self.epoch_fn = cfg.experiment.epoch_fn is not None
+        self.eval_every = cfg.eval.every
+        self.life = Lifecycle()
+        self.cohort = Cohort(w, shape.fixed_callback_rank, start)
+        self.outbox = outbox_for(self.cohort)
+        elche = build_elche(cfg.mode, w) if w >= 2 else None
+        self.cycle = AveragingCycle(
+            world_size=w, policy=cfg.mode.policy, backend=cfg.mode.backend, gamma=cfg.mode.gamma,
+            alpha=shape.easgd_alpha, progressive=shape.progressive, elche=elche,
+            guard=build_run_guard(cfg.guard, shape.easgd_alpha),
+            meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
+            relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
+            outer=shape.outer)
+        self.dispatch = dispatcher(
+            world_size=w, batch_size=cfg.experiment.batch_size, epochs=self.epochs, policy=cfg.mode.policy,
+            progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
+            partition_ratios=cfg.mode.partition_ratios, scalar_reductions=dict(cfg.scalar_reductions),
+            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=clock)
+        self.dispatch.advise = shape.progressive and cfg.data_plane.stage_advisories
+        self.intents = Intents()
+        """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
+        self.slack = CallbackSlack(enabled=cfg.eval.callback_slack and shape.progressive, eval_every=cfg.eval.every,
+                                   epochs=self.epochs, epoch_fn=self.epoch_fn)
+        self.cycle.slack_source = self._callback_slack
+        self.fold_updates = cfg.mode.backend == "cpu" and cfg.mode.policy == "cadence" and shape.progressive
+        """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
+        self.evals = EvalState()
+        self._epoch_role_sent: Optional[int] = None
+        self._first_batch_seen = False
+        self._deaths_at_trigger = 0
+        self._blocker: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, outbox_for: Callable[[Cohort], Outbox], clock: Callable[[], float],
+                    observer: Optional[CoreObserver] = None, hooks: Optional[RunHooks] = None,
+                    dispatcher: Callable[..., Dispatcher] = Dispatcher) -> ControlCore:
+        """The core of a run config (the coordinator's, or the simulator's run_config of a rig)."""
+        return cls(shape=RunShape.of(cfg), cfg=cfg, outbox_for=outbox_for, clock=clock,
+                   observer=observer or NullObserver(), hooks=hooks or NoBundles(), dispatcher=dispatcher,
+                   start=clock())
+
+    # -- phase --------------------------------------------------------------------
+    def enter(self, phase: Phase) -> None:
+        """The one way the phase changes: the lifecycle checks the transition, dispatch follows the phase."""
+        self.life.move(phase)
+        self.dispatch.gate = _GATE_FOR.get(phase, Gate.CLOSED)
+
+    def current_epoch(self) -> int:
+        return self.dispatch.current_epoch()
+
+    def start(self, total_picks: int, resume_meta: Optional[dict[str, Any]]) -> None:
+        """Every rank said hello: plan the first epoch (or the resumed coverage)."""
+        self.push_epoch_role()
+        self.enter(Phase.TRAINING)
+        self.dispatch.start(total_picks, resume_meta)
+
+    def push_epoch_role(self) -> None:
+        """Tell every rank who runs ``experiment.epoch_fn`` (the callback rank), at the start and when it moves.
+        A role that moves mid-run moves from the epoch after the newest one started, so no epoch's hook runs
+        twice (one whose first chunk the old holder never reached is skipped)."""
+        r = self.cohort.callback_rank
+        if not self.epoch_fn or r == self._epoch_role_sent:
+            return
+        first = 0 if self._epoch_role_sent is None else max(self.dispatch.rank_epoch, default=-1) + 1
+        self._epoch_role_sent = r
+        self.outbox.broadcast(SetEpochRole(rank=r, from_epoch=first))
+
+    def eval_holds_sync(self) -> bool:
+        """nccl: a periodic eval is running on a live rank, so no collective may start yet."""
+        r = self.evals.pending
+        return self.cycle.backend == "nccl" and r is not None and self.cohort.alive(r)
+
+    # -- the reduce: the one place it fires -----------------------------------------
+    def fire_reduce(self, *, final: bool = False) -> bool:
+        """Start a reduce over the live ranks (a consensus one when ``final``); False when one is in flight
+        (the caller asks again at the next tick). Every reduce of the run starts here: the gate in :meth:`tick`,
+        the end of training, and the shell's requests for a bundle's consensus or preemption."""
+        if self.cycle.in_flight is not None:
+            return False
+        self.cycle.trigger(self.cohort.alive_ranks(), final=final)
+        self._deaths_at_trigger = len(self.cohort.deaths)
+        return True
+
+    def _gate_blocked(self, alive: list[int]) -> bool:
+        """A cheap necessary condition for the gate to stay shut: a rank training a chunk below its count (not
+        hit, not throttled, not quiesced). The last one found is checked first, so the gate costs O(1) a batch
+        while it waits for it, where :meth:`AveragingCycle.should_average` scans every rank."""
+        led = self.cycle.ledger
+        sync = self.cycle.policy == "sync"
+        counts = self.cycle.counts_view
+        out = self.dispatch.chunks.by_rank  # chunks in flight per rank (Dispatcher.in_flight, indexed)
+        b = self._blocker
+        if (b is not None and self.cohort.alive(b) and out[b] > 0 and not led[b].throttled
+                and led[b].steps < (1 if sync else counts[b])):
+            return True
+        for r in alive:
+            if out[r] > 0 and not led[r].throttled and led[r].steps < (1 if sync else counts[r]):
+                self._blocker = r
+                return True
+        self._blocker = None
+        return False
+
+    def try_finish_reduce(self) -> None:
+        red = self.cycle.in_flight
+        if red is None:
+            return
+        if len(self.cohort.deaths) == self._deaths_at_trigger:  # every member alive: all must have answered
+            answered = red.acks if red.backend == "nccl" else red.snapshots
+            if len(answered) < len(red.members):
+                return
+        version, t = self.cycle.version, self.clock()
+        with self.outbox.folding_updates(self.fold_updates):
+            out = self.cycle.try_finish(self.cohort.alive)
+            if out is not None:
+                self._after_reduce(red, out, version, t)
+
+    def _after_reduce(self, red: Reduce, out: ReduceOutcome, version: int, averaging_from: float) -> None:
+        for r in out.dead_in:
+            self.dispatch.release_held(r)
+        for r in out.dead_out:  # its answer is not in the consensus: the survivors redid the collective without it
+            picks = self.dispatch.retrain_held(r)
+            log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
+                        "generation without its share: its %d picks are trained again", r, picks)
+            self.obs.emit({"event": "retrain", "rank": r, "picks": picks, "why": "answer_not_in_consensus"})
+        elche = self.cycle.elche
+        if elche is not None and elche.is_calibrated and self.cohort.fixed_callback is None and not self.cohort.roles_elected:
+            self.cohort.roles_elected = True  # sticky: re-elected only on death
+            self.cohort.elect_callback(elche.smoothed_ms)
+        if elche is not None:
+            self.dispatch.on_verdict(out.action)
+        self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.cycle.backend == "nccl")
+        self.obs.on_reduce_finished(red, out, version, averaging_from, self.current_epoch())
+        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
+        if self.hooks.after_reduce():
+            return
+        self.dispatch.after_finish()
+
+    # -- rank messages ------------------------------------------------------------------
+    def on_batch(self, r: int, b: Batch) -> None:
+        if not self._first_batch_seen:  # the run's first trained batch (start-up ends here: bench_startup)
+            self._first_batch_seen = True
+            self.obs.emit({"event": "first_batch", "rank": r})
+        self.cohort.batches[r] += 1
+        chunk = self.dispatch.chunks.get(b.chunk)
+        self.obs.on_batch(r, b, chunk.epoch if chunk else None, self.cycle.version)
+        self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
+        self.dispatch.on_batch(r, b.chunk)
+        probe_ms = (self.cycle.seed_from_probe(self.cohort.alive_ranks())
+                    if self.cycle.probing and self.cycle.probe_full >= self.cohort.alive_count() else None)
+        if probe_ms is not None:  # the first window re-sized by measured speed: the fast ranks get its rest
+            self.obs.emit({"event": "probe", "ms_per_batch": [round(m, 3) for m in probe_ms],
+                           "counts": self.cycle.counts})
+            self.dispatch.after_finish()
+
+    def _answered(self, r: int) -> None:
+        red = self.cycle.in_flight
+        if red is not None and r in red.members:
+            self.obs.on_answer(r, red.started)
+
+    def on_ack(self, r: int, ack: SyncAck) -> None:
+        self._answered(r)
+        self.cycle.on_ack(r, ack)
+        self.dispatch.on_answer(r)
+        self.try_finish_reduce()
+
+    def on_snapshot(self, r: int, snap: Snapshot) -> None:
+        self._answered(r)
+        self.cycle.on_snapshot(r, snap)
+        self.dispatch.on_answer(r)
+        self.try_finish_reduce()
+
+    def on_metrics(self, r: int, m: ChunkMetrics) -> None:
+        self.dispatch.on_metrics(r, m)
+
+    def on_intent(self, r: int, i: Intent) -> None:
+        """The user's loop asked for an eval or a bundle: folded into the next boundary (an epoch's aggregation
+        for an eval and, in non-progressive modes, a bundle; the next reduce finish for a progressive bundle)."""
+        if i.kind not in INTENT_KINDS:
+            log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
+            return
+        self.obs.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
+        if self.life.phase not in TRAINING_PHASES or not self.intents.ask(i.kind, i.epoch):
+            return  # the run's end (its final eval and bundle) answers it, or a boundary already did
+        if i.kind == "eval" and self.intents.due("eval", self.dispatch.last_aggregated):
+            # its boundary passed before the intent came (a sync loop asks once the next epoch's plan is in):
+            # evaluate now, not an epoch late
+            e = self.dispatch.last_aggregated
+            self.intents.answer("eval", e)
+            if e != self.epochs - 1 and self.evals.pending is None:
+                self._send_eval(e)
+
+    def on_eval(self, r: int, f: EvalResult) -> None:
+        ev = self.evals
+        self.obs.on_eval_result(r, f.epoch, f.final)
+        if not f.final:
+            self.slack.on_elapsed(r, f.elapsed_ms, kind="eval")
+        if not f.final and ev.pending == r:
+            ev.pending = None
+        if f.error:
+            log.warning("eval on rank %d failed: %s", r, f.error)
+            self.obs.set_tags({"eval_error": f.error})
+        metrics = {f"eval/{k}": v for k, v in f.metrics.items()}
+        if metrics:
+            self.obs.log_metrics(metrics, f.epoch)
+        ev.history.append({"epoch": f.epoch, **metrics})
+        self.obs.emit({"event": "eval", "epoch": f.epoch, "final": f.final, **metrics})
+        if f.final:
+            ev.final = metrics
+            ev.final_rank = None
+            self.maybe_complete()
+
+    # -- the tick: steps 5, 8, 10, 11 ----------------------------------------------------
+    def tick(self, *, regrouping: bool = False) -> None:
+        """Training phases: the epoch role, the throttle (5), the reduce gate (8), aggregation (10), the end of
+        training (11). ``regrouping``: the shell is forming a new collective generation (no reduce starts)."""
+        if self.life.phase in TRAINING_PHASES:
+            self.push_epoch_role()                            # the epoch role moved (an election, a death)
+            alive = self.cohort.alive_ranks()
+            self.cycle.throttle(alive, self.dispatch.in_flight)  # 5. max_batch_diff
+            if (not regrouping and self.cycle.in_flight is None and not self.eval_holds_sync()
+                    and not self._gate_blocked(alive) and self.cycle.should_average(alive, self.dispatch.quiesced)):
+                self.fire_reduce()                            # 8. fire a reduce
+            self._aggregate()                                 # 10. aggregate ready epochs
+            if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
+                self.enter(Phase.DRAINING)
+        if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None and not self.eval_holds_sync():
+            self._drain_or_finish()                           # 11. end of run (3.14)
+
+    def _aggregate(self) -> None:
+        while self.life.phase in TRAINING_PHASES:
+            agg = self.dispatch.pop_aggregated()
+            if agg is None:
+                return
+            self._on_epoch_aggregated(agg.epoch, agg.metrics)
+            if self.life.is_(Phase.CHECKPOINTING):
+                return  # the next epoch waits for the bundle
+            self.dispatch.advance()
+
+    def _on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
+        metrics["global_step"] = float(self.cycle.global_step)
+        metrics["alive_ranks"] = float(self.cohort.alive_count())
+        if self.cycle.elche is not None:
+            metrics["anchor"] = float(self.cycle.elche.anchor)
+        self.obs.on_epoch_aggregated(e, metrics)
+        self.outbox.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
+        self.obs.emit({"event": "epoch", "epoch": e,
+                       **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
+        last = e == self.epochs - 1  # the final eval and bundle answer every intent
+        periodic = self.eval_every > 0 and (e + 1) % self.eval_every == 0
+        if (self.intents.due("eval", e) or periodic) and not last and self._send_eval(e):
+            self.intents.answer("eval", e)
+        # (progressive modes take both kinds of bundle at a reduce finish instead: RunHooks.after_reduce)
+        bundle = not last and not self.hooks.progressive_bundles() and (
+            self.intents.due("checkpoint", e) or self.hooks.periodic_bundle_due(e))
+        if bundle or last:
+            self.intents.answer("checkpoint", e)
+        if last:
+            self.intents.answer("eval", e)
+        if bundle:
+            self.hooks.begin_periodic_bundle(e)
+            self.enter(Phase.CHECKPOINTING)
+
+    def _drain_or_finish(self) -> None:
+        """Every epoch aggregated: one last consensus reduce if replicas may differ, then the final eval and bundle."""
+        if self.dispatch.any_in_flight():
+            return  # a dead rank's picks are being retrained: the last reduce waits for them
+        alive = self.cohort.alive_ranks()
+        blended = self.shape.easgd_alpha is not None and not self.evals.final_overwrite_done
+        if self.W > 1 and (blended or self.cycle.any_steps(alive)):
+            self.evals.final_overwrite_done = True
+            self.fire_reduce(final=True)
+        else:
+            self._finish_run()
+
+    # -- evals and the end ---------------------------------------------------------------
+    def _send_eval(self, e: int) -> bool:
+        """A periodic (or asked-for) eval of epoch e on the callback rank; False when that rank is dead. nccl:
+        no collective starts until it answers (``evals.pending``)."""
+        cb = self.cohort.callback_rank
+        if not self.cohort.alive(cb):
+            return False
+        self.evals.pending, self.evals.pending_epoch = cb, e
+        self.obs.on_eval_sent(cb, e)
+        self.outbox.send(cb, ExecuteEval(epoch=e))
+        return True
+
+    def _callback_slack(self) -> dict[int, float]:
+        # The epoch whose last chunk is out; or, when it aggregated before this reduce finished (its chunks
+        # done first, as in nccl cadence), the epoch whose eval is running now: the next window overlaps it.
+        e = self.dispatch.closing_epoch()
+        if e is None and self.evals.pending is not None:
+            e = self.evals.pending_epoch
+        due = self.slack.due(e, self.cohort.callback_rank)
+        for r, ms in due.items():
+            log.info("callback slack: rank %d gets %.0f ms less work in the window of the eval after epoch %s", r, ms, e)
+            self.obs.emit({"event": "callback_slack", "rank": r, "epoch": e, "ms": ms})
+        return due
+
+    def _finish_run(self) -> None:
+        """Every epoch aggregated and the last reduce settled: final eval and bundle, then shutdown."""
+        self.enter(Phase.FINISHING)
+        cb = self.cohort.primary()
+        self.evals.final_rank = cb
+        self.obs.on_eval_sent(cb, self.epochs - 1, final=True)
+        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+        self.hooks.send_final_saves(cb)
+
+    def move_final_eval(self, cb: int) -> None:
+        """The rank running the final eval died: the eval moves to ``cb``."""
+        self.evals.final_rank = cb
+        self.obs.on_eval_sent(cb, self.epochs - 1, final=True)
+        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+
+    def maybe_complete(self) -> bool:
+        """Finishing, the final eval reported and every save settled: the run ends and the ranks are told (True)."""
+        if not (self.life.is_(Phase.FINISHING) and self.evals.final_rank is None and self.hooks.bundles_settled):
+            return False
+        err = self.hooks.complete()
+        if err:  # the final bundle could not be written: the run says so rather than end FINISHED on nothing
+            self.life.end(Status.FAILED, err, end_reason="bundle_failed")
+        else:
+            self.life.end(Status.FINISHED)
+        self.shutdown()
+        return True
+
+    def shutdown(self) -> None:
+        """Tell every rank to go (with the failure, if any); the shell waits for them in SHUTDOWN."""
+        if self.life.ending:
+            return
+        self.enter(Phase.SHUTDOWN)
+        self.life.shutdown_at = self.clock()
+        self.outbox.broadcast(ShutdownMsg(reason=self.life.failure or "completed"))
+
+    # -- scripted events (tests) ----------------------------------------------------------
+    _MESSAGE_HANDLERS: dict[type, str] = {Batch: "on_batch", SyncAck: "on_ack", Snapshot: "on_snapshot",
+                                          ChunkMetrics: "on_metrics", EvalResult: "on_eval", Intent: "on_intent"}
+
+    def on_message(self, r: int, payload: Payload) -> bool:
+        """A rank message the core decides on; False when it is not one (the shell handles it)."""
+        name = self._MESSAGE_HANDLERS.get(type(payload))
+        if name is None:
+            return False
+        getattr(self, name)(r, payload)
+        return True
+
+    def handle(self, event: Event, commands: list[Command]) -> list[Command]:
+        """One event; the commands it caused (those recorded into ``commands`` by a core built with
+        :func:`recording_core`), which the call takes out of the list."""
+        if isinstance(event, RankMessage):
+            self.on_message(event.rank, event.payload)
+        else:
+            self.tick(regrouping=event.regrouping)
+        out = list(commands)
+        commands.clear()
+        return out
+
+
+def recording_core(cfg: Any, clock: Callable[[], float], *, hooks: Optional[RunHooks] = None,
+                   dispatcher: Callable[..., Dispatcher] = Dispatcher) -> tuple[ControlCore, list[Command]]:
+    """A core whose every output is a recorded command (tests, the same-commands check)."""
+    commands: list[Command] = []
+    core = ControlCore.from_config(cfg, outbox_for=lambda cohort: CommandOutbox(cohort, commands), clock=clock,
+                                   observer=RecordingObserver(commands), hooks=hooks, dispatcher=dispatcher)
+    return core, commands
