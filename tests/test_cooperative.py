@@ -1,17 +1,17 @@
-"""The cooperative tier's rules and plumbing without processes: a real RankTrainer and the worker's own
+"""The cooperative tier's rules and plumbing without processes: a real RankTrainer and RankControl's own
 chunk iteration, control from a queued inbox (rank/cooperative.py), and the coordinator's side of intents
 and loop errors (control_fakes.Harness). End to end: test_modes (conformance) and test_e2e_cooperative."""
 from __future__ import annotations
 
 import queue
 import time
-from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from rank_fakes import Sent, rank_control
 
 from flodl_exp.experiment import Experiment
 from flodl_exp.protocol import (
@@ -25,9 +25,9 @@ from flodl_exp.protocol import (
     decode,
     encode,
 )
+from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.cooperative import CooperativeWorker, LoopMisuse, worker
 from flodl_exp.rank.trainer import OptimizerSet, RankTrainer
-from flodl_exp.rank.worker import RankWorker
 
 BATCH = 8
 
@@ -46,14 +46,6 @@ class Points:
         return self.x[idx], self.y[idx]
 
 
-class Sent(list):
-    def send(self, msg: Any) -> None:
-        self.append(decode(msg))
-
-    def of(self, kind: type) -> list[Any]:
-        return [m for m in self if isinstance(m, kind)]
-
-
 class Inbox(queue.Queue):
     """The coordinator's messages, queued; once they are all read, a rank that waits gets Shutdown."""
 
@@ -63,24 +55,25 @@ class Inbox(queue.Queue):
         return super().get(block, timeout)
 
 
-def rank_worker(plans: list[tuple[int, int, int]]) -> RankWorker:
-    """A RankWorker without sockets or threads: ``plans`` (epoch, offset, size) are queued, then a Shutdown."""
+CFG = SimpleNamespace(cluster=SimpleNamespace(heartbeat_timeout_s=4.0))
+"""The part of the rank's config the cooperative handle reads."""
+
+
+def queued_control(plans: list[tuple[int, int, int]]) -> tuple[RankControl, Sent]:
+    """A rank's control over a real RankTrainer, without sockets or threads: ``plans`` (epoch, offset, size) are
+    queued, then a Shutdown. Returns it and what it sent."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     exp = Experiment(model, torch.optim.SGD(model.parameters(), lr=0.1), None, Points(), None, None, None)
-    rw = RankWorker.__new__(RankWorker)
-    rw.trainer = RankTrainer(exp, device=torch.device("cpu"), batch_size=BATCH)
-    rw.cfg = SimpleNamespace(cluster=SimpleNamespace(heartbeat_timeout_s=4.0))  # type: ignore[assignment]
-    rw.rank, rw.world_size, rw.device = 0, 2, torch.device("cpu")
-    rw.conn = Sent()  # type: ignore[assignment]
-    rw.inbox, rw.plans, rw.deferred, rw.unreported = Inbox(), deque(), deque(), deque()
-    rw.stopping = rw.in_regroup_wait = rw.throttled = False
-    rw.chunk, rw.chunk_extra, rw.fault, rw.epoch_fn_done = None, [], None, set()
-    rw.last_coord, rw.coord_timeout = time.monotonic(), 30.0
-    rw._handlers = rw._handler_table()
-    for chunk, (e, off, size) in enumerate(plans):
-        rw.inbox.put(encode(StartEpoch(epoch=e, offset=off, size=size, chunk=chunk)))
-    return rw
+    trainer = RankTrainer(exp, device=torch.device("cpu"), batch_size=BATCH)
+    return rank_control(trainer, messages=[StartEpoch(epoch=e, offset=off, size=size, chunk=chunk)
+                                           for chunk, (e, off, size) in enumerate(plans)], frames=Inbox())
+
+
+def handle(plans: list[tuple[int, int, int]]) -> tuple[CooperativeWorker, RankControl, Sent]:
+    """The loop's ``w`` over :func:`queued_control`'s control."""
+    ctl, sent = queued_control(plans)
+    return CooperativeWorker(ctl, CFG), ctl, sent
 
 
 TWO_EPOCHS = [(0, 0, 32), (0, 32, 32), (1, 0, 64)]
@@ -88,8 +81,7 @@ TWO_EPOCHS = [(0, 0, 32), (0, 32, 32), (1, 0, 64)]
 
 
 def test_a_loop_trains_every_pick_once_and_books_every_step():
-    rw = rank_worker(TWO_EPOCHS)
-    w = CooperativeWorker(rw)
+    w, ctl, sent = handle(TWO_EPOCHS)
     before = w.model.weight.detach().clone()
     seen = []
     for epoch in w.epochs():
@@ -102,27 +94,26 @@ def test_a_loop_trains_every_pick_once_and_books_every_step():
         seen.append((epoch, n))
     w.check_finished()
     assert seen == [(0, 8), (1, 8)]
-    chunks = rw.conn.of(ChunkMetrics)
+    chunks = sent.of(ChunkMetrics)
     assert [(m.epoch, m.chunk, m.batches) for m in chunks] == [(0, 0, 4), (0, 1, 4), (1, 2, 8)]
     assert sorted(tuple(r) for m in chunks[:2] for r in m.ranges) == [(0, 32), (32, 32)]
     assert all(m.avg_loss > 0 for m in chunks)
-    assert len(rw.conn.of(Batch)) == 16 and rw.trainer.steps_since_avg == 16
+    assert len(sent.of(Batch)) == 16 and ctl.trainer.steps_since_avg == 16
     assert not torch.equal(before, w.model.weight)
 
 
 def test_a_step_without_a_loss_is_kept_out_of_the_mean_loss():
-    rw = rank_worker([(0, 0, 16)])
-    w = CooperativeWorker(rw)
+    w, ctl, sent = handle([(0, 0, 16)])
     for _ in w.epochs():
         for i, (x, y) in enumerate(w.batches()):
             loss = torch.nn.functional.cross_entropy(w.model(x), y)
             loss.backward()
             w.step(w.optimizer, loss=2.0 if i == 0 else None)
-    assert rw.conn.of(ChunkMetrics)[0].avg_loss == pytest.approx(2.0)
+    assert sent.of(ChunkMetrics)[0].avg_loss == pytest.approx(2.0)
 
 
 def test_a_missing_step_is_named_at_the_next_batch():
-    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    w, _, _ = handle(TWO_EPOCHS)
     with pytest.raises(LoopMisuse, match=r"w\.step\(\) was not called"):
         for _ in w.epochs():
             for x, _y in w.batches():
@@ -130,7 +121,7 @@ def test_a_missing_step_is_named_at_the_next_batch():
 
 
 def test_stepping_twice_is_named():
-    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    w, _, _ = handle(TWO_EPOCHS)
     with pytest.raises(LoopMisuse, match="already called for this batch"):
         for _ in w.epochs():
             for _batch in w.batches():
@@ -139,7 +130,7 @@ def test_stepping_twice_is_named():
 
 
 def test_an_epoch_left_untrained_is_named():
-    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    w, _, _ = handle(TWO_EPOCHS)
     with pytest.raises(LoopMisuse, match=r"without iterating w\.batches\(\) to its end"):
         for _ in w.epochs():
             for _batch in w.batches():
@@ -148,7 +139,7 @@ def test_an_epoch_left_untrained_is_named():
 
 
 def test_leaving_the_epochs_before_the_run_ends_is_named():
-    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    w, _, _ = handle(TWO_EPOCHS)
     for _ in w.epochs():
         for _batch in w.batches():
             w.step()
@@ -158,7 +149,7 @@ def test_leaving_the_epochs_before_the_run_ends_is_named():
 
 
 def test_batches_outside_epochs_and_a_second_pass_are_named():
-    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    w, _, _ = handle(TWO_EPOCHS)
     with pytest.raises(LoopMisuse, match=r"outside w\.epochs\(\)"):
         next(w.batches())
     for _ in w.epochs():
@@ -169,7 +160,7 @@ def test_batches_outside_epochs_and_a_second_pass_are_named():
 
 
 def test_optimizers_must_be_registered_and_hold_only_replica_parameters():
-    w = CooperativeWorker(rank_worker(TWO_EPOCHS))
+    w, _, _ = handle(TWO_EPOCHS)
     with pytest.raises(LoopMisuse, match="not parameters of w.model"):
         w.setup(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
     stray = torch.optim.SGD(w.model.parameters(), lr=0.1)
@@ -180,7 +171,7 @@ def test_optimizers_must_be_registered_and_hold_only_replica_parameters():
 
 
 def test_two_registered_optimizers_are_one_state_and_both_step():
-    w = CooperativeWorker(rank_worker([(0, 0, 16)]))
+    w, ctl, _ = handle([(0, 0, 16)])
     a = torch.optim.Adam([w.model.weight], lr=0.01)
     b = torch.optim.SGD([w.model.bias], lr=0.1, momentum=0.9)
     w.setup(a, b)
@@ -197,19 +188,18 @@ def test_two_registered_optimizers_are_one_state_and_both_step():
     assert fresh.optimizers[1].state_dict()["state"][0]["momentum_buffer"].equal(b.state_dict()["state"][0]["momentum_buffer"])
     with pytest.raises(ValueError, match="holds 2 optimizer states"):
         OptimizerSet([a]).load_state_dict(state)
-    w._rw.trainer.reset_optimizer_state()  # DiLoCo: every registered optimizer forgets its moments
+    ctl.trainer.reset_optimizer_state()  # DiLoCo: every registered optimizer forgets its moments
     assert not a.state and not b.state
 
 
 def test_a_held_batch_is_reported_once_naming_the_missing_step():
-    rw = rank_worker(TWO_EPOCHS)
-    w = CooperativeWorker(rw)
+    w, ctl, sent = handle(TWO_EPOCHS)
     w.hold_notice_s = 0.05
     epochs = w.epochs()
     next(epochs)
     batches = w.batches()
     next(batches)
-    assert rw.state == "loop"
+    assert ctl.state == "loop"
     time.sleep(0.1)
     notice = w._watch()
     assert isinstance(notice, LoopNotice) and "has not called w.step() yet" in notice.message and notice.held_s >= 0.05
@@ -219,14 +209,13 @@ def test_a_held_batch_is_reported_once_naming_the_missing_step():
 
 
 def test_intents_go_to_the_coordinator_with_the_epoch():
-    rw = rank_worker(TWO_EPOCHS)
-    w = CooperativeWorker(rw)
+    w, ctl, sent = handle(TWO_EPOCHS)
     w.request_checkpoint()
     for _ in w.epochs():
         for _batch in w.batches():
             w.step()
         w.request_eval()
-    assert [(i.kind, i.epoch) for i in rw.conn.of(Intent)] == [("checkpoint", -1), ("eval", 0), ("eval", 1)]
+    assert [(i.kind, i.epoch) for i in sent.of(Intent)] == [("checkpoint", -1), ("eval", 0), ("eval", 1)]
 
 
 def test_worker_outside_a_rank_says_how_to_run_a_loop():
@@ -331,13 +320,12 @@ def _events(h: Any) -> list[dict[str, Any]]:
 def test_an_error_of_flodls_side_is_a_lost_rank_and_the_loops_own_fails_the_run(monkeypatch):
     from flodl_exp.rank.cooperative import is_loop_error
 
-    rw = rank_worker(TWO_EPOCHS)
-    w = CooperativeWorker(rw)
+    w, ctl, sent = handle(TWO_EPOCHS)
 
     def broken_book(*a: Any, **k: Any) -> None:
         raise RuntimeError("collective failed and no regroup arrived")
 
-    monkeypatch.setattr(rw, "book_step", broken_book)
+    monkeypatch.setattr(ctl, "book_step", broken_book)
     with pytest.raises(RuntimeError) as ei:
         for _ in w.epochs():
             for _batch in w.batches():
@@ -347,8 +335,8 @@ def test_an_error_of_flodls_side_is_a_lost_rank_and_the_loops_own_fails_the_run(
 
 
 def test_setup_scales_each_learning_rate_once():
-    rw = rank_worker(TWO_EPOCHS)
-    model = rw.trainer.model
+    ctl, _ = queued_control(TWO_EPOCHS)
+    model = ctl.trainer.model
     tr = RankTrainer(Experiment(model, torch.optim.SGD(model.parameters(), lr=0.1), None, Points(), None, None, None),
                      device=torch.device("cpu"), world_size=3, lr_scale_ratio=1.0, batch_size=BATCH)
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.3)
@@ -377,7 +365,7 @@ def test_a_resumed_loop_gets_the_state_of_both_its_optimizers(tmp_path):
     def two(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
         return [torch.optim.Adam([model.weight], lr=0.01), torch.optim.SGD([model.bias], lr=0.1, momentum=0.9)]
 
-    first = CooperativeWorker(rank_worker([(0, 0, 16)]))
+    first, _, _ = handle([(0, 0, 16)])
     opts = two(first.model)
     first.setup(*opts)
     for _ in first.epochs():
@@ -387,12 +375,12 @@ def test_a_resumed_loop_gets_the_state_of_both_its_optimizers(tmp_path):
     stem = str(tmp_path / "b")
     save_rank_pieces(stem, first.model, first.optimizer, rank=0, primary=True, write_model=True)
 
-    rw = rank_worker([(0, 0, 16)])
-    rw.resume_stem = stem
-    resumed = CooperativeWorker(rw)
+    ctl, _ = queued_control([(0, 0, 16)])
+    ctl.resume_stem = stem
+    resumed = CooperativeWorker(ctl, CFG)
     fresh = two(resumed.model)
     resumed.setup(*fresh)
     assert not fresh[1].state
     next(resumed.epochs())
     assert fresh[1].state_dict()["state"][0]["momentum_buffer"].equal(opts[1].state_dict()["state"][0]["momentum_buffer"])
-    assert rw.resume_stem is None, "loaded once"
+    assert ctl.resume_stem is None, "loaded once"

@@ -3,45 +3,31 @@ it, every rank hears EpochAggregated, and a pinned callback rank keeps its eval 
 while the checkpoint role fails over."""
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
 from control_fakes import Harness
+from rank_fakes import rank_control
 
 from flodl_exp.control.cohort import Cohort
-from flodl_exp.protocol import EpochAggregated, EpochFnResult, SetEpochRole, decode
-
-
-class _Conn:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, msg) -> None:
-        self.sent.append(decode(msg))
+from flodl_exp.protocol import EpochAggregated, EpochFnResult, SetEpochRole
 
 
 def _rank(fn, rank: int = 1):
-    from flodl_exp.rank.worker import RankWorker
-
-    w = RankWorker.__new__(RankWorker)
-    w.rank, w.conn, w.epoch_fn_done, w.last_epoch_metrics = rank, _Conn(), set(), {}
-    w.trainer = SimpleNamespace(exp=SimpleNamespace(epoch_fn=fn), model="the model")  # type: ignore[assignment]
-    w.plans = deque()
-    w._handlers = w._handler_table()
-    return w
+    trainer = SimpleNamespace(exp=SimpleNamespace(epoch_fn=fn), model="the model")
+    return rank_control(trainer, rank=rank)
 
 
 def test_the_epoch_role_rank_runs_the_hook_once_per_epoch_with_the_last_aggregate():
     calls: list = []
-    w = _rank(lambda e, m, last: calls.append((e, m, last)) or {"x": 2, "flag": True, "name": "skip"})
+    w, sent = _rank(lambda e, m, last: calls.append((e, m, last)) or {"x": 2, "flag": True, "name": "skip"})
     w._maybe_epoch_fn(0)
-    assert calls == [] and w.conn.sent == [], "not the epoch-role rank yet"
+    assert calls == [] and sent == [], "not the epoch-role rank yet"
     w.handle(SetEpochRole(rank=1))
     w.handle(EpochAggregated(epoch=0, metrics={"loss": 0.5}))
     w._maybe_epoch_fn(1)
     w._maybe_epoch_fn(1)  # a second chunk of the same epoch
     assert calls == [(1, "the model", {"loss": 0.5})]
-    (res,) = w.conn.sent
+    (res,) = sent
     assert isinstance(res, EpochFnResult) and res.epoch == 1 and res.metrics == {"x": 2.0} and res.error is None
     assert res.elapsed_ms >= 0 and w.callback_ms >= res.elapsed_ms
 
@@ -50,10 +36,10 @@ def test_a_failing_hook_is_reported_not_fatal():
     def boom(e, m, last):
         raise ValueError("bad hook")
 
-    w = _rank(boom, rank=0)
+    w, sent = _rank(boom, rank=0)
     w.handle(SetEpochRole(rank=0))
     w._maybe_epoch_fn(3)
-    (res,) = w.conn.sent
+    (res,) = sent
     assert res.error == "ValueError: bad hook" and res.metrics == {}
 
 
@@ -84,7 +70,7 @@ def test_a_pinned_callback_rank_keeps_its_roles_dead_and_the_checkpoint_role_fai
 
 def test_a_role_that_moves_mid_run_starts_after_the_newest_epoch_begun(tmp_path):
     calls: list = []
-    w = _rank(lambda e, m, last: calls.append(e))
+    w, _ = _rank(lambda e, m, last: calls.append(e))
     w.handle(SetEpochRole(rank=1, from_epoch=2))
     w._maybe_epoch_fn(1)  # the old holder may have run epoch 1's hook: never twice
     w._maybe_epoch_fn(2)
@@ -93,6 +79,6 @@ def test_a_role_that_moves_mid_run_starts_after_the_newest_epoch_begun(tmp_path)
     h.start(samples=960)
     h.co.dispatch.rank_epoch[0] = 1  # rank 0 began epoch 1
     h.co.cohort.callback_rank = 1  # the election moved the role
-    h.co._push_epoch_role()
+    h.co.core.push_epoch_role()
     (moved,) = {p.from_epoch for _, p in h.transport.take(SetEpochRole)}
     assert moved == 2

@@ -8,13 +8,12 @@ host buffer.
 """
 from __future__ import annotations
 
-import queue
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
 import torch
 from control_fakes import Harness
+from rank_fakes import rank_control
 
 from flodl_exp.config import ConfigError, validate
 from flodl_exp.control.devices import CollectiveRefused, RankDevice, choose_collective, shared_devices
@@ -29,10 +28,10 @@ from flodl_exp.protocol import (
     Shutdown,
     StartEpoch,
     SyncNow,
-    encode,
 )
 from flodl_exp.rank.backends import CollectiveBackend, CollectiveInterrupted, CollectiveTimeout, CoordinatorBackend
-from flodl_exp.rank.worker import RankWorker, pick_device, requested_device
+from flodl_exp.rank.control import RankControl
+from flodl_exp.rank.worker import pick_device, requested_device
 
 
 def _gpu(rank: int, uuid: str | None, host: str = "n1", index: int = 0) -> RankDevice:
@@ -204,30 +203,22 @@ def test_nccl_is_refused_for_a_cpu_rank():
 
 
 # ---------------------------------------------------------------- the rank's side
-def _rank(messages: list) -> RankWorker:
-    w = RankWorker.__new__(RankWorker)
-    w.rank, w.stopping, w.coord_timeout, w.last_coord = 1, False, 30.0, 1e18
-    w.inbox = queue.Queue()
-    for m in messages:
-        w.inbox.put(encode(m))
-    w.deferred, w.pending_regroup, w.in_regroup_wait = deque(), None, False
-    w.plans = deque()
-    w.trainer = SimpleNamespace(global_step=0)  # type: ignore[assignment]
+def _rank(messages: list) -> tuple[RankControl, list]:
+    """Rank 1 of a formed group with ``messages`` queued; returns its control and the rebuilds it asked for."""
+    w, _ = rank_control(SimpleNamespace(global_step=0), messages=messages, rank=1)
     rebuilt: list = []
     w.collective = SimpleNamespace(rebuild=lambda *a: rebuilt.append(a))  # type: ignore[assignment]
-    w.rebuilt = rebuilt  # type: ignore[attr-defined]
-    w._handlers = w._handler_table()
-    return w
+    return w, rebuilt
 
 
 def test_a_regroup_mid_collective_ends_the_wait_and_is_handled_by_the_retry():
     regroup = Regroup(generation=1, new_rank=0, world_size=2, ranks=[1, 2], session="s1")
-    w = _rank([CoordHeartbeat(), StartEpoch(epoch=0, offset=0, size=8, chunk=3), regroup])
+    w, rebuilt = _rank([CoordHeartbeat(), StartEpoch(epoch=0, offset=0, size=8, chunk=3), regroup])
     with pytest.raises(CollectiveInterrupted):
         w._poll_during_collective()
-    assert w.pending_regroup == regroup and list(w.deferred) == [StartEpoch(epoch=0, offset=0, size=8, chunk=3)]
+    assert w.pending_regroup == regroup and list(w.inbox.deferred) == [StartEpoch(epoch=0, offset=0, size=8, chunk=3)]
     assert w._await_regroup(deadline_s=1.0)
-    assert w.rebuilt == [(1, 0, 2, "s1")] and list(w.deferred), "other work waits its turn"
+    assert rebuilt == [(1, 0, 2, "s1")] and list(w.inbox.deferred), "other work waits its turn"
 
 
 def test_a_newer_regroup_while_one_forms_is_formed_instead():
@@ -235,7 +226,7 @@ def test_a_newer_regroup_while_one_forms_is_formed_instead():
     the store) hears of generation 2. That regroup ends the wait and is formed; the interrupt no longer escapes
     the handler and ends the rank (it did in the two-node SLURM test)."""
     second = Regroup(generation=2, new_rank=0, world_size=2, ranks=[0, 1], session="s2")
-    w = _rank([])
+    w, _ = _rank([])
     calls: list = []
 
     def rebuild(*a):
@@ -250,16 +241,16 @@ def test_a_newer_regroup_while_one_forms_is_formed_instead():
 
 
 def test_a_shutdown_mid_collective_stops_the_rank():
-    w = _rank([Shutdown(reason="done")])
+    w, _ = _rank([Shutdown(reason="done")])
     with pytest.raises(CollectiveInterrupted):
         w._poll_during_collective()
     assert w.stopping
 
 
 def test_nothing_queued_keeps_the_collective_waiting():
-    w = _rank([])
+    w, _ = _rank([])
     w._poll_during_collective()
-    assert w.pending_regroup is None and not w.deferred
+    assert w.pending_regroup is None and not w.inbox.deferred
 
 
 # ---------------------------------------------------------------- devices and launch

@@ -200,21 +200,20 @@ def test_the_epoch_records_the_mean_step_and_the_last_momentum():
 
 # ---------------------------------------------------------------- the rank's side
 def test_diloco_resets_the_inner_optimizer_after_each_adoption_and_slowmo_does_not():
+    from rank_fakes import rank_control
+
+    from flodl_exp.experiment import Experiment
     from flodl_exp.rank.trainer import RankTrainer
-    from flodl_exp.rank.worker import RankWorker
 
     for spec, cleared in ((DILOCO, True), (SLOWMO, False)):
         model = torch.nn.Linear(3, 1)
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         model(torch.randn(4, 3)).sum().backward()
         opt.step()
-        w = RankWorker.__new__(RankWorker)
-        w.outer_spec = spec
-        w.trainer = RankTrainer.__new__(RankTrainer)
-        w.trainer.model, w.trainer.optimizer, w.trainer.steps_since_avg = model, opt, 2
-        w.cpu = SimpleNamespace(adopt_update=lambda *a: None)
-        w.awaiting_update = w.throttled = False
-        w._on_update(Update(n=2, tensors={"p0": torch.zeros(1, 3), "p1": torch.zeros(1)}))
+        exp = Experiment(model, opt, lr_factor=None, train_data=range(8), eval_data=None, train_step=None, eval_fn=None)
+        trainer = RankTrainer(exp, device=torch.device("cpu"))  # the real reset of the inner optimizer's state
+        ctl, _ = rank_control(trainer, outer_spec=spec, cpu=SimpleNamespace(adopt_update=lambda *a: None))
+        ctl.handle(Update(n=2, tensors={"p0": torch.zeros(1, 3), "p1": torch.zeros(1)}))
         assert (len(opt.state) == 0) == cleared, spec.kind
         assert opt.param_groups[0]["lr"] == 0.01  # the schedule's state is not the optimizer's moments
 
@@ -258,63 +257,50 @@ def test_the_nccl_path_replicates_the_outer_step_identically(master_store):
 
 
 # ---------------------------------------------------------------- the bundle sidecar
-class _Conn:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, msg) -> None:
-        from flodl_exp.protocol import decode
-
-        self.sent.append(decode(msg))
-
-
 def _nccl_rank(spec: OuterSpec = SLOWMO, windows: int = 3, reduced: bool = True):
     """A rank of an nccl cohort, as far as the outer optimizer goes: a two-parameter model, its outer state
-    stepped over ``windows`` consensus frames, a collective that says whether the last sync averaged."""
-    from flodl_exp.rank.worker import RankWorker
+    stepped over ``windows`` consensus frames, a collective that says whether the last sync averaged.
+    Returns the rank's control, what it sent, and the count of inner-optimizer resets."""
+    from rank_fakes import rank_control
 
     model = torch.nn.Linear(1, 2)  # parameters of shape (2, 1) and (2,)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0], [2.0]]))
         model.bias.copy_(torch.tensor([0.5, 0.25]))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    w = RankWorker.__new__(RankWorker)
-    w.rank, w.conn, w.last_consensus, w.device = 0, _Conn(), {}, torch.device("cpu")
-    w.outer_spec, w.outer = spec, OuterOptimizer(spec)
     resets: list[int] = []
-    w.trainer = SimpleNamespace(model=model, optimizer=opt, global_step=0,  # type: ignore[assignment]
-                                reset_optimizer_state=lambda: resets.append(1))
-    w.resets = resets  # type: ignore[attr-defined]
-    w.collective = SimpleNamespace(reduced=reduced)  # type: ignore[assignment]
+    trainer = SimpleNamespace(model=model, optimizer=opt, global_step=0, reset_optimizer_state=lambda: resets.append(1))
+    w, sent = rank_control(trainer, outer_spec=spec, outer=OuterOptimizer(spec))
+    w.collective = SimpleNamespace(reduced=reduced)  # type: ignore[assignment]  # the group formed, as far as the step asks
     for cons in _windows()[:windows]:
         w.outer.step([cons[0].reshape(2, 1), cons[1].repeat(2)])
-    return w
+    return w, sent, resets
 
 
 def test_the_rank_steps_only_after_a_sync_that_averaged_and_diloco_resets_the_inner_optimizer():
-    w = _nccl_rank(DILOCO, windows=1, reduced=False)
+    w, _, resets = _nccl_rank(DILOCO, windows=1, reduced=False)
     before = [p.detach().clone() for p in w.trainer.model.parameters()]
-    assert w._outer_step() is None and w.resets == []  # nobody moved: no step, no reset
+    assert w._outer_step() is None and resets == []  # nobody moved: no step, no reset
     assert all(torch.equal(a, b) for a, b in zip(before, w.trainer.model.parameters()))
     w.collective.reduced = True
     ref = OuterOptimizer(DILOCO)
     ref.step([_windows()[0][0].reshape(2, 1), _windows()[0][1].repeat(2)])
     want, _ = ref.step([p.detach().clone() for p in w.trainer.model.parameters()])
     step = w._outer_step()
-    assert step is not None and step.step_norm > 0 and w.resets == [1]
+    assert step is not None and step.step_norm > 0 and resets == [1]
     assert all(torch.allclose(a, b) for a, b in zip(w.trainer.model.parameters(), want))
-    assert _nccl_rank(SLOWMO, windows=0)._outer_step() is None, "the seeding window reports no step"
+    assert _nccl_rank(SLOWMO, windows=0)[0]._outer_step() is None, "the seeding window reports no step"
 
 
 def test_an_nccl_rank_resumes_its_outer_state_from_the_sidecar(tmp_path):
     from flodl_exp import checkpoint as ck
 
-    saved = _nccl_rank(SLOWMO)
+    saved, _, _ = _nccl_rank(SLOWMO)
     stem = str(tmp_path / "b")
     ck.save_rank_pieces(stem, saved.trainer.model, saved.trainer.optimizer, rank=0, primary=True, write_model=True,
                         outer_state=saved.outer.state_dict())
-    w = _nccl_rank(SLOWMO, windows=0)
-    w.resume_from({"resume": {"stem": stem, "meta": {"global_step": 5}}})
+    w, _, _ = _nccl_rank(SLOWMO, windows=0)
+    w.resume_from({"stem": stem, "meta": {"global_step": 5}})
     assert w.trainer.global_step == 5 and w.outer.momentum_norm() == pytest.approx(saved.outer.momentum_norm())
     assert all(torch.equal(a, b) for a, b in zip(w.outer.momentum, saved.outer.momentum))
     assert all(torch.equal(a, b) for a, b in zip(w.outer.prev, saved.outer.prev))
@@ -337,11 +323,11 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
             holder.step(cons)
     stem = h.co.writer.stem
     evals, saves = h.final_saves()
-    if mode == "nccl_sync":  # the rank that writes the model writes its replicated optimizer (RankWorker._save)
-        w = _nccl_rank()
+    if mode == "nccl_sync":  # the rank that writes the model writes its replicated optimizer (RankControl._save)
+        w, sent, _ = _nccl_rank()
         holder = w.outer
-        w._save(next(p for _, p in saves if p.model))
-        assert isinstance(w.conn.sent[-1], SaveResult) and w.conn.sent[-1].error is None
+        w.handle(next(p for _, p in saves if p.model))
+        assert isinstance(sent[-1], SaveResult) and sent[-1].error is None
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))

@@ -2,11 +2,11 @@
 with no separate StartEpoch; everything else keeps its order behind the update."""
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
 import torch
 from control_fakes import BATCH, Harness
+from rank_fakes import rank_control
 
 from flodl_exp.control.channels import Outbox
 from flodl_exp.protocol import ExtendPartition, RequestParams, Save, SetGlobalStep, StartEpoch, Update, decode
@@ -69,13 +69,9 @@ def test_a_cpu_cadence_reduce_sends_each_rank_one_update_carrying_its_next_chunk
 
 
 def test_the_rank_takes_the_folded_chunk_as_its_next_plan():
-    from flodl_exp.rank.worker import RankWorker
-
-    w = RankWorker.__new__(RankWorker)
-    w.trainer = SimpleNamespace(steps_since_avg=4)  # type: ignore[assignment]
-    w.cpu = SimpleNamespace(adopt_update=lambda *a: None)  # type: ignore[assignment]
-    w.plans, w.rank, w.awaiting_update, w.throttled = deque(), 0, True, False
-    w._on_update(Update(n=4, skip=True, next_plan=[2, 128, 64, 5]))
-    assert list(w.plans) == [StartEpoch(epoch=2, offset=128, size=64, chunk=5)] and not w.awaiting_update
-    w._on_update(Update(n=0, skip=True, next_plan=[1, "x", 3, 4]))  # type: ignore[list-item]
-    assert len(w.plans) == 1, "a malformed folded plan is dropped"
+    ctl, _ = rank_control(SimpleNamespace(steps_since_avg=4))
+    ctl.awaiting_update = True
+    ctl.handle(Update(n=4, skip=True, next_plan=[2, 128, 64, 5]))
+    assert list(ctl.plans) == [StartEpoch(epoch=2, offset=128, size=64, chunk=5)] and not ctl.awaiting_update
+    ctl.handle(Update(n=0, skip=True, next_plan=[1, "x", 3, 4]))  # type: ignore[list-item]
+    assert len(ctl.plans) == 1, "a malformed folded plan is dropped"

@@ -10,7 +10,7 @@
 
 Nothing changes for the coordinator: it hands out chunks, reduces, throttles and shuts down as in the
 managed tier. The rank's lifecycle is the managed loop's, turned inside out: ``w.batches()`` is
-``RankWorker.chunk_batches`` (control, collectives and averaging run while the next item is fetched,
+``RankControl.chunk_batches`` (control, collectives and averaging run while the next item is fetched,
 never inside the user's code) and ``w.step`` is the managed step's bookkeeping (timing, the window count,
 the Batch report, the fault hook). The rules (README, "Your own training loop"): one ``w.step`` per item of
 ``w.batches()``; every ``w.batches()`` iterated to its end; ``w.epochs()`` iterated until it ends (it ends
@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..protocol import Intent, LoopNotice, encode
+from ..protocol import Intent, LoopNotice
 from ..scalars import record_scalar as _record_scalar
 from .trainer import Batch, OptimizerSet
 
 if TYPE_CHECKING:
-    from .worker import RankWorker
+    from .control import RankControl
 
 
 class LoopMisuse(RuntimeError):
@@ -128,7 +128,8 @@ def worker(cfg: Any = None) -> Iterator[CooperativeWorker]:
     except BaseException as e:  # no coordinator to tell (it never said hello): kept for run_loop's message
         ctx.error = e
         raise
-    w = CooperativeWorker(rw)
+    w = CooperativeWorker(rw.control, rw.cfg)
+    rw.loop_watch = w._watch  # the heartbeat thread asks it (the user's handle keeps it private)
     try:
         yield w
         w.check_finished()
@@ -156,11 +157,15 @@ class _Held:
 
 
 class CooperativeWorker:
-    """The handle the user's loop drives (``w``): the replica, its batches, and the step that books them."""
+    """The handle the user's loop drives (``w``): the replica, its batches, and the step that books them.
 
-    def __init__(self, rw: RankWorker) -> None:
-        self._rw = rw
-        self._registered = {id(rw.trainer.optimizer)}
+    ``ctl``: the rank's control (rank/control.py), which trains the chunks and handles control between
+    batches; ``cfg``: the rank's config (``w.cfg``). No socket here: :func:`worker` wires the I/O shell."""
+
+    def __init__(self, ctl: RankControl, cfg: Any) -> None:
+        self._ctl = ctl
+        self._cfg = cfg
+        self._registered = {id(ctl.trainer.optimizer)}
         """``id()`` of each optimizer the loop may pass to ``w.step`` (``w.setup``'s, else ``w.optimizer``)."""
         self._started = False
         self._epoch: Optional[int] = None
@@ -169,36 +174,35 @@ class CooperativeWorker:
         self._stepped_at: Optional[float] = None
         self._resumed_at = 0.0
         """When the last ``w.step`` ended: the loop's code from then to its next item is part of the next step."""
-        self.hold_notice_s = float(rw.cfg.cluster.heartbeat_timeout_s) / 2
+        self.hold_notice_s = float(cfg.cluster.heartbeat_timeout_s) / 2
         """A batch held this long without ``w.step()`` is reported (well inside the heartbeat timeout)."""
-        rw.loop_watch = self._watch
 
     # -- what the loop reads ------------------------------------------------
     @property
     def model(self) -> torch.nn.Module:
         """The rank's replica (the experiment's model, identical on every rank at the start)."""
-        return self._rw.trainer.model
+        return self._ctl.trainer.model
 
     @property
     def optimizer(self) -> Any:
         """The experiment's optimizer (or what ``w.setup`` registered)."""
-        return self._rw.trainer.optimizer
+        return self._ctl.trainer.optimizer
 
     @property
     def cfg(self) -> Any:
-        return self._rw.cfg
+        return self._cfg
 
     @property
     def rank(self) -> int:
-        return self._rw.rank
+        return self._ctl.rank
 
     @property
     def world_size(self) -> int:
-        return self._rw.world_size
+        return self._ctl.world_size
 
     @property
     def device(self) -> torch.device:
-        return self._rw.device
+        return self._ctl.device
 
     @property
     def epoch(self) -> Optional[int]:
@@ -208,7 +212,7 @@ class CooperativeWorker:
     @property
     def global_step(self) -> int:
         """Batches the whole cohort trained up to the last reduce."""
-        return self._rw.trainer.global_step
+        return self._ctl.trainer.global_step
 
     # -- setup ----------------------------------------------------------------
     def setup(self, *optimizers: torch.optim.Optimizer) -> None:
@@ -226,7 +230,7 @@ class CooperativeWorker:
                 raise LoopMisuse(f"w.setup(): an optimizer ({type(o).__name__}) holds {len(foreign)} tensor(s) that are "
                                  "not parameters of w.model: only the replica's parameters are averaged")
         self._registered = {id(o) for o in optimizers}
-        self._rw.trainer.use_optimizer(optimizers[0] if len(optimizers) == 1 else OptimizerSet(list(optimizers)))
+        self._ctl.trainer.use_optimizer(optimizers[0] if len(optimizers) == 1 else OptimizerSet(list(optimizers)))
 
     # -- the loop -----------------------------------------------------------
     def epochs(self) -> Iterator[int]:
@@ -235,18 +239,18 @@ class CooperativeWorker:
         if self._started:
             raise LoopMisuse("w.epochs() was already iterated: iterate it once per run")
         self._started = True
-        rw = self._rw
+        ctl = self._ctl
         with _rank_side():
-            rw.load_resumed_optimizer()
+            ctl.load_resumed_optimizer()
         while True:
             with _rank_side():
-                if not rw.plans:
-                    rw.wait_until(lambda: bool(rw.plans))
-            if rw.stopping:
+                if not ctl.plans:
+                    ctl.wait_until(lambda: bool(ctl.plans))
+            if ctl.stopping:
                 break
-            self._epoch, self._epoch_done = rw.plans[0].epoch, False
+            self._epoch, self._epoch_done = ctl.plans[0].epoch, False
             yield self._epoch
-            if not self._epoch_done and not rw.stopping:
+            if not self._epoch_done and not ctl.stopping:
                 raise LoopMisuse(f"the loop moved past epoch {self._epoch} without iterating w.batches() to its end: "
                                  "every pick of an epoch is trained (the coordinator counts them)")
         self._epoch = None
@@ -258,16 +262,16 @@ class CooperativeWorker:
             raise LoopMisuse("w.batches() outside w.epochs(): iterate it inside `for epoch in w.epochs():`")
         if self._epoch_done:
             raise LoopMisuse(f"w.batches() of epoch {self._epoch} was already iterated to its end")
-        rw, e = self._rw, self._epoch
-        with rw.doing("train"):
+        ctl, e = self._ctl, self._epoch
+        with ctl.doing("train"):
             while True:
                 with _rank_side():
-                    if not rw.plans:
-                        rw.wait_until(lambda: bool(rw.plans))
-                if rw.stopping or rw.plans[0].epoch != e:
+                    if not ctl.plans:
+                        ctl.wait_until(lambda: bool(ctl.plans))
+                if ctl.stopping or ctl.plans[0].epoch != e:
                     break
-                plan = rw.plans.popleft()
-                batches = rw.chunk_batches(plan)
+                plan = ctl.plans.popleft()
+                batches = ctl.chunk_batches(plan)
                 while True:
                     with _rank_side():
                         batch = next(batches, None)
@@ -275,7 +279,7 @@ class CooperativeWorker:
                         break
                     yield self._hand_out(batch, plan.chunk)
                     self._resumed_at = time.perf_counter()
-                    rw.state = "train"
+                    ctl.state = "train"
                     if self._held is not None:
                         raise LoopMisuse(f"w.step() was not called for a batch of epoch {e}: call it once per item of "
                                          "w.batches(), after the backward (it steps the optimizers and books the step)")
@@ -283,7 +287,7 @@ class CooperativeWorker:
 
     def _hand_out(self, batch: Batch, chunk: int) -> Any:
         """Open the batch's step: its timing (with the loop's code since its last ``w.step``), the LR, no grads."""
-        tr = self._rw.trainer
+        tr = self._ctl.trainer
         t0, event = tr.begin_step()
         gap_s = 0.0 if self._stepped_at is None else max(0.0, self._resumed_at - self._stepped_at)
         self._stepped_at = None
@@ -291,7 +295,7 @@ class CooperativeWorker:
         self._held = _Held(batch, chunk, (t0, event) if on_device else (t0 - gap_s, event), time.monotonic(),
                            host_extra_ms=gap_s * 1e3 if on_device else 0.0)
         self.model.zero_grad(set_to_none=True)
-        self._rw.state = "loop"
+        self._ctl.state = "loop"
         return batch.data
 
     def step(self, *optimizers: torch.optim.Optimizer, loss: Any = None) -> None:
@@ -302,12 +306,12 @@ class CooperativeWorker:
         if held is None:
             raise LoopMisuse("w.step() without a batch to book: it was already called for this batch, or it is "
                              "outside `for batch in w.batches():` (one w.step() per item)")
-        self._rw.state = "train"  # the loop is back in flodl's hands: a hang from here is not a missing w.step
+        self._ctl.state = "train"  # the loop is back in flodl's hands: a hang from here is not a missing w.step
         for o in optimizers:
             if id(o) not in self._registered:
                 raise LoopMisuse(f"w.step() got an optimizer ({type(o).__name__}) that w.setup() did not register: "
                                  "register every optimizer the loop steps with w.setup(...) first (bundles save them)")
-        tr = self._rw.trainer
+        tr = self._ctl.trainer
         if optimizers:
             tr.clip_grads()
             for o in optimizers:
@@ -318,7 +322,7 @@ class CooperativeWorker:
             value = (loss.detach().reshape(()) if isinstance(loss, torch.Tensor)
                      else torch.tensor(float(loss), device=self.device))
         with _rank_side():
-            self._rw.book_step(held.batch, tr.end_step(held.started, value, held.host_extra_ms), held.chunk)
+            self._ctl.book_step(held.batch, tr.end_step(held.started, value, held.host_extra_ms), held.chunk)
         self._stepped_at = time.perf_counter()
 
     # -- intents and metrics --------------------------------------------------
@@ -331,7 +335,7 @@ class CooperativeWorker:
         self._intent("checkpoint")
 
     def _intent(self, kind: str) -> None:
-        self._rw.conn.send(encode(Intent(kind=kind, epoch=self._epoch if self._epoch is not None else -1)))
+        self._ctl.send(Intent(kind=kind, epoch=self._epoch if self._epoch is not None else -1))
 
     @staticmethod
     def record_scalar(name: str, value: float) -> None:
@@ -343,7 +347,7 @@ class CooperativeWorker:
         """At the end of the ``with`` block: the loop ran until the run ended."""
         if self._held is not None:
             raise LoopMisuse("the loop ended with a batch it never stepped: call w.step() once per item of w.batches()")
-        if not self._rw.stopping:
+        if not self._ctl.stopping:
             where = f" at epoch {self._epoch}" if self._epoch is not None else ""
             raise LoopMisuse(f"the loop left w.epochs(){where} before the coordinator ended the run: iterate "
                              "w.epochs() until it ends (it ends when the run does)")

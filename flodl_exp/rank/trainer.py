@@ -1,7 +1,7 @@
 """The rank's training primitives: begin_epoch -> (next_batch -> train_step -> after_step)* -> end_epoch.
 
 One replica, its optimizer and its data; no sockets. The managed loop in
-``rank/worker.py`` drives these between control messages, and tests drive
+``rank/control.py`` drives these between control messages, and tests drive
 them directly. Timing follows the reference ledger: ``compute`` is the
 train-step wall (including the simulated slowdown of ``rank_speeds``),
 ``data`` the wall blocked waiting for a batch (control work handled while

@@ -1,0 +1,580 @@
+"""A rank's control state and its handler of every coordinator message, apart from the socket.
+
+    wait for plan -> begin_epoch -> (next_batch -> train_step -> after_step)* -> end_epoch
+
+:class:`RankControl` owns what the managed loop and the cooperative tier train from: the plans the
+coordinator handed out, the running chunk, the throttle and barrier flags, the collective group, the last
+consensus, the trained steps not reported yet. Control messages are handled between batches (never while a
+collective could deadlock): start_epoch, extend_partition, form_group, regroup, sync_now, request_params,
+update, set_global_step, throttle, execute_eval, set_epoch_role, epoch_aggregated, stage_advisory, save,
+request_session, evict, shutdown. The rank is mode-agnostic: policies live in the coordinator.
+
+It sends through a ``send(payload)`` function and reads from a :class:`~flodl_exp.rank.inbox.ControlInbox`;
+it opens no socket, starts no thread and says no hello, so its tests build it directly (a list's ``append``
+for ``send``, a queue for the inbox). The I/O shell, :class:`flodl_exp.rank.worker.RankWorker`, dials and
+handshakes, builds the replica and this object, and runs the reader and heartbeat threads.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..averaging import consensus_state, float_buffers
+from ..outer import OuterOptimizer, OuterSpec, OuterStep
+from ..protocol import Batch as BatchReport
+from ..protocol import (
+    CoordHeartbeat,
+    EpochAggregated,
+    EpochFnResult,
+    EvalResult,
+    Evict,
+    ExecuteEval,
+    ExtendPartition,
+    FormGroup,
+    Payload,
+    Regroup,
+    RequestParams,
+    RequestSession,
+    Save,
+    SaveResult,
+    SessionReady,
+    SetEpochRole,
+    SetGlobalStep,
+    Shutdown,
+    StageAdvisory,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+)
+from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend
+from .fault_inject import ARMED_KINDS, fire_armed, inject_fault
+from .inbox import ControlInbox
+from .trainer import Batch as BatchData
+from .trainer import EpochState, PendingStep, RankTrainer
+
+log = logging.getLogger("flodl_exp.rank")
+
+GroupJoiner = Callable[[FormGroup, Callable[[], None]], CollectiveBackend]
+"""Forms the cohort's process group for a FormGroup, calling the poll (control) while it waits on its members."""
+
+
+class Evicted(RuntimeError):
+    """The coordinator declared this rank dead (its main thread made no progress)."""
+
+
+class RankControl:
+    """The rank's control state and message handlers; see the module docstring.
+
+    ``send``: a payload to the coordinator. ``inbox``: the coordinator's messages. ``trainer``: the replica,
+    its optimizer and its data (rank/trainer.py). ``gamma``: the collective average's mass exponent
+    (``mode.gamma``). ``outer_spec``/``outer``: the run's outer optimizer, and on the nccl backend its
+    replicated state (cpu: it runs at the coordinator, ``outer`` is None). ``cpu``: the snapshot/update
+    codec of the cpu backend. ``join_group``: forms the process group a FormGroup names (None: this rank
+    cannot join one). ``fault``: an injected fault (step, kind) from ``FLODL_FAULT_INJECT``."""
+
+    def __init__(self, send: Callable[[Payload], None], inbox: ControlInbox, trainer: RankTrainer, *, rank: int,
+                 world_size: int, device: torch.device, gamma: float = 1.0, outer_spec: Optional[OuterSpec] = None,
+                 outer: Optional[OuterOptimizer] = None, cpu: Optional[CoordinatorBackend] = None,
+                 join_group: Optional[GroupJoiner] = None, fault: Optional[tuple[int, str]] = None) -> None:
+        self.send = send
+        self.inbox = inbox
+        self.trainer = trainer
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.gamma = gamma
+        self.outer_spec = outer_spec if outer_spec is not None else OuterSpec()
+        self.outer = outer
+        self.cpu = cpu if cpu is not None else CoordinatorBackend()
+        self._join_group = join_group
+        self.fault = fault
+        self.state = "wait"
+        """What the main thread is doing, for the heartbeat: train | collective | eval | save | wait | callback | loop."""
+        self.stopping = False
+        self.throttled = False
+        self.awaiting_update = False
+        self.plans: deque[StartEpoch] = deque()
+        """Chunks handed out and not started yet, in order."""
+        self.chunk: Optional[EpochState] = None
+        """The chunk being trained (a dead rank's remainder of its epoch is appended to it)."""
+        self.chunk_extra: list[int] = []
+        """Chunk ids appended to the running chunk (reported with its metrics)."""
+        self.unreported: deque[tuple[PendingStep, float, int, float]] = deque()
+        """Trained steps not yet reported (step, data wait ms, chunk, lr): see report_batches."""
+        self.callback_ms = 0.0
+        """Time spent in callbacks (evals, the epoch hook) so far: kept out of the data wait a batch reports."""
+        self.epoch_role: Optional[int] = None
+        """The rank that runs ``experiment.epoch_fn`` (SetEpochRole) ..."""
+        self.epoch_role_from = 0
+        """... from this epoch on."""
+        self.epoch_fn_done: set[int] = set()
+        self.last_epoch_metrics: dict[str, float] = {}
+        """The latest EpochAggregated metrics (handed to experiment.epoch_fn)."""
+        self.last_consensus: dict[str, torch.Tensor] = {}
+        """cpu backend: the last consensus frame adopted (bundles save it, not the blended replica)."""
+        self.collective: Optional[CollectiveBackend] = None
+        """nccl modes: formed when the coordinator's FormGroup names the cohort's backend."""
+        self.pending_regroup: Optional[Regroup] = None
+        """A regroup that ended a pending collective's wait (handled by the retry that follows)."""
+        self.armed_fault: Optional[str] = None
+        """An injected fault that fires at the next averaging or save (fault_inject.ARMED_KINDS)."""
+        self.resume_stem: Optional[str] = None
+        """The resume bundle whose optimizer state is not loaded yet: loaded as training starts (:meth:`train`, or
+        the cooperative ``w.epochs()``, after ``w.setup`` registered the loop's optimizers)."""
+        self._handlers = self._handler_table()
+
+    # -- resume -------------------------------------------------------------
+    def resume_from(self, resume: Optional[dict[str, Any]]) -> None:
+        """Load model (and nccl: outer optimizer) state from the resume bundle (validated by the launcher)."""
+        if not resume:
+            return
+        from ..checkpoint import load_model_state
+
+        stem = resume["stem"]
+        self.trainer.model.load_state_dict(load_model_state(stem, map_location=str(self.device)))
+        self.resume_stem = stem  # the optimizer state follows as training starts (load_resumed_optimizer)
+        self.trainer.global_step = int(resume["meta"]["global_step"])
+        if self.outer is not None:
+            from ..checkpoint import load_outer_state
+
+            self.outer.load_state_dict(load_outer_state(stem), device=self.device)
+            log.info("rank %d: outer optimizer %s resumed (momentum norm %.6g)", self.rank,
+                     self.outer.spec.describe(), self.outer.momentum_norm())
+
+    def load_resumed_optimizer(self) -> None:
+        """The optimizer state of the resume bundle (this rank's piece, else the primary's), once."""
+        from ..checkpoint import optim_path
+
+        stem, self.resume_stem = self.resume_stem, None
+        if stem is None:
+            return
+        for path in (optim_path(stem, self.rank, primary=False), optim_path(stem, self.rank, primary=True)):
+            if os.path.exists(path):
+                self.trainer.optimizer.load_state_dict(torch.load(path, map_location=str(self.device), weights_only=True))
+                return
+        log.warning("rank %d: the bundle %s holds no optimizer state for this rank: a fresh optimizer", self.rank, stem)
+
+    # -- the managed loop ---------------------------------------------
+    def train(self) -> None:
+        """The managed tier: train every chunk the coordinator hands out until it says shutdown."""
+        self.load_resumed_optimizer()
+        while not self.stopping:
+            if self.plans:
+                self.run_chunk(self.plans.popleft())
+                continue
+            self.wait_until(lambda: bool(self.plans))
+
+    def run_chunk(self, plan: StartEpoch) -> None:
+        with self.doing("train"):
+            for batch in self.chunk_batches(plan):
+                self.book_step(batch, self.trainer.step(batch), plan.chunk)
+
+    def chunk_batches(self, plan: StartEpoch) -> Iterator[BatchData]:
+        """The batches of one chunk, control handled between them (the managed loop and the cooperative
+        tier's ``w.batches()`` both train from here). Each yielded batch must be booked with
+        :meth:`book_step` before the next one is asked for; the chunk's metrics go out when it ends."""
+        tr = self.trainer
+        self._maybe_epoch_fn(plan.epoch)
+        st = tr.begin_epoch(plan.epoch, plan.offset, plan.size)
+        self.chunk = st
+        while True:
+            if st.cursor + tr.batch_size > len(st.picks):
+                # Done: report the chunk before handling control, so a reduce that follows never
+                # sees this chunk as still in flight (coverage snapshots count in-flight as uncovered).
+                break
+            self.drain()
+            if self.stopping:
+                break
+            callbacks_before = self.callback_ms
+            batch = tr.next_batch(st)
+            if batch is None:
+                break
+            # A callback run while this batch was awaited (the data wait drains control) is not data wait:
+            # the coordinator would read it as this rank's delivered cost and shrink its share.
+            batch.wait_ms = max(0.0, batch.wait_ms - (self.callback_ms - callbacks_before))
+            yield batch
+        self.chunk = None
+        self.report_batches(wait=True)
+        m = tr.end_epoch(st, plan.chunk)
+        m.extra_chunks, self.chunk_extra = self.chunk_extra, []
+        self.send(m)
+
+    def book_step(self, batch: BatchData, step: PendingStep, chunk: int) -> None:
+        """Count one trained batch of the running chunk: its metrics, its Batch report, the fault hook."""
+        tr = self.trainer
+        assert self.chunk is not None, "book_step outside a chunk"
+        tr.record_step(self.chunk, batch, step)
+        self.unreported.append((step, batch.wait_ms, chunk, tr.current_lr()))
+        self.report_batches(wait=False)
+        if self.fault is not None and tr.step_count >= self.fault[0]:
+            self.report_batches(wait=True)
+            if self.fault[1] in ARMED_KINDS:
+                self.armed_fault = self.fault[1]
+                return
+            inject_fault(self.fault[1], self.rank, tr.step_count, serve=self._serve_while_gated)
+
+    def report_batches(self, wait: bool) -> None:
+        """Send the Batch reports of trained steps: those whose device work finished (no wait), or all
+        (``wait``). On CUDA a step's loss and time stay on the device until then, so training never
+        waits on the GPU per batch; on CPU every step is ready at once."""
+        while self.unreported and (wait or self.unreported[0][0].ready()):
+            step, wait_ms, chunk, lr = self.unreported.popleft()
+            loss, ms = step.resolve()
+            self.send(BatchReport(ms=ms, data_ms=wait_ms, chunk=chunk, loss=loss, lr=lr))
+
+    @contextlib.contextmanager
+    def doing(self, state: str) -> Iterator[None]:
+        """The main thread's state for the heartbeat while the block runs (nesting restores the outer one)."""
+        outer, self.state = self.state, state
+        try:
+            yield
+        finally:
+            self.state = outer
+
+    def stop(self) -> None:
+        """The run is over for this rank: loops and waits end at their next check."""
+        self.stopping = True
+
+    def close(self) -> None:
+        """Stop, and leave the collective group (if one was formed)."""
+        self.stopping = True
+        if self.collective is not None:
+            self.collective.close()
+
+    # -- reading control ----------------------------------------------------
+    def drain(self) -> None:
+        """Handle every control message already queued (between batches).
+
+        Every trained step is reported first: a sync ack, a snapshot or a save counts steps, and the
+        coordinator's ledger must have seen each of them as a Batch before that."""
+        if self.unreported and self.inbox.has_waiting():
+            self.report_batches(wait=True)
+        while not self.stopping:
+            msg = self.inbox.next(block=False, stopping=self.stopping)
+            if msg is None:
+                return
+            self.handle(msg)
+
+    def _serve_while_gated(self) -> bool:
+        """A gated rank reads control as between batches (see fault_inject.wait_gate); True: stopping."""
+        self.drain()
+        return self.stopping
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Block handling control messages until ``done()`` (throttle, barrier, idle)."""
+        with self.doing("wait"):
+            while not self.stopping and not done():
+                msg = self.inbox.next(block=True, stopping=self.stopping)
+                if msg is not None:
+                    self.handle(msg)
+
+    def handle(self, msg: Payload) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            log.warning("rank %d: message %r is not for a rank: ignored", self.rank, msg.KIND.value)
+            return
+        handler(msg)
+
+    def _handler_table(self) -> dict[type, Callable[[Any], None]]:
+        return {
+            StartEpoch: self.plans.append, ExtendPartition: self._on_extend, Regroup: self._on_regroup, FormGroup: self._form_group,
+            SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
+            SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
+            SetEpochRole: self._on_epoch_role, EpochAggregated: self._on_epoch_aggregated,
+            StageAdvisory: self._on_stage_advisory,
+            Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
+            RequestSession: self._on_request_session, Evict: self._on_evict,
+        }
+
+    # -- handlers: work and averaging ---------------------------------------------
+    def _on_extend(self, m: ExtendPartition) -> None:
+        """Survivors take over a dead rank's remainder: append it to the running chunk of that
+        epoch, or run it as a chunk of its own when none is running."""
+        if self.chunk is not None and self.chunk.epoch == m.epoch:
+            self.chunk.extend(m.offset, self._picks(m.epoch, m.offset, m.size))
+            self.chunk_extra.append(m.chunk)
+        else:
+            self.plans.append(StartEpoch(epoch=m.epoch, offset=m.offset, size=m.size, chunk=m.chunk))
+
+    def _picks(self, epoch: int, offset: int, size: int) -> Any:
+        from ..partition import make_partition
+
+        return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
+
+    def _on_request_params(self, m: RequestParams) -> None:
+        fire_armed(self.armed_fault, "killsync", self.rank)
+        n = self.trainer.steps_since_avg
+        self.send(self.cpu.snapshot(self.trainer.model, n))
+        if m.barrier:
+            self.awaiting_update = True
+            self.wait_until(lambda: not self.awaiting_update)
+
+    def _on_update(self, m: Update) -> None:
+        if not m.skip:
+            self.cpu.adopt_update(self.trainer.model, m, m.alpha)
+            self.last_consensus = dict(m.tensors)
+            if self.outer_spec.resets_inner:
+                self.trainer.reset_optimizer_state()
+        self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
+        self.awaiting_update = False
+        self.throttled = False
+        if m.next_plan is not None:
+            try:
+                plan = [int(x) for x in m.next_plan]
+            except (TypeError, ValueError):
+                plan = []
+            if len(plan) != 4 or min(plan) < 0:
+                log.warning("rank %d: malformed next_plan %r in an update: ignored", self.rank, m.next_plan)
+            else:
+                self.plans.append(StartEpoch(epoch=plan[0], offset=plan[1], size=plan[2], chunk=plan[3]))
+
+    def _on_global_step(self, m: SetGlobalStep) -> None:
+        self.trainer.global_step = m.global_step
+
+    def _on_throttle(self, m: Throttle) -> None:
+        if not self.throttled:
+            self.throttled = True
+            self.wait_until(lambda: not self.throttled)
+
+    def _on_stage_advisory(self, m: StageAdvisory) -> None:
+        """The picks this rank is likely to get next: its data plane retains their samples while idle."""
+        from ..partition import epoch_permutation
+
+        total = self.trainer.total_picks
+        if total <= 0:
+            return
+        perms: dict[int, Any] = {}
+        parts = []
+        for seg in m.segments:
+            if not (isinstance(seg, list) and len(seg) == 3 and all(isinstance(x, int) and x >= 0 for x in seg)):
+                log.warning("rank %d: malformed stage advisory segment %r: ignored", self.rank, seg)
+                continue
+            e, off, size = seg
+            if e not in perms:
+                perms[e] = epoch_permutation(self.trainer.seed, e, total)
+            parts.append(perms[e][off:min(off + size, total)])
+        if parts:
+            self.trainer.data_pipeline().stage(np.concatenate(parts))
+
+    def _on_shutdown(self, m: Shutdown) -> None:
+        self.stopping = True
+
+    def _on_evict(self, m: Evict) -> None:
+        raise Evicted(m.reason)
+
+    # -- handlers: callbacks --------------------------------------------------------
+    def _on_epoch_role(self, m: SetEpochRole) -> None:
+        self.epoch_role, self.epoch_role_from = m.rank, m.from_epoch
+
+    def _on_epoch_aggregated(self, m: EpochAggregated) -> None:
+        self.last_epoch_metrics = {str(k): float(v) for k, v in m.metrics.items() if isinstance(v, (int, float))}
+
+    def _maybe_epoch_fn(self, epoch: int) -> None:
+        """The epoch-role rank runs ``experiment.epoch_fn`` once per epoch, before training it (algorithms.md
+        3.15); a failing hook is reported, never fatal. Its time counts as callback time, not data wait."""
+        fn = self.trainer.exp.epoch_fn
+        if fn is None or self.epoch_role != self.rank or epoch < self.epoch_role_from or epoch in self.epoch_fn_done:
+            return
+        self.epoch_fn_done.add(epoch)
+        err: Optional[str] = None
+        metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
+        try:
+            with self.doing("callback"):
+                out = fn(epoch, self.trainer.model, dict(self.last_epoch_metrics))
+            for k, v in (out or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    metrics[str(k)] = float(v)
+        except Exception as e:  # a broken hook must not kill training
+            err = f"{type(e).__name__}: {e}"
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        self.callback_ms += elapsed_ms
+        self.send(EpochFnResult(epoch=epoch, elapsed_ms=elapsed_ms, metrics=metrics, error=err))
+
+    def _on_eval(self, m: ExecuteEval) -> None:
+        err: Optional[str] = None
+        t0 = time.perf_counter()
+        try:
+            with self.doing("eval"):
+                res = self.trainer.evaluate()
+        except Exception as e:  # a broken eval must not kill training
+            res, err = {}, f"{type(e).__name__}: {e}"
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        self.callback_ms += elapsed_ms
+        self.send(EvalResult(epoch=m.epoch, metrics=res, error=err, final=m.final, elapsed_ms=elapsed_ms))
+
+    def _save(self, m: Save) -> None:
+        """Write this rank's bundle pieces atomically (temp file + rename)."""
+        from ..checkpoint import save_rank_pieces
+
+        fire_armed(self.armed_fault, "killsave", self.rank)
+        err = None
+        try:
+            with self.doing("save"):
+                state = None
+                if m.model and m.consensus and self.last_consensus:
+                    state = consensus_state(self.trainer.model, self.last_consensus)
+                save_rank_pieces(m.stem, self.trainer.model, self.trainer.optimizer, rank=self.rank,
+                                 primary=m.primary, write_model=m.model, model_state=state,
+                                 outer_state=self.outer.state_dict() if self.outer is not None else None)
+        except Exception as e:  # save errors are reported, never fatal
+            err = f"{type(e).__name__}: {e}"
+        self.send(SaveResult(stem=m.stem, error=err))
+
+    # -- handlers: the collective (nccl modes) ------------------------------------------
+    def _on_request_session(self, m: RequestSession) -> None:
+        """This rank is the regroup's generator: a fresh session id names the new group (on NCCL, the
+        unique id would travel here)."""
+        import secrets
+
+        self.send(SessionReady(generation=m.generation, session=secrets.token_hex(8)))
+
+    def _form_group(self, m: FormGroup) -> None:
+        """Join the cohort's process group on the backend the coordinator chose for every rank."""
+        if self.collective is not None:
+            return
+        if self._join_group is None:
+            raise RuntimeError(f"rank {self.rank} was told to form a {m.backend} group but has no way to join one")
+        with self.doing("collective"):
+            self.collective = self._join_group(m, self._poll_during_collective)
+        if self.rank == 0:
+            log.info("collective backend: %s (%s)", m.backend, m.reason)
+
+    def _poll_during_collective(self) -> None:
+        """Between checks of a pending collective: read control. A regroup or a shutdown ends the wait
+        (the group is aborted and the retry path takes over); anything else waits its turn."""
+        while True:
+            msg = self.inbox.read(block=False, stopping=self.stopping)
+            if msg is None:
+                return
+            if isinstance(msg, Regroup):
+                self.pending_regroup = msg
+                raise CollectiveInterrupted(f"regroup to generation {msg.generation} arrived mid-collective")
+            if isinstance(msg, Shutdown):
+                self.handle(msg)
+                raise CollectiveInterrupted("shutdown arrived mid-collective")
+            if isinstance(msg, (CoordHeartbeat, SetGlobalStep, RequestSession)):
+                self.handle(msg)  # a session id for the next regroup: asked while this rank waits on the last one
+            else:
+                self.inbox.defer(msg)
+
+    def _on_regroup(self, m: Regroup) -> None:
+        self._regroup(m)
+
+    def _regroup(self, m: Regroup) -> bool:
+        """Re-form the process group with the survivors (fresh store prefix, renumbered ranks). True once formed.
+
+        A later regroup arriving while this one waits for its members (a node loss: two deaths a little apart)
+        ends that wait and is formed instead; a shutdown ends it for good (False). Before, that interrupt
+        escaped the handler when the regroup came to an idle rank, and ended the rank (two-node SLURM test)."""
+        if self.collective is None:
+            return False
+        msg: Optional[Regroup] = m
+        for _ in range(32):  # bounded: each pass is a newer generation
+            if msg is None or self.stopping:
+                return False
+            try:
+                with self.doing("collective"):  # forming a group waits on every member
+                    self.collective.rebuild(msg.generation, msg.new_rank, msg.world_size, msg.session)
+            except CollectiveInterrupted as e:
+                log.warning("rank %d: regroup to generation %d interrupted: %s", self.rank, msg.generation, e)
+                msg, self.pending_regroup = self.pending_regroup, None
+                continue
+            log.info("rank %d: regrouped as %d/%d (generation %d)", self.rank, msg.new_rank, msg.world_size,
+                     msg.generation)
+            return True
+        return False
+
+    def _await_regroup(self, deadline_s: float = 60.0) -> bool:
+        """After a failed collective: wait for the coordinator's regroup. Only new frames are read; other work
+        is deferred (what was deferred before stays behind it)."""
+        end = time.monotonic() + deadline_s
+        while not self.stopping and time.monotonic() < end:
+            msg: Optional[Payload] = self.pending_regroup
+            self.pending_regroup = None
+            if msg is None:
+                msg = self.inbox.read(block=True, stopping=self.stopping)
+            if msg is None:
+                continue
+            if isinstance(msg, Regroup):
+                try:
+                    if self._regroup(msg):
+                        return True
+                    continue
+                except Exception as e:  # a member vanished during init: wait for the next generation
+                    log.warning("rank %d: regroup failed: %s", self.rank, e)
+                    continue
+            if isinstance(msg, (Shutdown, Save, CoordHeartbeat, SetGlobalStep, RequestSession)):
+                self.handle(msg)
+            else:
+                self.inbox.defer(msg)
+        return False
+
+    def _sync_collective(self, m: SyncNow) -> None:
+        with self.doing("collective"):
+            self._sync_collective_now(m)
+
+    def _sync_collective_now(self, m: SyncNow) -> None:
+        fire_armed(self.armed_fault, "killsync", self.rank)
+        with_div = m.divergence
+        n = self.trainer.steps_since_avg
+        d: Optional[float] = 0.0
+        post: Optional[float] = None
+        pre: Optional[float] = None
+        if self.collective is not None:
+            model = self.trainer.model
+            scratch = [t.detach().clone() for t in list(model.parameters()) + float_buffers(model)]
+            for attempt in range(32):
+                try:
+                    d, post, pre = self.collective.sync(model, n, self.gamma, with_div)
+                    break
+                except torch.OutOfMemoryError as e:  # this rank's fault, not a dead peer's: say so and end
+                    self.collective.abort()
+                    raise RuntimeError("out of GPU memory during the sync (it needs about 3x the parameter bytes "
+                                       "free beside training; lower data_plane.vram_max_usage or the batch size)") from e
+                except Exception as e:  # a peer died mid-collective (or a regroup arrived): restore, regroup, retry
+                    self.collective.abort()
+                    with torch.no_grad():
+                        for t, saved in zip(list(model.parameters()) + float_buffers(model), scratch):
+                            t.copy_(saved)
+                    log.warning("rank %d: collective failed (attempt %d): %s", self.rank, attempt + 1, str(e).splitlines()[0])
+                    if not self._await_regroup() or self.stopping:
+                        if not self.stopping:
+                            raise RuntimeError("collective failed and no regroup arrived") from e
+                        return
+        step = self._outer_step()
+        self.trainer.steps_since_avg = 0
+        self.trainer.step_count += 1
+        self.send(SyncAck(n=n, d=d, post=post, pre=pre, outer_step=step.step_norm if step else None,
+                          outer_momentum=step.momentum_norm if step else None,
+                          generation=self.collective.generation if self.collective is not None else 0))
+
+    def _outer_step(self) -> Optional[OuterStep]:
+        """nccl: the outer optimizer on the all-reduced parameters, after the divergence read-out. Every
+        rank holds the same consensus and the same state, so every rank computes the same global. None when the
+        sync averaged nothing (nobody moved: no step), for outer=avg, and for the seeding window."""
+        if self.outer is None or self.collective is None or not self.collective.reduced:
+            return None
+        params = list(self.trainer.model.parameters())
+        try:
+            new, step = self.outer.step([p.detach() for p in params])
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("out of GPU memory in the outer optimizer step (it keeps the last global and the "
+                               "momentum on the device, 2x the parameter bytes, and needs 2x more while stepping; "
+                               "lower data_plane.vram_max_usage or use outer=avg)") from e
+        with torch.no_grad():
+            for p, t in zip(params, new):
+                p.copy_(t)
+        if self.outer_spec.resets_inner:
+            self.trainer.reset_optimizer_state()
+        return None if step is None or step.seeded else step

@@ -1,0 +1,36 @@
+"""A rank's control (rank/control.py) without a socket or a thread: what it sends is collected in a list,
+what the coordinator says comes from a plain queue. The rank's tests build it here, with the real
+RankTrainer or a small fake of the part of it the handlers touch."""
+from __future__ import annotations
+
+import queue
+from typing import Any, Optional
+
+import torch
+
+from flodl_exp.protocol import Payload, decode, encode
+from flodl_exp.rank.control import RankControl
+from flodl_exp.rank.inbox import ControlInbox
+from flodl_exp.wire import Message
+
+
+class Sent(list):
+    """The payloads a rank sent, each through the wire's encoding and back (so each one is sendable)."""
+
+    def send(self, payload: Payload) -> None:
+        self.append(decode(encode(payload)))
+
+    def of(self, kind: type) -> list[Any]:
+        return [m for m in self if isinstance(m, kind)]
+
+
+def rank_control(trainer: Any, *, messages: tuple[Payload, ...] | list[Payload] = (), rank: int = 0, world_size: int = 2,
+                 frames: Optional[queue.Queue[Message | BaseException]] = None, **kw: Any) -> tuple[RankControl, Sent]:
+    """A RankControl over ``trainer`` with ``messages`` already queued from the coordinator (``frames``: the
+    queue to read them from, for a test that scripts what a read finds); ``kw``: RankControl's own options."""
+    sent = Sent()
+    inbox = ControlInbox(coord_timeout=30.0, rank=rank, frames=frames)
+    for m in messages:
+        inbox.put(encode(m))
+    ctl = RankControl(sent.send, inbox, trainer, rank=rank, world_size=world_size, device=torch.device("cpu"), **kw)
+    return ctl, sent
