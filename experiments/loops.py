@@ -28,7 +28,7 @@ MICRO_BATCHES = 4
 
 
 def accumulate(cfg: Any) -> None:
-    with flodl_exp.worker(cfg) as w:
+    with flodl_exp.worker() as w:
         model, opt = w.model, w.optimizer
         for _epoch in w.epochs():
             for x, y in w.batches():
@@ -55,7 +55,7 @@ class EncoderDecoder(nn.Module):
 
 
 def two_optimizers(cfg: Any) -> None:
-    with flodl_exp.worker(cfg) as w:
+    with flodl_exp.worker() as w:
         model = w.model
         classify = torch.optim.Adam([*model.encoder.parameters(), *model.head.parameters()], lr=2e-3)
         reconstruct = torch.optim.SGD(model.decoder.parameters(), lr=0.05, momentum=0.9)

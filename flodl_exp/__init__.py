@@ -1,18 +1,20 @@
 """flodl_exp: a config-driven runner for data-parallel training on mixed hardware.
 
 Public surface: ``record_scalar`` (user metrics from a train step),
-``launch(cfg) -> RunHandle`` and ``worker(cfg)`` (the cooperative tier: the user's own loop on a rank). Importing the package does not import torch.
+``launch(cfg) -> RunHandle`` and ``worker()`` (the cooperative tier: the user's own loop on a rank). Importing the package does not import torch.
 The launcher lives in ``flodl_exp.jobs`` (a name that is not a public function,
 so ``flodl_exp.launch`` stays this function however many submodules are imported).
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from .scalars import record_scalar
 
 if TYPE_CHECKING:
     from .jobs.launcher import RunHandle
+    from .rank.cooperative import CooperativeWorker
 
 __all__ = ["launch", "record_scalar", "worker"]
 
@@ -24,9 +26,10 @@ def launch(cfg: Any, **kw: Any) -> RunHandle:
     return _launch(cfg, **kw)
 
 
-def worker(cfg: Any = None) -> Any:
-    """``with flodl_exp.worker(cfg) as w:`` inside an ``experiment.loop``: join the coordinator as this rank
-    and drive training from the user's own loop; see :mod:`flodl_exp.rank.cooperative`."""
+def worker() -> AbstractContextManager[CooperativeWorker]:
+    """``with flodl_exp.worker() as w:`` inside an ``experiment.loop``: join the coordinator as this rank
+    and drive training from the user's own loop; see :mod:`flodl_exp.rank.cooperative`. It takes no config:
+    the rank reads its own (``w.cfg``)."""
     from .rank.cooperative import worker as _worker
 
-    return _worker(cfg)
+    return _worker()

@@ -17,7 +17,7 @@ GATE_MAX_WAIT_S = 120.0
 def hold_then_raise(cfg: Any) -> None:
     """Rank 1 takes its first batch and holds it without ``w.step()`` until the test creates the gate file,
     then raises (a bug in the user's loop); every other rank trains normally."""
-    with flodl_exp.worker(cfg) as w:
+    with flodl_exp.worker() as w:
         for _epoch in w.epochs():
             for x, y in w.batches():
                 if w.rank == 1:

@@ -1,7 +1,7 @@
 """The cooperative tier: the user's own training loop drives the rank (seed 000's cooperative ``Worker``).
 
     def main(cfg):                                   # experiment.loop = "my_module.main"
-        with flodl_exp.worker(cfg) as w:             # joins the coordinator
+        with flodl_exp.worker() as w:                # joins the coordinator
             for epoch in w.epochs():                 # the epochs the coordinator hands this rank
                 for batch in w.batches():            # this rank's picks of the epoch, on its device
                     loss = F.cross_entropy(w.model(batch[0]), batch[1]); loss.backward()
@@ -73,7 +73,7 @@ def run_loop(loop: Callable[[Any], Any], ctx: RankContext) -> dict[str, Any]:
         _context = None
     name = getattr(loop, "__qualname__", repr(loop))
     if not ctx.opened:
-        raise LoopMisuse(f"experiment.loop {name} returned without `with flodl_exp.worker(cfg) as w:`: the rank never "
+        raise LoopMisuse(f"experiment.loop {name} returned without `with flodl_exp.worker() as w:`: the rank never "
                          "joined the coordinator")
     if ctx.result is None:
         why = f": {type(ctx.error).__name__}: {ctx.error}" if ctx.error is not None else ""
@@ -107,18 +107,18 @@ def _rank_side() -> Generator[None, None, None]:
 
 
 @contextlib.contextmanager
-def worker(cfg: Any = None) -> Iterator[CooperativeWorker]:
+def worker() -> Iterator[CooperativeWorker]:
     """Join the coordinator as this rank and hand the loop its :class:`CooperativeWorker`.
 
-    Only inside a rank flodl_exp started for an experiment with ``loop:`` (``cfg`` is the config the loop
-    was given; the rank's own copy is ``w.cfg``). On a clean exit the rank reports its replica and leaves;
+    Only inside a rank flodl_exp started for an experiment with ``loop:``; the rank reads its own copy of
+    the config (``w.cfg``), so it takes no argument. On a clean exit the rank reports its replica and leaves;
     an exception is reported with its traceback (the run ends FAILED) and re-raised."""
     ctx = _context
     if ctx is None:
         raise LoopMisuse("flodl_exp.worker() runs inside a rank that flodl_exp started: name the loop in the "
                          "experiment (experiment.loop=my_module.main) and run `python -m flodl_exp experiment=...`")
     if ctx.opened:
-        raise LoopMisuse("flodl_exp.worker() was already opened on this rank: one `with flodl_exp.worker(cfg) as w:` "
+        raise LoopMisuse("flodl_exp.worker() was already opened on this rank: one `with flodl_exp.worker() as w:` "
                          "per rank and run")
     ctx.opened = True
     from .worker import RankWorker
