@@ -10,7 +10,7 @@ What is real and what is modelled:
   and sends through :class:`SimOutbox`, which hands each message to a simulated rank after the link
   latency. The engine keeps no decision of its own: it feeds the core the rank messages and calls its
   ``tick`` after each, as the coordinator does after each batch of arrivals.
-* **Modelled**: each rank is a small state machine that behaves as ``rank/worker.py`` does: control is
+* **Modelled**: each rank is a small state machine that behaves as ``rank/control.py`` does: control is
   handled between batches (at the top of each one, and at once while idle, at a barrier or throttled);
   ``sync_now`` blocks the rank in the collective until every member entered (then the ring all-reduce
   time, costs.py); ``request_params`` sends a snapshot (through the coordinator's NIC) and, with
