@@ -15,6 +15,7 @@ from control_fakes import FakeClock, FakeSink, FakeTransport, make_config
 from omegaconf import OmegaConf
 
 from flodl_exp.config import Config, load_config
+from flodl_exp.control.bundle_store import MemoryBundles
 from flodl_exp.control.coordinator import Coordinator
 from flodl_exp.control.core import Broadcast, Command, ControlCore, RankMessage, Record, Send, Tick, recording_core
 from flodl_exp.control.lifecycle import Phase, Status
@@ -28,6 +29,8 @@ from flodl_exp.protocol import (
     ExtendPartition,
     Payload,
     RequestParams,
+    Save,
+    SaveResult,
     Shutdown,
     Snapshot,
     StartEpoch,
@@ -46,8 +49,9 @@ BATCH = 8
 class Bare:
     """``recording_core``: the commands themselves."""
 
-    def __init__(self, cfg: Any, clock: FakeClock, hooks: Any = None) -> None:
-        self.core, self.commands = recording_core(cfg, clock, hooks=hooks)
+    def __init__(self, cfg: Any, clock: FakeClock, store: Optional[MemoryBundles] = None) -> None:
+        self.store = store or MemoryBundles()
+        self.core, self.commands = recording_core(cfg, clock, store=self.store)
         self.log: list[Command] = []
 
     def start(self, samples: int) -> None:
@@ -165,6 +169,8 @@ class Ranks:
                 if p.final:
                     self.final_evals.append(r)
                 rk.evals.append(p)
+            elif isinstance(p, Save):
+                answers.append((r, SaveResult(stem=p.stem)))
             elif isinstance(p, Shutdown):
                 self.shutdown = True
         return answers
@@ -366,43 +372,17 @@ def test_a_nccl_eval_holds_the_next_collective_until_it_answers() -> None:
 
 
 # -- bundles the core decides on ------------------------------------------------------------------
-class PeriodicHooks:
-    """A bundle due after every epoch but the last (non-progressive), written at once."""
-
-    def __init__(self) -> None:
-        self.begun: list[int] = []
-        self.final_saves: list[int] = []
-
-    bundles_settled = True
-
-    def after_reduce(self) -> bool:
-        return False
-
-    def periodic_bundle_due(self, e: int) -> bool:
-        return True
-
-    def begin_periodic_bundle(self, e: int) -> None:
-        self.begun.append(e)
-
-    def progressive_bundles(self) -> bool:
-        return False
-
-    def send_final_saves(self, model_rank: int) -> None:
-        self.final_saves.append(model_rank)
-
-    def complete(self) -> Optional[str]:
-        return None
-
-
-def test_an_epoch_boundary_bundle_holds_the_next_epoch() -> None:
+def test_an_epoch_boundary_bundle_holds_the_next_epoch_until_it_is_written() -> None:
     clock = FakeClock()
-    hooks = PeriodicHooks()
-    w = Bare(cfg_of("cpu_sync", 2, epochs=3), clock, hooks=hooks)
+    w = Bare(cfg_of("cpu_sync", 2, epochs=3, **{"checkpoint.every": 1}), clock)
     ranks = Ranks(2)
-    play(w, ranks, clock, until=lambda: bool(hooks.begun))
-    assert hooks.begun == [0] and w.core.life.is_(Phase.CHECKPOINTING)
-    epochs_started = {c.payload.epoch for c in sent(w.log + w.commands, StartEpoch)}
-    assert epochs_started == {0}, "epoch 1 waits for the bundle"
+    play(w, ranks, clock, until=lambda: w.core.life.is_(Phase.CHECKPOINTING))
+    assert {c.payload.epoch for c in sent(w.log + w.commands, StartEpoch)} == {0}, "epoch 1 waits for the bundle"
+    play(w, ranks, clock)
+    stems = list(w.store.metas)
+    assert stems == ["bundle_epoch1", "bundle_epoch2", "bundle"], stems
+    assert [w.store.metas[s]["save_reason"] for s in stems] == ["periodic", "periodic", "completed"]
+    assert w.core.life.status is Status.FINISHED
 
 
 # -- one core, three wirings -------------------------------------------------------------------------

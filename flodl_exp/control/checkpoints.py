@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..checkpoint import BUNDLE_SUFFIXES
 from ..protocol import Save, SaveResult
-from .channels import EventLog, Outbox
+from .bundle_store import BundleStore
+from .channels import Outbox
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
@@ -49,14 +49,16 @@ class MetaFacts:
 
 class BundleWriter:
     def __init__(self, *, stem: str, facts: MetaFacts, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 outbox: Outbox, sink: Any) -> None:
+                 outbox: Outbox, obs: Any, store: BundleStore) -> None:
         self.stem = stem
         self.facts = facts
         self._cohort = cohort
         self._cycle = cycle
         self._dispatch = dispatch
         self._out = outbox
-        self._sink = sink
+        self._obs = obs
+        self._store = store
+        """The files: pieces removed, the outer sidecar and the meta written, artifacts logged."""
         self._pending: Counter[int] = Counter()
         """rank -> ``save_result``s outstanding for the bundle in progress (a retried piece adds one)."""
         self.stem_in_progress: Optional[str] = None
@@ -110,16 +112,14 @@ class BundleWriter:
 
     def _write_outer_sidecar(self, stem: str) -> None:
         """cpu backend: the outer optimizer's state lives here, so its sidecar is written here."""
-        from ..checkpoint import atomic_torch_save, outer_path
-
         if self._cycle.backend != "cpu" or not self._cycle.outer.spec.stateful:
             return
         try:
-            atomic_torch_save(self._cycle.outer.state_dict(), outer_path(stem))
+            name = self._store.save_outer(self._cycle.outer.state_dict(), stem)
         except OSError as e:
             self._errors.append(f"the outer optimizer's sidecar could not be written ({e})")
             return
-        self._written.add(os.path.basename(outer_path(stem)))
+        self._written.add(name)
 
     def expect(self, r: int, *, primary: bool = True, model: bool = True) -> None:
         """One more ``save_result`` from ``r``; by default for a model + ``.optim.pt`` save (the coordinator's
@@ -132,8 +132,6 @@ class BundleWriter:
             self._pending[r] -= 1
 
     def send_saves(self, stem: str, *, model_rank: Optional[int] = None) -> None:
-        from ..checkpoint import remove_bundle
-
         alive = self._cohort.alive_ranks()
         primary = self._cohort.primary() if model_rank is None else model_rank
         self._pending = Counter()
@@ -143,7 +141,7 @@ class BundleWriter:
         self.failed.pop(stem, None)
         self.completed.discard(stem)
         try:
-            gone = remove_bundle(stem)  # before any piece is written: old and new pieces never mix
+            gone = self._store.remove_bundle(stem)  # before any piece is written: old and new pieces never mix
             if gone:
                 log.warning("bundle %s: removed %d piece(s) of an earlier save", stem, len(gone))
         except OSError as e:
@@ -163,7 +161,7 @@ class BundleWriter:
         current = res.stem == self.stem_in_progress
         if res.error:
             log.warning("rank %d could not save %s: %s", r, res.stem, res.error)
-            self._sink.set_tags({f"save_error.rank{r}": str(res.error)[:2000]})
+            self._obs.set_tags({f"save_error.rank{r}": str(res.error)[:2000]})
             if current:
                 if r == self.model_rank:
                     self._model_error = f"rank {r}: {res.error}"  # recovered if another rank writes the model
@@ -182,7 +180,7 @@ class BundleWriter:
         left = [q for q in self._cohort.alive_ranks() if q not in self.model_tried]
         if not left:
             log.error("bundle %s: no live rank could write the model piece (last error: %s)", stem, error)
-            self._sink.set_tags({"save_failed": stem[-200:]})
+            self._obs.set_tags({"save_failed": stem[-200:]})
             self.model_rank = None
             return
         q = left[0]
@@ -228,13 +226,11 @@ class BundleWriter:
         self.failed[stem] = error
         self._deferred.pop(stem, None)
         log.error("bundle %s FAILED, no meta written (not resumable): %s", stem, error)
-        self._sink.set_tags({f"bundle_failed.{os.path.basename(stem)[:200]}": f"{stem}: {error}"[:5000]})
+        self._obs.set_tags({f"bundle_failed.{os.path.basename(stem)[:200]}": f"{stem}: {error}"[:5000]})
 
     def _write(self, stem: str, meta: dict[str, Any]) -> None:
-        from ..checkpoint import write_meta
-
         try:
-            write_meta(stem, dict(meta, pieces=sorted(self._written)))
+            self._store.write_meta(stem, dict(meta, pieces=sorted(self._written)))
         except OSError as e:
             self._fail(stem, f"the meta could not be written ({e})")
             return
@@ -277,16 +273,8 @@ class BundleWriter:
         self._write(stem, meta)
 
     def log_bundle(self, stem: str, artifact_path: str) -> None:
-        if stem not in self.completed:
-            return  # failed, or its meta is still to come: nothing resumable to log
-        d, name = os.path.dirname(stem), os.path.basename(stem)
-        if not os.path.isdir(d):
-            return
-        for fn in sorted(os.listdir(d)):
-            if fn.startswith(name + ".") and not fn.startswith(".tmp"):
-                rest = fn[len(name):]
-                if rest in BUNDLE_SUFFIXES or (rest.startswith(".optim.r") and rest.endswith(".pt")):
-                    self._sink.log_artifact(os.path.join(d, fn), artifact_path)
+        if stem in self.completed:  # failed, or its meta still to come: nothing resumable to log
+            self._store.log_bundle(stem, artifact_path)
 
 
 @dataclass
@@ -324,7 +312,7 @@ class Checkpoints:
     """
 
     def __init__(self, *, every: int, at_epoch: Optional[int], epochs: int, progressive: bool, world_size: int,
-                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, events: EventLog,
+                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, obs: Any,
                  intents: Intents, fire_reduce: Callable[..., bool]) -> None:
         self.every = every
         self.at_epoch = at_epoch if progressive else None
@@ -335,7 +323,7 @@ class Checkpoints:
         self._cohort = cohort
         self._cycle = cycle
         self._dispatch = dispatch
-        self._events = events
+        self._obs = obs
         self.periodic: Optional[PeriodicBundle] = None
         """Non-progressive: the epoch-boundary bundle in progress."""
         self.next_periodic: Optional[int] = every if progressive and 0 < every < epochs else None
@@ -379,7 +367,7 @@ class Checkpoints:
             return False
         self._writer.write_meta("periodic", ck.stem, epoch=ck.epoch)
         self._writer.log_bundle(ck.stem, f"checkpoints/epoch{ck.epoch}")
-        self._events.emit({"event": "checkpoint", "stem": ck.stem, "epoch": ck.epoch})
+        self._obs.emit({"event": "checkpoint", "stem": ck.stem, "epoch": ck.epoch})
         self.periodic = None
         return True
 
@@ -407,7 +395,7 @@ class Checkpoints:
         lowest = min((p["epoch"] for p in coverage), default=self._dispatch.current_epoch())
         self.coverage_bundle = CoverageBundle(stem, lowest, reason, artifact_path, coverage)
         self._writer.send_saves(stem)
-        self._events.emit({"event": "checkpoint_armed", "stem": stem, "epoch": asked, "reason": reason})
+        self._obs.emit({"event": "checkpoint_armed", "stem": stem, "epoch": asked, "reason": reason})
 
     def on_saves_settled(self) -> None:
         """Every piece of the bundle in progress is written: its meta, its artifacts; release the epoch ceiling."""
@@ -417,7 +405,7 @@ class Checkpoints:
         self.coverage_bundle = None
         self._writer.write_meta(cb.reason, cb.stem, epoch=cb.epoch, coverage_epochs=cb.coverage)
         self._writer.log_bundle(cb.stem, cb.artifact_path)
-        self._events.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch, "reason": cb.reason})
+        self._obs.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch, "reason": cb.reason})
         if self.at_epoch_done:
             self._dispatch.epoch_ceiling = None
         elif self.at_epoch is not None and not self._cycle.any_steps(self._cohort.alive_ranks()):

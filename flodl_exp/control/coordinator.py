@@ -1,22 +1,18 @@
-"""The coordinator: one event loop that paces N rank processes.
+"""The coordinator: the I/O shell around the control core, pacing N rank processes.
 
-It composes components that each own their state and change it only through
-their own methods:
+Every decision of the run is the :class:`~.core.ControlCore`'s (control/core.py). The coordinator turns
+what arrives into the core's inputs and carries out what the core decides through its ports:
 
-* :class:`~.lifecycle.Lifecycle`: the phase and the run's end status (the only writer);
-* :class:`~.cohort.Cohort`: liveness, deaths, errors, the callback role;
-* :class:`~.cycle.AveragingCycle`: the window ledger, the reduce in flight, version and
-  global step, ElChe, the guard and the meta-controller;
-* :class:`~.dispatch.Dispatcher`: chunks and plans, pools, epoch accumulators, coverage;
-* :class:`~.checkpoints.BundleWriter` / :class:`~.checkpoints.Checkpoints`: saves, metas,
-  periodic and at_epoch bundles;
-* :class:`~.preemption.Preemption`: preemption, time limits, SIGTERM;
-* :class:`~.timeline.TimelineRecorder`: the per-rank timeline (spans, idle analysis).
+* the rank server's events become :meth:`ControlCore.on_message` calls (after the record log took each
+  chunk's metrics) and deaths (a closed connection, a stale heartbeat, a stuck main thread);
+* the core's messages go out through an :class:`~.channels.Outbox` onto the rank sockets;
+* what the core decides is recorded by :class:`ShellObserver` (timeline, window records, MLflow, events.jsonl);
+* bundle files go through :class:`~.bundle_store.DiskBundles`.
 
-The coordinator itself routes rank messages to them, applies the fault rules and
-the end of the run, and keeps the reference's tick order (algorithms.md 3.1) in
-:meth:`Coordinator.tick`. Time comes from an injected clock, so tests drive it
-with fakes (tests/test_control_*.py): events in, messages out, no processes.
+It keeps start-up (the hellos, the collective, the cold-start anchor, blame for a rank lost before it
+connected), the coordinator's heartbeat, liveness, the stall watchdog and the run's result. The reference's
+tick order (algorithms.md 3.1) reads in :meth:`Coordinator.tick`: 2-3 here, 4-11 in ``ControlCore.tick``.
+Time comes from an injected clock, so tests drive it with fakes (tests/test_control_*.py).
 """
 from __future__ import annotations
 
@@ -34,31 +30,19 @@ from ..protocol import (
     Batch,
     ChunkMetrics,
     CoordHeartbeat,
-    EpochFnResult,
-    EvalResult,
-    Evict,
-    Exiting,
     FormGroup,
     Heartbeat,
-    LoopNotice,
     ProtocolError,
-    RankError,
-    Save,
-    SaveResult,
-    SessionReady,
-    Telemetry,
     decode,
 )
 from ..wire import Message
+from .bundle_store import DiskBundles
 from .channels import EventLog, Outbox, Transport
-from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import ProgressWatch
-from .core import ControlCore, NullObserver
+from .core import ControlCore, RunFacts
 from .cycle import Reduce, ReduceOutcome
 from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
-from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
-from .preemption import Preemption
 from .records import RecordLog, WindowRecorder
 from .timeline import TimelineRecorder
 from .watchdog import StallWatchdog, run_state
@@ -82,8 +66,10 @@ class ShellObserver:
     """The coordinator's records of the core's decisions: the timeline, the window records, MLflow and
     events.jsonl (the core's :class:`~.core.CoreObserver`)."""
 
-    def __init__(self, *, timeline: TimelineRecorder, windows: WindowRecorder, sink: Any, events: EventLog) -> None:
-        self.timeline, self.windows, self.sink, self.events = timeline, windows, sink, events
+    def __init__(self, *, timeline: TimelineRecorder, sink: Any, events: EventLog) -> None:
+        self.timeline, self.sink, self.events = timeline, sink, events
+        self.windows: Optional[WindowRecorder] = None
+        """Set once built (it reads the core's averaging cycle)."""
 
     def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None:
         self.timeline.on_batch(r, b.ms, b.data_ms, chunk=b.chunk, epoch=epoch, window=window)
@@ -95,7 +81,8 @@ class ShellObserver:
                            epoch: int) -> None:
         self.timeline.on_reduce_finished(started=red.started, members=out.n, backend=red.backend, window=window,
                                          final=red.final, averaging_from=averaging_from)
-        self.windows.on_reduce(out, epoch)
+        if self.windows is not None:
+            self.windows.on_reduce(out, epoch)
 
     def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None:
         self.timeline.on_eval_sent(r, epoch, final=final)
@@ -104,7 +91,8 @@ class ShellObserver:
         self.timeline.on_eval_result(r, epoch, final)
 
     def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
-        self.windows.flush_epoch(e)
+        if self.windows is not None:
+            self.windows.flush_epoch(e)
         self.timeline.on_epoch_aggregated(e, metrics)
         self.sink.log_metrics(metrics, step=e)
 
@@ -117,49 +105,12 @@ class ShellObserver:
     def emit(self, event: dict[str, Any]) -> None:
         self.events.emit(event)
 
-
-class ShellHooks:
-    """The bundle writer and preemption, as the core consults them (the core's :class:`~.core.RunHooks`)."""
-
-    def __init__(self, co: Coordinator) -> None:
-        self._co = co
-
-    @property
-    def bundles_settled(self) -> bool:
-        return self._co.writer.settled
-
-    def after_reduce(self) -> bool:
-        co = self._co
-        if co.preemption.on_reduce_finished():
-            return True
-        if co.life.phase in TRAINING_PHASES:
-            co.checkpoints.maybe_coverage_bundle()
-        return False
-
-    def periodic_bundle_due(self, e: int) -> bool:
-        return self._co.checkpoints.periodic_due(e)
-
-    def begin_periodic_bundle(self, e: int) -> None:
-        self._co.checkpoints.begin_periodic(e)
-
-    def progressive_bundles(self) -> bool:
-        return self._co.checkpoints.progressive
-
-    def send_final_saves(self, model_rank: int) -> None:
-        w = self._co.writer
-        w.send_saves(w.stem, model_rank=model_rank)
-
-    def complete(self) -> Optional[str]:
-        w = self._co.writer
-        w.write_meta("completed", w.stem, epoch=self._co.epochs)
-        err = w.failed.get(w.stem)
-        return f"bundle {w.stem} failed: {err}" if err else None
+    def log_artifact(self, path: str, artifact_path: str) -> None:
+        self.sink.log_artifact(path, artifact_path)
 
 
 class Coordinator:
-    """The I/O shell around the :class:`~.core.ControlCore`: the rank transport, the sink, events.jsonl, the
-    record log, bundles on disk, signals and timers. It turns what arrives into the core's inputs and keeps
-    the tick order of the reference (algorithms.md 3.1) in :meth:`tick`."""
+    """The I/O shell around the :class:`~.core.ControlCore` (see the module docstring)."""
 
     def __init__(self, spec: dict[str, Any], server: Transport, events: queue.Queue[Event], sink: Any, job_dir: str,
                  *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
@@ -171,60 +122,39 @@ class Coordinator:
         self.job_dir = job_dir
         self.clock = clock
         self._rejected = rejected
-        w = shape.world_size
-        self.W = w
+        self.W = shape.world_size
         self.epochs = cfg.experiment.epochs
         self.hb_timeout = cfg.cluster.heartbeat_timeout_s
-        self.stall_ceiling = max(10 * self.hb_timeout, 300.0)
         self.t_start = clock()
         self._node = os.uname().nodename
         self.progress = ProgressWatch(cfg.cluster.progress_timeout_s)
         self.records = RecordLog(os.path.abspath(cfg.record_log.dir) if cfg.record_log.dir else None, cfg.record_log.max_bytes)
         self.events = EventLog(job_dir, self.records, clock)
-        self.timeline = TimelineRecorder(w, clock)
+        self.timeline = TimelineRecorder(self.W, clock)
         """Per-rank spans (compute, data wait, sync, eval) from what arrives here; written at the run's end."""
-        self.core = ControlCore(shape=shape, cfg=cfg, outbox_for=lambda cohort: Outbox(server, cohort), clock=clock,
-                                observer=NullObserver(), hooks=ShellHooks(self), start=clock())
+        self.observer = ShellObserver(sink=sink, events=self.events, timeline=self.timeline)
+        self.core = ControlCore(
+            shape=shape, cfg=cfg, outbox_for=lambda cohort: Outbox(server, cohort), clock=clock, observer=self.observer,
+            store=DiskBundles(job_dir, sink), is_local=self._is_local, start=clock(),
+            facts=RunFacts(checkpoint_stem=spec["checkpoint_stem"], shuffle_seed=int(spec.get("shuffle_seed", cfg.seed)),
+                           attempt=int(spec.get("attempt", 0))))
         core = self.core
         self.life, self.cohort, self.cycle, self.dispatch = core.life, core.cohort, core.cycle, core.dispatch
-        self.outbox, self.intents, self.slack = core.outbox, core.intents, core.slack
-        self.writer = BundleWriter(
-            stem=spec["checkpoint_stem"], cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, outbox=self.outbox,
-            sink=sink, facts=MetaFacts(world_size=w, epochs=self.epochs, experiment=cfg.experiment.name,
-                                       guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
-                                       shuffle_seed=int(spec.get("shuffle_seed", cfg.seed))))
-        self.checkpoints = Checkpoints(
-            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs, progressive=shape.progressive,
-            world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, events=self.events,
-            intents=self.intents, fire_reduce=core.fire_reduce)
-        self.faults = FaultHandler(
-            world_size=w, max_failure=shape.max_failure, life=self.life, enter=core.enter, shutdown=core.shutdown,
-            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
-            events=self.events, sink=sink, clock=clock, is_local=self._is_local)
-        self.preemption = Preemption(
-            attempt=int(spec.get("attempt", 0)), progressive=shape.progressive, world_size=w, job_dir=job_dir,
-            life=self.life, enter=core.enter, shutdown=core.shutdown, shutdown_with_save=self.shutdown_with_save,
-            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, checkpoints=self.checkpoints,
-            outbox=self.outbox, events=self.events, sink=sink, clock=clock, fire_reduce=core.fire_reduce)
-        self.watchdog = StallWatchdog(job_dir, clock, interval_s=cfg.cluster.stall_dump_s)
-        self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=w, epochs=self.epochs,
+        self.outbox, self.writer, self.faults, self.preemption = core.outbox, core.writer, core.faults, core.preemption
+        self.checkpoints = core.checkpoints
+        self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=self.W, epochs=self.epochs,
                                       batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
                                       records=self.records, clock=clock)
-        core.obs = ShellObserver(timeline=self.timeline, windows=self.windows, sink=sink, events=self.events)
+        self.observer.windows = self.windows
+        self.watchdog = StallWatchdog(job_dir, clock, interval_s=cfg.cluster.stall_dump_s)
         self.total_picks = 0
         self.devices: dict[int, RankDevice] = {}
         """What each rank trains on, from its hello (the cohort's collective is chosen from these)."""
         self.last_beacon = -math.inf
         self.resume: Optional[dict[str, Any]] = spec.get("resume")
         if self.resume:
-            self._restore(self.resume["meta"])
+            core.restore(self.resume["meta"], cfg.guard.kind)
             self._restore_outer(self.resume["stem"])
-        self._handlers: dict[type, Callable[[int, Any], None]] = {
-            SaveResult: self._on_save_result, RankError: self._on_error, SessionReady: self.faults.on_session_ready,
-            Exiting: self._on_exiting, Telemetry: self._on_telemetry, Heartbeat: self._on_heartbeat,
-            EpochFnResult: self._on_epoch_fn, LoopNotice: self._on_loop_notice, ChunkMetrics: self._on_metrics,
-            EvalResult: self._on_eval,
-        }
         self._inputs_logged = False
         self._connect_closes: list[tuple[int, str]] = []
         """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
@@ -234,16 +164,6 @@ class Coordinator:
     @property
     def eval_pending(self) -> Optional[int]:
         return self.core.evals.pending
-
-    def _restore(self, meta: dict[str, Any]) -> None:
-        """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
-        self.cycle.restore(int(meta["global_step"]), int(meta["sync_round"]))
-        if self.cycle.elche is not None and meta.get("elche_state"):
-            st = dict(meta["elche_state"])
-            st.pop("trend_history", None)
-            self.cycle.elche.load_state_dict(st)
-        if meta.get("guard_state") and meta.get("guard_kind") == self.cfg.guard.kind:
-            self.cycle.guard.load_state_dict(meta["guard_state"])
 
     def _restore_outer(self, stem: str) -> None:
         """cpu backend: the outer optimizer's momentum from the bundle's sidecar (the launcher checked it exists)."""
@@ -257,37 +177,22 @@ class Coordinator:
         log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", outer.spec.describe(), stem, norm)
         self.events.emit({"event": "outer_restored", "stem": stem, "momentum_norm": norm})
 
-    # -- phase ------------------------------------------------------------
-    def enter(self, phase: Phase) -> None:
-        self.core.enter(phase)
-
     def _is_local(self, r: int) -> bool:
         return self.records.hosts.get(r) == self._node
 
     def current_epoch(self) -> int:
         return self.dispatch.current_epoch()
 
+    # -- start-up ---------------------------------------------------------------
     def start(self) -> None:
-        """Every rank said hello: the collective, the cold-start anchor, then the core plans the first epoch
-        (or the resumed coverage)."""
+        """Every rank said hello: the collective and the cold-start anchor from the hellos, then the core plans
+        the first epoch (or the resumed coverage)."""
         self._form_group()
         self._apply_spec_prior()
         self.timeline.on_start()
         self.windows.start(self.total_picks)
-        self.core.push_epoch_role()
-        self.core.enter(Phase.TRAINING)
         self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
-        self.dispatch.start(self.total_picks, self.resume["meta"] if self.resume else None)
-
-    def _on_epoch_fn(self, r: int, f: EpochFnResult) -> None:
-        self.slack.on_elapsed(r, f.elapsed_ms, kind="epoch_fn")
-        if f.error:
-            log.warning("experiment.epoch_fn on rank %d before epoch %d failed: %s", r, f.epoch, f.error)
-            self.sink.set_tags({"epoch_fn_error": f.error[:5000]})
-        self.sink.log_metrics({"epoch_fn/elapsed_ms": f.elapsed_ms, **{f"epoch_fn/{k}": v for k, v in f.metrics.items()}},
-                              step=f.epoch)
-        self.events.emit({"event": "epoch_fn", "rank": r, "epoch": f.epoch, "elapsed_ms": f.elapsed_ms,
-                          "error": f.error, **f.metrics})
+        self.core.start(self.total_picks, self.resume["meta"] if self.resume else None)
 
     def _apply_spec_prior(self) -> None:
         """CUDA cohorts: the device scores of the hellos pick ElChe's cold-start anchor rank (the slowest
@@ -411,39 +316,14 @@ class Coordinator:
                 continue
             self.evict(r, f"no training step for {idle:.0f}s with a chunk in progress while its heartbeat "
                           "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
-        self.faults.tick(now)                                # 4. regroup retries (a silent generator)
-        self.preemption.tick()                               #    signals (SLURM, time limit)
-        if self._tick_ending(now):
-            return
-        if self.life.is_(Phase.CHECKPOINTING) and self.checkpoints.tick_periodic():
-            self.enter(Phase.TRAINING)
-            self.dispatch.advance()
-        if self.cycle.stalled(now, self.stall_ceiling):      # 6-7. stall ceiling
-            self.shutdown_with_save("reduce_stall", f"a reduce waited {self.stall_ceiling:.0f}s with the cohort alive")
-            return
-        self.core.tick(regrouping=self.faults.regroup is not None)  # 5, 8, 10, 11: the core's decisions
-        if self.watchdog.check(self.cycle.global_step, self.stall_state):  # 9. stall watchdog
+        self.core.tick(now)                                  # 4-11: the core's decisions
+        if self.life.phase in TRAINING_PHASES and self.watchdog.check(self.cycle.global_step, self.stall_state):
             self.events.emit({"event": "stall", "global_step": self.cycle.global_step, "dump": self.watchdog.paths[-1]})
 
     def _beacon(self, now: float) -> None:
         if now - self.last_beacon >= COORD_HEARTBEAT_S:
             self.last_beacon = now
             self.outbox.broadcast(CoordHeartbeat())
-
-    def _tick_ending(self, now: float) -> bool:
-        """Shutdown and ShutdownWithSave wait here; True when nothing else may happen this tick."""
-        if self.life.is_(Phase.DONE):
-            return True
-        if self.life.is_(Phase.SHUTDOWN):
-            assert self.life.shutdown_at is not None
-            if not self.cohort.working() or now - self.life.shutdown_at > SHUTDOWN_GRACE_S:
-                self.enter(Phase.DONE)
-            return True
-        if self.life.is_(Phase.SAVING):
-            if self.faults.saving_overdue(now):
-                self.shutdown()
-            return True
-        return self.life.is_(Phase.PREEMPTING)
 
     # -- events ---------------------------------------------------------------
     def on_event(self, ev: Event) -> None:
@@ -480,113 +360,26 @@ class Coordinator:
         if payload is None:
             log.warning("unknown message %r from rank %d ignored", msg.kind, r)
             return
-        handler = self._handlers.get(type(payload))
-        if handler is None and self.core.on_message(r, payload):
+        if isinstance(payload, Heartbeat):
+            if self.cohort.alive(r):
+                self.progress.on_heartbeat(r, payload.state, payload.steps, self.clock())
             return
-        if handler is None:
+        if isinstance(payload, ChunkMetrics):
+            self.records.rank(r, "chunk", {k: v for k, v in dataclasses.asdict(payload).items() if k != "ranges"})
+        if not self.core.on_message(r, payload):
             log.warning("message %r is not for the coordinator (from rank %d): ignored", msg.kind, r)
-            return
-        handler(r, payload)
 
-    def _on_metrics(self, r: int, m: ChunkMetrics) -> None:
-        self.records.rank(r, "chunk", {k: v for k, v in dataclasses.asdict(m).items() if k != "ranges"})
-        self.core.on_metrics(r, m)
+    # -- deaths -----------------------------------------------------------------
+    def declare_dead(self, r: int, reason: str) -> None:
+        self.progress.forget(r)
+        self.core.on_death(r, reason)
 
-    def _on_eval(self, r: int, f: EvalResult) -> None:
-        self.core.on_eval(r, f)
-
-    def _on_telemetry(self, r: int, t: Telemetry) -> None:
-        if self.dispatch.on_telemetry(r, t) is None and self.dispatch.last_aggregated >= 0:
-            # No epoch open (the run's tail, or epochs shorter than a report): the last epoch gets it.
-            self.sink.log_metrics({f"rank{r}/{k}": v for k, v in t.values().items()}, step=self.dispatch.last_aggregated)
-
-    def _on_error(self, r: int, e: RankError) -> None:
-        self.cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
-        log.error("rank %d reported: %s", r, e.error)
-        if e.loop:  # the user's own loop raised: a bug every rank would hit, not a fault to recover from
-            self.sink.set_tags({"error": f"rank {r}: {e.error}\n{e.traceback}"[:5000]})
-            self.shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
-
-    def _on_loop_notice(self, r: int, n: LoopNotice) -> None:
-        log.error("%s", n.message)
-        self.sink.set_tags({f"loop_warning.rank{r}": n.message[:4000]})
-        self.events.emit({"event": "loop_stalled", "rank": r, "held_s": n.held_s, "message": n.message})
-
-    def _on_exiting(self, r: int, x: Exiting) -> None:
-        self.cohort.mark_exited(r, {"rank": x.rank, "pid": x.pid, "hash": x.hash, "steps": x.steps,
-                                    "global_step": x.global_step})
-
-    # -- eval, saves, end -----------------------------------------------------------
-    def _on_save_result(self, r: int, res: SaveResult) -> None:
-        self.writer.on_result(r, res)
-        self._after_saves()
-
-    def _after_saves(self) -> None:
-        if not self.writer.settled:
-            return
-        self.checkpoints.on_saves_settled()
-        if self.life.is_(Phase.SAVING):
-            self.faults.on_saves_settled()
-        elif self.life.is_(Phase.PREEMPTING):
-            self.preemption.on_saves_settled()
-        self.core.maybe_complete()
+    def evict(self, r: int, reason: str) -> None:
+        self.progress.forget(r)
+        self.core.evict(r, reason)
 
     def shutdown(self) -> None:
         self.core.shutdown()
-
-    # -- faults -------------------------------------------------------------------
-    def declare_dead(self, r: int, reason: str) -> None:
-        self.progress.forget(r)
-        death = self.faults.record_death(r, reason)
-        if death is None or self.life.ending:
-            return
-        if self.life.is_(Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING):
-            self._drop_pending_of(r)
-            return
-        lost, retrained = self.dispatch.lost_picks, self.dispatch.retrained_picks
-        if not self.faults.recover(death):
-            return
-        self._report_picks_of_the_dead(r, lost, retrained)
-        if r in self.writer.pending:  # a bundle in progress (periodic, coverage) does not wait for its pieces
-            self.writer.on_rank_dead(r)
-            self._after_saves()
-        self.core.try_finish_reduce()
-
-    def _report_picks_of_the_dead(self, r: int, lost_before: int, retrained_before: int) -> None:
-        """What a death did to trained picks of epochs already aggregated: retrained by the survivors (an event),
-        or, with none left to do it, lost, which the run says in a metric, a tag and its result."""
-        d = self.dispatch
-        if d.retrained_picks > retrained_before:
-            self.events.emit({"event": "retrain", "rank": r, "picks": d.retrained_picks - retrained_before})
-        if d.lost_picks > lost_before:
-            self.sink.set_tags({"lost_picks": d.lost_picks})
-            self.sink.log_metrics({"lost_picks": float(d.lost_picks)}, step=self.current_epoch())
-            self.events.emit({"event": "lost_picks", "rank": r, "picks": d.lost_picks - lost_before})
-
-    def _on_heartbeat(self, r: int, hb: Heartbeat) -> None:
-        if self.cohort.alive(r):
-            self.progress.on_heartbeat(r, hb.state, hb.steps, self.clock())
-
-    def evict(self, r: int, reason: str) -> None:
-        """Declare a live-but-stuck rank dead and tell its process to go (its exit frees peers blocked
-        with it in a collective); recovery is as for a crash."""
-        self.progress.forget(r)
-        self.outbox.send(r, Evict(reason=reason))
-        self.declare_dead(r, reason)
-
-    def _drop_pending_of(self, r: int) -> None:
-        """A rank died while a bundle was being written: its pieces are forfeit; the final eval and
-        the consensus model move to another survivor."""
-        alive = self.cohort.alive_ranks()
-        if not (self.life.is_(Phase.FINISHING) and self.core.evals.final_rank == r and alive):
-            self.writer.on_rank_dead(r)  # a model piece it owed moves to another survivor
-            self._after_saves()
-            return
-        self.writer.drop(r)
-        cb = alive[0]
-        self.writer.expect(cb)
-        self.core.move_final_eval(cb)
-        self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
         self.faults.shutdown_with_save(reason, detail)

@@ -11,7 +11,8 @@ training ends. It holds no socket, thread or file: what it decides leaves throug
   simulator hands them to simulated ranks; :class:`CommandOutbox` records them as commands);
 * a :class:`CoreObserver` (what the shell records: the timeline, window records, MLflow, events.jsonl; the
   core never reads back from it);
-* :class:`RunHooks` (the bundle writer and preemption of the coordinator; the simulator models neither).
+* a :class:`~.bundle_store.BundleStore` (bundle files and the preemption mark: the coordinator's on disk,
+  the simulator's and the tests' in memory).
 
 Inputs are the rank messages (:meth:`on_batch`, :meth:`on_ack`, ...) and :meth:`tick`, which takes the
 reference's tick steps 5, 8, 10 and 11 (algorithms.md 3.1) in order; the shell keeps 2-4 (heartbeats,
@@ -31,24 +32,37 @@ from ..protocol import (
     Batch,
     ChunkMetrics,
     EpochAggregated,
+    EpochFnResult,
     EvalResult,
+    Evict,
     ExecuteEval,
+    Exiting,
     Intent,
+    LoopNotice,
     Payload,
+    RankError,
+    Save,
+    SaveResult,
+    SessionReady,
     SetEpochRole,
     Snapshot,
     SyncAck,
+    Telemetry,
 )
 from ..protocol import Shutdown as ShutdownMsg
+from .bundle_store import BundleStore, MemoryBundles
 from .callback_slack import CallbackSlack
 from .channels import Outbox
+from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
 from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle, Reduce, ReduceOutcome
 from .dispatch import Dispatcher, Gate
+from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .meta import LrEventMeta
+from .preemption import Preemption
 
 if TYPE_CHECKING:
     from ..wire import Message
@@ -74,23 +88,7 @@ class CoreObserver(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
     def emit(self, event: dict[str, Any]) -> None: ...
-
-
-class RunHooks(Protocol):
-    """The coordinator's bundle writer and preemption, as the core consults them."""
-
-    @property
-    def bundles_settled(self) -> bool: ...
-    def after_reduce(self) -> bool:
-        """A reduce finished (its books are closed): True when preemption took the run over (no new chunk)."""
-        ...
-    def periodic_bundle_due(self, e: int) -> bool: ...
-    def begin_periodic_bundle(self, e: int) -> None: ...
-    def progressive_bundles(self) -> bool: ...
-    def send_final_saves(self, model_rank: int) -> None: ...
-    def complete(self) -> Optional[str]:
-        """The final bundle's meta; the error when the bundle could not be written."""
-        ...
+    def log_artifact(self, path: str, artifact_path: str) -> None: ...
 
 
 class NullObserver:
@@ -124,29 +122,8 @@ class NullObserver:
     def emit(self, event: dict[str, Any]) -> None:
         pass
 
-
-class NoBundles:
-    """No bundle writer, no preemption (the simulator; core unit tests): saves settle at once."""
-
-    bundles_settled = True
-
-    def after_reduce(self) -> bool:
-        return False
-
-    def periodic_bundle_due(self, e: int) -> bool:
-        return False
-
-    def begin_periodic_bundle(self, e: int) -> None:  # pragma: no cover - never due
-        raise AssertionError("no bundles here")
-
-    def progressive_bundles(self) -> bool:
-        return False
-
-    def send_final_saves(self, model_rank: int) -> None:
+    def log_artifact(self, path: str, artifact_path: str) -> None:
         pass
-
-    def complete(self) -> Optional[str]:
-        return None
 
 
 # -- commands (what :meth:`ControlCore.handle` returns) -------------------------------
@@ -216,11 +193,17 @@ class RankMessage:
 
 
 @dataclass(frozen=True)
+class RankDeath:
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
-    regrouping: bool = False
+    pass
 
 
-Event = Union[RankMessage, Tick]
+Event = Union[RankMessage, RankDeath, Tick]
 
 
 @dataclass
@@ -239,18 +222,29 @@ class EvalState:
     final_overwrite_done: bool = False
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What the core needs of the job beyond the config (the launcher's spec)."""
+
+    checkpoint_stem: str = "bundle"
+    shuffle_seed: int = 42
+    attempt: int = 0
+
+
 class ControlCore:
     """The run's decisions; see the module docstring. Build it with :meth:`from_config`."""
 
     def __init__(self, *, shape: RunShape, cfg: Any, outbox_for: Callable[[Cohort], Outbox],
-                 clock: Callable[[], float], observer: CoreObserver, hooks: RunHooks,
+                 clock: Callable[[], float], observer: CoreObserver, store: BundleStore, facts: RunFacts = RunFacts(),
+                 is_local: Callable[[int], bool] = lambda r: False,
                  dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0) -> None:
         w = shape.world_size
         self.W, self.shape, self.epochs = w, shape, cfg.experiment.epochs
         self.clock = clock
-        self.obs, self.hooks = observer, hooks
+        self.obs = observer
         self.epoch_fn = cfg.experiment.epoch_fn is not None
         self.eval_every = cfg.eval.every
+        self.stall_ceiling = max(10 * cfg.cluster.heartbeat_timeout_s, 300.0)
         self.life = Lifecycle()
         self.cohort = Cohort(w, shape.fixed_callback_rank, start)
         self.outbox = outbox_for(self.cohort)
@@ -275,6 +269,26 @@ class ControlCore:
         self.cycle.slack_source = self._callback_slack
         self.fold_updates = cfg.mode.backend == "cpu" and cfg.mode.policy == "cadence" and shape.progressive
         """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
+        self.store = store
+        self.writer = BundleWriter(
+            stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
+            outbox=self.outbox, obs=observer, store=store,
+            facts=MetaFacts(world_size=w, epochs=self.epochs, experiment=cfg.experiment.name,
+                            guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
+                            shuffle_seed=facts.shuffle_seed))
+        self.checkpoints = Checkpoints(
+            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs,
+            progressive=shape.progressive, world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle,
+            dispatch=self.dispatch, obs=observer, intents=self.intents, fire_reduce=self.fire_reduce)
+        self.faults = FaultHandler(
+            world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
+            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
+            obs=observer, store=store, clock=clock, is_local=is_local)
+        self.preemption = Preemption(
+            attempt=facts.attempt, progressive=shape.progressive, world_size=w, store=store, life=self.life,
+            enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.faults.shutdown_with_save,
+            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
+            checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=clock, fire_reduce=self.fire_reduce)
         self.evals = EvalState()
         self._epoch_role_sent: Optional[int] = None
         self._first_batch_seen = False
@@ -283,12 +297,24 @@ class ControlCore:
 
     @classmethod
     def from_config(cls, cfg: Any, *, outbox_for: Callable[[Cohort], Outbox], clock: Callable[[], float],
-                    observer: Optional[CoreObserver] = None, hooks: Optional[RunHooks] = None,
+                    observer: Optional[CoreObserver] = None, store: Optional[BundleStore] = None,
+                    facts: RunFacts = RunFacts(), is_local: Callable[[int], bool] = lambda r: False,
                     dispatcher: Callable[..., Dispatcher] = Dispatcher) -> ControlCore:
         """The core of a run config (the coordinator's, or the simulator's run_config of a rig)."""
         return cls(shape=RunShape.of(cfg), cfg=cfg, outbox_for=outbox_for, clock=clock,
-                   observer=observer or NullObserver(), hooks=hooks or NoBundles(), dispatcher=dispatcher,
-                   start=clock())
+                   observer=observer or NullObserver(), store=store or MemoryBundles(), facts=facts,
+                   is_local=is_local, dispatcher=dispatcher, start=clock())
+
+    # -- resume ---------------------------------------------------------------------
+    def restore(self, meta: dict[str, Any], guard_kind: str) -> None:
+        """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
+        self.cycle.restore(int(meta["global_step"]), int(meta["sync_round"]))
+        if self.cycle.elche is not None and meta.get("elche_state"):
+            st = dict(meta["elche_state"])
+            st.pop("trend_history", None)
+            self.cycle.elche.load_state_dict(st)
+        if meta.get("guard_state") and meta.get("guard_kind") == guard_kind:
+            self.cycle.guard.load_state_dict(meta["guard_state"])
 
     # -- phase --------------------------------------------------------------------
     def enter(self, phase: Phase) -> None:
@@ -382,8 +408,10 @@ class ControlCore:
         self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.cycle.backend == "nccl")
         self.obs.on_reduce_finished(red, out, version, averaging_from, self.current_epoch())
         self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
-        if self.hooks.after_reduce():
-            return
+        if self.preemption.on_reduce_finished():
+            return  # an armed preemption snapshots the coverage now: no new chunk
+        if self.life.phase in TRAINING_PHASES:
+            self.checkpoints.maybe_coverage_bundle()
         self.dispatch.after_finish()
 
     # -- rank messages ------------------------------------------------------------------
@@ -460,15 +488,29 @@ class ControlCore:
             ev.final_rank = None
             self.maybe_complete()
 
-    # -- the tick: steps 5, 8, 10, 11 ----------------------------------------------------
-    def tick(self, *, regrouping: bool = False) -> None:
-        """Training phases: the epoch role, the throttle (5), the reduce gate (8), aggregation (10), the end of
-        training (11). ``regrouping``: the shell is forming a new collective generation (no reduce starts)."""
+    # -- the tick: steps 4-11 -------------------------------------------------------------
+    def tick(self, now: Optional[float] = None) -> None:
+        """One turn of the reference's tick from step 4 (algorithms.md 3.1; the shell takes 2-3, heartbeats
+        and dead ranks, before it): regroup retries and signals, the run's ending phases, a periodic bundle,
+        the stall ceiling, then in the training phases the epoch role, the throttle (5), the reduce gate (8),
+        aggregation (10) and the end of training (11)."""
+        now = self.clock() if now is None else now
+        self.faults.tick(now)                                 # 4. regroup retries (a silent generator)
+        self.preemption.tick()                                #    signals (SLURM, time limit)
+        if self._tick_ending(now):
+            return
+        if self.life.is_(Phase.CHECKPOINTING) and self.checkpoints.tick_periodic():
+            self.enter(Phase.TRAINING)
+            self.dispatch.advance()
+        if self.cycle.stalled(now, self.stall_ceiling):       # 6-7. stall ceiling
+            self.faults.shutdown_with_save("reduce_stall",
+                                           f"a reduce waited {self.stall_ceiling:.0f}s with the cohort alive")
+            return
         if self.life.phase in TRAINING_PHASES:
-            self.push_epoch_role()                            # the epoch role moved (an election, a death)
+            self.push_epoch_role()                            #    the epoch role moved (an election, a death)
             alive = self.cohort.alive_ranks()
             self.cycle.throttle(alive, self.dispatch.in_flight)  # 5. max_batch_diff
-            if (not regrouping and self.cycle.in_flight is None and not self.eval_holds_sync()
+            if (self.faults.regroup is None and self.cycle.in_flight is None and not self.eval_holds_sync()
                     and not self._gate_blocked(alive) and self.cycle.should_average(alive, self.dispatch.quiesced)):
                 self.fire_reduce()                            # 8. fire a reduce
             self._aggregate()                                 # 10. aggregate ready epochs
@@ -476,6 +518,21 @@ class ControlCore:
                 self.enter(Phase.DRAINING)
         if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None and not self.eval_holds_sync():
             self._drain_or_finish()                           # 11. end of run (3.14)
+
+    def _tick_ending(self, now: float) -> bool:
+        """Shutdown and ShutdownWithSave wait here; True when nothing else may happen this tick."""
+        if self.life.is_(Phase.DONE):
+            return True
+        if self.life.is_(Phase.SHUTDOWN):
+            assert self.life.shutdown_at is not None
+            if not self.cohort.working() or now - self.life.shutdown_at > SHUTDOWN_GRACE_S:
+                self.enter(Phase.DONE)
+            return True
+        if self.life.is_(Phase.SAVING):
+            if self.faults.saving_overdue(now):
+                self.shutdown()
+            return True
+        return self.life.is_(Phase.PREEMPTING)
 
     def _aggregate(self) -> None:
         while self.life.phase in TRAINING_PHASES:
@@ -500,15 +557,15 @@ class ControlCore:
         periodic = self.eval_every > 0 and (e + 1) % self.eval_every == 0
         if (self.intents.due("eval", e) or periodic) and not last and self._send_eval(e):
             self.intents.answer("eval", e)
-        # (progressive modes take both kinds of bundle at a reduce finish instead: RunHooks.after_reduce)
-        bundle = not last and not self.hooks.progressive_bundles() and (
-            self.intents.due("checkpoint", e) or self.hooks.periodic_bundle_due(e))
+        # (progressive modes take both kinds of bundle at a reduce finish instead: Checkpoints.maybe_coverage_bundle)
+        bundle = not last and not self.checkpoints.progressive and (
+            self.intents.due("checkpoint", e) or self.checkpoints.periodic_due(e))
         if bundle or last:
             self.intents.answer("checkpoint", e)
         if last:
             self.intents.answer("eval", e)
         if bundle:
-            self.hooks.begin_periodic_bundle(e)
+            self.checkpoints.begin_periodic(e)
             self.enter(Phase.CHECKPOINTING)
 
     def _drain_or_finish(self) -> None:
@@ -522,6 +579,108 @@ class ControlCore:
             self.fire_reduce(final=True)
         else:
             self._finish_run()
+
+    # -- deaths ---------------------------------------------------------------------------
+    def on_death(self, r: int, reason: str) -> None:
+        """Rank ``r`` is gone (its connection closed, its heartbeat went stale, it was evicted): recover
+        without it (its picks to the survivors, a regroup on nccl, the reduce in flight finished without it),
+        or end the run with a bundle when the loss is unrecoverable (algorithms.md 7)."""
+        death = self.faults.record_death(r, reason)
+        if death is None or self.life.ending:
+            return
+        if self.life.is_(Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING):
+            self._drop_pending_of(r)
+            return
+        lost, retrained = self.dispatch.lost_picks, self.dispatch.retrained_picks
+        if not self.faults.recover(death):
+            return
+        self._report_picks_of_the_dead(r, lost, retrained)
+        if r in self.writer.pending:  # a bundle in progress (periodic, coverage) does not wait for its pieces
+            self.writer.on_rank_dead(r)
+            self.after_saves()
+        self.try_finish_reduce()
+
+    def evict(self, r: int, reason: str) -> None:
+        """Declare a live-but-stuck rank dead and tell its process to go (its exit frees peers blocked with it
+        in a collective); recovery is as for a crash."""
+        self.outbox.send(r, Evict(reason=reason))
+        self.on_death(r, reason)
+
+    def _report_picks_of_the_dead(self, r: int, lost_before: int, retrained_before: int) -> None:
+        """What a death did to trained picks of epochs already aggregated: retrained by the survivors (an event),
+        or, with none left to do it, lost, which the run says in a metric, a tag and its result."""
+        d = self.dispatch
+        if d.retrained_picks > retrained_before:
+            self.obs.emit({"event": "retrain", "rank": r, "picks": d.retrained_picks - retrained_before})
+        if d.lost_picks > lost_before:
+            self.obs.set_tags({"lost_picks": d.lost_picks})
+            self.obs.log_metrics({"lost_picks": float(d.lost_picks)}, self.current_epoch())
+            self.obs.emit({"event": "lost_picks", "rank": r, "picks": d.lost_picks - lost_before})
+
+    def _drop_pending_of(self, r: int) -> None:
+        """A rank died while a bundle was being written: its pieces are forfeit; the final eval and the
+        consensus model move to another survivor."""
+        alive = self.cohort.alive_ranks()
+        if not (self.life.is_(Phase.FINISHING) and self.evals.final_rank == r and alive):
+            self.writer.on_rank_dead(r)  # a model piece it owed moves to another survivor
+            self.after_saves()
+            return
+        self.writer.drop(r)
+        cb = alive[0]
+        self.writer.expect(cb)
+        self.evals.final_rank = cb
+        self.obs.on_eval_sent(cb, self.epochs - 1, final=True)
+        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+        self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
+
+    # -- saves and the other rank messages ------------------------------------------------
+    def on_save_result(self, r: int, res: SaveResult) -> None:
+        self.writer.on_result(r, res)
+        self.after_saves()
+
+    def after_saves(self) -> None:
+        if not self.writer.settled:
+            return
+        self.checkpoints.on_saves_settled()
+        if self.life.is_(Phase.SAVING):
+            self.faults.on_saves_settled()
+        elif self.life.is_(Phase.PREEMPTING):
+            self.preemption.on_saves_settled()
+        self.maybe_complete()
+
+    def on_error(self, r: int, e: RankError) -> None:
+        self.cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
+        log.error("rank %d reported: %s", r, e.error)
+        if e.loop:  # the user's own loop raised: a bug every rank would hit, not a fault to recover from
+            self.obs.set_tags({"error": f"rank {r}: {e.error}\n{e.traceback}"[:5000]})
+            self.faults.shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
+
+    def on_epoch_fn(self, r: int, f: EpochFnResult) -> None:
+        self.slack.on_elapsed(r, f.elapsed_ms, kind="epoch_fn")
+        if f.error:
+            log.warning("experiment.epoch_fn on rank %d before epoch %d failed: %s", r, f.epoch, f.error)
+            self.obs.set_tags({"epoch_fn_error": f.error[:5000]})
+        self.obs.log_metrics({"epoch_fn/elapsed_ms": f.elapsed_ms, **{f"epoch_fn/{k}": v for k, v in f.metrics.items()}},
+                             f.epoch)
+        self.obs.emit({"event": "epoch_fn", "rank": r, "epoch": f.epoch, "elapsed_ms": f.elapsed_ms,
+                       "error": f.error, **f.metrics})
+
+    def on_exiting(self, r: int, x: Exiting) -> None:
+        self.cohort.mark_exited(r, {"rank": x.rank, "pid": x.pid, "hash": x.hash, "steps": x.steps,
+                                    "global_step": x.global_step})
+
+    def on_telemetry(self, r: int, t: Telemetry) -> None:
+        if self.dispatch.on_telemetry(r, t) is None and self.dispatch.last_aggregated >= 0:
+            # No epoch open (the run's tail, or epochs shorter than a report): the last epoch gets it.
+            self.obs.log_metrics({f"rank{r}/{k}": v for k, v in t.values().items()}, self.dispatch.last_aggregated)
+
+    def on_session_ready(self, r: int, m: SessionReady) -> None:
+        self.faults.on_session_ready(r, m)
+
+    def on_loop_notice(self, r: int, n: LoopNotice) -> None:
+        log.error("%s", n.message)
+        self.obs.set_tags({f"loop_warning.rank{r}": n.message[:4000]})
+        self.obs.emit({"event": "loop_stalled", "rank": r, "held_s": n.held_s, "message": n.message})
 
     # -- evals and the end ---------------------------------------------------------------
     def _send_eval(self, e: int) -> bool:
@@ -554,21 +713,17 @@ class ControlCore:
         self.evals.final_rank = cb
         self.obs.on_eval_sent(cb, self.epochs - 1, final=True)
         self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
-        self.hooks.send_final_saves(cb)
-
-    def move_final_eval(self, cb: int) -> None:
-        """The rank running the final eval died: the eval moves to ``cb``."""
-        self.evals.final_rank = cb
-        self.obs.on_eval_sent(cb, self.epochs - 1, final=True)
-        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
+        self.writer.send_saves(self.writer.stem, model_rank=cb)
 
     def maybe_complete(self) -> bool:
         """Finishing, the final eval reported and every save settled: the run ends and the ranks are told (True)."""
-        if not (self.life.is_(Phase.FINISHING) and self.evals.final_rank is None and self.hooks.bundles_settled):
+        w = self.writer
+        if not (self.life.is_(Phase.FINISHING) and self.evals.final_rank is None and w.settled):
             return False
-        err = self.hooks.complete()
+        w.write_meta("completed", w.stem, epoch=self.epochs)
+        err = w.failed.get(w.stem)
         if err:  # the final bundle could not be written: the run says so rather than end FINISHED on nothing
-            self.life.end(Status.FAILED, err, end_reason="bundle_failed")
+            self.life.end(Status.FAILED, f"bundle {w.stem} failed: {err}", end_reason="bundle_failed")
         else:
             self.life.end(Status.FINISHED)
         self.shutdown()
@@ -583,8 +738,10 @@ class ControlCore:
         self.outbox.broadcast(ShutdownMsg(reason=self.life.failure or "completed"))
 
     # -- scripted events (tests) ----------------------------------------------------------
-    _MESSAGE_HANDLERS: dict[type, str] = {Batch: "on_batch", SyncAck: "on_ack", Snapshot: "on_snapshot",
-                                          ChunkMetrics: "on_metrics", EvalResult: "on_eval", Intent: "on_intent"}
+    _MESSAGE_HANDLERS: dict[type, str] = {
+        Batch: "on_batch", SyncAck: "on_ack", Snapshot: "on_snapshot", ChunkMetrics: "on_metrics", EvalResult: "on_eval",
+        Intent: "on_intent", SaveResult: "on_save_result", RankError: "on_error", SessionReady: "on_session_ready",
+        Exiting: "on_exiting", Telemetry: "on_telemetry", EpochFnResult: "on_epoch_fn", LoopNotice: "on_loop_notice"}
 
     def on_message(self, r: int, payload: Payload) -> bool:
         """A rank message the core decides on; False when it is not one (the shell handles it)."""
@@ -599,17 +756,19 @@ class ControlCore:
         :func:`recording_core`), which the call takes out of the list."""
         if isinstance(event, RankMessage):
             self.on_message(event.rank, event.payload)
+        elif isinstance(event, RankDeath):
+            self.on_death(event.rank, event.reason)
         else:
-            self.tick(regrouping=event.regrouping)
+            self.tick()
         out = list(commands)
         commands.clear()
         return out
 
 
-def recording_core(cfg: Any, clock: Callable[[], float], *, hooks: Optional[RunHooks] = None,
-                   dispatcher: Callable[..., Dispatcher] = Dispatcher) -> tuple[ControlCore, list[Command]]:
-    """A core whose every output is a recorded command (tests, the same-commands check)."""
+def recording_core(cfg: Any, clock: Callable[[], float], *, store: Optional[BundleStore] = None,
+                   facts: RunFacts = RunFacts()) -> tuple[ControlCore, list[Command]]:
+    """A core whose every output is a recorded command (tests, the same-commands check); bundles in memory."""
     commands: list[Command] = []
     core = ControlCore.from_config(cfg, outbox_for=lambda cohort: CommandOutbox(cohort, commands), clock=clock,
-                                   observer=RecordingObserver(commands), hooks=hooks, dispatcher=dispatcher)
+                                   observer=RecordingObserver(commands), store=store, facts=facts)
     return core, commands

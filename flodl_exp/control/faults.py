@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..protocol import Regroup, RequestSession, SessionReady
-from .channels import EventLog, Outbox
+from .bundle_store import BundleStore
+from .channels import Outbox
 from .checkpoints import BundleWriter
 from .cohort import Cohort, Death
 from .cycle import AveragingCycle
@@ -85,7 +85,7 @@ class FaultHandler:
 
     def __init__(self, *, world_size: int, max_failure: Optional[int], life: Lifecycle, enter: Callable[[Phase], None],
                  shutdown: Callable[[], None], cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 writer: BundleWriter, outbox: Outbox, events: EventLog, sink: Any, clock: Callable[[], float],
+                 writer: BundleWriter, outbox: Outbox, obs: Any, store: BundleStore, clock: Callable[[], float],
                  is_local: Callable[[int], bool] = lambda r: False) -> None:
         self.world_size = world_size
         self.max_failure = max_failure
@@ -97,8 +97,9 @@ class FaultHandler:
         self._dispatch = dispatch
         self._writer = writer
         self._out = outbox
-        self._events = events
-        self._sink = sink
+        self._obs = obs
+        """Tags, metrics and events (the core's observer)."""
+        self._store = store
         self._clock = clock
         self._is_local = is_local
         self.regroup: Optional[PendingRegroup] = None
@@ -116,24 +117,19 @@ class FaultHandler:
             return None
         log.error("rank %d declared dead: %s", r, death.reason)
         deaths = len(self._cohort.deaths)
-        self._sink.set_tags({f"death.rank{r}": death.reason[:4000], "deaths": deaths})
-        self._sink.log_metrics({"alive_ranks": len(self._cohort.alive_ranks()), "deaths": deaths}, step=epoch)
-        self._events.emit({"event": "rank_dead", "rank": r, "reason": death.reason})
+        self._obs.set_tags({f"death.rank{r}": death.reason[:4000], "deaths": deaths})
+        self._obs.log_metrics({"alive_ranks": len(self._cohort.alive_ranks()), "deaths": deaths}, epoch)
+        self._obs.emit({"event": "rank_dead", "rank": r, "reason": death.reason})
         self._write_death_record()
         self._cycle.forget(r)
         return death
 
     def _write_death_record(self) -> None:
         """``<stem>.death.json`` beside the bundle: every death so far (who, when, last step, error), logged to MLflow."""
-        from ..checkpoint import atomic_json
-
-        path = self._writer.stem + ".death.json"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_json({"deaths": [d.record() for d in self._cohort.deaths]}, path)
-            self._sink.log_artifact(path, "deaths")
+            self._store.write_deaths(self._writer.stem, [d.record() for d in self._cohort.deaths])
         except OSError as e:  # a full disk must not take the coordinator down with the rank
-            log.warning("could not write %s: %s", path, e)
+            log.warning("could not write %s.death.json: %s", self._writer.stem, e)
 
     def recover(self, death: Death) -> bool:
         """The run goes on without the rank (True), or ends with ShutdownWithSave (False)."""
@@ -197,8 +193,8 @@ class FaultHandler:
         self.regroup = None
         for q, msg in regroup_plan(survivors, pr.generation, m.session).items():
             self._out.send(q, msg)
-        self._events.emit({"event": "regroup", "generation": pr.generation, "ranks": survivors, "generator": r})
-        self._sink.set_tags({"regroups": pr.generation})
+        self._obs.emit({"event": "regroup", "generation": pr.generation, "ranks": survivors, "generator": r})
+        self._obs.set_tags({"regroups": pr.generation})
         log.warning("regroup generation %d with ranks %s (session from rank %d)", pr.generation, survivors, r)
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
@@ -208,8 +204,8 @@ class FaultHandler:
         self._life.end(Status.FAILED, f"{reason}: {detail}")
         stem = self._writer.stem_for("failure")
         self.failure_stem = stem
-        self._sink.set_tags({"save_reason": reason})
-        self._events.emit({"event": "shutdown_with_save", "reason": reason, "stem": stem})
+        self._obs.set_tags({"save_reason": reason})
+        self._obs.emit({"event": "shutdown_with_save", "reason": reason, "stem": stem})
         log.error("ShutdownWithSave (%s): %s", reason, detail)
         self._writer.write_meta(reason, stem, epoch=self._dispatch.current_epoch())
         if not self._cohort.alive_ranks():

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..constants import PREEMPT_MARK
 from ..protocol import Shutdown
-from .channels import EventLog, Outbox
+from .bundle_store import BundleStore
+from .channels import Outbox
 from .checkpoints import BundleWriter, Checkpoints
 from .cohort import Cohort
 from .cycle import AveragingCycle
@@ -69,15 +68,15 @@ class PreemptRequest:
 
 
 class Preemption:
-    def __init__(self, *, attempt: int, progressive: bool, world_size: int, job_dir: str, life: Lifecycle,
+    def __init__(self, *, attempt: int, progressive: bool, world_size: int, store: BundleStore, life: Lifecycle,
                  enter: Callable[[Phase], None], shutdown: Callable[[], None],
                  shutdown_with_save: Callable[[str, str], None], cohort: Cohort, cycle: AveragingCycle,
                  dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints, outbox: Outbox,
-                 events: EventLog, sink: Any, clock: Callable[[], float], fire_reduce: Callable[..., bool]) -> None:
+                 obs: Any, clock: Callable[[], float], fire_reduce: Callable[..., bool]) -> None:
         self.attempt = attempt
         self.progressive = progressive
         self.world_size = world_size
-        self.job_dir = job_dir
+        self._store = store
         self._life = life
         self._enter = enter
         self._shutdown = shutdown
@@ -90,8 +89,8 @@ class Preemption:
         self._writer = writer
         self._checkpoints = checkpoints
         self._out = outbox
-        self._events = events
-        self._sink = sink
+        self._obs = obs
+        """Tags and events (the core's observer)."""
         self._clock = clock
         self.request: Optional[PreemptRequest] = None
         self.terminate_at: Optional[float] = None
@@ -154,7 +153,7 @@ class Preemption:
             self._life.end(Status.FAILED, f"time limit / preemption: the bundle {p.stem} was not complete after "
                                           f"{PREEMPT_SAVE_DEADLINE_S:.0f}s (pending saves of ranks {pending})",
                            end_reason="time_limit", overwrite=True)
-            self._sink.set_tags({"end_reason": "time_limit"})
+            self._obs.set_tags({"end_reason": "time_limit"})
             p.stage = Stage.FAILED
             log.error(self._life.failure)
             self._shutdown()
@@ -172,15 +171,12 @@ class Preemption:
         if p is None or p.stage is not Stage.SAVING or not self._life.is_(Phase.PREEMPTING):
             return
         self._writer.write_meta("preempted", p.stem, epoch=p.epoch, coverage_epochs=p.coverage)
-        from ..checkpoint import atomic_json
-
         gs = self._cycle.global_step
-        atomic_json({"attempt": p.attempt, "stem": p.stem, "epoch": p.epoch, "global_step": gs},
-                    os.path.join(self.job_dir, PREEMPT_MARK))
+        self._store.mark_preempted({"attempt": p.attempt, "stem": p.stem, "epoch": p.epoch, "global_step": gs})
         self._life.end(Status.PREEMPTED)
         p.stage = Stage.DONE
-        self._sink.set_tags({"preemptions": p.attempt + 1, "preempt_stem": p.stem})
-        self._events.emit({"event": "preempted", "stem": p.stem, "epoch": p.epoch, "attempt": p.attempt, "global_step": gs})
+        self._obs.set_tags({"preemptions": p.attempt + 1, "preempt_stem": p.stem})
+        self._obs.emit({"event": "preempted", "stem": p.stem, "epoch": p.epoch, "attempt": p.attempt, "global_step": gs})
         log.warning("preemption bundle %s complete (epoch %d, global step %d): stopping for requeue", p.stem, p.epoch, gs)
         self._shutdown()
 
@@ -194,7 +190,7 @@ class Preemption:
         if life.is_(Phase.DRAINING, Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING, Phase.SHUTDOWN, Phase.DONE):
             p.stage = Stage.IGNORED
             log.warning("preemption requested while the run is %s: it ends on its own", life.phase.value)
-            self._events.emit({"event": "preempt_ignored", "phase": life.phase.value})
+            self._obs.emit({"event": "preempt_ignored", "phase": life.phase.value})
             return
         if not life.is_(Phase.TRAINING) or self._checkpoints.busy:
             return  # not started yet, or a bundle is being written: act after it
@@ -208,7 +204,7 @@ class Preemption:
             p.stage = Stage.REDUCE
         log.warning("preemption requested: bundle %s (%s)", p.stem,
                     "coverage at the next reduce" if self.progressive else "after one consensus reduce")
-        self._events.emit({"event": "preempt_requested", "stem": p.stem, "attempt": p.attempt})
+        self._obs.emit({"event": "preempt_requested", "stem": p.stem, "attempt": p.attempt})
 
     def _save(self, p: PreemptRequest, *, coverage: bool) -> None:
         p.coverage = self._dispatch.open_coverage() if coverage else []
@@ -249,6 +245,6 @@ class Preemption:
         self.terminated = True
         life.end(status, failure, end_reason=why, overwrite=True)
         log.error("terminated: %s", failure)
-        self._events.emit({"event": "terminated", "status": status.value, "reason": why})
+        self._obs.emit({"event": "terminated", "status": status.value, "reason": why})
         self._out.broadcast(Shutdown(reason=failure))
         self._enter(Phase.DONE)  # SIGKILL follows within KillWait: no waiting for the ranks
