@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -169,7 +170,9 @@ def test_completion_after_forfeit_is_clamped():
 # -- rollback -------------------------------------------------------------------
 def test_rollback_rewinds_cursor():
     pool = ChunkPool(0, 100, 10, [1, 1])
-    off, sz = pool.take_chunk(40, 0)
+    took = pool.take_chunk(40, 0)
+    assert took is not None
+    off, sz = took
     pool.rollback_take(0, off, sz)
     assert pool.remaining() == 100 and pool.in_flight(0) == 0
     assert pool.chunks_sent[0] == 0 and pool.reclaimed() == []
@@ -180,6 +183,7 @@ def test_rollback_older_or_stolen_goes_to_reclaimed_and_unknown_ignored():
     pool = ChunkPool(0, 200, 10, [1, 1])
     a = pool.take_chunk(40, 0)
     pool.take_chunk(30, 0)
+    assert a is not None
     pool.rollback_take(0, *a)  # not the newest: reclaimed
     assert pool.in_flight(0) == 30 and pool.chunks_sent[0] == 1
     assert pool.take_chunk(40, 1) == (0, 40)
@@ -352,7 +356,7 @@ def test_final_window_sum_invariant_random():
 
 
 def test_refresh_final_window_plan_pins_until_counts_or_epoch_change():
-    kw = dict(counts=[4, 2], alive=[True, True], barrier_paced=True)
+    kw: dict[str, Any] = dict(counts=[4, 2], alive=[True, True], barrier_paced=True)
     assert refresh_final_window_plan(None, epoch=0, rem=8, **kw) is None  # >= 6+2
     p = refresh_final_window_plan(None, epoch=0, rem=7, **kw)
     assert p == FinalWindowPlan(0, (4, 3), (4, 2))
@@ -360,7 +364,8 @@ def test_refresh_final_window_plan_pins_until_counts_or_epoch_change():
     p2 = refresh_final_window_plan(p, epoch=0, rem=3, counts=[3, 3],
                                    alive=[True, True], barrier_paced=True)
     assert p2 is not None and p2.alloc == (3, 0)  # [2,1] -> lone 1 consolidated
-    assert refresh_final_window_plan(p, epoch=1, rem=3, **kw).epoch == 1
+    p3 = refresh_final_window_plan(p, epoch=1, rem=3, **kw)
+    assert p3 is not None and p3.epoch == 1
     assert refresh_final_window_plan(p, epoch=0, rem=0, **kw) is None
     assert refresh_final_window_plan(None, epoch=0, rem=3, counts=[4, 2],
                                      alive=[True, True], barrier_paced=False) is None
@@ -426,7 +431,7 @@ def test_reduce_budget_and_cap():
     assert reduce_budget(0, [10, 0], False, 3) == 10
     assert reduce_budget(1, [10, 0], True, 3) == 0
     assert reduce_budget(5, [10, 0], True, 3) == 0
-    kw = dict(counts=[10, 0], steps=[4, 100], is_async=False, max_overshoot=0)
+    kw: dict[str, Any] = dict(counts=[10, 0], steps=[4, 100], is_async=False, max_overshoot=0)
     assert cap_to_budget(0, 20, **kw) == 6
     assert cap_to_budget(0, 3, **kw) == 3
     assert cap_to_budget(1, 20, **kw) == 20  # no budget -> untouched

@@ -235,6 +235,7 @@ def test_cache_getitem_and_dict_datasets_and_ragged_fallback(tmp_path):
 
 def test_disk_stage_file_lifecycle_and_stale_sweep(tmp_path):
     lay, _ = Layout.of((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), 2)
+    assert lay is not None
     # A crashed rank: a process that opened a stage and died by SIGKILL leaves its pack file behind.
     code = textwrap.dedent(f"""
         import os, signal, torch
@@ -283,6 +284,7 @@ def test_prefetch_delivers_the_same_batches_in_order_with_extension():
         if br is None:
             assert bp is None
             break
+        assert bp is not None
         got_r.append(br)
         got_p.append(bp)
         for tr, st, b in ((ref, st_r, br), (pre, st_p, bp)):
@@ -326,6 +328,7 @@ def test_data_wall_excludes_control_work_the_cost_feed_keeps_it_and_stop_returns
     t0 = time.perf_counter()
     b = tr.next_batch(st)
     wall = (time.perf_counter() - t0) * 1e3
+    assert b is not None
     assert len(control_s) >= 3, "control should be drained while waiting"
     # data_ms is the wait minus the control work done during it: never more than the wall less that work.
     assert 0.0 <= b.data_ms <= wall - sum(control_s) * 1e3 + 1e-6, (b.data_ms, wall, control_s)

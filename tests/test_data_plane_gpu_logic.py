@@ -12,6 +12,7 @@ import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def test_transient_reserve_is_the_larger_of_step_peak_and_sync_workspace():
 
 
 def test_headroom_charges_sync_reserve_and_pending_pool_capacity():
-    kw = dict(total=10_000, used=2000, max_usage=0.9)  # cap 9000
+    kw: dict[str, Any] = dict(total=10_000, used=2000, max_usage=0.9)  # cap 9000
     assert B.vram_headroom(**kw, reserve=1000) == 6000
     assert B.vram_headroom(**kw, reserve=1000, sync_reserve=3000) == 4000  # max(peak, sync), not the sum
     assert B.vram_headroom(**kw, reserve=1000, pool_pending=2500) == 3500  # the pool's unallocated part is spoken for
@@ -138,6 +139,7 @@ def test_activation_peak_does_not_absorb_the_prefetch_window():
 
 def test_slab_store_pending_bytes_and_close():
     lay, _ = Layout.of((torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64)), 2)  # 24 B per sample
+    assert lay is not None
     st = SlabStore(lay, 100, torch.device("cpu"), slab_bytes=24 * 30)  # 30 rows per slab
     assert st.capacity_bytes == 2400 and st.nbytes == 0 and st.pending_bytes == 2400
     slots = st.reserve(40)
@@ -170,8 +172,8 @@ def _fake_tensor(device: str, pinned: bool):
     ("cpu", False, "cpu", False),
 ])
 def test_copy_is_async_only_pinned_host_to_cuda(src, pinned, dst, want):
-    assert copy_is_async(_fake_tensor(src, pinned), dst) is want  # type: ignore[arg-type]
-    assert copy_is_async(_fake_tensor(src, pinned), torch.device(dst)) is want  # type: ignore[arg-type]
+    assert copy_is_async(_fake_tensor(src, pinned), dst) is want
+    assert copy_is_async(_fake_tensor(src, pinned), torch.device(dst)) is want
 
 
 def test_copy_is_async_on_real_cpu_tensors_and_to_device():
@@ -180,7 +182,7 @@ def test_copy_is_async_on_real_cpu_tensors_and_to_device():
     calls = []
 
     class Spy(torch.Tensor):
-        def to(self, *a, **kw):  # type: ignore[override]
+        def to(self, *a, **kw):
             calls.append(kw.get("non_blocking"))
             return torch.Tensor.to(torch.Tensor(self), *a, **kw)
 
@@ -357,6 +359,7 @@ def test_depth_for_charges_sync_reserve_pool_capacity_and_splits_the_device(monk
     pipe.sync_reserve_bytes = 2 * GIB  # larger than the step peak below, so it decides
     pipe.is_cuda, pipe.pool_wanted = True, True  # the CUDA budget path, on this CPU machine
     pipe.cache.load(np.arange(bs))  # the row layout
+    assert pipe.cache.layout is not None
     sb = pipe.cache.layout.sample_bytes
     bb = sb * bs
     pipe.activation_peak = 512 * MIB

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, TypeVar
 
 import pytest
 
@@ -15,9 +16,12 @@ from flodl_exp.control.guards import (
     build_guard,
 )
 
+G = TypeVar("G")
+
 
 def rep(*deltas: float | None) -> DivergenceReport:
-    return DivergenceReport(deltas=list(deltas))
+    """A report with these deltas; None (a rank's missing reading, never sent by the cycle) must read as 0."""
+    return DivergenceReport(deltas=list(deltas))  # type: ignore[arg-type]
 
 
 def feed(guard, values, k_used=8, k_max=4):
@@ -59,27 +63,27 @@ def test_cosine_formula_matches_vectors():
 
 def test_cosine_near_one_for_small_delta():
     cos = DivergenceReport([0.001], [10.0], 10.0).cosine_similarities()
-    assert cos[0] > 0.999
+    assert cos is not None and cos[0] > 0.999
 
 
 def test_cosine_clamped_to_unit_interval():
     # Inconsistent norms (rounding in the wild) would overshoot the law of cosines.
     cos = DivergenceReport([0.0, 10.0], [1.0, 1.0], 1.0).cosine_similarities()
-    assert cos[0] == 1.0
+    assert cos is not None and cos[0] == 1.0
     assert cos[1] == -1.0
     big = DivergenceReport([0.0], [1.0], 1.0 + 1e-15).cosine_similarities()
-    assert big[0] <= 1.0
+    assert big is not None and big[0] <= 1.0
 
 
 def test_cosine_thresholds_1e_10():
     assert DivergenceReport([0.1], [1.0], 1e-11).cosine_similarities() is None
     assert DivergenceReport([0.1], [1.0], 1e-10).cosine_similarities() is not None
     cos = DivergenceReport([0.1, 0.1], [1e-11, 1.0], 1.0).cosine_similarities()
-    assert cos[0] == 0.0 and cos[1] != 0.0
+    assert cos is not None and cos[0] == 0.0 and cos[1] != 0.0
 
 
 def test_cosine_missing_delta_reads_as_zero():
-    cos = DivergenceReport([None], [2.0], 2.0).cosine_similarities()
+    cos = DivergenceReport([None], [2.0], 2.0).cosine_similarities()  # type: ignore[list-item]
     assert cos == [pytest.approx(1.0)]
 
 
@@ -313,26 +317,30 @@ def test_build_guard_none():
     assert isinstance(build_guard("none", threshold=0.05, easgd_alpha=0.5), NoGuard)
 
 
+def _built(cls: type[G], kind: str, **kw: Any) -> G:
+    g = build_guard(kind, **kw)
+    assert isinstance(g, cls), g
+    return g
+
+
 def test_build_guard_trend_defaults_overwrite_and_easgd():
-    g = build_guard("trend")
-    assert isinstance(g, TrendGuard) and g.threshold == 0.05
-    assert build_guard("trend", easgd_alpha=0.5).threshold == 0.3
-    assert build_guard("trend", threshold=0.2, easgd_alpha=0.5).threshold == 0.2
-    assert build_guard(" Trend ", threshold=0.0).threshold == 0.0
+    assert _built(TrendGuard, "trend").threshold == 0.05
+    assert _built(TrendGuard, "trend", easgd_alpha=0.5).threshold == 0.3
+    assert _built(TrendGuard, "trend", threshold=0.2, easgd_alpha=0.5).threshold == 0.2
+    assert _built(TrendGuard, " Trend ", threshold=0.0).threshold == 0.0
 
 
 def test_build_guard_trend_seeded_from_checkpoint():
-    g = build_guard("trend", threshold=0.01, trend_history=[0.02, 0.03])
+    g = _built(TrendGuard, "trend", threshold=0.01, trend_history=[0.02, 0.03])
     assert g.history == [0.02, 0.03]
     assert feed(g, [0.04]) == [SUPPRESS_GROWTH]
 
 
 def test_build_guard_msf_defaults_and_options():
-    g = build_guard("msf")
-    assert isinstance(g, MsfGuard) and g.nudge_threshold == 1e-2
-    g = build_guard("msf", msf_alpha=0.8, msf_suppress_threshold=2e-3, msf_nudge_factor=0.3)
+    assert _built(MsfGuard, "msf").nudge_threshold == 1e-2
+    g = _built(MsfGuard, "msf", msf_alpha=0.8, msf_suppress_threshold=2e-3, msf_nudge_factor=0.3)
     assert (g.estimator.alpha, g.suppress_threshold, g.nudge_factor) == (0.8, 2e-3, 0.3)
-    assert math.isinf(build_guard("msf", msf_nudge=False).nudge_threshold)
+    assert math.isinf(_built(MsfGuard, "msf", msf_nudge=False).nudge_threshold)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from flodl_exp.protocol import (
     Batch,
     ChunkMetrics,
     EvalResult,
+    Intent,
     Kind,
     Len,
     ProtocolError,
@@ -45,6 +46,16 @@ def _sample(hint: typing.Any) -> typing.Any:
     return SAMPLE[hint]
 
 
+P = typing.TypeVar("P")
+
+
+def _decoded(kind: str, fields: dict[str, typing.Any], cls: type[P]) -> P:
+    """The ``kind`` message with ``fields``, decoded (asserted to be a ``cls``)."""
+    p = decode(wire.Message(kind, fields))
+    assert isinstance(p, cls), p
+    return p
+
+
 def _example(cls: type) -> typing.Any:
     hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {}
@@ -61,7 +72,7 @@ def test_every_payload_round_trips_through_a_frame(kind):
     p = _example(PAYLOADS[kind])
     back = decode(wire.decode(wire.encode(encode(p)), 1 << 20))
     assert type(back) is type(p)
-    for f in dataclasses.fields(p):
+    for f in dataclasses.fields(PAYLOADS[kind]):
         a, b = getattr(p, f.name), getattr(back, f.name)
         if f.name == "tensors":
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -172,16 +183,16 @@ def test_the_batch_fast_path_and_the_generic_path_agree_on_the_rules():
             decode(wire.Message("batch", bad))
     ok = {**_BATCH, "loss": _NAN, "lr": _INF}
     fast = protocol._decode_batch(ok)
-    assert fast is not None and math.isnan(fast.loss) and fast.lr == _INF
+    assert fast is not None and fast.loss is not None and math.isnan(fast.loss) and fast.lr == _INF
 
 
 def test_readings_may_be_non_finite():
     """A diverging model reports NaN or inf losses, norms and metrics: the report still counts (the ledger
     skips a non-finite loss, the guards read NaN as 0), so those fields take any IEEE value."""
     b = decode(wire.Message("batch", {**_BATCH, "loss": _NAN, "lr": _INF, "ms": 3}))
-    assert isinstance(b, Batch) and math.isnan(b.loss) and b.lr == _INF and b.ms == 3.0
+    assert isinstance(b, Batch) and b.loss is not None and math.isnan(b.loss) and b.lr == _INF and b.ms == 3.0
     ack = decode(wire.Message("sync_ack", {"n": 1, "d": _NAN, "pre": -_INF, "post": 2}))
-    assert isinstance(ack, SyncAck) and math.isnan(ack.d) and ack.pre == -_INF and ack.post == 2.0
+    assert isinstance(ack, SyncAck) and ack.d is not None and math.isnan(ack.d) and ack.pre == -_INF and ack.post == 2.0
     m = decode(wire.Message("metrics", {**_METRICS, "avg_loss": _NAN, "scalars": {"a": [_INF, 1]}}))
     assert isinstance(m, ChunkMetrics) and math.isnan(m.avg_loss) and m.scalars == {"a": [_INF, 1.0]}
     assert type(m.scalars["a"][1]) is float
@@ -191,10 +202,10 @@ def test_readings_may_be_non_finite():
 
 def test_bounds_are_inclusive_at_the_edges():
     top = 2**63 - 1
-    assert decode(wire.Message("batch", {**_BATCH, "chunk": top})).chunk == top
-    assert decode(wire.Message("intent", {"kind": "eval", "epoch": -(2**63)})).epoch == -(2**63)
-    assert decode(wire.Message("intent", {"kind": "eval", "epoch": -1})).epoch == -1  # asked before any epoch
-    assert decode(wire.Message("batch", {**_BATCH, "ms": 10**308})).ms == 1e308  # a big int that fits a float
+    assert _decoded("batch", {**_BATCH, "chunk": top}, Batch).chunk == top
+    assert _decoded("intent", {"kind": "eval", "epoch": -(2**63)}, Intent).epoch == -(2**63)
+    assert _decoded("intent", {"kind": "eval", "epoch": -1}, Intent).epoch == -1  # asked before any epoch
+    assert _decoded("batch", {**_BATCH, "ms": 10**308}, Batch).ms == 1e308  # a big int that fits a float
 
 
 def test_a_message_whose_fields_are_not_an_object_is_refused():
