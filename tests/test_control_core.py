@@ -28,9 +28,12 @@ from flodl_exp.protocol import (
     ExecuteEval,
     ExtendPartition,
     Payload,
+    Regroup,
     RequestParams,
+    RequestSession,
     Save,
     SaveResult,
+    SessionReady,
     Shutdown,
     Snapshot,
     StartEpoch,
@@ -141,10 +144,17 @@ class Ranks:
     """Ranks that train one batch at a time, round robin, and answer what the core sends at once: a
     collective completes as soon as it is asked for (each rank acks), a snapshot is sent on request."""
 
-    def __init__(self, world: int, slow: Optional[dict[int, int]] = None) -> None:
+    def __init__(self, world: int, slow: Optional[dict[int, int]] = None, eval_ms: Optional[float] = None) -> None:
         self.r = [_Rank() for _ in range(world)]
+        self.eval_ms = eval_ms
+        """A periodic eval is answered at once, taking this long (None: left unanswered)."""
+        self.dead: set[int] = set()
+        self.hold_acks: set[int] = set()
+        """Ranks whose collective has not completed (they answer nothing until released)."""
         self.slow = slow or {}
         """rank -> it trains a batch only every k turns (a straggler)."""
+        self.pending: deque[tuple[int, Payload]] = deque()
+        """Answers not yet delivered to the core."""
         self.turn = 0
         self.credit: dict[int, int] = {}
         self.final_evals: list[int] = []
@@ -155,11 +165,18 @@ class Ranks:
         answers: list[tuple[int, Payload]] = []
         for r, p in out:
             rk = self.r[r]
+            if r in self.dead:
+                continue
             if isinstance(p, (StartEpoch, ExtendPartition)):
                 rk.plans.append((p.epoch, p.chunk, p.offset, p.size // BATCH))
             elif isinstance(p, SyncNow):
+                if r in self.hold_acks:
+                    rk.blocked = True
+                    continue
                 answers.append((r, SyncAck(n=rk.steps, d=0.0)))
                 rk.steps = 0
+            elif isinstance(p, RequestSession):
+                answers.append((r, SessionReady(generation=p.generation, session=f"s{p.generation}")))
             elif isinstance(p, RequestParams):
                 answers.append((r, Snapshot(n=rk.steps, tensors={"p0": torch.tensor([1.0, float(r)])})))
                 rk.blocked = p.barrier
@@ -168,6 +185,8 @@ class Ranks:
             elif isinstance(p, ExecuteEval):
                 if p.final:
                     self.final_evals.append(r)
+                elif self.eval_ms is not None:
+                    answers.append((r, EvalResult(epoch=p.epoch, metrics={"acc": 0.5}, elapsed_ms=self.eval_ms)))
                 rk.evals.append(p)
             elif isinstance(p, Save):
                 answers.append((r, SaveResult(stem=p.stem)))
@@ -180,6 +199,8 @@ class Ranks:
         rank (``slow[r] = k``) goes once in k turns while another rank can go."""
         ready = []
         for r, rk in enumerate(self.r):
+            if r in self.dead:
+                continue
             if rk.chunk is None and rk.plans and not rk.blocked:
                 e, cid, off, nb = rk.plans.popleft()
                 rk.chunk = [e, cid, off, nb, 0]
@@ -215,7 +236,8 @@ def play(wiring: Any, ranks: Ranks, clock: FakeClock, *, samples: int = 96, max_
     until the core shuts the run down, ``until`` holds, or nothing moves."""
     if wiring.core.life.is_(Phase.CONNECTING):
         wiring.start(samples)
-    pending: deque[tuple[int, Payload]] = deque(ranks.hear(_logged(wiring.take(), trace)))
+    pending = ranks.pending  # kept across calls: a play that stopped on ``until`` left answers to deliver
+    pending.extend(ranks.hear(_logged(wiring.take(), trace)))
     for _ in range(max_steps):
         if ranks.shutdown or until():
             return
@@ -382,6 +404,120 @@ def test_an_epoch_boundary_bundle_holds_the_next_epoch_until_it_is_written() -> 
     stems = list(w.store.metas)
     assert stems == ["bundle_epoch1", "bundle_epoch2", "bundle"], stems
     assert [w.store.metas[s]["save_reason"] for s in stems] == ["periodic", "periodic", "completed"]
+    assert w.core.life.status is Status.FINISHED
+
+
+def test_an_at_epoch_bundle_records_the_coverage_of_the_open_epochs() -> None:
+    clock = FakeClock()
+    w = Bare(cfg_of("nccl_cadence", 2, epochs=3, **{"checkpoint.at_epoch": 1}), clock)
+    play(w, Ranks(2, slow={1: 3}), clock)
+    meta = w.store.metas["bundle_at1"]
+    assert meta["save_reason"] == "at_epoch" and meta["epoch"] <= 1
+    covered = {p["epoch"] for p in meta["coverage"]["per_epoch"]}
+    assert covered and max(covered) <= 1
+    assert emitted(w.log, "checkpoint")[0]["reason"] == "at_epoch"
+    assert w.core.life.status is Status.FINISHED
+
+
+# -- deaths ----------------------------------------------------------------------------------------------
+def coverage_is_exact(core: ControlCore, total: int) -> bool:
+    for ranges in core.dispatch.coverage.values():
+        picks = sorted(x for off, n in ranges for x in range(off, off + n))
+        if picks != list(range(total // BATCH * BATCH)):
+            return False
+    return len(core.dispatch.coverage) == core.epochs
+
+
+def test_a_death_during_a_reduce_finishes_it_without_the_dead_and_retrains_its_picks() -> None:
+    clock = FakeClock()
+    w = Bare(cfg_of("nccl_sync", 3), clock)
+    ranks = Ranks(3)
+    ranks.hold_acks = {2}
+    play(w, ranks, clock, samples=120, until=lambda: w.core.cycle.in_flight is not None
+         and set(w.core.cycle.in_flight.acks) == {0, 1})
+    w.take()
+    ranks.dead.add(2)
+    w.core.on_death(2, "connection closed")
+    out = w.commands
+    assert w.core.cycle.in_flight is None, "the survivors' answers finish the reduce"
+    assert [c.rank for c in sent(out, RequestSession)] == [0], "a regroup: the lowest survivor makes the session"
+    assert emitted(out, "rank_dead")[0]["rank"] == 2
+    play(w, ranks, clock, samples=120)
+    regroups = [c.payload for c in sent(w.log, Regroup)]
+    assert {tuple(p.ranks) for p in regroups} == {(0, 1)}
+    assert w.core.life.status is Status.FINISHED and coverage_is_exact(w.core, 120)
+    assert w.core.dispatch.lost_picks == 0
+
+
+def test_a_node_loss_two_deaths_apart_regroups_once_with_the_survivors() -> None:
+    clock = FakeClock()
+    w = Bare(cfg_of("nccl_cadence", 4), clock)
+    ranks = Ranks(4)
+    play(w, ranks, clock, samples=192, until=lambda: w.core.cohort.batches[3] >= 3)
+    ranks.dead |= {2, 3}
+    w.core.on_death(2, "connection closed")
+    clock.advance(0.2)
+    w.core.on_death(3, "connection closed")
+    (ask,) = sent(w.commands, RequestSession)
+    play(w, ranks, clock, samples=192)
+    regroups = {tuple(c.payload.ranks) for c in sent(w.log, Regroup)}
+    assert regroups == {(0, 1)}, "the second death is folded into the pending regroup"
+    assert w.core.cohort.generation == 1
+    assert w.core.life.status is Status.FINISHED and coverage_is_exact(w.core, 192)
+
+
+def test_losing_more_ranks_than_max_failure_ends_in_a_failure_bundle() -> None:
+    clock = FakeClock()
+    w = Bare(cfg_of("cpu_cadence", 3, **{"cluster.max_failure": 1}), clock)
+    ranks = Ranks(3)
+    play(w, ranks, clock, until=lambda: w.core.cohort.batches[2] >= 2)
+    ranks.dead.add(2)
+    w.core.on_death(2, "connection closed")
+    assert w.core.life.is_(Phase.SAVING)
+    assert {c.rank for c in sent(w.commands, Save)} == {0, 1}
+    play(w, ranks, clock)
+    assert w.store.metas["bundle_failure"]["save_reason"] == "max_failure_exceeded"
+    assert w.core.life.status is Status.FAILED and "max_failure_exceeded" in (w.core.life.failure or "")
+
+
+# -- preemption at every stage ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("mode", "when"), [("nccl_cadence", "training"), ("cpu_sync", "training"),
+                                            ("cpu_sync", "checkpointing"), ("cpu_async", "draining"),
+                                            ("nccl_cadence", "finishing")])
+def test_preemption_at_every_stage(mode: str, when: str) -> None:
+    clock = FakeClock()
+    w = Bare(cfg_of(mode, 2, epochs=3, **({"checkpoint.every": 1} if when == "checkpointing" else {})), clock)
+    ranks = Ranks(2)
+    phase = {"training": Phase.TRAINING, "checkpointing": Phase.CHECKPOINTING, "draining": Phase.DRAINING,
+             "finishing": Phase.FINISHING}[when]
+    play(w, ranks, clock, until=lambda: w.core.life.is_(phase) and (when != "training" or w.core.cycle.version >= 2))
+    w.core.request_preempt()
+    play(w, ranks, clock)
+    log = w.log + w.commands
+    if when in ("draining", "finishing"):
+        assert emitted(log, "preempt_ignored") and w.core.life.status is Status.FINISHED
+        assert w.store.preempted is None
+        return
+    assert w.core.life.status is Status.PREEMPTED
+    meta = w.store.metas["bundle_preempt0"]
+    assert meta["save_reason"] == "preempted"
+    assert w.store.preempted == {"attempt": 0, "stem": "bundle_preempt0", "epoch": meta["epoch"],
+                                 "global_step": w.core.cycle.global_step}
+    if when == "checkpointing":
+        assert "bundle_epoch1" in w.store.metas, "the bundle in progress is written first"
+    if mode == "nccl_cadence":
+        assert meta["coverage"]["per_epoch"], "progressive: the coverage of the open epoch, no extra reduce"
+
+
+# -- callback slack ---------------------------------------------------------------------------------------
+def test_callback_slack_gives_the_eval_rank_less_work_in_the_eval_window() -> None:
+    clock = FakeClock()
+    w = Bare(cfg_of("nccl_cadence", 2, epochs=4, **{"eval.every": 1, "eval.callback_slack": True}), clock)
+    play(w, Ranks(2, eval_ms=400.0), clock, samples=192)
+    slack = emitted(w.log, "callback_slack")
+    assert slack, "no window was shortened for an eval"
+    cb = w.core.cohort.callback_rank
+    assert {e["rank"] for e in slack} == {cb} and all(e["ms"] > 0 for e in slack)
     assert w.core.life.status is Status.FINISHED
 
 

@@ -580,6 +580,15 @@ class ControlCore:
         else:
             self._finish_run()
 
+    # -- signals ---------------------------------------------------------------------------
+    def request_preempt(self) -> None:
+        """SIGUSR2 or a time limit near: a resumable bundle, then PREEMPTED (the next ticks carry it out)."""
+        self.preemption.request_preempt()
+
+    def request_terminate(self) -> None:
+        """SIGTERM: the job step is ending (cancelled, or the first half of a preemption)."""
+        self.preemption.request_terminate()
+
     # -- deaths ---------------------------------------------------------------------------
     def on_death(self, r: int, reason: str) -> None:
         """Rank ``r`` is gone (its connection closed, its heartbeat went stale, it was evicted): recover
