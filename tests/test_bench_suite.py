@@ -44,10 +44,17 @@ def row(run: str, ev: float | None = None, total: float = 1.0, *, key: str = "ev
 
 
 # -- best mode ----------------------------------------------------------------------------
+def picked(rows: list[BenchRow], key: str | None) -> tuple[BenchRow, BenchRow]:
+    """best_mode's (best, fastest close to the best), both asserted present."""
+    got = best_mode(rows, key)
+    assert got is not None and got[1] is not None, got
+    return got[0], got[1]
+
+
 def test_best_mode_fastest_within_two_percent_of_solo_fast():
     rows = [row("solo_fast", 0.90, 10.0), row("ddp", 0.91, 8.0), row("cpu_async", 0.885, 5.0),
             row("nccl_sync", 0.85, 3.0)]
-    best, fast = best_mode(rows, eval_key(rows))
+    best, fast = picked(rows, eval_key(rows))
     assert best.run == "ddp"  # best eval
     assert fast.run == "cpu_async"  # 0.885 >= 0.90 x 0.98 = 0.882; nccl_sync is faster but 5.6 % worse
 
@@ -56,13 +63,13 @@ def test_best_mode_lower_is_better_for_mse_and_loss():
     rows = [row("solo_fast", 0.100, 10.0, key="eval/mse"), row("a", 0.1019, 2.0, key="eval/mse"),
             row("b", 0.090, 9.0, key="eval/mse"), row("c", 0.103, 1.0, key="eval/mse")]
     assert eval_key(rows) == "eval/mse"
-    best, fast = best_mode(rows, "eval/mse")
+    best, fast = picked(rows, "eval/mse")
     assert (best.run, fast.run) == ("b", "a")  # c is 3 % worse than solo_fast
 
 
 def test_best_mode_without_solo_fast_uses_the_best_eval_and_skips_failed_rows():
     rows = [row("ddp", 0.90, 4.0), row("cpu_async", 0.89, 2.0), row("nccl_sync", 0.99, 1.0, status="FAILED")]
-    best, fast = best_mode(rows, "eval/accuracy")
+    best, fast = picked(rows, "eval/accuracy")
     assert (best.run, fast.run) == ("ddp", "cpu_async")
     assert best_mode([row("ddp")], None) is None
 
@@ -266,6 +273,7 @@ def test_quick_bench_reports_every_section_for_all_seven_models(tmp_path):
             assert f"| {m} |" in secs[s], f"section {s!r} has no row for {m}"
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name("flodl_bench")
+    assert exp is not None
     parents = c.search_runs([exp.experiment_id], "tags.`flodl.bench` = 'parent'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     pid = parents[0].info.run_id

@@ -19,6 +19,7 @@ def test_sweep_is_one_parent_with_a_child_per_job_and_a_report(store, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     c = MlflowClient(store["uri"])
     exp = c.get_experiment_by_name("sweep_e2e")
+    assert exp is not None
     runs = c.search_runs([exp.experiment_id])
     parents = [x for x in runs if x.data.tags.get("flodl.sweep") == "parent"]
     assert len(parents) == 1

@@ -70,6 +70,7 @@ def _assert_inputs_and_model(store, run_id: str, accuracy: float) -> None:
     from experiments.digits import DigitsDataset, evaluate
 
     run = MlflowClient(store["uri"]).get_run(run_id)
+    assert run.inputs is not None
     got = {(i.dataset.name, i.tags[0].value) for i in run.inputs.dataset_inputs}
     assert got == {("DigitsDataset/train", "training"), ("DigitsDataset/test", "eval")}
     assert all(len(i.dataset.digest) == 16 for i in run.inputs.dataset_inputs)

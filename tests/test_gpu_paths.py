@@ -9,6 +9,7 @@ host buffer.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -86,7 +87,8 @@ def test_the_coordinator_sends_the_cohorts_backend_before_the_first_chunk(tmp_pa
 
 
 def test_a_forced_nccl_on_a_shared_gpu_fails_the_run_before_training(tmp_path):
-    h = Harness(tmp_path, "nccl_cadence", 2, **{"cluster.collective": "nccl"})
+    forced: dict[str, Any] = {"cluster.collective": "nccl"}
+    h = Harness(tmp_path, "nccl_cadence", 2, **forced)
     for r in range(2):
         h.co.on_event(("join", r, {"samples": 256, "host": "h", "pid": 100 + r, "device": "cuda:0", "device_uuid": "GPU-x"}))
     with pytest.raises(RunFailure, match="share one GPU"):

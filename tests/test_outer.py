@@ -5,6 +5,7 @@ import hashlib
 import io
 import os
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -74,8 +75,10 @@ def test_slowmo_momentum_accumulates_across_windows():
     opt.step([x])
     norms = []
     for _ in range(12):
+        assert opt.prev is not None
         prev = opt.prev[0].clone()
         _, step = opt.step([prev - 1.0])
+        assert step is not None
         norms.append(step.momentum_norm)
     assert norms == sorted(norms) and norms[0] == pytest.approx(1.0) and norms[-1] == pytest.approx(2.0, abs=1e-3)
 
@@ -121,8 +124,9 @@ def test_a_sidecar_round_trip_continues_exactly():
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     for k in (2, 3):
         got, step = resumed.step(frames[k])
-        assert not step.seeded
+        assert step is not None and not step.seeded
         assert all(torch.equal(a, b) for a, b in zip(got, outs[k]))
+    assert resumed.momentum is not None and whole.momentum is not None
     assert all(torch.equal(a, b) for a, b in zip(resumed.momentum, whole.momentum))
 
 
@@ -181,6 +185,7 @@ def test_a_round_nobody_moved_in_passes_through_unstepped():
     c, out = _cycle(SLOWMO)
     frames = [[_t(1.0), _t(2.0)], [_t(3.0), _t(4.0)]]
     _reduce(c, out, frames, [_t(0.0), _t(0.0)], (1, 1))
+    assert c.outer is not None and c.outer.prev is not None
     before = [t.clone() for t in c.outer.prev]
     res, ups = _reduce(c, out, frames, [_t(0.0), _t(0.0)], (0, 0))
     assert all(u.skip for u in ups) and res.outer is None
@@ -272,6 +277,7 @@ def _nccl_rank(spec: OuterSpec = SLOWMO, windows: int = 3, reduced: bool = True)
     trainer = SimpleNamespace(model=model, optimizer=opt, global_step=0, reset_optimizer_state=lambda: resets.append(1))
     w, sent = rank_control(trainer, outer_spec=spec, outer=OuterOptimizer(spec))
     w.collective = SimpleNamespace(reduced=reduced)  # type: ignore[assignment]  # the group formed, as far as the step asks
+    assert w.outer is not None
     for cons in _windows()[:windows]:
         w.outer.step([cons[0].reshape(2, 1), cons[1].repeat(2)])
     return w, sent, resets
@@ -316,7 +322,8 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
     from flodl_exp.control.lifecycle import Status
     from flodl_exp.protocol import EvalResult, SaveResult
 
-    h = Harness(tmp_path, mode, world=2, epochs=1, **{"outer.kind": "slowmo"})
+    slowmo: dict[str, Any] = {"outer.kind": "slowmo"}
+    h = Harness(tmp_path, mode, world=2, epochs=1, **slowmo)
     holder = h.co.cycle.outer
     if mode == "cpu_sync":  # the coordinator's optimizer has momentum when the final saves go out
         for cons in _windows()[:3]:
@@ -336,6 +343,7 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
     assert "final.outer.pt" in meta["pieces"] and os.path.exists(ck.outer_path(stem))
     state = ck.load_outer_state(stem)
     assert state["kind"] == "slowmo" and len(state["momentum"]) == 2 and holder.momentum_norm() > 0
+    assert holder is not None and holder.momentum is not None
     assert all(torch.equal(a, b) for a, b in zip(state["momentum"], holder.momentum))
 
 

@@ -2,6 +2,8 @@
 (issue 14, item 5); the cpu frame ceiling counts float buffers (item 10)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from control_fakes import Harness
@@ -38,7 +40,8 @@ def _heartbeats(h: Harness, seconds: int, states: dict[int, tuple[str, int]]) ->
 
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
 def test_the_coordinator_evicts_a_stuck_rank_and_recovers(tmp_path, mode):
-    h = Harness(tmp_path, mode, 3, **{"cluster.progress_timeout_s": 20.0, "cluster.heartbeat_timeout_s": 30.0})
+    timeouts: dict[str, Any] = {"cluster.progress_timeout_s": 20.0, "cluster.heartbeat_timeout_s": 30.0}
+    h = Harness(tmp_path, mode, 3, **timeouts)
     h.start()
     _heartbeats(h, 15, {0: ("train", 3), 1: ("train", 3), 2: ("train", 3)})
     assert h.co.cohort.alive_ranks() == [0, 1, 2], "15 s without a step is within the timeout"
@@ -50,7 +53,8 @@ def test_the_coordinator_evicts_a_stuck_rank_and_recovers(tmp_path, mode):
 
 
 def test_an_evicted_rank_would_have_been_missed_without_the_watch(tmp_path):
-    h = Harness(tmp_path, "nccl_cadence", 2, **{"cluster.progress_timeout_s": 0.0})
+    no_watch: dict[str, Any] = {"cluster.progress_timeout_s": 0.0}
+    h = Harness(tmp_path, "nccl_cadence", 2, **no_watch)
     h.start()
     _heartbeats(h, 60, {0: ("train", 3), 1: ("train", 3)})
     assert h.co.cohort.alive_ranks() == [0, 1], "heartbeats alone keep a stuck rank alive"

@@ -38,7 +38,9 @@ def _run_of(uri: str, name: str):
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(tracking_uri=uri)
-    return c.search_runs([c.get_experiment_by_name(name).experiment_id])[0]
+    exp = c.get_experiment_by_name(name)
+    assert exp is not None, f"no experiment {name!r} in {uri}"
+    return c.search_runs([exp.experiment_id])[0]
 
 
 def _one_line(stderr: str) -> str:

@@ -34,7 +34,12 @@ def test_record_scalar_is_a_per_thread_sum_and_count():
     record_scalar("a", 3.0)
     record_scalar("b", 2)
     seen = {}
-    t = threading.Thread(target=lambda: (record_scalar("a", 100.0), seen.update(drain_scalars())))
+
+    def other_thread() -> None:
+        record_scalar("a", 100.0)
+        seen.update(drain_scalars())
+
+    t = threading.Thread(target=other_thread)
     t.start()
     t.join()
     assert seen == {"a": (100.0, 1)}
@@ -64,6 +69,7 @@ def test_linear_lr_scaling_and_simulated_speed(monkeypatch):
     slow = _trainer(speed=0.25)
     st = slow.begin_epoch(0, 0, 64)
     b = slow.next_batch(st)
+    assert b is not None
 
     class Clock:  # the step "computes" for 4 ms, and sleeping moves the clock by exactly what was asked
         t = 100.0
@@ -250,6 +256,7 @@ def test_simulated_speed_on_device_timing(monkeypatch):
     log = _event_timed(tr, monkeypatch, done=False, step_ms=4.0)
     st = tr.begin_epoch(0, 0, 64)
     b = tr.next_batch(st)
+    assert b is not None
 
     class Clock:
         t = 100.0
@@ -276,7 +283,7 @@ def test_the_digits_split_is_cached_identically_and_a_corrupt_cache_is_rebuilt(t
     try:
         built = digits._split()
         path = digits.split_cache_path()
-        assert os.path.exists(path)
+        assert path is not None and os.path.exists(path)
         digits._split.cache_clear()
         cached = digits._split()
         assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(built, cached))
