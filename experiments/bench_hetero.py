@@ -428,7 +428,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="ElChe heterogeneity benchmark vs PyTorch DDP (3:1 simulated rig)")
     p.add_argument("--epochs", type=int, default=None, help=f"epochs per run (default {DEFAULT_EPOCHS}; --quick: {QUICK_EPOCHS})")
     p.add_argument("--rig", choices=tuple(RIGS), default="3:1",
@@ -451,6 +451,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="run the whole sequence N times; the table shows, per run, the round with the median samples/s")
     p.add_argument("--rerender", action="store_true",
                    help="no runs: rebuild hetero.md / hetero_loss.png from <out>/hetero.json of an earlier session")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = _parser()
     a = p.parse_args(argv)
     a.out = a.out or os.path.join(ROOT, "outputs", "bench" if a.rig == "3:1" else "bench-1to1")
     if a.rerender:
@@ -519,7 +524,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         rounds.append(got)
     bench_wall = time.monotonic() - t_bench
     rows, md_path, png_path = report(rounds, a, bench_wall, (load0, os.getloadavg()[0]), session)
-    # Bench-level numbers onto every run, so the MLflow UI compares them side by side.
+    _tag_runs(client, rounds, session, (md_path, png_path))
+    print(f"wrote {md_path} and {png_path}")
+    failed = [r["name"] for r in rows if r.get("status") != "FINISHED"]
+    return 1 if failed else 0
+
+
+def _tag_runs(client: Any, rounds: list[list[dict]], session: str, files: tuple[str, ...]) -> None:
+    """Bench-level numbers (and the report's files) onto every run, so the MLflow UI compares them side by side."""
     for r in (x for rd in rounds for x in rd):
         if not r.get("run_id"):
             continue
@@ -531,13 +543,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             client.set_tag(r["run_id"], "bench.session", session)
             client.set_tag(r["run_id"], "bench.run", r["name"])
             client.set_tag(r["run_id"], "bench.round", str(r.get("round", 0)))
-            client.log_artifact(r["run_id"], md_path, "bench")
-            client.log_artifact(r["run_id"], png_path, "bench")
+            for path in files:
+                client.log_artifact(r["run_id"], path, "bench")
         except Exception as e:  # the store must not lose the table
             print(f"warning: MLflow bench metrics for {r['name']}: {e}", file=sys.stderr)
-    print(f"wrote {md_path} and {png_path}")
-    failed = [r["name"] for r in rows if r.get("status") != "FINISHED"]
-    return 1 if failed else 0
 
 
 def report(rounds: list[list[dict]], a: argparse.Namespace, bench_wall: float, load: tuple, session: str):

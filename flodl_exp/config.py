@@ -12,7 +12,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -455,21 +455,33 @@ def mode_name(cfg: Any) -> str:
     return f"{cfg.mode.backend}_{cfg.mode.policy}"
 
 
-def _validate_outer(o: Any) -> None:
-    if o.kind not in OUTERS:
-        raise _err("outer.kind", o.kind, f"one of {', '.join(OUTERS)}")
-    if o.lr is not None and not (math.isfinite(o.lr) and o.lr > 0):
-        raise _err("outer.lr", o.lr, "a finite number > 0")
-    if o.mu is not None and not (math.isfinite(o.mu) and 0 <= o.mu < 1):
-        raise _err("outer.mu", o.mu, "a number in [0, 1)")
-    if o.kind == "avg" and (o.lr is not None or o.mu is not None):
-        raise _err("outer.kind", o.kind, "slowmo or diloco when outer.lr / outer.mu are set (avg has no knobs)")
+# -- the validation pass: one rule function per config group ---------------------------------------------
+# Each rule takes the whole config, raises ConfigError on the first user error of its group and returns its
+# warnings; :func:`validate` runs them in the order of ``_RULES``, which is also the order in which a config
+# with several errors reports them (the schema first, then the mode's kind, the cluster's shape...).
+def _schema_rules(cfg: Any) -> List[str]:
+    """Keys the schema does not know (Hydra's ``+key=`` bypasses the struct check) and required fields left ``???``."""
+    global _SCHEMA
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return []  # a typed Config (load_config) has neither
+    if _SCHEMA is None:
+        _SCHEMA = OmegaConf.structured(Config)
+    unknown = _unknown_key(cfg, _SCHEMA)
+    if unknown:
+        raise _err(unknown, OmegaConf.select(cfg, unknown), "not a key of the config schema (see conf/ and flodl_exp/config.py)")
+    for k in ("name", "model", "optimizer", "train_data"):
+        if OmegaConf.is_missing(cfg.experiment, k):
+            raise _err(f"experiment.{k}", "???", "a value (required field)")
+    return []
 
 
-def _validate_loop(exp: Any) -> None:
+def _loop_rules(cfg: Any) -> List[str]:
     """The managed tier (train_step) or the cooperative one (loop): exactly one, each a dotted path."""
     from omegaconf import DictConfig, OmegaConf
 
+    exp = cfg.experiment
     for k in ("train_step", "loop"):
         if isinstance(exp, DictConfig) and OmegaConf.is_missing(exp, k):
             raise _err(f"experiment.{k}", "???", "a value (required field; null for the tier you do not use)")
@@ -481,26 +493,12 @@ def _validate_loop(exp: Any) -> None:
     for key, value in (("experiment.train_step", step), ("experiment.loop", loop)):
         if value is not None and (not isinstance(value, str) or "." not in value):
             raise _err(key, value, "a dotted path module.function")
+    return []
 
 
-def validate(cfg: Any) -> List[str]:
-    """The one validation pass. Raises ConfigError on the first user error; returns warnings."""
-    global _SCHEMA
-    from omegaconf import DictConfig, OmegaConf
-
-    warnings: List[str] = []
-    if isinstance(cfg, DictConfig):
-        if _SCHEMA is None:
-            _SCHEMA = OmegaConf.structured(Config)
-        unknown = _unknown_key(cfg, _SCHEMA)
-        if unknown:
-            raise _err(unknown, OmegaConf.select(cfg, unknown), "not a key of the config schema (see conf/ and flodl_exp/config.py)")
-        for k in ("name", "model", "optimizer", "train_data"):
-            if OmegaConf.is_missing(cfg.experiment, k):
-                raise _err(f"experiment.{k}", "???", "a value (required field)")
-    _validate_loop(cfg.experiment)
-    m, c, dp = cfg.mode, cfg.cluster, cfg.data_plane
-
+def _mode_kind_rules(cfg: Any) -> List[str]:
+    """mode.policy and mode.backend, and the pair that does not exist (nccl_async)."""
+    m = cfg.mode
     if m.policy not in POLICIES:
         raise _err("mode.policy", m.policy, f"one of {', '.join(POLICIES)}")
     if m.backend not in BACKENDS:
@@ -512,7 +510,25 @@ def validate(cfg: Any) -> List[str]:
             "within noise of nccl_cadence and its in-place write-back raced autograd on heterogeneous "
             "GPUs; use mode=nccl_cadence or mode=cpu_async"
         )
-    _validate_outer(cfg.outer)
+    return []
+
+
+def _outer_rules(cfg: Any) -> List[str]:
+    o = cfg.outer
+    if o.kind not in OUTERS:
+        raise _err("outer.kind", o.kind, f"one of {', '.join(OUTERS)}")
+    if o.lr is not None and not (math.isfinite(o.lr) and o.lr > 0):
+        raise _err("outer.lr", o.lr, "a finite number > 0")
+    if o.mu is not None and not (math.isfinite(o.mu) and 0 <= o.mu < 1):
+        raise _err("outer.mu", o.mu, "a number in [0, 1)")
+    if o.kind == "avg" and (o.lr is not None or o.mu is not None):
+        raise _err("outer.kind", o.kind, "slowmo or diloco when outer.lr / outer.mu are set (avg has no knobs)")
+    return []
+
+
+def _cluster_rules(cfg: Any) -> List[str]:
+    """The cluster's kind and shape (what the world size is computed from) and its collective."""
+    c = cfg.cluster
     if c.executor not in EXECUTORS:
         raise _err("cluster.executor", c.executor, f"one of {', '.join(EXECUTORS)}")
     if c.device not in DEVICES:
@@ -529,14 +545,18 @@ def validate(cfg: Any) -> List[str]:
         raise _err("cluster.nodes", c.nodes, "an integer >= 1")
     if c.ranks_per_node < 1:
         raise _err("cluster.ranks_per_node", c.ranks_per_node, "an integer >= 1")
-    w = world_size(cfg)
     if c.executor == "slurm" and c.device != "cpu":
         gpus = int(c.slurm.gpus_per_node)
-        if m.backend == "nccl" and c.collective != "gloo" and 0 < gpus < c.ranks_per_node:
+        if cfg.mode.backend == "nccl" and c.collective != "gloo" and 0 < gpus < c.ranks_per_node:
             raise _err("cluster.slurm.gpus_per_node", gpus,
                        f">= cluster.ranks_per_node ({c.ranks_per_node}) with mode.backend=nccl (NCCL needs one GPU "
                        "per rank; or share GPUs through cluster.collective=gloo)")
+    return []
 
+
+def _anchor_rules(cfg: Any) -> List[str]:
+    """ElChe's knobs: the anchor and its bounds, the batch-difference and overshoot caps, the overhead target."""
+    m, warnings = cfg.mode, []
     if m.anchor < 1:
         raise _err("mode.anchor", m.anchor, "an integer >= 1")
     if m.max_anchor < 1:
@@ -554,6 +574,12 @@ def validate(cfg: Any) -> List[str]:
         raise _err("mode.overhead_target", m.overhead_target, "a finite number (clamped to [0.01, 0.5])")
     if not (0.01 <= m.overhead_target <= 0.5):
         warnings.append(f"mode.overhead_target={m.overhead_target} is clamped to [0.01, 0.5]")
+    return warnings
+
+
+def _split_rules(cfg: Any) -> List[str]:
+    """How work is split before measurement: the speed hint and fixed partition ratios."""
+    m, w = cfg.mode, world_size(cfg)
     if m.speed_hint_ratio is not None and m.speed_hint_rank is None:
         raise _err("mode.speed_hint_ratio", m.speed_hint_ratio, "only together with mode.speed_hint_rank")
     if m.speed_hint_rank is not None:
@@ -561,20 +587,25 @@ def validate(cfg: Any) -> List[str]:
             raise _err("mode.speed_hint_rank", m.speed_hint_rank, f"a rank in [0, {w})")
         if m.speed_hint_ratio is None or not math.isfinite(m.speed_hint_ratio) or m.speed_hint_ratio < 1:
             raise _err("mode.speed_hint_ratio", m.speed_hint_ratio, "a finite number >= 1 when speed_hint_rank is set")
+    if m.partition_ratios is None:
+        return []
+    ratios = list(m.partition_ratios)
+    if not ratios:
+        raise _err("mode.partition_ratios", ratios, "a non-empty list")
+    if any((not math.isfinite(x)) or x <= 0 for x in ratios):
+        raise _err("mode.partition_ratios", ratios, "finite entries > 0")
+    if abs(sum(ratios) - 1.0) > 0.05:
+        raise _err("mode.partition_ratios", ratios, f"entries summing to 1 +/- 0.05 (sum is {sum(ratios):.3f})")
+    if len(ratios) != w:
+        raise _err("mode.partition_ratios", ratios, f"one entry per rank (world size {w})")
+    if is_progressive(cfg):
+        raise _err("mode.partition_ratios", ratios, "only without progressive dispatch (policy=sync or mode.progressive_dispatch=false)")
+    return []
 
-    if m.partition_ratios is not None:
-        ratios = list(m.partition_ratios)
-        if not ratios:
-            raise _err("mode.partition_ratios", ratios, "a non-empty list")
-        if any((not math.isfinite(x)) or x <= 0 for x in ratios):
-            raise _err("mode.partition_ratios", ratios, "finite entries > 0")
-        if abs(sum(ratios) - 1.0) > 0.05:
-            raise _err("mode.partition_ratios", ratios, f"entries summing to 1 +/- 0.05 (sum is {sum(ratios):.3f})")
-        if len(ratios) != w:
-            raise _err("mode.partition_ratios", ratios, f"one entry per rank (world size {w})")
-        if is_progressive(cfg):
-            raise _err("mode.partition_ratios", ratios, "only without progressive dispatch (policy=sync or mode.progressive_dispatch=false)")
 
+def _update_rules(cfg: Any) -> List[str]:
+    """How the average is applied and trained on: EASGD's alpha, gamma, the bf16 wire, lr scaling, clipping, dispatch."""
+    m = cfg.mode
     if m.easgd_alpha is not None:
         if not (0.0 < m.easgd_alpha <= 1.0) or not math.isfinite(m.easgd_alpha):
             raise _err("mode.easgd_alpha", m.easgd_alpha, "a number in (0, 1]")
@@ -590,7 +621,10 @@ def validate(cfg: Any) -> List[str]:
         raise _err("mode.max_grad_norm", m.max_grad_norm, "a number > 0 or null")
     if m.policy == "async" and m.progressive_dispatch is False:
         raise _err("mode.progressive_dispatch", False, "true or null with policy=async (async streams chunks)")
+    return []
 
+
+def _guard_rules(cfg: Any) -> List[str]:
     g = cfg.guard
     if g.kind not in GUARDS:
         raise _err("guard.kind", g.kind, f"one of {', '.join(GUARDS)}")
@@ -600,7 +634,12 @@ def validate(cfg: Any) -> List[str]:
         raise _err("guard.msf_alpha", g.msf_alpha, "a number in (0, 1)")
     if not (0 < g.nudge_factor < 1):
         raise _err("guard.nudge_factor", g.nudge_factor, "a number in (0, 1)")
+    return []
 
+
+def _cluster_health_rules(cfg: Any) -> List[str]:
+    """The simulated rig's speeds, and the timeouts and failure budget that decide when a rank is lost."""
+    c, w = cfg.cluster, world_size(cfg)
     if c.rank_speeds is not None:
         speeds = list(c.rank_speeds)
         if len(speeds) != w:
@@ -617,13 +656,20 @@ def validate(cfg: Any) -> List[str]:
         raise _err("cluster.max_failure", c.max_failure, "an integer >= 1 or null")
     if c.max_failure_pct is not None and not (math.isfinite(c.max_failure_pct) and 0 < c.max_failure_pct <= 1):
         raise _err("cluster.max_failure_pct", c.max_failure_pct, "a share of the world in (0, 1] or null")
+    return []
 
+
+def _experiment_rules(cfg: Any) -> List[str]:
     e = cfg.experiment
     if e.batch_size < 1:
         raise _err("experiment.batch_size", e.batch_size, "an integer >= 1")
     if e.epochs < 1:
         raise _err("experiment.epochs", e.epochs, "an integer >= 1")
+    return []
 
+
+def _eval_rules(cfg: Any) -> List[str]:
+    w = world_size(cfg)
     try:
         cb = parse_callback_rank(cfg.eval.callback_rank)
     except ValueError:
@@ -632,16 +678,23 @@ def validate(cfg: Any) -> List[str]:
         raise _err("eval.callback_rank", cb, f"'fastest' or a rank in [0, {w})")
     if cfg.eval.every < 0:
         raise _err("eval.every", cfg.eval.every, "an integer >= 0 (0 = only at the end)")
+    return []
 
-    ck = cfg.checkpoint
+
+def _checkpoint_rules(cfg: Any) -> List[str]:
+    ck, epochs = cfg.checkpoint, cfg.experiment.epochs
     if ck.every < 0:
         raise _err("checkpoint.every", ck.every, "an integer >= 0")
     if ck.at_epoch is not None:
-        if not (0 <= ck.at_epoch < e.epochs):
-            raise _err("checkpoint.at_epoch", ck.at_epoch, f"an epoch in [0, {e.epochs})")
+        if not (0 <= ck.at_epoch < epochs):
+            raise _err("checkpoint.at_epoch", ck.at_epoch, f"an epoch in [0, {epochs})")
         if not is_progressive(cfg):
             raise _err("checkpoint.at_epoch", ck.at_epoch, "only with progressive dispatch (cadence/async modes)")
+    return []
 
+
+def _records_rules(cfg: Any) -> List[str]:
+    """What a run records and shows: window reports, user scalars, the record log, the dashboard, progress."""
     if cfg.reports_per_epoch < 0:
         raise _err("reports_per_epoch", cfg.reports_per_epoch, "an integer >= 0 (0 = off)")
     for name, red in dict(cfg.scalar_reductions).items():
@@ -657,7 +710,11 @@ def validate(cfg: Any) -> List[str]:
         raise _err("run.progress", cfg.run.progress, "one of auto, bar, plain, off")
     if cfg.run.timeout_min < 1:
         raise _err("run.timeout_min", cfg.run.timeout_min, "an integer >= 1")
+    return []
 
+
+def _data_plane_rules(cfg: Any) -> List[str]:
+    dp, warnings = cfg.data_plane, []
     for key, v in (("ram_max_usage", dp.ram_max_usage), ("vram_max_usage", dp.vram_max_usage)):
         if not math.isfinite(v):
             raise _err(f"data_plane.{key}", v, "a finite fraction")
@@ -669,7 +726,12 @@ def validate(cfg: Any) -> List[str]:
         raise _err("data_plane.augment", dp.augment, "an integer >= 1")
     if not (math.isfinite(dp.disk_stage_gb) and dp.disk_stage_gb >= 0):
         raise _err("data_plane.disk_stage_gb", dp.disk_stage_gb, "a number >= 0")
+    return warnings
 
+
+def _multinode_rules(cfg: Any) -> List[str]:
+    """What several nodes need shared: the checkpoint paths (a warning) and the MLflow store (an error)."""
+    c, warnings = cfg.cluster, []
     if c.nodes > 1 and (cfg.checkpoint.save_path or cfg.checkpoint.resume_from):
         paths = {p for p in (cfg.checkpoint.save_path, cfg.checkpoint.resume_from) if p}
         warnings.append("checkpoint paths " + " and ".join(sorted(paths)) + " must be on storage every node shares: "
@@ -678,4 +740,19 @@ def validate(cfg: Any) -> List[str]:
         raise _err("tracking.uri", None, "with cluster.nodes > 1, an MLflow store every node reaches: "
                    "sqlite:////<shared path>/mlflow.db or a server URI (or export FLODL_SHARED_OUTPUTS=1 "
                    "when ./outputs is on shared storage)")
+    return warnings
+
+
+_RULES: tuple[Callable[[Any], List[str]], ...] = (
+    _schema_rules, _loop_rules, _mode_kind_rules, _outer_rules, _cluster_rules, _anchor_rules, _split_rules,
+    _update_rules, _guard_rules, _cluster_health_rules, _experiment_rules, _eval_rules, _checkpoint_rules,
+    _records_rules, _data_plane_rules, _multinode_rules,
+)
+
+
+def validate(cfg: Any) -> List[str]:
+    """The one validation pass. Raises ConfigError on the first user error; returns warnings."""
+    warnings: List[str] = []
+    for rule in _RULES:
+        warnings += rule(cfg)
     return warnings

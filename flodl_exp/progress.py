@@ -68,36 +68,70 @@ def follow(handle: RunHandle, mode: str = "auto", out: Any = None) -> None:
         while not handle.done():
             time.sleep(0.2)
         return
-    use_bar = mode == "bar" or (mode == "auto" and out.isatty())
     queue = _QueueWatch(handle)
-    if not use_bar:
-        t0 = time.monotonic()
-        while True:
-            done = handle.done()
-            line = queue.poll()
-            if line:
-                print(line, file=out, flush=True)
-            for ev in handle.poll_events():
-                kind = ev.get("event")
-                if kind in ("joined", "started", "resumed"):
-                    queue.started = True
-                elif kind == "preempted":
-                    queue.started, queue.last_state = False, ""
-                other = _fmt_other(ev)
-                if other:
-                    print(other, file=out, flush=True)
-                if kind == "epoch":
-                    print(_fmt_epoch(ev, epochs), file=out, flush=True)
-                elif kind == "eval":
-                    accs = "  ".join(f"{k}={v:.4f}" for k, v in ev.items() if k.startswith("eval/"))
-                    print(f"{'final ' if ev.get('final') else ''}eval (epoch {ev['epoch'] + 1}): {accs}", file=out, flush=True)
-                elif kind == "rank_dead":
-                    print(f"rank {ev['rank']} died: {ev.get('reason')}", file=out, flush=True)
-                elif kind == "started":
-                    print(f"started: {ev['world_size']} rank(s) after {time.monotonic() - t0:.1f}s", file=out, flush=True)
-            if done:
-                return
-            time.sleep(0.2)
+    if mode == "bar" or (mode == "auto" and out.isatty()):
+        _follow_bar(handle, queue, epochs)
+    else:
+        _follow_plain(handle, queue, epochs, out)
+
+
+def _note_start(queue: _QueueWatch, kind: Any) -> None:
+    """The scheduler's queue is watched until the ranks start, and again after a preemption requeues the job."""
+    if kind in ("joined", "started", "resumed"):
+        queue.started = True
+    elif kind == "preempted":
+        queue.started, queue.last_state = False, ""
+
+
+def _plain_lines(ev: dict, epochs: int, t0: float) -> list[str]:
+    """The lines one event prints in plain mode."""
+    kind = ev.get("event")
+    lines = [other] if (other := _fmt_other(ev)) else []
+    if kind == "epoch":
+        lines.append(_fmt_epoch(ev, epochs))
+    elif kind == "eval":
+        accs = "  ".join(f"{k}={v:.4f}" for k, v in ev.items() if k.startswith("eval/"))
+        lines.append(f"{'final ' if ev.get('final') else ''}eval (epoch {ev['epoch'] + 1}): {accs}")
+    elif kind == "rank_dead":
+        lines.append(f"rank {ev['rank']} died: {ev.get('reason')}")
+    elif kind == "started":
+        lines.append(f"started: {ev['world_size']} rank(s) after {time.monotonic() - t0:.1f}s")
+    return lines
+
+
+def _follow_plain(handle: RunHandle, queue: _QueueWatch, epochs: int, out: Any) -> None:
+    t0 = time.monotonic()
+    while True:
+        done = handle.done()
+        line = queue.poll()
+        if line:
+            print(line, file=out, flush=True)
+        for ev in handle.poll_events():
+            _note_start(queue, ev.get("event"))
+            for text in _plain_lines(ev, epochs, t0):
+                print(text, file=out, flush=True)
+        if done:
+            return
+        time.sleep(0.2)
+
+
+def _bar_update(bar: Any, task: Any, ev: dict) -> None:
+    """What one event changes on the bar (its other lines print above it)."""
+    kind = ev.get("event")
+    other = _fmt_other(ev)
+    if other:
+        bar.console.print(other)
+    if kind == "preempted":
+        bar.update(task, description="requeued")
+    if kind == "started":
+        bar.update(task, description="training")
+    elif kind == "epoch":
+        shares = " ".join(f"{ev[k]:.2f}" for k in sorted(ev) if k.endswith("/batch_share"))
+        bar.update(task, completed=ev["epoch"] + 1,
+                   info=f"loss {ev.get('loss', 0):.4f} | {ev.get('samples_per_s', 0):.0f}/s | syncs {int(ev.get('syncs', 0))} | share {shares}")
+
+
+def _follow_bar(handle: RunHandle, queue: _QueueWatch, epochs: int) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} epochs"),
@@ -109,21 +143,8 @@ def follow(handle: RunHandle, mode: str = "auto", out: Any = None) -> None:
             if line:
                 bar.update(task, description=line.split(",")[0])
             for ev in handle.poll_events():
-                if ev.get("event") in ("joined", "started", "resumed"):
-                    queue.started = True
-                elif ev.get("event") == "preempted":
-                    queue.started, queue.last_state = False, ""
-                other = _fmt_other(ev)
-                if other:
-                    bar.console.print(other)
-                if ev.get("event") == "preempted":
-                    bar.update(task, description="requeued")
-                if ev.get("event") == "started":
-                    bar.update(task, description="training")
-                elif ev.get("event") == "epoch":
-                    shares = " ".join(f"{ev[k]:.2f}" for k in sorted(ev) if k.endswith("/batch_share"))
-                    bar.update(task, completed=ev["epoch"] + 1,
-                               info=f"loss {ev.get('loss', 0):.4f} | {ev.get('samples_per_s', 0):.0f}/s | syncs {int(ev.get('syncs', 0))} | share {shares}")
+                _note_start(queue, ev.get("event"))
+                _bar_update(bar, task, ev)
             if done:
                 return
             time.sleep(0.2)

@@ -37,6 +37,44 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _ddp(module: Any, world: int, comm: dict[str, Any]) -> Any:
+    """``module`` under DistributedDataParallel, its gradient all_reduce timed into ``comm`` (launch, done, calls)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(module)  # replicas already equal (same seed); DDP broadcasts rank 0's anyway
+
+    def timed_allreduce(state, bucket):  # no annotations: DDP checks them literally
+        t_launch = time.perf_counter()
+        buf = bucket.buffer().div_(world)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f):
+            comm["launch"], comm["done"] = t_launch, time.perf_counter()
+            comm["calls"] += 1
+            return f.value()[0]
+
+        return fut.then(done)
+
+    model.register_comm_hook(None, timed_allreduce)
+    return model
+
+
+def _train_batch(exp: Any, model: Any, batch: Any, global_step: int, lr_scale: float, base_lrs: list[float]) -> float:
+    """One optimizer step on ``batch`` (the scheduler's factor first, as flodl_exp's ranks apply it); its loss."""
+    optimizer = exp.optimizer
+    if exp.lr_factor is not None:
+        f = exp.lr_factor(global_step) * lr_scale
+        for g, base in zip(optimizer.param_groups, base_lrs):
+            g["lr"] = base * f
+    optimizer.zero_grad(set_to_none=True)
+    assert exp.train_step is not None, "the baselines run the managed tier (experiment.train_step)"
+    loss = exp.train_step(model, batch)
+    loss.backward()  # DDP: the gradient all_reduce runs in here (the fast rank waits for the slow one)
+    optimizer.step()
+    return float(loss.detach())
+
+
 def _worker(rank: int, world: int, port: int, a: dict) -> None:
     import numpy as np
     import torch
@@ -61,26 +99,7 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
         for g, base in zip(exp.optimizer.param_groups, base_lrs):
             g["lr"] = base * lr_scale
     comm = {"launch": 0.0, "done": 0.0, "calls": 0}
-    model: Any = exp.model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(exp.model)  # replicas already equal (same seed); DDP broadcasts rank 0's anyway
-
-        def timed_allreduce(state, bucket):  # no annotations: DDP checks them literally
-            t_launch = time.perf_counter()
-            buf = bucket.buffer().div_(world)
-            fut = dist.all_reduce(buf, async_op=True).get_future()
-
-            def done(f):
-                comm["launch"], comm["done"] = t_launch, time.perf_counter()
-                comm["calls"] += 1
-                return f.value()[0]
-
-            return fut.then(done)
-
-        model.register_comm_hook(None, timed_allreduce)
-    optimizer = exp.optimizer
+    model: Any = _ddp(exp.model, world, comm) if world > 1 else exp.model
     sampler: DistributedSampler = DistributedSampler(range(len(exp.train_data)), num_replicas=world,  # type: ignore[arg-type]
                                                      rank=rank, shuffle=True, seed=int(a["seed"]), drop_last=True)
     t_origin = a["t_origin"]
@@ -107,16 +126,7 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
             batch = exp.train_data.get_batch(ids[b * bs:(b + 1) * bs])
             data_ms += (time.perf_counter() - t_d) * 1e3
             t0 = time.perf_counter()
-            if exp.lr_factor is not None:
-                f = exp.lr_factor(global_step) * lr_scale
-                for g, base in zip(optimizer.param_groups, base_lrs):
-                    g["lr"] = base * f
-            optimizer.zero_grad(set_to_none=True)
-            assert exp.train_step is not None, "the baselines run the managed tier (experiment.train_step)"
-            loss = exp.train_step(model, batch)
-            loss.backward()  # DDP: the gradient all_reduce runs in here (the fast rank waits for the slow one)
-            optimizer.step()
-            loss_v = float(loss.detach())
+            loss_v = _train_batch(exp, model, batch, global_step, lr_scale, base_lrs)
             step_ms = (time.perf_counter() - t0) * 1e3
             c_ms = max(0.0, (comm["done"] - comm["launch"]) * 1e3) if comm["done"] >= t0 else 0.0
             comm_ms += c_ms

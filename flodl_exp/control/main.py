@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..constants import PREEMPT_EXIT
+from ..fsio import atomic_json
 from .lifecycle import Phase, RunFailure  # import-light: the handlers go in before torch loads
 
 if TYPE_CHECKING:
@@ -122,30 +123,9 @@ def main(argv: list[str]) -> int:
 def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: Any, server: Any, status: str,
            slurm: bool) -> int:
     """Write result.json, end the MLflow run (terminal status first where SIGKILL may follow), log artifacts."""
-    from ..checkpoint import atomic_json
-
-    failed_bundles = dict(co.writer.failed)
-    ended_on = co.writer.stem if status == "FINISHED" else co.saved_stem if status == "PREEMPTED" else None
-    if ended_on is not None and ended_on in failed_bundles:
-        # The run's own bundle failed (a full disk ...): never FINISHED (or requeued onto it) silently.
-        from .lifecycle import Status
-
-        status = "FAILED"
-        co.life.end(Status.FAILED, f"bundle {ended_on} failed: {failed_bundles[ended_on]}", end_reason="bundle_failed",
-                    overwrite=True)
-        log.error("the run ends FAILED: %s", co.life.failure)
+    status = _fail_on_own_bundle(co, status)
     failure = co.life.failure
-    result = co.result()
-    result["attempt"] = int(spec.get("attempt", 0))
-    if co.life.end_reason:
-        result["end_reason"] = co.life.end_reason
-    if failed_bundles:
-        result["failed_bundles"] = failed_bundles
-    dropped = co.events.dropped + co.records.write_errors
-    if dropped:
-        result["dropped_log_writes"] = dropped
-    result_path = os.path.join(job_dir, "result.json")
-    atomic_json(result, result_path)
+    result, result_path = _write_result(co, spec, job_dir)
     co.events.emit({"event": "end", "status": status, "failure": failure})
     if co.preemption.terminated and status in ("FAILED", "KILLED"):
         # SIGTERM on SLURM: SIGKILL follows within KillWait. The terminal status first, the rest never.
@@ -164,20 +144,67 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
         server.close()
         return PREEMPT_EXIT
     if slurm and status != "FINISHED":
-        # A failed rank's task exiting makes srun (--kill-on-bad-exit) kill the step within KillWait:
-        # the terminal status and the error go first, the artifacts after (large bundles take time).
-        try:
-            from ..tracking import client
-
-            c = client(spec["tracking_uri"])
-            if failure:
-                c.set_tag(spec["run_id"], "error", failure[:5000])
-            c.set_terminated(spec["run_id"], status=status)
-        except Exception as e:
-            log.warning("could not end the MLflow run early: %s", e)
+        _end_run_early(spec, status, failure)
     if failure:
         sink.set_tags({"error": failure[:5000]})
     sink.set_tags({"global_step": co.cycle.global_step, "syncs": co.cycle.version})
+    _log_run_artifacts(co, spec, cfg, job_dir, sink, status)
+    sink.close(status)
+    _record_tracking_loss(sink, result, result_path)
+    server.close()
+    time.sleep(0.05)
+    return 0 if status == "FINISHED" else 1
+
+
+def _fail_on_own_bundle(co: Coordinator, status: str) -> str:
+    """The status to end with: FAILED when the bundle the run ends on (its last, or its preemption bundle) failed
+    (a full disk ...): never FINISHED (or requeued onto it) silently."""
+    failed_bundles = co.writer.failed
+    ended_on = co.writer.stem if status == "FINISHED" else co.saved_stem if status == "PREEMPTED" else None
+    if ended_on is None or ended_on not in failed_bundles:
+        return status
+    from .lifecycle import Status
+
+    co.life.end(Status.FAILED, f"bundle {ended_on} failed: {failed_bundles[ended_on]}", end_reason="bundle_failed",
+                overwrite=True)
+    log.error("the run ends FAILED: %s", co.life.failure)
+    return "FAILED"
+
+
+def _write_result(co: Coordinator, spec: dict[str, Any], job_dir: str) -> tuple[dict[str, Any], str]:
+    """``<job>/result.json``: the coordinator's result with the attempt, the end reason, failed bundles and
+    dropped log writes; returns it and its path."""
+    result = co.result()
+    result["attempt"] = int(spec.get("attempt", 0))
+    if co.life.end_reason:
+        result["end_reason"] = co.life.end_reason
+    failed_bundles = dict(co.writer.failed)
+    if failed_bundles:
+        result["failed_bundles"] = failed_bundles
+    dropped = co.events.dropped + co.records.write_errors
+    if dropped:
+        result["dropped_log_writes"] = dropped
+    result_path = os.path.join(job_dir, "result.json")
+    atomic_json(result, result_path)
+    return result, result_path
+
+
+def _end_run_early(spec: dict[str, Any], status: str, failure: Optional[str]) -> None:
+    """A failed rank's task exiting makes srun (--kill-on-bad-exit) kill the step within KillWait:
+    the terminal status and the error go first, the artifacts after (large bundles take time)."""
+    try:
+        from ..tracking import client
+
+        c = client(spec["tracking_uri"])
+        if failure:
+            c.set_tag(spec["run_id"], "error", failure[:5000])
+        c.set_terminated(spec["run_id"], status=status)
+    except Exception as e:
+        log.warning("could not end the MLflow run early: %s", e)
+
+
+def _log_run_artifacts(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: Any, status: str) -> None:
+    """result.json, the event and record logs, the timeline, the dashboard and, when FINISHED, the final bundle."""
     sink.log_artifact(os.path.join(job_dir, "result.json"), "run")
     sink.log_artifact(co.events.path, "run")
     if co.records.dir is not None and os.path.isdir(co.records.dir):
@@ -186,16 +213,7 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
     if timeline:
         sink.log_artifact(timeline, "timeline")
     if cfg.dashboard.html:
-        try:
-            from ..dashboard import load_events, write_dashboard
-
-            epochs, windows, evals = load_events(co.events.path)
-            path = write_dashboard(cfg.dashboard.html, f"flodl_exp {spec['run_id'][:8]} {cfg.experiment.name}", epochs, windows,
-                                   evals, theme=cfg.dashboard.theme,
-                                   links=[("Timeline", "../timeline/timeline.html")] if timeline else [])
-            sink.log_artifact(path, "dashboard")
-        except Exception as e:  # the dashboard is a report, never a reason to fail the run
-            log.warning("dashboard not written: %s", e)
+        _write_dashboard(co, spec, cfg, sink, timeline)
     stem = co.writer.stem
     if status == "FINISHED":
         for suffix in (".pt", ".optim.pt", ".meta.json"):
@@ -203,11 +221,19 @@ def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: 
                 sink.log_artifact(stem + suffix, "checkpoints")
         if cfg.tracking.log_model and os.path.exists(stem + ".pt"):
             sink.log_model(stem, spec["config"]["experiment"])
-    sink.close(status)
-    _record_tracking_loss(sink, result, result_path)
-    server.close()
-    time.sleep(0.05)
-    return 0 if status == "FINISHED" else 1
+
+
+def _write_dashboard(co: Coordinator, spec: dict[str, Any], cfg: Any, sink: Any, timeline: Optional[str]) -> None:
+    try:
+        from ..dashboard import load_events, write_dashboard
+
+        epochs, windows, evals = load_events(co.events.path)
+        path = write_dashboard(cfg.dashboard.html, f"flodl_exp {spec['run_id'][:8]} {cfg.experiment.name}", epochs, windows,
+                               evals, theme=cfg.dashboard.theme,
+                               links=[("Timeline", "../timeline/timeline.html")] if timeline else [])
+        sink.log_artifact(path, "dashboard")
+    except Exception as e:  # the dashboard is a report, never a reason to fail the run
+        log.warning("dashboard not written: %s", e)
 
 
 def _write_timeline(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, status: str) -> Optional[str]:
@@ -228,8 +254,6 @@ def _write_timeline(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: st
 
 def _record_tracking_loss(sink: Any, result: dict[str, Any], path: str) -> None:
     """MLflow records the sink could not deliver (after retries): counted in result.json."""
-    from ..checkpoint import atomic_json
-
     lost = int(getattr(sink, "lost", 0) or 0)
     if lost:
         result["tracking_lost_records"] = lost

@@ -236,6 +236,67 @@ def add_import_paths(spec: dict) -> None:
             sys.path.insert(0, path)
 
 
+def _wait_rank0(worker: threading.Thread, coord: subprocess.Popen, spec: dict, job_dir: str, attempt: int) -> None:
+    """Task 0's main thread while rank 0 trains: wait for it, and leave it behind when it outlives the coordinator
+    by LOST_GRACE_S. A USR2 that does not requeue (an exception from submitit's handler) fails the run."""
+    try:
+        coord_gone_at: Optional[float] = None
+        while worker.is_alive():
+            worker.join(0.2)
+            if coord_gone_at is None and coord.poll() is not None:
+                coord_gone_at = time.monotonic()
+            if coord_gone_at is not None and time.monotonic() - coord_gone_at > LOST_GRACE_S:
+                # rank 0 sits in a call that reads no control (a store connect to the dead
+                # coordinator): end the task without it, as the other ranks' readers do
+                log.error("rank 0 did not stop within %.0fs of the coordinator's end: leaving it", LOST_GRACE_S)
+                break
+    except _RunEnded:
+        worker.join()
+    except (SystemExit, KeyboardInterrupt):  # SystemExit: submitit requeued the job
+        raise
+    except Exception as e:  # from submitit's USR2 handler: the job is not requeued
+        mark = preempt_mark(job_dir, attempt)
+        hint = f"; resume with checkpoint.resume_from={mark['stem']}" if mark else ""
+        fail_run_if_running(spec, f"time limit / preemption: the job was not requeued ({e}){hint}",
+                            {"end_reason": "time_limit"})
+        raise
+
+
+def _reap(coord: subprocess.Popen) -> None:
+    """Give the coordinator COORD_EXIT_WAIT_S to exit, then kill it."""
+    deadline = time.monotonic() + COORD_EXIT_WAIT_S
+    while coord.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if coord.poll() is None:
+        coord.kill()
+        coord.wait(10)
+
+
+def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: dict, job_dir: str, attempt: int) -> dict:
+    """Task 0's result from the coordinator's exit code and rank 0's (``box``: its result or its error)."""
+    if rc not in (0, PREEMPT_EXIT):
+        res = _read_json(os.path.join(job_dir, "result.json"))
+        if res is not None and int(res.get("attempt", attempt)) == attempt and res.get("status") in ("FAILED", "KILLED"):
+            # The coordinator ended the run itself (it may then die from the cluster's SIGTERM on its way out).
+            why = f"the run ended {res['status']}: {res.get('failure')}"
+        else:
+            why = f"coordinator failed (exit code {rc}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
+            fail_run_if_running(spec, why)
+        if "error" in box:
+            raise RuntimeError(f"{why}\nrank 0: {type(box['error']).__name__}: {box['error']}") from box["error"]
+        raise RuntimeError(why)
+    if "error" in box:
+        raise box["error"]
+    if rc == PREEMPT_EXIT:  # preempted without task 0 asking (a USR1 sent by hand): no requeue
+        why = ("the coordinator stopped for preemption but no requeue was asked: "
+               f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
+        fail_run_if_running(spec, why, {"end_reason": "preempted"})
+        raise RuntimeError(why)
+    if "out" not in box:  # the coordinator ended the run; rank 0's thread was left in its cleanup
+        return {"rank": 0, "left_running": True}
+    return box["out"]
+
+
 class RunTask(submitit.helpers.Checkpointable):
     """``run_task(spec_path)``: one task of the job (see the module doc). Picklable, stateless until called."""
 
@@ -295,57 +356,11 @@ class RunTask(submitit.helpers.Checkpointable):
         worker = threading.Thread(target=rank0, name="rank0", daemon=True)
         worker.start()
         try:
-            try:
-                coord_gone_at: Optional[float] = None
-                while worker.is_alive():
-                    worker.join(0.2)
-                    if coord_gone_at is None and coord.poll() is not None:
-                        coord_gone_at = time.monotonic()
-                    if coord_gone_at is not None and time.monotonic() - coord_gone_at > LOST_GRACE_S:
-                        # rank 0 sits in a call that reads no control (a store connect to the dead
-                        # coordinator): end the task without it, as the other ranks' readers do
-                        log.error("rank 0 did not stop within %.0fs of the coordinator's end: leaving it", LOST_GRACE_S)
-                        break
-            except _RunEnded:
-                worker.join()
-            except (SystemExit, KeyboardInterrupt):  # SystemExit: submitit requeued the job
-                raise
-            except Exception as e:  # from submitit's USR2 handler: the job is not requeued
-                mark = preempt_mark(job_dir, attempt)
-                hint = f"; resume with checkpoint.resume_from={mark['stem']}" if mark else ""
-                fail_run_if_running(spec, f"time limit / preemption: the job was not requeued ({e}){hint}",
-                                    {"end_reason": "time_limit"})
-                raise
+            _wait_rank0(worker, coord, spec, job_dir, attempt)
             self._live["in_call"] = False
         finally:
-            deadline = time.monotonic() + COORD_EXIT_WAIT_S
-            while coord.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if coord.poll() is None:
-                coord.kill()
-                coord.wait(10)
-        rc = coord.returncode
-        if rc not in (0, PREEMPT_EXIT):
-            res = _read_json(os.path.join(job_dir, "result.json"))
-            if res is not None and int(res.get("attempt", attempt)) == attempt and res.get("status") in ("FAILED", "KILLED"):
-                # The coordinator ended the run itself (it may then die from the cluster's SIGTERM on its way out).
-                why = f"the run ended {res['status']}: {res.get('failure')}"
-            else:
-                why = f"coordinator failed (exit code {rc}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
-                fail_run_if_running(spec, why)
-            if "error" in box:
-                raise RuntimeError(f"{why}\nrank 0: {type(box['error']).__name__}: {box['error']}") from box["error"]
-            raise RuntimeError(why)
-        if "error" in box:
-            raise box["error"]
-        if rc == PREEMPT_EXIT:  # preempted without task 0 asking (a USR1 sent by hand): no requeue
-            why = ("the coordinator stopped for preemption but no requeue was asked: "
-                   f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
-            fail_run_if_running(spec, why, {"end_reason": "preempted"})
-            raise RuntimeError(why)
-        if "out" not in box:  # the coordinator ended the run; rank 0's thread was left in its cleanup
-            return {"rank": 0, "left_running": True}
-        return box["out"]
+            _reap(coord)
+        return _task0_outcome(coord.returncode, box, spec, job_dir, attempt)
 
     # -- submitit's checkpoint hook (task 0, inside its USR2 handler) -----
     # submitit declares checkpoint(*args, **kwargs) -> DelayedSubmission, but it calls it with the
