@@ -80,12 +80,10 @@ def flodl_overrides(cfg: BenchConfig, spec: RunSpec, out: str) -> list[str]:
     return [*experiment_overrides(cfg, spec.model), *spec.overrides, *cfg.run_overrides, *_store_overrides(cfg, spec, out)]
 
 
-def _tag(uri: str, run_id: str, tags: dict[str, str]) -> None:
+def _tag(c: Any, run_id: str, tags: dict[str, str]) -> None:
     from mlflow.entities import RunTag
 
-    from ..tracking import client
-
-    client(uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    c.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
 def bench_tags(spec: RunSpec, parent_id: str) -> dict[str, str]:
@@ -111,7 +109,7 @@ def start_flodl(cfg: BenchConfig, spec: RunSpec, parent_id: str, out: str) -> Pe
     t0 = time.monotonic()
     app_cfg = compose_app(flodl_overrides(cfg, spec, out))
     handle = launch(app_cfg, root=ROOT, parent_run_id=parent_id)
-    _tag(handle.tracking_uri, handle.run_id, bench_tags(spec, parent_id))
+    _tag(handle.client(), handle.run_id, bench_tags(spec, parent_id))  # the handle holds the store's credentials
     return Pending(spec, handle, t0, t0 + cfg.run_timeout_s)
 
 

@@ -196,10 +196,12 @@ def _sigint_ignored(on: bool) -> Iterator[None]:
 
 
 class RunHandle:
-    def __init__(self, *, cfg: Any, run_id: str, tracking_uri: str, job_dir: str, job: Any, stem: str) -> None:
+    def __init__(self, *, cfg: Any, run_id: str, tracking_uri: str, job_dir: str, job: Any, stem: str,
+                 live_uri: Optional[str] = None) -> None:
         self.cfg = cfg
         self.run_id = run_id
-        self.tracking_uri = tracking_uri
+        self.tracking_uri = tracking_uri  # without credentials: what is printed and written
+        self._live_uri = live_uri or tracking_uri  # with them, in this object only: what this process connects with
         self.job_dir = job_dir
         self.job = job
         self.stem = stem
@@ -215,6 +217,12 @@ class RunHandle:
     @property
     def job_id(self) -> str:
         return str(self.job.job_id)
+
+    def client(self) -> Any:
+        """An MlflowClient on the run's store, connected with the credentials ``tracking_uri`` hides."""
+        from ..tracking import client
+
+        return client(self._live_uri)
 
     @property
     def on_slurm(self) -> bool:
@@ -336,16 +344,14 @@ class RunHandle:
             # Tasks of ranks the coordinator declared dead and recovered from fail in submitit's eyes;
             # the run itself finished, so it is FINISHED with the deaths recorded.
             if error is not None:
-                from ..tracking import client
-
-                client(self.tracking_uri).set_tag(self.run_id, "recovered_task_errors", _tail_lines(error, 20)[:5000])
-            end_run(self.tracking_uri, self.run_id, "FINISHED")
+                self.client().set_tag(self.run_id, "recovered_task_errors", _tail_lines(error, 20)[:5000])
+            end_run(self._live_uri, self.run_id, "FINISHED")
             self._ended = True
             return result
         reason = result.get("failure") or error or "the job ended without a result"
         if error and result.get("failure") and error not in reason:
             reason = f"{reason}\n{error}"
-        end_run(self.tracking_uri, self.run_id, "FAILED", error=reason)
+        end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
         raise RunFailed(_tail_lines(reason, 40))
 
@@ -437,7 +443,6 @@ class RunHandle:
         FAILED (with ``end_reason``) and both files as run artifacts. A write that fails is said, never raised
         over the run's own failure."""
         from ..fsio import atomic_json
-        from ..tracking import client
         from .job import fail_run_if_running
 
         self.result = self._lost_result(failure)
@@ -451,11 +456,11 @@ class RunHandle:
                 self._append_event({"event": "end", "status": "FAILED", "failure": failure})
             except OSError as e:
                 print(f"warning: could not append the end event to events.jsonl: {e}", file=sys.stderr)
-        fail_run_if_running({"tracking_uri": self.tracking_uri, "run_id": self.run_id}, failure, {"end_reason": HOST_LOST})
+        fail_run_if_running({"tracking_uri": self._live_uri, "run_id": self.run_id}, failure, {"end_reason": HOST_LOST})
         self._ended = True
         for name in ("result.json", "events.jsonl"):
             try:
-                client(self.tracking_uri).log_artifact(self.run_id, os.path.join(self.job_dir, name), "run")
+                self.client().log_artifact(self.run_id, os.path.join(self.job_dir, name), "run")
             except Exception as e:  # a report, never a reason to hide the failure
                 print(f"warning: could not log {name} to MLflow: {str(e).splitlines()[0] if str(e) else e}",
                       file=sys.stderr)
@@ -477,8 +482,6 @@ class RunHandle:
         leaving task 0 and the coordinator running; a CLI job ignores SIGINT altogether (``launch``'s
         ``own_sigint``). SLURM: scancel, then the scheduler's state, asked every few seconds, for at most
         :data:`CANCEL_WAIT_S`."""
-        from ..tracking import client
-
         if self.on_slurm or not os.path.isdir("/proc"):
             try:
                 self.job.cancel(check=False)
@@ -492,7 +495,7 @@ class RunHandle:
         if self._ended:
             return None
         self._ended = True
-        c = client(self.tracking_uri)
+        c = self.client()
         status = str(c.get_run(self.run_id).info.status)
         if status in ("RUNNING", "SCHEDULED"):
             c.set_tag(self.run_id, "error", "cancelled by the user")
@@ -535,6 +538,34 @@ def experiment_import_paths(root: str) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
+@contextlib.contextmanager
+def _on_sys_path(paths: list[str]) -> Iterator[None]:
+    """``paths`` importable (first, in order) for the block; ``sys.path`` as it was after it."""
+    added = [p for p in dict.fromkeys(paths) if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(p)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` in ``os.environ`` for the block (what a submission's processes inherit); as it was after it."""
+    before = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str] = None,
            own_sigint: bool = False) -> RunHandle:
     """Validate, create the MLflow run, submit the job; returns at once with a RunHandle.
@@ -550,27 +581,26 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
         print(f"warning: {w}", file=sys.stderr)
     root = os.path.abspath(root or os.getcwd())
-    import_paths = experiment_import_paths(root)
-    for path in reversed(import_paths):
-        if path not in sys.path:
-            sys.path.insert(0, path)
+    import_paths = experiment_import_paths(root)  # the tasks add them (spec["import_paths"]); here only the resume check
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from ..checkpoint import validate_resume
 
-        resume = validate_resume(cfg)
+        with _on_sys_path(import_paths):  # it builds the experiment's model to compare shapes
+            resume = validate_resume(cfg)
     from ..tracking import URI_ENV, create_run, redact_uri, resolve_tracking
     from .executor import make_executor
 
     full_uri, art = resolve_tracking(cfg.tracking, root)
-    # Credentials never reach a file or the store: params, config.yaml, spec.json and the handle carry the
-    # redacted URI; the credentialed one lives in this process's environment, which every task inherits
-    # (submitit's local executor, sbatch --export=ALL), and tracking.client() picks it up.
+    # Credentials never reach a file or the store: params, config.yaml, spec.json and the handle's tracking_uri
+    # carry the redacted URI. The tasks get the credentialed one in the environment of the submission only
+    # (submitit's local executor copies os.environ into its controller, sbatch --export=ALL copies it into the
+    # job), where tracking.client() finds it; neither spec.json nor the pickled submission may hold it, both
+    # being files in the job folder. This process connects with it through the handle.
     uri = redact_uri(full_uri)
-    if uri != full_uri:
-        os.environ[URI_ENV] = full_uri
+    task_env = {URI_ENV: full_uri} if uri != full_uri else {}
     resolved = _redact_config(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)), full_uri)
-    run_id = create_run(uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved, _tags(cfg, root), parent_run_id)
+    run_id = create_run(full_uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved, _tags(cfg, root), parent_run_id)
     job_root = cfg.run.job_root or os.path.join(root, "outputs", "jobs")
     job_dir = os.path.join(job_root, f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:8]}-{uuid.uuid4().hex[:4]}")
     os.makedirs(job_root, exist_ok=True)
@@ -586,12 +616,12 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     _private_write(os.path.join(job_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(resolved)))
     from ..tracking import client
 
-    client(uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
+    client(full_uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
     from .job import run_task
 
     try:
         ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, run_name(cfg))
-        with contextlib.redirect_stderr(io.StringIO()), \
+        with contextlib.redirect_stderr(io.StringIO()), _environ(task_env), \
                 _sigint_ignored(own_sigint and cfg.cluster.executor == "local"):
             # (submitit echoes sbatch's stderr: it goes in our one line)
             job = ex.submit(run_task, spec_path)
@@ -599,7 +629,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         from ..tracking import end_run
 
         err = submit_error(e, cfg.cluster.executor)
-        end_run(uri, run_id, "FAILED", error=str(err))
+        end_run(full_uri, run_id, "FAILED", error=str(err))
         raise err from e
     tags = {"job_id": str(job.job_id), "job_dir": job_dir}
     if resume:
@@ -608,8 +638,9 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         tags["slurm_job_id"] = str(job.job_id)
     from mlflow.entities import RunTag
 
-    client(uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-    return RunHandle(cfg=cfg, run_id=run_id, tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem))
+    client(full_uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    return RunHandle(cfg=cfg, run_id=run_id, tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem),
+                     live_uri=full_uri)
 
 
 __all__ = ["launch", "RunHandle", "RunFailed", "SubmitFailed", "ConfigError"]
