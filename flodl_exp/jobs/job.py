@@ -61,13 +61,6 @@ def _pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return all(str(ai[4][0]).startswith("127.") or ai[4][0] == "::1" for ai in socket.getaddrinfo(host, None))
-    except OSError:
-        return False
-
-
 def _routable_address(peers: list[str]) -> Optional[str]:
     """This node's address on the route to another node of the job (UDP connect: sends nothing)."""
     for peer in peers:
