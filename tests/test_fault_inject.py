@@ -10,6 +10,16 @@ from flodl_exp.rank import fault_inject
 from flodl_exp.rank.fault_inject import inject_fault, parse_fault, split_kind, wait_gate
 
 
+def _faulting(done: threading.Event, kind: str, rank: int, step: int, max_wait_s: float) -> threading.Thread:
+    """A daemon thread that does the fault, then sets ``done`` (unstarted)."""
+
+    def body() -> None:
+        inject_fault(kind, rank, step, max_wait_s=max_wait_s)
+        done.set()
+
+    return threading.Thread(target=body, daemon=True)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_gates():
     fault_inject._gates_done.clear()
@@ -46,7 +56,7 @@ def test_gate_that_is_open_does_not_block(tmp_path):
     gate = tmp_path / "open"
     gate.touch()
     done = threading.Event()
-    t = threading.Thread(target=lambda: (inject_fault(f"gate:{gate}", 0, 3, max_wait_s=60), done.set()), daemon=True)
+    t = _faulting(done, f"gate:{gate}", 0, 3, max_wait_s=60)
     t.start()
     t.join(timeout=30)
     assert done.is_set()
@@ -96,14 +106,14 @@ def test_gate_gives_up_for_real_with_a_short_bound_and_then_never_waits_again(tm
     gate = str(tmp_path / "never")
     done = threading.Event()
     with caplog.at_level(logging.WARNING, logger="flodl_exp.rank"):
-        t = threading.Thread(target=lambda: (inject_fault(f"gate:{gate}", 1, 5, max_wait_s=0.2), done.set()), daemon=True)
+        t = _faulting(done, f"gate:{gate}", 1, 5, max_wait_s=0.2)
         t.start()
         t.join(timeout=30)
     assert done.is_set()
     assert any("did not open within" in r.getMessage() for r in caplog.records)
     # A gate that gave up does not stall every later step for another bound.
     again = threading.Event()
-    t = threading.Thread(target=lambda: (inject_fault(f"gate:{gate}", 1, 6, max_wait_s=60), again.set()), daemon=True)
+    t = _faulting(again, f"gate:{gate}", 1, 6, max_wait_s=60)
     t.start()
     t.join(timeout=30)
     assert again.is_set()

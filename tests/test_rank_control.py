@@ -33,6 +33,7 @@ def test_adopting_an_update_resets_the_window():
 def test_a_blended_update_moves_the_replica_halfway():
     ctl, _ = _control(4)
     model = ctl.trainer.model
+    assert isinstance(model, torch.nn.Linear)
     with torch.no_grad():
         model.weight.fill_(1.0)
         model.bias.fill_(1.0)
@@ -44,16 +45,18 @@ def test_a_consensus_save_writes_the_consensus_not_the_blended_replica(tmp_path)
     from flodl_exp.checkpoint import load_model_state
 
     ctl, sent = _control(0)
-    ctl.trainer.optimizer = torch.optim.SGD(ctl.trainer.model.parameters(), lr=0.1)  # type: ignore[attr-defined]
+    model = ctl.trainer.model
+    assert isinstance(model, torch.nn.Linear)
+    ctl.trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with torch.no_grad():
-        ctl.trainer.model.weight.fill_(1.0)
+        model.weight.fill_(1.0)
     consensus = {"p0": torch.full((1, 2), 3.0), "p1": torch.full((1,), 3.0)}
     ctl.handle(Update(n=1, alpha=0.5, tensors=consensus))  # the replica is now halfway: 2.0
     stem = str(tmp_path / "b")
     ctl.handle(Save(stem=stem, primary=True, model=True, consensus=True))
     state = load_model_state(stem, map_location="cpu")
     assert torch.equal(state["weight"], consensus["p0"]) and torch.equal(state["bias"], consensus["p1"])
-    assert torch.allclose(ctl.trainer.model.weight, torch.full((1, 2), 2.0)), "the replica itself is untouched"
+    assert torch.allclose(model.weight, torch.full((1, 2), 2.0)), "the replica itself is untouched"
     ctl.handle(Save(stem=stem, primary=True, model=True, consensus=False))
     assert torch.allclose(load_model_state(stem, map_location="cpu")["weight"], torch.full((1, 2), 2.0))
     assert sent == [SaveResult(stem=stem), SaveResult(stem=stem)], "each save is answered, without an error"

@@ -110,10 +110,16 @@ def test_collective_backend_names_its_groups_by_the_token():
     from flodl_exp.rank.backends import CollectiveBackend
 
     seen = []
-    fake = SimpleNamespace(PrefixStore=lambda prefix, store: seen.append(prefix) or (prefix, store),
-                           init_process_group=lambda *a, **k: None, ProcessGroupGloo=lambda *a: object())
+
+    def prefix_store(prefix: str, store: object) -> tuple[str, object]:
+        seen.append(prefix)
+        return prefix, store
+
+    fake = SimpleNamespace(PrefixStore=prefix_store, init_process_group=lambda *a, **k: None, ProcessGroupGloo=lambda *a: object())
     cb = object.__new__(CollectiveBackend)
-    cb.dist, cb.store, cb.token, cb.device, cb.backend, cb.timeout = fake, object(), TOKEN, torch.device("cpu"), "gloo", None
+    cb.dist = fake  # type: ignore[assignment]  # a fake torch.distributed that records the prefixes
+    cb.store = object()  # type: ignore[assignment]  # never dialled: the fake's PrefixStore only holds it
+    cb.token, cb.device, cb.backend, cb.timeout = TOKEN, torch.device("cpu"), "gloo", timedelta(seconds=30)
     cb._init(2, 0, 2)
     cb._init(3, 1, 2, session="beef")
     assert seen == [group_prefix(TOKEN, 2), group_prefix(TOKEN, 3, "beef")]
@@ -265,9 +271,9 @@ def test_a_ranks_report_sent_just_before_a_bad_frame_reaches_the_event_loop_firs
     conn = _join(srv.port, 0)
     _next_event(srv.events, "join")
     captured = bytearray()
-    conn._sendall = captured.extend  # type: ignore[method-assign]  # MAC the report with its real sequence number ...
-    conn.send(encode(RankError(error="CUDA out of memory")))
-    del conn._sendall
+    with pytest.MonkeyPatch.context() as mp:  # MAC the report with its real sequence number ...
+        mp.setattr(conn, "_sendall", captured.extend)
+        conn.send(encode(RankError(error="CUDA out of memory")))
     forged = wire.MAGIC_AUTH + wire.encode(Message("save", {"path": "/tmp/x"}))[4:] + os.urandom(32)
     conn.sock.sendall(bytes(captured) + forged)  # ... and send it with a bad frame in one write: one read
     ev = _next_event(srv.events, "msg")
@@ -280,7 +286,7 @@ def test_a_ranks_report_sent_just_before_a_bad_frame_reaches_the_event_loop_firs
 # ---------------------------------------------------------------- issue 26: the accept thread outlives a failed accept
 def test_accept_goes_on_after_descriptor_exhaustion(server, monkeypatch, caplog):
     real = wire.accept
-    failed = []
+    failed: list[float] = []
 
     def exhausted_then_fine(listener, timeout=None):
         if len(failed) < 3:
@@ -319,8 +325,9 @@ def test_a_dropped_connection_leaves_conns_with_its_partial_frame(server):
     _next_event(srv.events, "join")
     held = srv.conns[0]
     frame = bytearray()
-    conn._sendall = frame.extend  # type: ignore[method-assign]
-    conn.send(Message("snapshot", {"n": 1}, {"p0": torch.zeros(200_000)}))  # 800 KB
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conn, "_sendall", frame.extend)
+        conn.send(Message("snapshot", {"n": 1}, {"p0": torch.zeros(200_000)}))  # 800 KB
     conn.sock.sendall(bytes(frame[:500_000]))  # part of it, then the rank dies
     deadline = time.monotonic() + 10
     while held.buffered < 500_000:

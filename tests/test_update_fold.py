@@ -3,20 +3,22 @@ with no separate StartEpoch; everything else keeps its order behind the update."
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 from control_fakes import BATCH, Harness
 from rank_fakes import rank_control
 
 from flodl_exp.control.channels import Outbox
-from flodl_exp.protocol import ExtendPartition, RequestParams, Save, SetGlobalStep, StartEpoch, Update, decode
+from flodl_exp.protocol import ExtendPartition, Payload, RequestParams, Save, SetGlobalStep, StartEpoch, Update, decode
+from flodl_exp.wire import Message
 
 
 class _Transport:
     def __init__(self) -> None:
-        self.sent: list[tuple[int, object]] = []
+        self.sent: list[tuple[int, Optional[Payload]]] = []
 
-    def send(self, r, msg) -> bool:
+    def send(self, r: int, msg: Message) -> bool:
         self.sent.append((r, decode(msg)))
         return True
 
@@ -33,8 +35,9 @@ def test_the_outbox_folds_the_first_chunk_into_the_held_update_and_keeps_the_ord
         assert [r for r, _ in t.sent] == [1], "rank 0's messages wait behind its update"
     kinds = [(r, type(p).__name__) for r, p in t.sent]
     assert kinds == [(1, "SetGlobalStep"), (0, "Update"), (0, "SetGlobalStep"), (0, "Save"), (0, "StartEpoch")]
-    upd = t.sent[1][1]
-    assert upd.next_plan == [1, 64, 32, 9] and t.sent[-1][1].chunk == 10
+    upd, last = t.sent[1][1], t.sent[-1][1]
+    assert isinstance(upd, Update) and upd.next_plan == [1, 64, 32, 9]
+    assert isinstance(last, StartEpoch) and last.chunk == 10
     out.send(0, StartEpoch(epoch=2, offset=0, size=32, chunk=11))  # outside the block: straight through
     assert isinstance(t.sent[-1][1], StartEpoch)
 
@@ -47,7 +50,8 @@ def test_an_extension_queued_behind_the_update_stops_the_folding():
         out.send(0, ExtendPartition(epoch=1, offset=0, size=8, chunk=4))
         out.send(0, StartEpoch(epoch=1, offset=64, size=32, chunk=9))
     assert [type(p).__name__ for _, p in t.sent] == ["Update", "ExtendPartition", "StartEpoch"]
-    assert t.sent[0][1].next_plan is None
+    first = t.sent[0][1]
+    assert isinstance(first, Update) and first.next_plan is None
 
 
 def test_a_cpu_cadence_reduce_sends_each_rank_one_update_carrying_its_next_chunk(tmp_path):
@@ -65,6 +69,7 @@ def test_a_cpu_cadence_reduce_sends_each_rank_one_update_carrying_its_next_chunk
     assert sorted(ups) == [0, 1] and all(u.next_plan is not None for u in ups.values())
     assert not [p for _, p in sent if isinstance(p, StartEpoch)], "no separate StartEpoch"
     for r, u in ups.items():  # the folded chunk is a real one: the dispatcher tracks it
+        assert u.next_plan is not None
         assert h.co.dispatch.chunks[u.next_plan[3]].rank == r
 
 

@@ -12,6 +12,7 @@ import time
 import tracemalloc
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -339,8 +340,8 @@ def test_concurrent_sends_do_not_interleave(pair):
     assert not any(t.is_alive() for t in threads)
     assert len(received) == 2 * n_per
     for m in received:
-        t = m.tensors["t"]
-        assert t.shape == (size,) and bool((t == m.fields["w"] * 1000 + m.fields["i"]).all())
+        got = m.tensors["t"]
+        assert got.shape == (size,) and bool((got == m.fields["w"] * 1000 + m.fields["i"]).all())
     for wid in (1, 2):  # per-writer order is preserved
         assert [m.fields["i"] for m in received if m.fields["w"] == wid] == list(range(n_per))
 
@@ -352,7 +353,7 @@ class Server:
     def __init__(self, fn):
         self.listener = listen("127.0.0.1", 0)
         self.port = self.listener.getsockname()[1]
-        self.result: object = None
+        self.result: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(fn,))
         self.thread.start()
@@ -408,7 +409,12 @@ def test_handshake_right_token():
 
 def test_handshake_token_may_be_str():
     tok = new_token()
-    srv = Server(lambda conn: (server_handshake(conn, tok, 5), server_accept(conn))[0])
+    def serve(conn: Connection) -> dict[str, Any]:
+        hello = server_handshake(conn, tok, 5)
+        server_accept(conn)
+        return hello
+
+    srv = Server(serve)
     with dial("127.0.0.1", srv.port, timeout=5) as c:
         assert client_handshake(c, tok, {"rank": 0}, timeout=5) == {}
         srv.join()
@@ -444,9 +450,14 @@ def test_replayed_hello_is_rejected():
         server_accept(conn)
         return fields
     srv = Server(serve)
-    with dial("127.0.0.1", srv.port, timeout=5) as c:
+    with dial("127.0.0.1", srv.port, timeout=5) as c, pytest.MonkeyPatch.context() as mp:
         orig = c.send
-        c.send = lambda m: (captured.append(m), orig(m))[1]  # type: ignore[method-assign]
+
+        def kept(m: Message) -> None:
+            captured.append(m)
+            orig(m)
+
+        mp.setattr(c, "send", kept)
         client_handshake(c, TOKEN, {"rank": 0}, timeout=5)
         srv.join()
     srv2 = Server(lambda conn: server_handshake(conn, TOKEN, timeout=5))
@@ -608,9 +619,13 @@ class Mitm:
             return out
 
     def handshake(self):
-        out = {}
-        t = threading.Thread(target=lambda: out.update(
-            hello=server_handshake(self.server, TOKEN, timeout=5)) or server_accept(self.server, {"w": 2}))
+        out: dict[str, Any] = {}
+
+        def serve() -> None:
+            out["hello"] = server_handshake(self.server, TOKEN, timeout=5)
+            server_accept(self.server, {"w": 2})
+
+        t = threading.Thread(target=serve)
         t.start()
         assert client_handshake(self.client, TOKEN, {"rank": 0}, timeout=5) == {"w": 2}
         t.join(5)
@@ -621,8 +636,8 @@ class Mitm:
         return self
 
     def close(self):
-        for s in (self.client, self.server):
-            s.close()
+        for conn in (self.client, self.server):
+            conn.close()
         for s in (self.ca, self.sb):
             s.close()
 
@@ -813,9 +828,10 @@ def test_read_ready_delivers_the_frames_before_a_bad_one_then_raises():
     client, server = _session_pair()
     report = Message("error", {"error": "CUDA out of memory"})
     wire_bytes = bytearray()
-    client._sendall = wire_bytes.extend  # type: ignore[method-assign]  # capture the MACed frame, send it below
-    client.send(report)
-    client.send(Message("batch", {"ms": 1.0}))
+    with pytest.MonkeyPatch.context() as mp:  # capture the MACed frames, send them below
+        mp.setattr(client, "_sendall", wire_bytes.extend)
+        client.send(report)
+        client.send(Message("batch", {"ms": 1.0}))
     forged = wire.MAGIC_AUTH + encode(Message("save", {"path": "/tmp/x"}))[4:] + os.urandom(32)
     client.sock.sendall(bytes(wire_bytes) + forged)
     scratch = memoryview(bytearray(64 * 1024))
@@ -835,8 +851,9 @@ def test_read_ready_delivers_the_frames_before_a_bad_one_then_raises():
 def test_read_ready_frees_its_partial_frame_on_a_failure_and_on_close():
     client, server = _session_pair()
     frame = bytearray()
-    client._sendall = frame.extend  # type: ignore[method-assign]
-    client.send(Message("snapshot", {"n": 1}, {"p0": torch.zeros(50_000)}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(client, "_sendall", frame.extend)
+        client.send(Message("snapshot", {"n": 1}, {"p0": torch.zeros(50_000)}))
     client.sock.sendall(bytes(frame[:100_000]))  # half a snapshot
     scratch = memoryview(bytearray(256 * 1024))
     deadline = time.monotonic() + 5

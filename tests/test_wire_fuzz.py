@@ -229,9 +229,10 @@ def session_streams(draw: st.DrawFn) -> tuple[list[Message], bytes, bytes]:
     msgs = [m for m in msgs if _frame_or_none(m) is not None]
     client, server = _session()
     out = bytearray()
-    client._sendall = out.extend  # type: ignore[method-assign]
-    for m in msgs:
-        client.send(m)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(client, "_sendall", out.extend)
+        for m in msgs:
+            client.send(m)
     client.close()
     server.close()
     sent = bytes(out)
