@@ -76,6 +76,7 @@ class FakeSink:
         self.tags: dict[str, Any] = {}
         self.metrics: list[tuple[int, dict[str, float]]] = []
         self.artifacts: list[tuple[str, str]] = []
+        self.inputs: list[dict[str, Any]] = []
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.tags.update(tags)
@@ -83,8 +84,11 @@ class FakeSink:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.metrics.append((step, dict(metrics)))
 
-    def log_artifact(self, path: str, artifact_path: str) -> None:
-        self.artifacts.append((path, artifact_path))
+    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
+        self.artifacts.append((path, artifact_path or ""))
+
+    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
+        self.inputs = list(inputs)
 
     def epochs_logged(self) -> list[int]:
         return [step for step, m in self.metrics if "loss" in m]

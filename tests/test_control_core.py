@@ -16,8 +16,9 @@ from omegaconf import OmegaConf
 
 from flodl_exp.config import Config, load_config
 from flodl_exp.control.bundle_store import MemoryBundles
+from flodl_exp.control.commands import Broadcast, Command, RankMessage, Record, Send, Tick
 from flodl_exp.control.coordinator import Coordinator
-from flodl_exp.control.core import Broadcast, Command, ControlCore, RankMessage, Record, Send, Tick, recording_core
+from flodl_exp.control.core import ControlCore, recording_core
 from flodl_exp.control.lifecycle import Phase, Status
 from flodl_exp.protocol import (
     Batch,

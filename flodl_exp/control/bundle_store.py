@@ -11,6 +11,7 @@ import os
 from typing import Any, Optional, Protocol
 
 from ..constants import PREEMPT_MARK
+from .ports import Sink
 
 
 class BundleStore(Protocol):
@@ -41,7 +42,7 @@ class DiskBundles:
     """The coordinator's store: bundle files beside the checkpoint stem, the preemption mark in the job
     folder, artifacts through the tracking sink."""
 
-    def __init__(self, job_dir: str, sink: Any) -> None:
+    def __init__(self, job_dir: str, sink: Sink) -> None:
         self.job_dir = job_dir
         self._sink = sink
 

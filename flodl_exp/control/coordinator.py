@@ -43,6 +43,7 @@ from .core import ControlCore, RunFacts
 from .cycle import Reduce, ReduceOutcome
 from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
 from .lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
+from .ports import Sink
 from .records import RecordLog, WindowRecorder
 from .timeline import TimelineRecorder
 from .watchdog import StallWatchdog, run_state
@@ -66,7 +67,7 @@ class ShellObserver:
     """The coordinator's records of the core's decisions: the timeline, the window records, MLflow and
     events.jsonl (the core's :class:`~.core.CoreObserver`)."""
 
-    def __init__(self, *, timeline: TimelineRecorder, sink: Any, events: EventLog) -> None:
+    def __init__(self, *, timeline: TimelineRecorder, sink: Sink, events: EventLog) -> None:
         self.timeline, self.sink, self.events = timeline, sink, events
         self.windows: Optional[WindowRecorder] = None
         """Set once built (it reads the core's averaging cycle)."""
@@ -112,7 +113,7 @@ class ShellObserver:
 class Coordinator:
     """The I/O shell around the :class:`~.core.ControlCore` (see the module docstring)."""
 
-    def __init__(self, spec: dict[str, Any], server: Transport, events: queue.Queue[Event], sink: Any, job_dir: str,
+    def __init__(self, spec: dict[str, Any], server: Transport, events: queue.Queue[Event], sink: Sink, job_dir: str,
                  *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
         cfg = load_config(spec["config"])
         shape = RunShape.of(cfg)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import RunShape
 from ..protocol import (
@@ -55,6 +55,7 @@ from .callback_slack import CallbackSlack
 from .channels import Outbox
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
+from .commands import Command, CommandOutbox, Event, RankDeath, RankMessage, RecordingObserver
 from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle, Reduce, ReduceOutcome
 from .dispatch import Dispatcher, Gate
@@ -62,148 +63,15 @@ from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .meta import LrEventMeta
+from .ports import CoreObserver, NullObserver
 from .preemption import Preemption
 
 if TYPE_CHECKING:
-    from ..wire import Message
+    pass
 
 log = logging.getLogger("flodl_exp.coordinator")
 
 _GATE_FOR = {Phase.TRAINING: Gate.OPEN, Phase.CHECKPOINTING: Gate.HOLD_EPOCH}
-
-
-# -- ports ------------------------------------------------------------------------
-class CoreObserver(Protocol):
-    """What the shell records of the core's decisions (timeline spans, window records, MLflow, events.jsonl).
-
-    Write-only: nothing the core decides depends on it."""
-
-    def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None: ...
-    def on_answer(self, r: int, started: float) -> None: ...
-    def on_reduce_finished(self, red: Reduce, out: ReduceOutcome, window: int, averaging_from: float,
-                           epoch: int) -> None: ...
-    def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None: ...
-    def on_eval_result(self, r: int, epoch: int, final: bool) -> None: ...
-    def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None: ...
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
-    def set_tags(self, tags: dict[str, Any]) -> None: ...
-    def emit(self, event: dict[str, Any]) -> None: ...
-    def log_artifact(self, path: str, artifact_path: str) -> None: ...
-
-
-class NullObserver:
-    """Records nothing (the simulator keeps its own statistics through :meth:`emit` and the reduce hook)."""
-
-    def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None:
-        pass
-
-    def on_answer(self, r: int, started: float) -> None:
-        pass
-
-    def on_reduce_finished(self, red: Reduce, out: ReduceOutcome, window: int, averaging_from: float,
-                           epoch: int) -> None:
-        pass
-
-    def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None:
-        pass
-
-    def on_eval_result(self, r: int, epoch: int, final: bool) -> None:
-        pass
-
-    def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        pass
-
-    def emit(self, event: dict[str, Any]) -> None:
-        pass
-
-    def log_artifact(self, path: str, artifact_path: str) -> None:
-        pass
-
-
-# -- commands (what :meth:`ControlCore.handle` returns) -------------------------------
-@dataclass(frozen=True)
-class Send:
-    rank: int
-    payload: Payload
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    payload: Payload
-    to: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Record:
-    """An observation: ``kind`` is the observer method, ``args`` its arguments."""
-
-    kind: str
-    args: tuple[Any, ...]
-
-
-Command = Union[Send, Broadcast, Record]
-
-
-class CommandOutbox(Outbox):
-    """An outbox that records what would be sent (no transport, no encoding)."""
-
-    def __init__(self, cohort: Cohort, commands: list[Command]) -> None:
-        super().__init__(_NoTransport(), cohort)
-        self._commands = commands
-
-    def send(self, r: int, payload: Payload) -> bool:
-        self._commands.append(Send(r, payload))
-        return True
-
-    def broadcast(self, payload: Payload) -> None:
-        self._commands.append(Broadcast(payload, tuple(self._cohort.alive_ranks())))
-
-
-class RecordingObserver:
-    """Every observation as a :class:`Record` command (the events and metrics included)."""
-
-    def __init__(self, commands: list[Command]) -> None:
-        self._commands = commands
-
-    def __getattr__(self, kind: str) -> Callable[..., None]:
-        if kind.startswith("_"):
-            raise AttributeError(kind)
-
-        def record(*args: Any, **kw: Any) -> None:
-            self._commands.append(Record(kind, (*args, *kw.values())))
-        return record
-
-
-class _NoTransport:
-    def send(self, rank: int, msg: Message) -> bool:  # pragma: no cover - the command outbox never encodes
-        raise AssertionError("commands are recorded, not sent")
-
-
-# -- events (what :meth:`ControlCore.handle` takes) -----------------------------------
-@dataclass(frozen=True)
-class RankMessage:
-    rank: int
-    payload: Payload
-
-
-@dataclass(frozen=True)
-class RankDeath:
-    rank: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Tick:
-    pass
-
-
-Event = Union[RankMessage, RankDeath, Tick]
 
 
 @dataclass
