@@ -51,8 +51,8 @@ class MlflowSweepCallback(Callback):
         from .tracking import client
 
         c = client(self.uri)
-        exp = c.get_experiment_by_name(self.experiment)
-        children = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{self.parent_id}'")
+        exp = c.get_experiment_by_name(self.experiment)  # None: deleted while the sweep ran (no children then)
+        children = [] if exp is None else c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{self.parent_id}'")
         failed = [r for r in children if r.info.status != "FINISHED"]
         try:
             from .report import generate_report

@@ -15,8 +15,11 @@ import subprocess
 import threading
 import time
 from collections import deque
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 from urllib.parse import parse_qsl, urlencode, urlsplit
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ def live_uri(uri: str) -> str:
     return uri
 
 
-def client(uri: str):
+def client(uri: str) -> MlflowClient:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
@@ -111,7 +114,7 @@ def git_commit(cwd: str) -> Optional[str]:
         return None
 
 
-def get_or_create_experiment(c, name: str, artifact_location: Optional[str]) -> str:
+def get_or_create_experiment(c: MlflowClient, name: str, artifact_location: Optional[str]) -> str:
     exp = c.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
@@ -231,13 +234,13 @@ class MlflowSink:
         with self._cond:
             return self._size + self._inflight
 
-    def _flush_metrics(self, c, points: list) -> None:
+    def _flush_metrics(self, c: MlflowClient, points: list) -> None:
         from mlflow.entities import Metric
 
         for i in range(0, len(points), 900):
             c.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in points[i:i + 900]])
 
-    def _deliver(self, c, kind: str, payload: Any) -> None:
+    def _deliver(self, c: MlflowClient, kind: str, payload: Any) -> None:
         if kind == "metrics":
             self._flush_metrics(c, payload)
         elif kind == "tags":
