@@ -57,13 +57,14 @@ def coordinator_entry(argv: list[str]) -> None:
 
     from flodl_exp.control import main as cmain
     from flodl_exp.control.coordinator import Coordinator
+    from flodl_exp.control.core import ControlCore
     from flodl_exp.control.cycle import AveragingCycle
 
     clock, mono = time.perf_counter, time.monotonic
     st: dict[str, Any] = {"batches": 0, "events": 0, "t_first": None, "t_last": None, "triggers": [], "finishes": []}
     turns = array.array("d")
     busy = [0.0]
-    on_event, tick, on_batch, trigger = Coordinator.on_event, Coordinator.tick, Coordinator._on_batch, AveragingCycle.trigger
+    on_event, tick, on_batch, trigger = Coordinator.on_event, Coordinator.tick, ControlCore.on_batch, AveragingCycle.trigger
 
     def timed_event(self: Coordinator, ev: Any) -> None:
         t0 = clock()
@@ -78,7 +79,7 @@ def coordinator_entry(argv: list[str]) -> None:
             turns.append(busy[0] + clock() - t0)
         busy[0] = 0.0
 
-    def counted_batch(self: Coordinator, r: int, b: Any) -> None:
+    def counted_batch(self: ControlCore, r: int, b: Any) -> None:
         on_batch(self, r, b)
         now = mono()
         if st["t_first"] is None:
@@ -100,7 +101,7 @@ def coordinator_entry(argv: list[str]) -> None:
 
     Coordinator.on_event = timed_event  # type: ignore[method-assign]
     Coordinator.tick = timed_tick  # type: ignore[method-assign]
-    Coordinator._on_batch = counted_batch  # type: ignore[method-assign]
+    ControlCore.on_batch = counted_batch  # type: ignore[method-assign]
     AveragingCycle.trigger = timed_trigger  # type: ignore[method-assign]
     AveragingCycle.try_finish = timed_finish  # type: ignore[method-assign]
     code = cmain.main(argv)

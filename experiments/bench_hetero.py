@@ -356,13 +356,13 @@ def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], be
                      f"point of {ref_name} ({fmt(ref_acc, '.4f')}).")
         lines.append("")
         for m in modes:
-            r = by.get(m)
-            if not r:
+            got = by.get(m)
+            if not got:
                 continue
-            ok_speed = r.get("vs_ddp", 0) >= speedup
-            ok_acc = abs(r.get("accuracy", float("nan")) - ref_acc) * 100 <= points
-            lines.append(f"- {m}: {fmt(r.get('vs_ddp'), '.2f')}x DDP ({'met' if ok_speed else 'NOT met'}), accuracy "
-                         f"{fmt((r.get('accuracy', float('nan')) - ref_acc) * 100, '+.2f')} points vs {ref_name} "
+            ok_speed = got.get("vs_ddp", 0) >= speedup
+            ok_acc = abs(got.get("accuracy", float("nan")) - ref_acc) * 100 <= points
+            lines.append(f"- {m}: {fmt(got.get('vs_ddp'), '.2f')}x DDP ({'met' if ok_speed else 'NOT met'}), accuracy "
+                         f"{fmt((got.get('accuracy', float('nan')) - ref_acc) * 100, '+.2f')} points vs {ref_name} "
                          f"({'met' if ok_acc else 'NOT met'})")
         lines.append("")
     if a.rig == "3:1":
@@ -370,10 +370,10 @@ def render(rows: list[dict], a: argparse.Namespace, step_ms: Optional[float], be
                      f"{FIRST_EPOCHS} epochs.")
         lines.append("")
         for m in ("nccl_cadence", "cpu_cadence"):
-            r = by.get(m)
-            if r:
-                ok = r.get("first_efficiency", 0) >= TARGET_FIRST_EPOCHS
-                lines.append(f"- {m}: {fmt(r.get('first_efficiency'), '.2f')} ({'met' if ok else 'NOT met'})")
+            got = by.get(m)
+            if got:
+                ok = got.get("first_efficiency", 0) >= TARGET_FIRST_EPOCHS
+                lines.append(f"- {m}: {fmt(got.get('first_efficiency'), '.2f')} ({'met' if ok else 'NOT met'})")
         lines.append("")
     lines += ["", "Diagnostics (per run): fast/slow-rank mean train-step ms (compute incl. simulated slowdown, no "
               "communication), fast-rank batch fetch ms per batch, and mean idle fraction of the epoch wall; final ElChe anchor; subprocess wall (incl. "

@@ -55,6 +55,8 @@ def load_experiment(name: str, epochs: Optional[int] = None, batch_size: Optiona
 
     path = os.path.join(ROOT, "conf", "experiment", f"{name}.yaml")
     exp = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(exp, dict):
+        raise ValueError(f"{path}: an experiment preset is a mapping, not a {type(exp).__name__}")
     if epochs is not None:
         exp["epochs"] = int(epochs)
     if batch_size is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -71,7 +71,8 @@ def _write_split(path: Optional[str], parts: tuple[np.ndarray, ...]) -> None:
     if path is None:
         return
     try:
-        atomic_write(path, lambda fh: np.savez(fh, **dict(zip(SPLIT_NAMES, parts))), mode=0o600)
+        named: dict[str, Any] = dict(zip(SPLIT_NAMES, parts))
+        atomic_write(path, lambda fh: np.savez(fh, **named), mode=0o600)
     except OSError:  # a read-only or full disk: built each time
         pass
 
@@ -83,7 +84,8 @@ def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     path = split_cache_path()
     cached = _read_split(path)
     if cached is not None:
-        return cached  # type: ignore[return-value]
+        x_tr, x_te, y_tr, y_te = cached
+        return x_tr, x_te, y_tr, y_te
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -92,7 +94,8 @@ def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     y = d.target.astype(np.int64)
     parts = tuple(train_test_split(x, y, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y))
     _write_split(path, parts)
-    return parts  # type: ignore[return-value]
+    x_tr, x_te, y_tr, y_te = parts
+    return x_tr, x_te, y_tr, y_te
 
 
 class DigitsDataset:
@@ -201,7 +204,7 @@ def epoch_probe(epoch: int, model: nn.Module, last_epoch: dict[str, float]) -> d
     """An ``experiment.epoch_fn`` example: run on the epoch-role rank before each epoch, it records the
     replica's weight norm and the previous epoch's loss (from the EpochAggregated the rank received)."""
     with torch.no_grad():
-        norm = float(torch.sqrt(sum((p.float() ** 2).sum() for p in model.parameters())))
+        norm = float(torch.sqrt(sum(((p.float() ** 2).sum() for p in model.parameters()), torch.zeros(()))))
     out = {"weight_norm": norm}
     if "loss" in last_epoch:
         out["last_loss"] = float(last_epoch["loss"])

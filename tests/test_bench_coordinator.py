@@ -77,7 +77,7 @@ def test_read_ready_rejects_a_tampered_frame_and_reports_eof():
 def test_bench_at_8_ranks_handshakes_absorbs_every_batch_and_reduces(tmp_path):
     sys.path.insert(0, str(ROOT / "experiments"))
     try:
-        import bench_coordinator as bench
+        from experiments import bench_coordinator as bench
     finally:
         sys.path.remove(str(ROOT / "experiments"))
     r = bench.run_once(8, batches=800, procs=2, timeout_s=90, workdir=str(tmp_path))
