@@ -500,6 +500,7 @@ def flatten_keys(node: DictConfig, prefix: str = "", walk_dicts: bool = False) -
     """Dotted paths of every key. Nested dataclasses are walked; free-form dicts (``Any`` /
     ``Dict`` fields such as experiment.model) and lists are leaves unless ``walk_dicts``."""
     for key in node.keys():
+        assert isinstance(key, str), key
         path = f"{prefix}{key}"
         child = node._get_node(key)
         if isinstance(child, DictConfig) and (walk_dicts or OmegaConf.get_type(child) not in (dict, None)):
@@ -540,6 +541,7 @@ def test_presets_only_use_schema_keys():
         if group in ("simulate", "bench"):  # own apps and schemas (tests/test_simulate.py, tests/test_bench_suite.py)
             continue
         body = OmegaConf.load(path)
+        assert isinstance(body, DictConfig), path
         for key in flatten_keys(body, walk_dicts=True):
             dotted = f"{group}.{key}"
             assert dotted in frozen or any(dotted.startswith(k + ".") for k in frozen), f"{path}: {dotted}"

@@ -46,11 +46,18 @@ def fakes(monkeypatch, tmp_path):
     ex = FakeExecutor()
     resumes: list[list[str]] = []
     monkeypatch.setattr(flodl_exp.tracking, "client", lambda uri: FakeClient(flodl_exp.tracking.live_uri(uri), calls))
-    monkeypatch.setattr(flodl_exp.tracking, "create_run",
-                        lambda uri, *a, **k: calls.append((uri, "create_run")) or "run0123456789")
+
+    def create_run(uri: str, *a: Any, **k: Any) -> str:
+        calls.append((uri, "create_run"))
+        return "run0123456789"
+
+    def validate_resume(cfg: Any) -> dict[str, Any]:
+        resumes.append(list(sys.path))
+        return {"stem": "/b/final", "meta": {}}
+
+    monkeypatch.setattr(flodl_exp.tracking, "create_run", create_run)
     monkeypatch.setattr(flodl_exp.jobs.executor, "make_executor", lambda *a, **k: ex)
-    monkeypatch.setattr(flodl_exp.checkpoint, "validate_resume",
-                        lambda cfg: resumes.append(list(sys.path)) or {"stem": "/b/final", "meta": {}})
+    monkeypatch.setattr(flodl_exp.checkpoint, "validate_resume", validate_resume)
     monkeypatch.delenv(URI_ENV, raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     lib = tmp_path / "mylib"  # an experiment path of the caller's PYTHONPATH: the resume check imports from it

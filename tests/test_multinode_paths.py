@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ def _spec(**cluster) -> dict:
 @pytest.fixture
 def net(monkeypatch):
     """A fake network view: peers, the route to them, what names resolve to, interfaces."""
-    state = {"peers": ["n1"], "route": "10.9.0.10", "resolve": {}, "ifaces": {"10.9.0.10": "eth7"}}
+    state: dict[str, Any] = {"peers": ["n1"], "route": "10.9.0.10", "resolve": {}, "ifaces": {"10.9.0.10": "eth7"}}
     monkeypatch.setattr(job, "_peer_hosts", lambda: list(state["peers"]))
     monkeypatch.setattr(job, "_routable_address", lambda peers: state["route"] if peers else None)
     monkeypatch.setattr(job, "_own_address", lambda name: state["resolve"].get(name))

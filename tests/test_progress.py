@@ -8,7 +8,7 @@ from typing import Any
 
 from flodl_exp import progress
 
-EVENTS = [
+EVENTS: list[dict[str, Any]] = [
     {"event": "started", "world_size": 2},
     {"event": "epoch", "epoch": 0, "loss": 0.5, "samples_per_s": 100.0, "syncs": 3, "rank0/batch_share": 0.75,
      "rank1/batch_share": 0.25},

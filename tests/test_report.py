@@ -206,7 +206,9 @@ def test_best_modes_lower_is_better_for_eval_loss():
         s = rep.summarize(_rd(loss=[1.0], epoch_time_s=[t], eval__loss=[ev]), "eval/loss")
         s.label = label
         return s
-    best, fast = rep.best_modes([row("a", 0.50, 10), row("b", 0.505, 3), row("c", 0.6, 1)], higher_better=False)
+    picked = rep.best_modes([row("a", 0.50, 10), row("b", 0.505, 3), row("c", 0.6, 1)], higher_better=False)
+    assert picked is not None
+    best, fast = picked
     assert (best.label, fast.label) == ("a", "b")
     assert rep.best_modes([row("n", math.nan, 1)], higher_better=False) is None
 

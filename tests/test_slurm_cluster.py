@@ -31,6 +31,7 @@ def _load_jobs_module():
     name = "flodl_slurm_test_jobs"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, SCRIPTS / "jobs.py")
+        assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)

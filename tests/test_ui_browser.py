@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def announce(config: pytest.Config, msg: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ui_store(tmp_path_factory, request) -> dict:
+def ui_store(tmp_path_factory, request) -> Iterator[dict]:
     """A fresh store holding one sweep (parent + one child per mode), served by a real mlflow server."""
     d = tmp_path_factory.mktemp("ui_store")
     uri = f"sqlite:///{d}/mlflow.db"

@@ -91,7 +91,8 @@ def test_resnet20_structure():
     m = MV.ResNet20()
     convs = [mod for name, mod in m.named_modules() if isinstance(mod, torch.nn.Conv2d) and "shortcut" not in name]
     assert len(convs) == 19 and all(c.bias is None for c in convs)
-    assert [b.conv1.out_channels for b in m.stages] == [16] * 3 + [32] * 3 + [64] * 3
+    blocks = [b for b in m.stages if isinstance(b, MV.BasicBlock)]
+    assert len(blocks) == len(m.stages) and [b.conv1.out_channels for b in blocks] == [16] * 3 + [32] * 3 + [64] * 3
     assert sum(1 for b in m.stages if not isinstance(b.shortcut, torch.nn.Identity)) == 2
 
 

@@ -193,6 +193,7 @@ def test_vram_budget_holds_with_the_pool_installed(monkeypatch, ranks_on_device)
     assert 0 < pool.capacity < n, "the budget should bind: the pool holds part of the data set"
     assert _pool_rows(pipe) == pool.capacity and pipe.cache.stats["device"] > 0
     assert depths[0] == 0 and all(d > 0 for d in depths[1:]), depths
+    assert pipe.cache.layout is not None
     slack = 8 * MIB + 4 * bs * pipe.cache.layout.sample_bytes
     limit = cap // ranks_on_device
     assert max(peaks) <= limit + slack, f"peak {max(peaks) / MIB:.1f} MiB over the budget {limit / MIB:.1f} MiB"
@@ -273,6 +274,7 @@ def test_depth0_read_waits_for_pool_writes_on_the_copy_stream(monkeypatch):
     dev = torch.device("cuda:0")
     ds, pipe = _pooled(dev)
     ids = np.arange(1000, 1032)
+    assert pipe.copy_stream is not None
     with monkeypatch.context() as m:
         _delayed_pool_writes(m)
         with torch.cuda.stream(pipe.copy_stream):  # as a reader admits samples

@@ -66,6 +66,7 @@ class MlflowServer:
             log.close()
 
     def _wait_healthy(self, timeout: float) -> str | None:
+        assert self.proc is not None, "started first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
