@@ -76,13 +76,20 @@ def handle(plans: list[tuple[int, int, int]]) -> tuple[CooperativeWorker, RankCo
     return CooperativeWorker(ctl, CFG), ctl, sent
 
 
+def replica(w: CooperativeWorker) -> torch.nn.Linear:
+    """``w.model``: the Linear(4, 2) :func:`queued_control` built."""
+    model = w.model
+    assert isinstance(model, torch.nn.Linear)
+    return model
+
+
 TWO_EPOCHS = [(0, 0, 32), (0, 32, 32), (1, 0, 64)]
 """Epoch 0 in two chunks (the loop sees one epoch), epoch 1 in one."""
 
 
 def test_a_loop_trains_every_pick_once_and_books_every_step():
     w, ctl, sent = handle(TWO_EPOCHS)
-    before = w.model.weight.detach().clone()
+    before = replica(w).weight.detach().clone()
     seen = []
     for epoch in w.epochs():
         n = 0
@@ -99,7 +106,7 @@ def test_a_loop_trains_every_pick_once_and_books_every_step():
     assert sorted(tuple(r) for m in chunks[:2] for r in m.ranges) == [(0, 32), (32, 32)]
     assert all(m.avg_loss > 0 for m in chunks)
     assert len(sent.of(Batch)) == 16 and ctl.trainer.steps_since_avg == 16
-    assert not torch.equal(before, w.model.weight)
+    assert not torch.equal(before, replica(w).weight)
 
 
 def test_a_step_without_a_loss_is_kept_out_of_the_mean_loss():
@@ -172,18 +179,19 @@ def test_optimizers_must_be_registered_and_hold_only_replica_parameters():
 
 def test_two_registered_optimizers_are_one_state_and_both_step():
     w, ctl, _ = handle([(0, 0, 16)])
-    a = torch.optim.Adam([w.model.weight], lr=0.01)
-    b = torch.optim.SGD([w.model.bias], lr=0.1, momentum=0.9)
+    model = replica(w)
+    a = torch.optim.Adam([model.weight], lr=0.01)
+    b = torch.optim.SGD([model.bias], lr=0.1, momentum=0.9)
     w.setup(a, b)
     assert isinstance(w.optimizer, OptimizerSet) and len(w.optimizer.param_groups) == 2
-    bias = w.model.bias.detach().clone()
+    bias = model.bias.detach().clone()
     for _ in w.epochs():
         for x, y in w.batches():
             torch.nn.functional.cross_entropy(w.model(x), y).backward()
             w.step(a, b)
-    assert not torch.equal(bias, w.model.bias) and a.state and b.state
+    assert not torch.equal(bias, model.bias) and a.state and b.state
     state = w.optimizer.state_dict()
-    fresh = OptimizerSet([torch.optim.Adam([w.model.weight], lr=0.01), torch.optim.SGD([w.model.bias], lr=0.1, momentum=0.9)])
+    fresh = OptimizerSet([torch.optim.Adam([model.weight], lr=0.01), torch.optim.SGD([model.bias], lr=0.1, momentum=0.9)])
     fresh.load_state_dict(state)
     assert fresh.optimizers[1].state_dict()["state"][0]["momentum_buffer"].equal(b.state_dict()["state"][0]["momentum_buffer"])
     with pytest.raises(ValueError, match="holds 2 optimizer states"):
@@ -225,13 +233,21 @@ def test_worker_outside_a_rank_says_how_to_run_a_loop():
 
 
 # -- the coordinator's side ------------------------------------------------------------
-def test_an_eval_intent_is_folded_into_the_next_epoch_boundary(tmp_path):
+def test_an_eval_intent_is_folded_into_the_next_epoch_boundary(tmp_path, monkeypatch):
     from control_fakes import Harness
+
+    from flodl_exp.wire import Message
 
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
     evals: list[Any] = []
     send = h.transport.send
-    h.transport.send = lambda r, m: (evals.append(decode(m)) if m.kind == "execute_eval" else None, send(r, m))[1]
+
+    def send_keeping_evals(r: int, m: Message) -> bool:
+        if m.kind == "execute_eval":
+            evals.append(decode(m))
+        return send(r, m)
+
+    monkeypatch.setattr(h.transport, "send", send_keeping_evals)
     plans = h.start()
     h.msg(1, Intent(kind="eval", epoch=0))
     h.msg(1, Intent(kind="reboot", epoch=0))  # not an intent: ignored
@@ -292,8 +308,9 @@ def test_a_loop_error_ends_the_run_failed_with_its_traceback(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
     h.start()
     h.msg(2, RankError(error="ValueError: boom", traceback='File "loops.py", line 3, in main\nValueError: boom', loop=True))
-    assert h.co.life.status is Status.FAILED
-    assert "loop_error" in h.co.life.failure and "loops.py" in h.co.life.failure
+    failure = h.co.life.failure
+    assert h.co.life.status is Status.FAILED and failure is not None
+    assert "loop_error" in failure and "loops.py" in failure
     assert "loops.py" in h.sink.tags["error"]
 
 
@@ -363,6 +380,7 @@ def test_a_resumed_loop_gets_the_state_of_both_its_optimizers(tmp_path):
     from flodl_exp.checkpoint import save_rank_pieces
 
     def two(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+        assert isinstance(model, torch.nn.Linear)
         return [torch.optim.Adam([model.weight], lr=0.01), torch.optim.SGD([model.bias], lr=0.1, momentum=0.9)]
 
     first, _, _ = handle([(0, 0, 16)])

@@ -4,6 +4,7 @@ while the checkpoint role fails over."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 from control_fakes import Harness
 from rank_fakes import rank_control
@@ -17,9 +18,17 @@ def _rank(fn, rank: int = 1):
     return rank_control(trainer, rank=rank)
 
 
+EPOCH_PROBE: dict[str, Any] = {"experiment.epoch_fn": "experiments.digits.epoch_probe"}
+
+
 def test_the_epoch_role_rank_runs_the_hook_once_per_epoch_with_the_last_aggregate():
     calls: list = []
-    w, sent = _rank(lambda e, m, last: calls.append((e, m, last)) or {"x": 2, "flag": True, "name": "skip"})
+
+    def hook(e: int, m: Any, last: dict[str, float]) -> dict[str, Any]:
+        calls.append((e, m, last))
+        return {"x": 2, "flag": True, "name": "skip"}
+
+    w, sent = _rank(hook)
     w._maybe_epoch_fn(0)
     assert calls == [] and sent == [], "not the epoch-role rank yet"
     w.handle(SetEpochRole(rank=1))
@@ -44,7 +53,7 @@ def test_a_failing_hook_is_reported_not_fatal():
 
 
 def test_the_coordinator_names_the_epoch_role_and_tells_every_rank_each_aggregate(tmp_path):
-    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=2, **{"experiment.epoch_fn": "experiments.digits.epoch_probe"})
+    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=2, **EPOCH_PROBE)
     for r in range(2):
         h.co.on_event(("join", r, {"samples": 96, "host": "h", "pid": 100 + r}))
     h.co.start()
@@ -75,7 +84,7 @@ def test_a_role_that_moves_mid_run_starts_after_the_newest_epoch_begun(tmp_path)
     w._maybe_epoch_fn(1)  # the old holder may have run epoch 1's hook: never twice
     w._maybe_epoch_fn(2)
     assert calls == [2]
-    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=4, **{"experiment.epoch_fn": "experiments.digits.epoch_probe"})
+    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=4, **EPOCH_PROBE)
     h.start(samples=960)
     h.co.dispatch.rank_epoch[0] = 1  # rank 0 began epoch 1
     h.co.cohort.callback_rank = 1  # the election moved the role
