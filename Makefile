@@ -38,7 +38,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check flodl_exp experiments tests
 
 typecheck: $(STAMP)
-	$(BIN)/mypy flodl_exp
+	$(BIN)/mypy
 
 ui: $(STAMP)
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db --default-artifact-root $(CURDIR)/outputs/mlartifacts
