@@ -11,6 +11,7 @@ from flodl_exp.control.callback_slack import EWMA_ALPHA, CallbackSlack
 from flodl_exp.control.cycle import AveragingCycle
 from flodl_exp.control.elche import ElChe
 from flodl_exp.control.guards import build_guard
+from flodl_exp.mode import Mode
 from flodl_exp.protocol import Batch, Snapshot
 
 
@@ -53,7 +54,7 @@ EVAL_MS = 400.0
 def _calibrated_cycle() -> AveragingCycle:
     elche = ElChe(2, 10, overhead_target=0.05, max_anchor=1000, min_anchor=None, max_batch_diff=None,
                   window_growth_applicable=True)
-    cycle = AveragingCycle(world_size=2, policy="cadence", backend="cpu", gamma=1.0, alpha=None, progressive=True,
+    cycle = AveragingCycle(world_size=2, mode=Mode.parse("cadence", "cpu"), gamma=1.0, alpha=None, progressive=True,
                            elche=elche, guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=None,
                            outbox=_Outbox(), clock=lambda: 0.0)  # type: ignore[arg-type]
     for _ in range(40):

@@ -5,6 +5,7 @@ from typing import Any
 
 from flodl_exp.control.cycle import AveragingCycle, Ledger
 from flodl_exp.control.guards import build_guard
+from flodl_exp.mode import Mode
 from flodl_exp.protocol import Throttle
 
 
@@ -31,7 +32,7 @@ class _FixedCounts(AveragingCycle):
 
 
 def _cycle(policy: str, steps: list[int], counts: list[int], throttled: list[bool], max_batch_diff: Any = None) -> _FixedCounts:
-    c = _FixedCounts(world_size=len(steps), policy=policy, backend="cpu", gamma=1.0, alpha=None, progressive=False,
+    c = _FixedCounts(world_size=len(steps), mode=Mode.parse(policy, "cpu"), gamma=1.0, alpha=None, progressive=False,
                      elche=None, guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=max_batch_diff,
                      outbox=_Out(), clock=lambda: 0.0)  # type: ignore[arg-type]
     c.fixed = counts

@@ -13,6 +13,7 @@ import torch
 from flodl_exp.control.cycle import AveragingCycle
 from flodl_exp.control.epoch_metrics import EpochAccumulator
 from flodl_exp.control.guards import build_guard
+from flodl_exp.mode import Mode
 from flodl_exp.outer import OuterOptimizer, OuterSpec
 from flodl_exp.protocol import Snapshot, Update
 
@@ -144,7 +145,7 @@ class _Outbox:
 
 def _cycle(spec: OuterSpec) -> tuple[AveragingCycle, _Outbox]:
     out = _Outbox()
-    c = AveragingCycle(world_size=2, policy="cadence", backend="cpu", gamma=1.0, alpha=None, progressive=True, elche=None,
+    c = AveragingCycle(world_size=2, mode=Mode.parse("cadence", "cpu"), gamma=1.0, alpha=None, progressive=True, elche=None,
                        guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=None, outbox=out,  # type: ignore[arg-type]
                        clock=lambda: 0.0, outer=spec)
     return c, out

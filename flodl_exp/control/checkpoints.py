@@ -106,13 +106,13 @@ class BundleWriter:
         names = [optim_path(stem, r, primary)]
         if model:
             names.insert(0, model_path(stem))
-            if self._cycle.backend == "nccl" and self._cycle.outer.spec.stateful:
+            if self._cycle.mode.is_nccl and self._cycle.outer.spec.stateful:
                 names.insert(1, outer_path(stem))  # the outer optimizer is replicated on the ranks
         return [os.path.basename(n) for n in names]
 
     def _write_outer_sidecar(self, stem: str) -> None:
         """cpu backend: the outer optimizer's state lives here, so its sidecar is written here."""
-        if self._cycle.backend != "cpu" or not self._cycle.outer.spec.stateful:
+        if not self._cycle.mode.is_cpu or not self._cycle.outer.spec.stateful:
             return
         try:
             name = self._store.save_outer(self._cycle.outer.state_dict(), stem)
@@ -153,7 +153,7 @@ class BundleWriter:
 
     @property
     def _consensus(self) -> bool:
-        return self._cycle.backend == "cpu"  # the consensus frame, not a blended replica
+        return self._cycle.mode.is_cpu  # the consensus frame, not a blended replica
 
     def on_result(self, r: int, res: SaveResult) -> None:
         q = self._expected.get(r)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..mode import Mode
 from .elche import ElChe
 from .guards import ConvergenceGuard, build_guard
 
@@ -11,7 +12,7 @@ from .guards import ConvergenceGuard, build_guard
 def build_elche(mode: Any, world_size: int) -> ElChe:
     e = ElChe(world_size, mode.anchor, overhead_target=mode.overhead_target, max_anchor=mode.max_anchor,
               min_anchor=mode.min_anchor, max_batch_diff=mode.max_batch_diff,
-              window_growth_applicable=mode.policy != "sync")
+              window_growth_applicable=Mode.parse(mode.policy, mode.backend).window_grows)
     if mode.speed_hint_rank is not None:
         e.with_speed_ratio(int(mode.speed_hint_rank), float(mode.speed_hint_ratio))
     ratios = mode.partition_ratios

@@ -171,7 +171,7 @@ class Coordinator:
         from ..checkpoint import load_outer_state
 
         outer = self.cycle.outer
-        if self.cycle.backend != "cpu" or not outer.spec.stateful:
+        if not self.core.mode.is_cpu or not outer.spec.stateful:
             return
         outer.load_state_dict(load_outer_state(stem))
         norm = outer.momentum_norm()
@@ -212,7 +212,7 @@ class Coordinator:
     def _form_group(self) -> None:
         """nccl modes: one collective backend for the cohort, chosen from the hellos (devices.py), sent
         before the first chunk; a forced NCCL the devices cannot run refuses the run with one line."""
-        if self.cfg.mode.backend != "nccl" or self.W < 2:
+        if not self.core.mode.is_nccl or self.W < 2:
             return
         try:
             choice = choose_collective([self.devices[r] for r in sorted(self.devices)], self.cfg.cluster.collective)

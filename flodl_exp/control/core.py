@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import RunShape
+from ..mode import Backend, Mode
 from ..protocol import (
     INTENT_KINDS,
     Batch,
@@ -113,19 +114,21 @@ class ControlCore:
         self.epoch_fn = cfg.experiment.epoch_fn is not None
         self.eval_every = cfg.eval.every
         self.stall_ceiling = max(10 * cfg.cluster.heartbeat_timeout_s, 300.0)
+        self.mode = Mode.of(cfg)
+        """The policy and backend as one value, resolved once (flodl_exp/mode.py)."""
         self.life = Lifecycle()
         self.cohort = Cohort(w, shape.fixed_callback_rank, start)
         self.outbox = outbox_for(self.cohort)
         elche = build_elche(cfg.mode, w) if w >= 2 else None
         self.cycle = AveragingCycle(
-            world_size=w, policy=cfg.mode.policy, backend=cfg.mode.backend, gamma=cfg.mode.gamma,
+            world_size=w, mode=self.mode, gamma=cfg.mode.gamma,
             alpha=shape.easgd_alpha, progressive=shape.progressive, elche=elche,
             guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
             relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
             outer=shape.outer)
         self.dispatch = dispatcher(
-            world_size=w, batch_size=cfg.experiment.batch_size, epochs=self.epochs, policy=cfg.mode.policy,
+            world_size=w, batch_size=cfg.experiment.batch_size, epochs=self.epochs, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
             partition_ratios=cfg.mode.partition_ratios, scalar_reductions=dict(cfg.scalar_reductions),
             cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=clock)
@@ -135,7 +138,7 @@ class ControlCore:
         self.slack = CallbackSlack(enabled=cfg.eval.callback_slack and shape.progressive, eval_every=cfg.eval.every,
                                    epochs=self.epochs, epoch_fn=self.epoch_fn)
         self.cycle.slack_source = self._callback_slack
-        self.fold_updates = cfg.mode.backend == "cpu" and cfg.mode.policy == "cadence" and shape.progressive
+        self.fold_updates = self.mode.folds_updates(shape.progressive)
         """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
         self.store = store
         self.writer = BundleWriter(
@@ -213,7 +216,7 @@ class ControlCore:
     def eval_holds_sync(self) -> bool:
         """nccl: a periodic eval is running on a live rank, so no collective may start yet."""
         r = self.evals.pending
-        return self.cycle.backend == "nccl" and r is not None and self.cohort.alive(r)
+        return self.mode.is_nccl and r is not None and self.cohort.alive(r)
 
     # -- the reduce: the one place it fires -----------------------------------------
     def fire_reduce(self, *, final: bool = False) -> bool:
@@ -231,7 +234,7 @@ class ControlCore:
         hit, not throttled, not quiesced). The last one found is checked first, so the gate costs O(1) a batch
         while it waits for it, where :meth:`AveragingCycle.should_average` scans every rank."""
         led = self.cycle.ledger
-        sync = self.cycle.policy == "sync"
+        sync = self.mode.is_sync
         counts = self.cycle.counts_view
         out = self.dispatch.chunks.by_rank  # chunks in flight per rank (Dispatcher.in_flight, indexed)
         b = self._blocker
@@ -250,7 +253,7 @@ class ControlCore:
         if red is None:
             return
         if len(self.cohort.deaths) == self._deaths_at_trigger:  # every member alive: all must have answered
-            answered = red.acks if red.backend == "nccl" else red.snapshots
+            answered = red.acks if red.backend is Backend.NCCL else red.snapshots
             if len(answered) < len(red.members):
                 return
         version, t = self.cycle.version, self.clock()
@@ -273,7 +276,7 @@ class ControlCore:
             self.cohort.elect_callback(elche.smoothed_ms)
         if elche is not None:
             self.dispatch.on_verdict(out.action)
-        self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.cycle.backend == "nccl")
+        self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.mode.is_nccl)
         self.obs.on_reduce_finished(red, out, version, averaging_from, self.current_epoch())
         self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
         if self.preemption.on_reduce_finished():

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..averaging import divergence, weighted_average
+from ..mode import Backend, Mode
 from ..outer import OuterOptimizer, OuterSpec, OuterStep
 from ..protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
 from .actions import STABLE, ConvergenceAction
@@ -80,7 +81,7 @@ class Ledger:
 class Reduce:
     """A reduce in flight: who must answer, and what they answered."""
 
-    backend: str
+    backend: Backend
     started: float
     members: set[int]
     final: bool = False
@@ -118,13 +119,13 @@ class ReduceOutcome:
 
 
 class AveragingCycle:
-    def __init__(self, *, world_size: int, policy: str, backend: str, gamma: float, alpha: Optional[float],
+    def __init__(self, *, world_size: int, mode: Mode, gamma: float, alpha: Optional[float],
                  progressive: bool, elche: Optional[ElChe], guard: ConvergenceGuard, meta: Optional[LrEventMeta],
                  relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float],
                  outer: Optional[OuterSpec] = None) -> None:
         self.world_size = world_size
-        self.policy = policy
-        self.backend = backend
+        self.mode = mode
+        self.policy, self.backend = mode.policy, mode.backend
         self.gamma = gamma
         self.alpha = alpha
         self.progressive = progressive
@@ -148,7 +149,7 @@ class AveragingCycle:
         self.outer = OuterOptimizer(outer or OuterSpec())
         """cpu backend: the outer optimizer runs here, once per window (nccl: replicated on the ranks)."""
         self._probe: Optional[list[list[float]]] = (
-            [[] for _ in range(world_size)] if elche is not None and policy != "sync" else None)
+            [[] for _ in range(world_size)] if elche is not None and mode.window_grows else None)
         """Compute ms of each rank's first steps, until the cold-start probe has been taken (then None)."""
         self.probe_full = 0
         """Ranks that have timed PROBE_STEPS steps (the probe is due when every live rank has)."""
@@ -212,18 +213,18 @@ class AveragingCycle:
 
     def on_ack(self, r: int, ack: SyncAck) -> None:
         red = self.in_flight
-        if red is not None and red.backend == "nccl" and r in red.members:
+        if red is not None and red.backend is Backend.NCCL and r in red.members:
             red.acks[r] = ack
 
     def on_snapshot(self, r: int, snap: Snapshot) -> None:
         red = self.in_flight
-        if red is not None and red.backend == "cpu" and r in red.members:
+        if red is not None and red.backend is Backend.CPU and r in red.members:
             red.snapshots[r] = snap
 
     def acked_steps(self, r: int) -> int:
         """Steps of ``r`` in its answer to the nccl reduce in flight (0: none in flight, or not answered)."""
         red = self.in_flight
-        return min(red.acks[r].n, self.ledger[r].steps) if red is not None and red.backend == "nccl" and r in red.acks else 0
+        return min(red.acks[r].n, self.ledger[r].steps) if red is not None and red.backend is Backend.NCCL and r in red.acks else 0
 
     def unreduced_steps(self, r: int) -> int:
         """Steps of ``r`` that are in no finished reduce nor in its answer to the one in flight (an nccl ack holds
@@ -241,11 +242,12 @@ class AveragingCycle:
             return False
         any_mover = False
         counts = self.counts
+        sync = self.mode.is_sync
         for r in alive:
             s = self.ledger[r].steps
             if s > 0:
                 any_mover = True
-            hit = s >= 1 if self.policy == "sync" else s >= counts[r]
+            hit = s >= 1 if sync else s >= counts[r]
             # A throttled rank is held at max_batch_diff ahead of the slowest on purpose: it waits for
             # this reduce, so it counts as arrived (else the gate and the throttle wait on each other).
             # The reference fires on the count only (or quiesced): held short of its count, with its chunk
@@ -264,7 +266,7 @@ class AveragingCycle:
         cpu_sync wedged: the fast rank done with its share at 0 steps this window, the slow one held at
         ``max_batch_diff + 1`` with its share unfinished, the sync gate waiting for the fast rank's step."""
         mbd = self.max_batch_diff
-        if self.backend != "cpu" or mbd is None or len(alive) < self.world_size or self.world_size < 2:
+        if not self.mode.is_cpu or mbd is None or len(alive) < self.world_size or self.world_size < 2:
             return
         busy = [r for r in alive if working(r)]
         if not busy:
@@ -282,7 +284,7 @@ class AveragingCycle:
         if self.in_flight is not None:
             raise RuntimeError(f"a reduce is already in flight (version {self.version}): one at a time")
         self.in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
-        if self.backend == "nccl":
+        if self.mode.is_nccl:
             self._out.broadcast(SyncNow(version=self.version, divergence=True))
         else:
             # Ranks wait for the update unless EASGD blends it in: under a full overwrite a batch trained
@@ -299,7 +301,7 @@ class AveragingCycle:
         if red is None:
             return None
         live = sorted(r for r in red.members if alive(r))
-        if red.backend == "nccl":
+        if red.backend is Backend.NCCL:
             if not set(live).issubset(red.acks):
                 return None
             # A member that acked and died since completed the collective of its generation. Its share is in the
@@ -383,7 +385,7 @@ class AveragingCycle:
         self.version += 1
         self.global_step += k_used
         for r in n:
-            if red.backend == "nccl":
+            if red.backend is Backend.NCCL:
                 # A rank trains on after its ack while its peers finish the collective: those batches are
                 # in no consensus yet and count toward the next window (else the final reduce may be skipped
                 # with replicas apart).
@@ -409,7 +411,7 @@ class AveragingCycle:
         led = self.ledger
         w = range(self.world_size)
         movers = [r for r in w if alive(r) and led[r].window_batches > 0]
-        capable = (self.backend == "cpu" and self.policy in ("cadence", "async")) or (self.backend == "nccl" and self.policy == "cadence")
+        capable = self.mode.guard_capable
         for r, ms in self.slack_source().items():
             elche.stage_callback_slack(r, ms)
         elche.report_window(WindowReport(
@@ -430,7 +432,7 @@ class AveragingCycle:
             if meta_action is not None:
                 elche.nudge_anchor_down(meta_action.factor)
                 elche.discard_proposed_anchor()
-        elche.apply_verdict(action, relax_up=self.policy == "async" and self.relax_up)
+        elche.apply_verdict(action, relax_up=self.mode.is_async and self.relax_up)
         return action
 
     def state_for_meta(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..mode import Mode
 from ..outer import OuterStep
 from ..partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
 from ..protocol import ChunkMetrics, ExtendPartition, StageAdvisory, StartEpoch, Telemetry
@@ -118,18 +119,18 @@ class AggregatedEpoch:
 
 
 class Dispatcher:
-    def __init__(self, *, world_size: int, batch_size: int, epochs: int, policy: str, progressive: bool,
+    def __init__(self, *, world_size: int, batch_size: int, epochs: int, mode: Mode, progressive: bool,
                  max_overshoot: Optional[int], partition_ratios: Optional[list[float]], scalar_reductions: dict[str, str],
                  cohort: Cohort, cycle: AveragingCycle, outbox: Outbox, clock: Callable[[], float]) -> None:
         self.W = world_size
         self.bs = batch_size
         self.epochs = epochs
-        self.policy = policy
+        self.mode = mode
         self.progressive = progressive
         self.advise = False
         """Send staging advisories (``data_plane.stage_advisories``, progressive modes only)."""
-        self.barrier_paced = policy in ("sync", "cadence")
-        self.is_async = policy == "async"
+        self.barrier_paced = mode.barrier_paced
+        self.is_async = mode.is_async
         self.partition_ratios = partition_ratios
         self.scalar_reductions = scalar_reductions
         self.overshoot = OvershootTuner.pinned(int(max_overshoot)) if max_overshoot is not None else OvershootTuner()
@@ -361,7 +362,7 @@ class Dispatcher:
         elche = self._cycle.elche
         if ratios:
             sizes = ratio_to_sizes(ratios, n_batches)
-        elif self.policy != "sync" and elche is not None and (elche.is_calibrated or elche.has_speed_hint()):
+        elif self.mode.window_grows and elche is not None and (elche.is_calibrated or elche.has_speed_hint()):
             sizes = throughput_sizes([max(elche.smoothed_ms(r), 1e-3) if elche.is_calibrated else 1.0 / c
                                       for r, c in enumerate(elche.batch_counts)], n_batches)
         else:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..mode import Backend
 from ..protocol import Regroup, RequestSession, SessionReady
 from .bundle_store import BundleStore
 from .channels import Outbox
@@ -39,7 +40,7 @@ def unrecoverable_reason(*, world_size: int, alive: int, dead: int, max_failure:
     """Why the run cannot go on after a death (the ShutdownWithSave reason), or None."""
     if max_failure is not None and dead >= max_failure:
         return "max_failure_exceeded"
-    if backend == "nccl" and world_size >= 2 and alive < 2:
+    if backend == Backend.NCCL and world_size >= 2 and alive < 2:
         return "single_survivor"
     if alive == 0:
         return "all_ranks_lost"
@@ -144,7 +145,7 @@ class FaultHandler:
         if self._cohort.fixed_callback is None or self._cohort.callback_rank == r:
             elche = self._cycle.elche
             self._cohort.elect_callback(elche.smoothed_ms if elche is not None and elche.is_calibrated else None, force=True)
-        if self._cycle.backend == "nccl":
+        if self._cycle.mode.is_nccl:
             self._regroup()
         return True
 

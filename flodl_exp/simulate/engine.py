@@ -147,7 +147,6 @@ class Engine:
         w = len(steps)
         run = run_config(cfg, mode, w)
         self.cfg, self.mode, self.W = cfg, mode, w
-        self.policy, self.backend = run.mode.policy, run.mode.backend
         self.gamma = run.mode.gamma
         self.clock = SimClock()
         self.q = EventQueue(self.clock, cfg.max_events)
