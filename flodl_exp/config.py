@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from .mode import Mode
+
 POLICIES = ("sync", "cadence", "async")
 BACKENDS = ("nccl", "cpu")
 GUARDS = ("none", "trend", "msf")
@@ -343,6 +345,8 @@ def load_cluster(resolved_cluster: Any) -> ClusterConfig:
 class RunShape:
     """Values derived from the config, computed once (every process reads them from here)."""
 
+    mode: Mode
+    """The policy and backend as one value (flodl_exp/mode.py)."""
     world_size: int
     progressive: bool
     """Progressive dispatch (chunks from a pool), only meaningful with 2+ ranks."""
@@ -361,7 +365,7 @@ class RunShape:
         limits = [int(cfg.cluster.max_failure)] if cfg.cluster.max_failure is not None else []
         if cfg.cluster.max_failure_pct is not None:
             limits.append(max(1, math.ceil(float(cfg.cluster.max_failure_pct) * w - 1e-9)))
-        return cls(world_size=w, progressive=is_progressive(cfg) and w >= 2, easgd_alpha=effective_easgd_alpha(cfg),
+        return cls(mode=Mode.of(cfg), world_size=w, progressive=is_progressive(cfg) and w >= 2, easgd_alpha=effective_easgd_alpha(cfg),
                    fixed_callback_rank=parse_callback_rank(cfg.eval.callback_rank),
                    max_failure=min(limits) if limits else None, outer=outer_spec(cfg))
 
@@ -401,16 +405,14 @@ def is_progressive(cfg: Any) -> bool:
     """Progressive dispatch: explicit override, else on for cadence/async, off for sync."""
     if cfg.mode.progressive_dispatch is not None:
         return bool(cfg.mode.progressive_dispatch)
-    return cfg.mode.policy in ("cadence", "async")
+    return Mode.of(cfg).progressive_by_default
 
 
 def effective_easgd_alpha(cfg: Any) -> Optional[float]:
     """easgd_alpha as used at run time: the mode default (0.5) fills cpu_async."""
     if cfg.mode.easgd_alpha is not None:
         return float(cfg.mode.easgd_alpha)
-    if cfg.mode.policy == "async" and cfg.mode.backend == "cpu":
-        return 0.5
-    return None
+    return Mode.of(cfg).default_easgd_alpha
 
 
 def parse_callback_rank(value: Any) -> Optional[int]:

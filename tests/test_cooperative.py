@@ -280,7 +280,7 @@ def test_a_checkpoint_intent_in_a_progressive_mode_bundles_at_the_next_reduce(tm
     done = [e for e in _events(h) if e.get("event") == "checkpoint"]
     assert len(done) == 1 and done[0]["reason"] == "requested" and "_requested" in done[0]["stem"]
     h.msg(1, Intent(kind="checkpoint", epoch=0))  # a late duplicate: answered by that bundle
-    assert "checkpoint" not in h.co.intents.pending
+    assert "checkpoint" not in h.co.core.intents.pending
 
 
 def test_a_late_eval_intent_runs_at_once_and_duplicates_are_dropped(tmp_path):

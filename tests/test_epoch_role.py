@@ -65,7 +65,7 @@ def test_the_coordinator_names_the_epoch_role_and_tells_every_rank_each_aggregat
     h.msg(0, EpochFnResult(epoch=0, elapsed_ms=12.5, metrics={"weight_norm": 3.0}))
     logged = [(step, m) for step, m in h.sink.metrics if "epoch_fn/weight_norm" in m]
     assert logged == [(0, {"epoch_fn/elapsed_ms": 12.5, "epoch_fn/weight_norm": 3.0})]
-    assert h.co.slack.ewma[(0, "epoch_fn")] == 12.5
+    assert h.co.core.slack.ewma[(0, "epoch_fn")] == 12.5
 
 
 def test_a_pinned_callback_rank_keeps_its_roles_dead_and_the_checkpoint_role_fails_over():

@@ -87,12 +87,13 @@ def main(argv: list[str]) -> int:
     from .server import RankServer, start_store
 
     cfg = load_config(spec["config"])
-    w = RunShape.of(cfg).world_size
+    shape = RunShape.of(cfg)
+    w = shape.world_size
     token = wire.new_token()
     events: queue.Queue[tuple[Any, ...]] = queue.Queue()
     # a rank that accepts no byte for this long is dead: it never holds the event loop past half the heartbeat timeout
     server = RankServer(host, token, w, events, send_stall_timeout=max(2.0, min(10.0, cfg.cluster.heartbeat_timeout_s / 2)))
-    store = start_store(host, w) if cfg.mode.backend == "nccl" and w > 1 else None
+    store = start_store(host, w) if shape.mode.is_nccl and w > 1 else None
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(int(spec.get("attempt", 0)))})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)

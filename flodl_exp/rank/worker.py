@@ -126,7 +126,7 @@ class RankWorker:
         self.rank = rank
         shape = RunShape.of(cfg)
         self.world_size = shape.world_size
-        outer = OuterOptimizer(shape.outer) if cfg.mode.backend == "nccl" and shape.outer.stateful else None
+        outer = OuterOptimizer(shape.outer) if shape.mode.is_nccl and shape.outer.stateful else None
         wanted, note = requested_device(cfg.cluster)
         if note and rank == 0:
             log.info("%s", note)
