@@ -3,7 +3,7 @@ is sent, a sink that records what is logged, and a few helpers that play the ran
 from __future__ import annotations
 
 import queue
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -78,10 +78,10 @@ class FakeSink:
         self.artifacts: list[tuple[str, str]] = []
         self.inputs: list[dict[str, Any]] = []
 
-    def set_tags(self, tags: dict[str, Any]) -> None:
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
         self.tags.update(tags)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.metrics.append((step, dict(metrics)))
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:

@@ -95,7 +95,7 @@ def test_shutdown_with_save_gives_up_at_its_deadline(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=3, **{"cluster.max_failure": 1})
     h.start()
     h.co.on_event(("closed", 2, "closed"))
-    assert h.co.life.phase is Phase.SAVING and h.co.life.failure.startswith("max_failure_exceeded")
+    assert h.co.life.phase is Phase.SAVING and (h.co.life.failure or "").startswith("max_failure_exceeded")
     h.pass_time(61, alive=[0, 1])
     h.tick()
     assert h.co.life.phase is Phase.SHUTDOWN and h.co.life.status is Status.FAILED
@@ -166,7 +166,8 @@ def test_a_preemption_with_no_reduce_coming_fires_one_for_a_coverage_granular_bu
     h.transport.take()
     h.co.preemption.request_preempt()
     h.tick()
-    assert h.co.preemption.request.stage is Stage.ARMED
+    req = h.co.preemption.request
+    assert req is not None and req.stage is Stage.ARMED
     h.pass_time(PREEMPT_ARM_FALLBACK_S + 1, alive=[0, 1])
     h.tick()
     assert h.co.life.phase is Phase.TRAINING and [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
@@ -200,7 +201,8 @@ def test_a_preemption_bundle_not_written_in_time_fails_the_run(tmp_path):
 
 
 def test_sigterm_while_saving_ends_at_once_with_the_failure(tmp_path):
-    h = Harness(tmp_path, "nccl_sync", world=2, **{"cluster.executor": "slurm"})
+    slurm: dict[str, Any] = {"cluster.executor": "slurm"}
+    h = Harness(tmp_path, "nccl_sync", world=2, **slurm)
     h.start()
     h.co.on_event(("closed", 1, "closed"))
     assert h.co.life.phase is Phase.SAVING
@@ -340,7 +342,8 @@ def test_max_failure_as_a_share_of_the_world(tmp_path, pct, ends):
 def test_the_stall_watchdog_at_the_debug_interval_dumps_every_15_seconds_at_most_5_times(tmp_path, caplog):
     """``cluster.stall_dump_s=15`` (the reference's -vvv interval): a dump 15 s into a stall, again every 15 s
     while it lasts, at most 5 a run (then one line says the rest are suppressed); progress re-arms it."""
-    h = Harness(tmp_path, "nccl_sync", world=2, **{"cluster.stall_dump_s": 15.0})
+    debug: dict[str, Any] = {"cluster.stall_dump_s": 15.0}
+    h = Harness(tmp_path, "nccl_sync", world=2, **debug)
     plans = h.start()
     h.batches(0, plans[0][0].chunk, 1)  # rank 1 never steps: the sync gate stays closed
     h.tick()
@@ -762,8 +765,8 @@ def test_a_dead_ranks_forfeit_in_an_epoch_the_survivors_left_is_trained_first(tm
         d.rank_epoch[r] = 1
     assert d.pools[0].remaining() == 0 and any(c.rank == 1 and c.epoch == 0 for c in d.chunks.values())
     h.co.declare_dead(1, "stuck")
-    got = [(r, p.epoch) for r, p in h.transport.take(StartEpoch)]
-    assert any(e == 0 for _, e in got), f"the survivors were handed {got}, not rank 1's epoch-0 remainder"
+    handed = [(r, p.epoch) for r, p in h.transport.take(StartEpoch)]
+    assert any(e == 0 for _, e in handed), f"the survivors were handed {handed}, not rank 1's epoch-0 remainder"
     assert d.pools[0].remaining() < plans[1][0].size
 
 

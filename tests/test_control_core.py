@@ -101,7 +101,7 @@ class AsCoordinator:
         self.co.tick()
 
     def take(self) -> list[tuple[int, Payload]]:
-        out = [(r, p) for r, p in self.transport.raw if not isinstance(p, CoordHeartbeat)]
+        out: list[tuple[int, Payload]] = [(r, p) for r, p in self.transport.raw if not isinstance(p, CoordHeartbeat)]
         self.transport.take()
         return out
 
@@ -280,11 +280,16 @@ def _key(p: Payload) -> tuple[Any, ...]:
     return (type(p).__name__, *sorted((k, repr(v)) for k, v in vars(p).items()))
 
 
+def _final_eval_asked(ranks: Ranks) -> Callable[[], bool]:
+    return lambda: bool(ranks.final_evals)
+
+
 def cfg_of(mode: str, world: int, epochs: int = 2, **overrides: Any) -> Config:
     return load_config(make_config(mode, world, epochs, **overrides))
 
 
-def sent(log: list[Command], kind: type) -> list[Command]:
+def sent(log: list[Command], kind: type) -> list[Any]:
+    """The sends and broadcasts of one payload type (``.payload`` is that type; ``.rank`` or ``.to``)."""
     return [c for c in log if isinstance(c, (Send, Broadcast)) and isinstance(c.payload, kind)]
 
 
@@ -299,10 +304,14 @@ def test_the_gate_fires_once_every_rank_stepped_and_never_twice() -> None:
     w.start(96)
     ranks = Ranks(2)
     ranks.hear(w.take())
-    w.send(*ranks.next())  # rank 0's first batch
+    first = ranks.next()
+    assert first is not None
+    w.send(*first)  # rank 0's first batch
     w.tick()
     assert sent(w.commands, SyncNow) == [], "rank 1 has not stepped: no reduce"
-    w.send(*ranks.next())  # rank 1's
+    second = ranks.next()
+    assert second is not None
+    w.send(*second)  # rank 1's
     w.tick()
     (fired,) = sent(w.commands, SyncNow)
     assert isinstance(fired, Broadcast) and fired.to == (0, 1)
@@ -321,7 +330,7 @@ def test_handle_returns_the_commands_of_one_event() -> None:
     starts = core.handle(Tick(), commands)
     assert {c.rank for c in starts if isinstance(c, Send) and isinstance(c.payload, StartEpoch)} == {0, 1}
     assert commands == []
-    chunk = next(c.payload.chunk for c in starts if isinstance(c, Send) and c.rank == 0)
+    chunk = next(c.payload.chunk for c in starts if isinstance(c, Send) and isinstance(c.payload, StartEpoch) and c.rank == 0)
     out = core.handle(RankMessage(0, Batch(ms=10.0, data_ms=1.0, chunk=chunk, loss=0.5, lr=0.01)), commands)
     assert [c for c in out if isinstance(c, (Send, Broadcast))] == []
     assert emitted(out, "first_batch") == [{"event": "first_batch", "rank": 0}]
@@ -536,7 +545,7 @@ def test_the_coordinator_and_the_simulator_drive_the_core_to_the_same_commands(m
         wiring = make(clock)
         ranks = Ranks(2, slow={1: 2})
         # to the final eval: what follows (the bundle's saves) is the shell's, which the simulator does not model
-        play(wiring, ranks, clock, samples=160, trace=trace, until=lambda ranks=ranks: bool(ranks.final_evals))
+        play(wiring, ranks, clock, samples=160, trace=trace, until=_final_eval_asked(ranks))
         assert wiring.core.life.is_(Phase.FINISHING)
         shell = ("Save", "FormGroup")  # the shell's: the bundle's pieces, the collective chosen from the hellos
         traces.append([(t[0], [m for m in t[1] if m[1][0] not in shell]) if t[0] == "out" else t for t in trace])

@@ -72,7 +72,7 @@ def restore_visible_devices(executor: str, saved: Optional[str], env: MutableMap
         env[VISIBLE] = saved
 
 
-def make_executor(cluster: Any, folder: str, timeout_min: int, job_name: str):
+def make_executor(cluster: Any, folder: str, timeout_min: int, job_name: str) -> Any:
     import submitit
 
     from ..config import cluster_size

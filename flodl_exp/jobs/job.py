@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import submitit
@@ -423,7 +424,8 @@ class RunTask(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(RunTask(), path)
 
 
-def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int, coord_dead) -> dict:
+def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int,
+              coord_dead: Optional[Callable[[], Optional[str]]]) -> dict:
     from ..rank.fault_inject import CONNECT_STEP, inject_fault, parse_fault
     from .rendezvous import wait_rendezvous, write_rank_marker
 
