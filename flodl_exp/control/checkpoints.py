@@ -336,7 +336,7 @@ class Checkpoints:
         """The core's one way to start a reduce (ControlCore.fire_reduce): asked for a bundle's consensus."""
         """Progressive: a cooperative loop's ``w.request_checkpoint()`` is taken at the next reduce finish."""
         if self.at_epoch is not None:
-            dispatch.epoch_ceiling = self.at_epoch
+            dispatch.hold_after(self.at_epoch)
 
     @property
     def busy(self) -> bool:
@@ -407,6 +407,6 @@ class Checkpoints:
         self._writer.log_bundle(cb.stem, cb.artifact_path)
         self._obs.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch, "reason": cb.reason})
         if self.at_epoch_done:
-            self._dispatch.epoch_ceiling = None
+            self._dispatch.hold_after(None)
         elif self.at_epoch is not None and not self._cycle.any_steps(self._cohort.alive_ranks()):
             self.maybe_coverage_bundle()  # the at_epoch bundle waited on this one, and nothing moved since

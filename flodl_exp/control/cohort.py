@@ -146,6 +146,16 @@ class Cohort:
         self.generation += 1
         return self.generation
 
+    def on_batch(self, r: int) -> None:
+        self.batches[r] += 1
+
+    def elect_fastest_once(self, smoothed_ms: Callable[[int], Optional[float]]) -> None:
+        """ElChe calibrated: the fastest rank takes the callback roles, once (sticky: re-elected only on a
+        death), unless ``eval.callback_rank`` pinned them."""
+        if self.fixed_callback is None and not self.roles_elected:
+            self.roles_elected = True
+            self.elect_callback(smoothed_ms)
+
     def elect_callback(self, smoothed_ms: Optional[Callable[[int], Optional[float]]], *, force: bool = False) -> None:
         """Fastest calibrated live rank (``smoothed_ms`` given), else the lowest live one when forced or
         when the holder died. A pinned rank (``eval.callback_rank=<n>``) keeps the eval and epoch roles even

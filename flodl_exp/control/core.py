@@ -66,6 +66,7 @@ from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .meta import LrEventMeta
 from .ports import CoreObserver, NullObserver
 from .preemption import Preemption
+from .watchdog import run_state
 
 if TYPE_CHECKING:
     pass
@@ -187,11 +188,46 @@ class ControlCore:
         if meta.get("guard_state") and meta.get("guard_kind") == guard_kind:
             self.cycle.guard.load_state_dict(meta["guard_state"])
 
+    def restore_outer(self, state: dict[str, Any]) -> Optional[float]:
+        """cpu backend: the outer optimizer's momentum from a bundle's sidecar; its norm (None when this
+        mode keeps none here: the nccl ranks hold theirs, ``outer=avg`` has none)."""
+        outer = self.cycle.outer
+        if not self.mode.is_cpu or not outer.spec.stateful:
+            return None
+        outer.load_state_dict(state)
+        return outer.momentum_norm()
+
+    @property
+    def wants_outer_state(self) -> bool:
+        return self.mode.is_cpu and self.cycle.outer.spec.stateful
+
+    def seed_anchor(self, r: int) -> bool:
+        """A cold-start anchor from the hellos (the slowest device's rank), unless a speed hint, partition
+        ratios or a resumed ElChe state already set one; True when it took."""
+        elche = self.cycle.elche
+        if elche is None or elche.anchor_rank is not None:
+            return False
+        elche.with_initial_anchor(r)
+        return True
+
+    @property
+    def global_step(self) -> int:
+        return self.cycle.global_step
+
+    @property
+    def syncs(self) -> int:
+        return self.cycle.version
+
+    def stall_state(self, now: float) -> dict[str, Any]:
+        """What the stall watchdog dumps: the phase, the reduce in flight, each rank's books."""
+        return run_state(life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
+                         pending_saves=self.writer.pending, now=now)
+
     # -- phase --------------------------------------------------------------------
     def enter(self, phase: Phase) -> None:
         """The one way the phase changes: the lifecycle checks the transition, dispatch follows the phase."""
         self.life.move(phase)
-        self.dispatch.gate = _GATE_FOR.get(phase, Gate.CLOSED)
+        self.dispatch.set_gate(_GATE_FOR.get(phase, Gate.CLOSED))
 
     def current_epoch(self) -> int:
         return self.dispatch.current_epoch()
@@ -271,9 +307,8 @@ class ControlCore:
                         "generation without its share: its %d picks are trained again", r, picks)
             self.obs.emit({"event": "retrain", "rank": r, "picks": picks, "why": "answer_not_in_consensus"})
         elche = self.cycle.elche
-        if elche is not None and elche.is_calibrated and self.cohort.fixed_callback is None and not self.cohort.roles_elected:
-            self.cohort.roles_elected = True  # sticky: re-elected only on death
-            self.cohort.elect_callback(elche.smoothed_ms)
+        if elche is not None and elche.is_calibrated:
+            self.cohort.elect_fastest_once(elche.smoothed_ms)
         if elche is not None:
             self.dispatch.on_verdict(out.action)
         self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.mode.is_nccl)
@@ -290,7 +325,7 @@ class ControlCore:
         if not self._first_batch_seen:  # the run's first trained batch (start-up ends here: bench_startup)
             self._first_batch_seen = True
             self.obs.emit({"event": "first_batch", "rank": r})
-        self.cohort.batches[r] += 1
+        self.cohort.on_batch(r)
         chunk = self.dispatch.chunks.get(b.chunk)
         self.obs.on_batch(r, b, chunk.epoch if chunk else None, self.cycle.version)
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
@@ -613,8 +648,8 @@ class ControlCore:
         """Tell every rank to go (with the failure, if any); the shell waits for them in SHUTDOWN."""
         if self.life.ending:
             return
-        self.enter(Phase.SHUTDOWN)
-        self.life.shutdown_at = self.clock()
+        self.life.move(Phase.SHUTDOWN, at=self.clock())
+        self.dispatch.set_gate(Gate.CLOSED)
         self.outbox.broadcast(ShutdownMsg(reason=self.life.failure or "completed"))
 
     # -- scripted events (tests) ----------------------------------------------------------

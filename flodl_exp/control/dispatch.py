@@ -189,6 +189,14 @@ class Dispatcher:
             del self.chunks[cid]
         return ok
 
+    def set_gate(self, gate: Gate) -> None:
+        """The phase moved (ControlCore.enter): dispatch opens, holds the next epoch, or closes."""
+        self.gate = gate
+
+    def hold_after(self, epoch: Optional[int]) -> None:
+        """No rank crosses past ``epoch`` until released (None): an at_epoch bundle is pending."""
+        self.epoch_ceiling = epoch
+
     def current_epoch(self) -> int:
         return self.last_aggregated + 1
 

@@ -103,7 +103,10 @@ class Lifecycle:
     def is_(self, *phases: Phase) -> bool:
         return self._phase in phases
 
-    def move(self, to: Phase) -> None:
+    def move(self, to: Phase, *, at: Optional[float] = None) -> None:
+        """Change the phase (an allowed transition only); ``at``: when, recorded for SHUTDOWN (its grace)."""
+        if to is Phase.SHUTDOWN and at is not None and self._phase is not Phase.SHUTDOWN:
+            self.shutdown_at = at
         if to is self._phase:
             return
         if to not in ALLOWED[self._phase]:
