@@ -10,6 +10,7 @@ import pytest
 
 from flodl_exp.config import ConfigError
 from flodl_exp.simulate.engine import Engine, simulate
+from flodl_exp.simulate.fast import SimDispatcher
 from flodl_exp.simulate.report import summarize
 from flodl_exp.simulate.topology import LinkConfig, RankGroupConfig, SimulateConfig
 
@@ -62,7 +63,11 @@ def test_real_books_and_indexed_books_agree() -> None:
     """The coordinator's running books (ChunkBook, a pool's remaining) answer as full scans do, at every
     aggregation check of a simulated run."""
     for mode in ("nccl_cadence", "cpu_async"):
-        Engine(rig(1.0, 0.5, 0.25, epochs=2), mode, check=True).run()
+        engine = Engine(rig(1.0, 0.5, 0.25, epochs=2), mode, check=True)
+        st = engine.run()
+        assert isinstance(engine.dispatch, SimDispatcher)
+        assert engine.dispatch.checks >= 10, "the books were compared at every chunk report"
+        assert [e["epoch"] for e in st.epochs if e["event"] == "epoch"] == [0, 1]
 
 
 def test_1024_ranks_finish_within_a_bounded_number_of_events() -> None:

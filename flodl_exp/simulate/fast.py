@@ -17,6 +17,8 @@ class SimDispatcher(Dispatcher):
         super().__init__(**kw)
         self.check = check
         self._reported = False
+        self.checks = 0
+        """Full-scan comparisons made (``check=True``)."""
 
     def on_metrics(self, r: int, m: Any) -> None:
         super().on_metrics(r, m)
@@ -25,6 +27,7 @@ class SimDispatcher(Dispatcher):
     def pop_aggregated(self) -> Any:
         if self.check and self._reported:  # the scans at each chunk report, not at each tick
             self._reported = False
+            self.checks += 1
             book = self.chunks
             e = self.last_aggregated + 1
             for r in range(self.W):
