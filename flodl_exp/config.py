@@ -142,7 +142,9 @@ class SlurmConfig:
     gpus_per_node: int = 0
     constraint: Optional[str] = None
     exclude: Optional[str] = None
-    srun_args: List[str] = field(default_factory=lambda: ["--kill-on-bad-exit=1"])
+    srun_args: List[str] = field(default_factory=list)
+    """Extra srun options. Empty by default: a dead rank is the fault rules' (cluster.max_failure, recovery), as
+    locally; ``[--kill-on-bad-exit=1]`` ends the job at the first failed task (ShutdownWithSave, task_failed)."""
     setup: List[str] = field(default_factory=list)
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
 

@@ -49,7 +49,9 @@ def test_sbatch_script_maps_the_cluster_config():
                  "--exclude=node13", "--signal=USR2@90", "--mail-type=END"):
         assert f"#SBATCH {flag}" in text, flag
     assert "module load cuda" in text
-    assert "srun --unbuffered" in text and "--kill-on-bad-exit=1" in text
+    assert "srun --unbuffered" in text and "--kill-on-bad-exit" not in text  # a dead rank is the fault rules'
+    killing = _sbatch_text("cluster.slurm.srun_args=['--kill-on-bad-exit=1']")
+    assert "--kill-on-bad-exit=1" in killing
 
 
 def test_sbatch_script_small_limits_and_no_gpus():

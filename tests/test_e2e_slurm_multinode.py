@@ -201,12 +201,12 @@ def test_cpu_async_across_two_nodes(cluster, store):
 
 @pytest.mark.timeout(360)
 def test_losing_a_node_of_four_recovers(cluster, store):
-    """Node loss without --kill-on-bad-exit and without max_failure: nccl keeps 2 survivors (>= 2), so the
+    """Node loss with the default cluster=slurm (no --kill-on-bad-exit) and without max_failure: nccl keeps 2 survivors (>= 2), so the
     run recovers as on one node: the survivors on node 0 regroup (a new Gloo group) and train the dead ranks'
     work; the run finishes. The two deaths reach the coordinator a little apart: the survivors told to form a
     group with rank 2 in it wait for its members at the store (reading control), so the next generation's
     regroup ends that wait (before, they sat ~100 s in Gloo's init and the run failed)."""
-    args = _overrides(store, "mode=nccl_cadence", "cluster.slurm.srun_args=[]")
+    args = _overrides(store, "mode=nccl_cadence")  # the default srun_args: the fault rules decide
     rc, text, job, _ = _run_and_lose_node1(store, args, "node_recover")
     # the run FINISHED; the CLI's own exit code is 0 (the dead tasks' errors are only recorded)
     assert rc == 0, f"exit {rc}\n{text[-4000:]}"
@@ -226,13 +226,13 @@ def test_losing_a_node_saves_a_bundle_that_resumes(cluster, store):
     node 0 save a bundle (ShutdownWithSave, save_reason=max_failure_exceeded) and ends the run FAILED, as on
     one node (tests/test_e2e_faults.py); a run resumed from that bundle on both nodes finishes.
 
-    cluster.slurm.srun_args=[]: without --kill-on-bad-exit the step outlives the dead tasks and the fault
-    rules decide. (With it, srun's SIGTERM to the whole step races the coordinator's death detection; on
+    The default cluster.slurm.srun_args (no --kill-on-bad-exit): the step outlives the dead tasks and the
+    fault rules decide. (With it, srun's SIGTERM to the whole step races the coordinator's death detection; on
     this busy 2-core machine SIGTERM was seen to win, and the run then ends FAILED without the bundle's meta.)
 
     Every rank waits at its first batch on a gate until the test opened it: the kill lands in a run that
     has started training and cannot have ended, however fast or slow the machine."""
-    args = _overrides(store, "mode=nccl_cadence", "cluster.max_failure=1", "cluster.slurm.srun_args=[]")
+    args = _overrides(store, "mode=nccl_cadence", "cluster.max_failure=1")
     rc, text, job, _ = _run_and_lose_node1(store, args, "node_loss")
     assert rc == 1, f"exit {rc}\n{text[-4000:]}"
 
