@@ -103,7 +103,7 @@ def test_killing_the_coordinator_ends_every_rank(store, tmp_path, monkeypatch):
         os.kill(coord, signal.SIGKILL)
     finally:
         gate.touch()
-    _wait_for(lambda: not any(alive(p) for p in ranks), timeout=30, what="ranks to exit after coordinator loss")
+    _wait_for(lambda: not any(alive(p) for p in ranks), timeout=60, what="ranks to exit after coordinator loss")
     from flodl_exp.jobs.launcher import RunFailed
 
     with pytest.raises(RunFailed):
