@@ -362,6 +362,7 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
     """One coordinator and ``n`` simulated ranks until the run ends (or ``timeout_s``); the measurements."""
     raise_nofile(n + 256)
     from flodl_exp import tracking
+    from flodl_exp.jobs.spec import JobSpec
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="bench-coord-"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -372,10 +373,9 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
     run_id = tracking.create_run(uri, "bench_coordinator", str(tmp / "mlartifacts"), f"bench-{n}", {"world_size": n},
                                  {"bench": "coordinator"})
     per_rank = max(1, batches // n)
-    spec = {"config": cfg, "run_id": run_id, "tracking_uri": uri, "job_dir": str(job),
-            "checkpoint_stem": str(job / "checkpoints" / "final"), "shuffle_seed": 42, "resume": None,
-            "import_paths": [str(ROOT)], "cuda_visible_devices": None}
-    (job / "spec.json").write_text(json.dumps(spec))
+    spec = JobSpec(config=cfg, run_id=run_id, tracking_uri=uri, job_dir=str(job),
+                   checkpoint_stem=str(job / "checkpoints" / "final"), shuffle_seed=42, import_paths=(str(ROOT),))
+    (job / "spec.json").write_text(json.dumps(spec.to_dict()))
     stats_path = job / "coordinator_stats.json"
     env = dict(os.environ, **{STATS_ENV: str(stats_path), "PYTHONPATH": str(ROOT)})
     log_fh = open(job / "coordinator.log", "ab")

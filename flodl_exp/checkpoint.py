@@ -19,10 +19,11 @@ from typing import Any, Optional, cast
 import torch
 from torch import nn
 
+from .bundle_meta import META_SCHEMA_VERSION as META_SCHEMA_VERSION  # re-exported
+from .bundle_meta import BundleMeta, Resume
 from .fsio import atomic_json, atomic_write
 from .fsio import atomic_text as atomic_text  # re-exported; new code imports both from flodl_exp.fsio (no torch)
-
-META_SCHEMA_VERSION = 1
+from .json_fields import FieldError
 
 
 def model_path(stem: str) -> str:
@@ -81,13 +82,11 @@ def remove_bundle(stem: str) -> list[str]:
     return gone
 
 
-def check_pieces(stem: str, meta: dict) -> Optional[str]:
+def check_pieces(stem: str, meta: BundleMeta) -> Optional[str]:
     """The first piece the meta lists that is missing or not a torch file, as one line; None when all are there.
 
     Metas written before ``pieces`` existed list nothing: only the model piece is checked."""
-    names = meta.get("pieces")
-    if not isinstance(names, list):
-        names = [os.path.basename(model_path(stem))]
+    names = meta.pieces if meta.pieces is not None else (os.path.basename(model_path(stem)),)
     d = os.path.dirname(os.path.abspath(stem))
     for n in names:
         path = os.path.join(d, os.path.basename(str(n)))
@@ -117,27 +116,28 @@ def save_rank_pieces(stem: str, model: nn.Module, optimizer: Any, *, rank: int,
     atomic_torch_save(optimizer.state_dict(), optim_path(stem, rank, primary))
 
 
-def write_meta(stem: str, meta: dict) -> None:
+def write_meta(stem: str, meta: dict[str, Any]) -> None:
+    """Write the bundle writer's meta dict (control/checkpoints.py), stamped with the schema version; readers
+    take it back through :func:`load_meta` as a :class:`~flodl_exp.bundle_meta.BundleMeta`."""
     meta = dict(meta)
     meta.setdefault("schema_version", META_SCHEMA_VERSION)
     atomic_json(meta, meta_path(stem))
 
 
-def load_meta(stem: str) -> dict:
-    """Read and check ``<stem>.meta.json``; ValueError with one line on any problem."""
+def load_meta(stem: str) -> BundleMeta:
+    """Read and check ``<stem>.meta.json``; ValueError with one line on any problem (naming the key)."""
     path = meta_path(stem)
     try:
         with open(path) as fh:
-            meta = json.load(fh)
+            raw = json.load(fh)
     except FileNotFoundError:
         raise ValueError(f"checkpoint.resume_from={stem!r}: {path} does not exist") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint.resume_from={stem!r}: {path} is unreadable ({e})") from None
-    if not isinstance(meta, dict) or "schema_version" not in meta:
-        raise ValueError(f"checkpoint.resume_from={stem!r}: {path} is not a flodl_exp bundle meta")
-    if int(meta["schema_version"]) > META_SCHEMA_VERSION:
-        raise ValueError(f"checkpoint.resume_from={stem!r}: schema {meta['schema_version']} is newer than supported ({META_SCHEMA_VERSION})")
-    return meta
+    try:
+        return BundleMeta.from_dict(raw)
+    except FieldError as e:
+        raise ValueError(f"checkpoint.resume_from={stem!r}: {path}: {e}") from None
 
 
 def load_model_state(stem: str, map_location: Optional[str] = "cpu") -> dict[str, torch.Tensor]:
@@ -149,7 +149,7 @@ def load_outer_state(stem: str) -> dict[str, Any]:
     return cast(dict[str, Any], torch.load(outer_path(stem), map_location="cpu", weights_only=True))
 
 
-def validate_resume(cfg: Any) -> Optional[dict]:
+def validate_resume(cfg: Any) -> Optional[Resume]:
     """Check ``checkpoint.resume_from`` before any process starts; ConfigError (one line) on a bad bundle.
 
     Refused: a missing or corrupt meta, a newer schema, another world size or
@@ -175,13 +175,13 @@ def validate_resume(cfg: Any) -> Optional[dict]:
         raise ConfigError(f"config error: {key}: {outer_path(stem)} does not exist: outer={cfg.outer.kind} resumes its "
                           "momentum from the bundle (saved with outer=avg? resume with outer=avg)")
     w = world_size(cfg)
-    if int(meta.get("world_size_at_save", w)) != w:
-        raise ConfigError(f"config error: {key}: saved with world size {meta['world_size_at_save']}, this run has {w}")
-    seed = (meta.get("coverage") or {}).get("seed")
-    if seed is not None and int(seed) != int(cfg.seed):
+    if meta.world_size_at_save is not None and meta.world_size_at_save != w:
+        raise ConfigError(f"config error: {key}: saved with world size {meta.world_size_at_save}, this run has {w}")
+    seed = meta.coverage_seed
+    if seed is not None and seed != int(cfg.seed):
         raise ConfigError(f"config error: {key}: saved with seed={seed}, this run has seed={cfg.seed} (pass seed={seed})")
-    if int(meta.get("epoch", 0)) > int(cfg.experiment.epochs):
-        raise ConfigError(f"config error: {key}: saved at epoch {meta['epoch']}, beyond experiment.epochs={cfg.experiment.epochs}")
+    if meta.epoch > int(cfg.experiment.epochs):
+        raise ConfigError(f"config error: {key}: saved at epoch {meta.epoch}, beyond experiment.epochs={cfg.experiment.epochs}")
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -198,9 +198,9 @@ def validate_resume(cfg: Any) -> Optional[dict]:
         k = diff[0]
         raise ConfigError(f"config error: {key}: the bundle holds another model than experiment={cfg.experiment.name} "
                           f"(first difference: {k}: saved {was.get(k)} vs now {now.get(k)})")
-    if meta.get("total_picks"):
+    if meta.total_picks:
         data = instantiate(exp["train_data"])
         picks = len(data) * max(1, int(cfg.data_plane.augment))
-        if picks != int(meta["total_picks"]):
-            raise ConfigError(f"config error: {key}: saved with {meta['total_picks']} picks per epoch, this data set has {picks}")
-    return {"stem": stem, "meta": meta}
+        if picks != meta.total_picks:
+            raise ConfigError(f"config error: {key}: saved with {meta.total_picks} picks per epoch, this data set has {picks}")
+    return Resume(stem=stem, meta=meta)

@@ -8,8 +8,10 @@ from typing import Any, Mapping, Optional
 import torch
 from omegaconf import OmegaConf
 
+from flodl_exp.bundle_meta import Resume
 from flodl_exp.config import Config
 from flodl_exp.control.coordinator import Coordinator
+from flodl_exp.jobs.spec import JobSpec
 from flodl_exp.protocol import (
     Batch,
     ChunkMetrics,
@@ -113,6 +115,12 @@ def make_config(mode: str, world: int, epochs: int = 2, **overrides: Any) -> dic
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+def make_spec(config: dict[str, Any], tmp_path: Any, *, attempt: int = 0, resume: Optional[Resume] = None) -> JobSpec:
+    """The job spec a coordinator under test reads (no store: run id and tracking URI are placeholders)."""
+    return JobSpec(config=config, run_id="run", tracking_uri="", job_dir=str(tmp_path),
+                   checkpoint_stem=str(tmp_path / "ckpt" / "final"), shuffle_seed=42, attempt=attempt, resume=resume)
+
+
 class Harness:
     """A coordinator plus the ranks' side of the conversation, in one process."""
 
@@ -122,8 +130,7 @@ class Harness:
         self.sink = FakeSink()
         self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.job_dir = str(tmp_path)
-        spec = {"config": make_config(mode, world, epochs, **overrides), "checkpoint_stem": str(tmp_path / "ckpt" / "final"),
-                "shuffle_seed": 42, "attempt": attempt}
+        spec = make_spec(make_config(mode, world, epochs, **overrides), tmp_path, attempt=attempt)
         self.co = Coordinator(spec, self.transport, self.events, self.sink, self.job_dir, clock=self.clock)
         self.world = world
 

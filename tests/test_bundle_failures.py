@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from control_fakes import Harness, make_config
+from control_fakes import Harness, make_config, make_spec
 from omegaconf import OmegaConf
 
 from flodl_exp import checkpoint as ck
@@ -98,9 +98,9 @@ def test_a_failed_final_bundle_ends_the_run_failed_with_the_reason(tmp_path):
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem, error=None if p.model else ENOSPC))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    spec = {"config": make_config("cpu_sync", 2, 1), "run_id": "r", "tracking_uri": "sqlite:///x"}
+    spec = make_spec(make_config("cpu_sync", 2, 1), tmp_path)
     sink = _Closable(h.sink)
-    rc = _close(h.co, spec, load_config(spec["config"]), str(tmp_path), sink, _Server(), "FINISHED", False)
+    rc = _close(h.co, spec, load_config(spec.config), str(tmp_path), sink, _Server(), "FINISHED", False)
     res = json.loads((tmp_path / "result.json").read_text())
     assert rc == 1 and sink.status == "FAILED"
     assert res["status"] == "FAILED" and "bundle" in res["failure"] and "No space left" in res["failure"]
@@ -126,7 +126,7 @@ def _real_bundle(stem: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck.save_rank_pieces(stem, model, opt, rank=0, primary=True, write_model=True)
     ck.save_rank_pieces(stem, model, opt, rank=1, primary=False, write_model=False)
-    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "world_size_at_save": 2,
+    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "sync_round": 1, "world_size_at_save": 2,
                          "pieces": ["b.pt", "b.optim.pt", "b.optim.r1.pt"]})
 
 
@@ -147,7 +147,7 @@ def test_resume_refuses_a_bundle_with_a_missing_optimizer_piece(tmp_path):
     with open(ck.optim_path(stem, 0, True), "wb") as fh:
         fh.write(b"trunc")
     os.unlink(ck.meta_path(stem))
-    ck.write_meta(stem, {"epoch": 1, "pieces": ["b.pt", "b.optim.pt"]})
+    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "sync_round": 1, "pieces": ["b.pt", "b.optim.pt"]})
     assert "b.optim.pt is unreadable" in (ck.check_pieces(stem, ck.load_meta(stem)) or "")
 
 
@@ -158,8 +158,8 @@ def test_the_requeue_path_refuses_a_bundle_with_a_missing_piece(tmp_path, monkey
     _real_bundle(stem)
     os.unlink(ck.optim_path(stem, 1, False))
     failed: list[tuple[str, Any]] = []
-    monkeypatch.setattr(job, "fail_run_if_running", lambda spec, why, tags=None: failed.append((why, tags)))
-    live = {"spec": {"run_id": "r"}, "job_dir": str(tmp_path), "attempt": 0}
+    monkeypatch.setattr(job, "fail_run_if_running", lambda uri, run_id, why, tags=None: failed.append((why, tags)))
+    live = {"spec": make_spec(make_config("cpu_sync", 2, 1), tmp_path), "job_dir": str(tmp_path), "attempt": 0}
     assert job.RunTask()._requeue_spec(live, {"stem": stem}, 1.0) is None
     assert len(failed) == 1 and "b.optim.r1.pt does not exist" in failed[0][0]
     assert not (tmp_path / "spec.attempt1.json").exists()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import pytest
 import torch
-from control_fakes import FakeClock, FakeSink, FakeTransport, make_config
+from control_fakes import FakeClock, FakeSink, FakeTransport, make_config, make_spec
 from omegaconf import OmegaConf
 
 from flodl_exp.config import Config, load_config
@@ -84,8 +84,7 @@ class Bare:
 class AsCoordinator:
     def __init__(self, cfg: Any, clock: FakeClock, tmp_path: Any) -> None:
         self.transport = FakeTransport()
-        spec = {"config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-                "checkpoint_stem": str(tmp_path / "ckpt" / "final"), "shuffle_seed": 42, "attempt": 0}
+        spec = make_spec(cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)), tmp_path)
         self.co = Coordinator(spec, self.transport, None, FakeSink(), str(tmp_path), clock=clock)  # type: ignore[arg-type]
         self.core = self.co.core
 

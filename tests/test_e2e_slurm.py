@@ -69,14 +69,13 @@ def test_sbatch_script_small_limits_and_no_gpus():
 def test_coordinator_address_and_stale_rendezvous(tmp_path, monkeypatch):
     import socket
 
+    from flodl_exp.config import load_cluster
     from flodl_exp.jobs.job import coordinator_host
     from flodl_exp.jobs.rendezvous import RendezvousTimeout, incarnation, wait_rendezvous, write_rendezvous
 
-    spec = {"config": {"cluster": {"executor": "slurm", "nodes": 1, "host": None}}}
-    assert coordinator_host(spec) == socket.gethostname()
-    spec["config"]["cluster"]["host"] = "10.1.2.3"
-    assert coordinator_host(spec) == "10.1.2.3"
-    assert coordinator_host({"config": {"cluster": {"executor": "local", "nodes": 1, "host": None}}}) == "127.0.0.1"
+    assert coordinator_host(load_cluster({"executor": "slurm", "nodes": 1, "host": None})) == socket.gethostname()
+    assert coordinator_host(load_cluster({"executor": "slurm", "nodes": 1, "host": "10.1.2.3"})) == "10.1.2.3"
+    assert coordinator_host(load_cluster({"executor": "local", "nodes": 1, "host": None})) == "127.0.0.1"
     # A requeued job must not dial the port an earlier incarnation's coordinator wrote.
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     write_rendezvous(str(tmp_path), {"port": 1, "incarnation": "0.0"})

@@ -14,6 +14,7 @@ import pytest
 import flodl_exp.checkpoint
 import flodl_exp.jobs.executor
 import flodl_exp.tracking
+from flodl_exp.bundle_meta import BundleMeta, Resume
 from flodl_exp.jobs.launcher import launch
 from flodl_exp.tracking import URI_ENV
 
@@ -51,9 +52,9 @@ def fakes(monkeypatch, tmp_path):
         calls.append((uri, "create_run"))
         return "run0123456789"
 
-    def validate_resume(cfg: Any) -> dict[str, Any]:
+    def validate_resume(cfg: Any) -> Resume:
         resumes.append(list(sys.path))
-        return {"stem": "/b/final", "meta": {}}
+        return Resume(stem="/b/final", meta=BundleMeta(epoch=0, global_step=0, sync_round=0))
 
     monkeypatch.setattr(flodl_exp.tracking, "create_run", create_run)
     monkeypatch.setattr(flodl_exp.jobs.executor, "make_executor", lambda *a, **k: ex)

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from flodl_exp.config import load_cluster
+from flodl_exp.config import ClusterConfig, load_cluster
 from flodl_exp.jobs import job
 
 
-def _spec(**cluster) -> dict:
-    return {"config": {"cluster": {"executor": "slurm", "nodes": 2, "host": None, **cluster}}}
+def _cluster(**cluster: Any) -> ClusterConfig:
+    return load_cluster({"executor": "slurm", "nodes": 2, "host": None, **cluster})
 
 
 @pytest.fixture
@@ -33,25 +33,25 @@ def net(monkeypatch):
 
 
 def test_multi_node_coordinator_advertises_the_address_on_the_route_to_the_other_nodes(net):
-    assert job.coordinator_host(_spec()) == "10.9.0.10"
+    assert job.coordinator_host(_cluster()) == "10.9.0.10"
     net["resolve"]["n0"] = "10.9.0.99"  # the route wins over what the name resolves to
-    assert job.coordinator_host(_spec()) == "10.9.0.10"
+    assert job.coordinator_host(_cluster()) == "10.9.0.10"
 
 
 def test_multi_node_falls_back_to_the_host_names_address_then_the_name(net, caplog):
     net["route"] = None
     net["resolve"]["n0"] = "10.9.0.99"
-    assert job.coordinator_host(_spec()) == "10.9.0.99"
+    assert job.coordinator_host(_cluster()) == "10.9.0.99"
     net["resolve"].clear()
     with caplog.at_level(logging.WARNING, logger="flodl_exp.job"):
-        assert job.coordinator_host(_spec()) == "n0"
+        assert job.coordinator_host(_cluster()) == "n0"
     assert "set cluster.host" in caplog.text
 
 
 def test_one_node_local_and_explicit_host_are_unchanged(net):
-    assert job.coordinator_host(_spec(nodes=1)) == "n0"
-    assert job.coordinator_host(_spec(host="192.0.2.7")) == "192.0.2.7"
-    assert job.coordinator_host({"config": {"cluster": {"executor": "local", "nodes": 1, "host": None}}}) == "127.0.0.1"
+    assert job.coordinator_host(_cluster(nodes=1)) == "n0"
+    assert job.coordinator_host(_cluster(host="192.0.2.7")) == "192.0.2.7"
+    assert job.coordinator_host(load_cluster({"executor": "local", "nodes": 1, "host": None})) == "127.0.0.1"
 
 
 def test_gloo_interface_is_set_only_where_gloo_would_pick_loopback(net):

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from flodl_exp.bundle_meta import BundleMeta, Resume
 from flodl_exp.control.cycle import AveragingCycle
 from flodl_exp.control.epoch_metrics import EpochAccumulator
 from flodl_exp.control.guards import build_guard
@@ -307,7 +308,7 @@ def test_an_nccl_rank_resumes_its_outer_state_from_the_sidecar(tmp_path):
     ck.save_rank_pieces(stem, saved.trainer.model, saved.trainer.optimizer, rank=0, primary=True, write_model=True,
                         outer_state=saved.outer.state_dict())
     w, _, _ = _nccl_rank(SLOWMO, windows=0)
-    w.resume_from({"stem": stem, "meta": {"global_step": 5}})
+    w.resume_from(Resume(stem=stem, meta=BundleMeta(epoch=0, global_step=5, sync_round=0)))
     assert w.trainer.global_step == 5 and w.outer.momentum_norm() == pytest.approx(saved.outer.momentum_norm())
     assert all(torch.equal(a, b) for a, b in zip(w.outer.momentum, saved.outer.momentum))
     assert all(torch.equal(a, b) for a, b in zip(w.outer.prev, saved.outer.prev))
@@ -358,7 +359,8 @@ def test_resuming_a_stateful_outer_optimizer_without_its_sidecar_is_one_line(tmp
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck.save_rank_pieces(stem, model, opt, rank=0, primary=True, write_model=True)
-    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "world_size_at_save": 1, "pieces": ["b.pt", "b.optim.pt"]})
+    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "sync_round": 1, "world_size_at_save": 1,
+                         "pieces": ["b.pt", "b.optim.pt"]})
     cfg = OmegaConf.structured(Config)
     cfg.cluster.ranks_per_node = 1
     cfg.checkpoint.resume_from = stem

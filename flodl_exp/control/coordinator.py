@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from ..bundle_meta import Resume
 from ..config import RunShape, load_config
+from ..jobs.spec import JobSpec
 from ..protocol import (
     Batch,
     ChunkMetrics,
@@ -113,9 +115,9 @@ class ShellObserver:
 class Coordinator:
     """The I/O shell around the :class:`~.core.ControlCore` (see the module docstring)."""
 
-    def __init__(self, spec: dict[str, Any], server: Transport, events: queue.Queue[Event], sink: Sink, job_dir: str,
+    def __init__(self, spec: JobSpec, server: Transport, events: queue.Queue[Event], sink: Sink, job_dir: str,
                  *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
-        cfg = load_config(spec["config"])
+        cfg = load_config(spec.config)
         shape = RunShape.of(cfg)
         self.cfg, self.shape, self.spec = cfg, shape, spec
         self.inbox = events
@@ -137,8 +139,7 @@ class Coordinator:
         self.core = ControlCore(
             shape=shape, cfg=cfg, outbox_for=lambda cohort: Outbox(server, cohort), clock=clock, observer=self.observer,
             store=DiskBundles(job_dir, sink), is_local=self._is_local, start=clock(),
-            facts=RunFacts(checkpoint_stem=spec["checkpoint_stem"], shuffle_seed=int(spec.get("shuffle_seed", cfg.seed)),
-                           attempt=int(spec.get("attempt", 0))))
+            facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
         core = self.core
         self.life, self.cohort, self.cycle, self.dispatch = core.life, core.cohort, core.cycle, core.dispatch
         self.outbox, self.writer, self.faults, self.preemption = core.outbox, core.writer, core.faults, core.preemption
@@ -152,10 +153,10 @@ class Coordinator:
         self.devices: dict[int, RankDevice] = {}
         """What each rank trains on, from its hello (the cohort's collective is chosen from these)."""
         self.last_beacon = -math.inf
-        self.resume: Optional[dict[str, Any]] = spec.get("resume")
-        if self.resume:
-            core.restore(self.resume["meta"], cfg.guard.kind)
-            self._restore_outer(self.resume["stem"])
+        self.resume: Optional[Resume] = spec.resume
+        if self.resume is not None:
+            core.restore(self.resume.meta.to_dict(), cfg.guard.kind)
+            self._restore_outer(self.resume.stem)
         self._inputs_logged = False
         self._connect_closes: list[tuple[int, str]] = []
         """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
@@ -193,7 +194,7 @@ class Coordinator:
         self.timeline.on_start()
         self.windows.start(self.total_picks)
         self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
-        self.core.start(self.total_picks, self.resume["meta"] if self.resume else None)
+        self.core.start(self.total_picks, self.resume.meta.to_dict() if self.resume is not None else None)
 
     def _apply_spec_prior(self) -> None:
         """CUDA cohorts: the device scores of the hellos pick ElChe's cold-start anchor rank (the slowest
@@ -252,7 +253,7 @@ class Coordinator:
         for r in self.cohort.missing():
             if r in closed:
                 continue
-            why = lost_before_join(self.job_dir, r, int(self.spec.get("attempt", 0)))
+            why = lost_before_join(self.job_dir, r, self.spec.attempt)
             if why:
                 after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._connect_closes)
                 raise RunFailure(f"rank {r} was lost before training started: {why}{after}")
@@ -417,7 +418,7 @@ class Coordinator:
             "lost_picks": self.dispatch.lost_picks,
             "retrained_picks": self.dispatch.retrained_picks,
             "saved_stem": self.saved_stem,
-            "resumed_from": (self.resume or {}).get("stem"),
+            "resumed_from": self.resume.stem if self.resume is not None else None,
         }
 
     def fail(self, failure: str) -> None:

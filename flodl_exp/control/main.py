@@ -12,7 +12,6 @@ on SLURM ends the run before the cluster's SIGKILL (see preemption.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..constants import PREEMPT_EXIT
 from ..fsio import atomic_json
+from ..jobs.spec import JobSpec
 from .lifecycle import Phase, RunFailure  # import-light: the handlers go in before torch loads
 
 if TYPE_CHECKING:
@@ -68,14 +68,12 @@ class _Signals:
 
 def main(argv: list[str]) -> int:
     spec_path, host = argv[1], argv[2]
-    with open(spec_path) as fh:
-        spec = json.load(fh)
-    raw_cluster = spec["config"]["cluster"]
-    slurm = raw_cluster["executor"] == "slurm"
+    spec = JobSpec.load(spec_path)
+    slurm = spec.config["cluster"]["executor"] == "slurm"
     signals = _Signals(slurm)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s", stream=sys.stderr)
     job_dir = os.path.dirname(os.path.abspath(spec_path))
-    for path in reversed(spec.get("import_paths") or []):  # the experiment's modules (the logged model is built here)
+    for path in reversed(spec.import_paths):  # the experiment's modules (the logged model is built here)
         if path not in sys.path:
             sys.path.insert(0, path)
 
@@ -86,7 +84,7 @@ def main(argv: list[str]) -> int:
     from .coordinator import Coordinator
     from .server import RankServer, start_store
 
-    cfg = load_config(spec["config"])
+    cfg = load_config(spec.config)
     shape = RunShape.of(cfg)
     w = shape.world_size
     token = wire.new_token()
@@ -95,9 +93,9 @@ def main(argv: list[str]) -> int:
     server = RankServer(host, token, w, events, send_stall_timeout=max(2.0, min(10.0, cfg.cluster.heartbeat_timeout_s / 2)))
     store = start_store(host, w) if shape.mode.is_nccl and w > 1 else None
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
-                               "token": token, "pid": os.getpid(), "incarnation": incarnation(int(spec.get("attempt", 0)))})
+                               "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
-    sink = MlflowSink(spec["tracking_uri"], spec["run_id"])
+    sink = MlflowSink(spec.tracking_uri, spec.run_id)
     co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if slurm:
@@ -106,9 +104,9 @@ def main(argv: list[str]) -> int:
     if os.environ.get("SLURM_JOB_ID"):
         sink.set_tags({"slurm_job_id": os.environ["SLURM_JOB_ID"], "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
                        "slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST", "")})
-    if spec.get("attempt"):
-        co.events.emit({"event": "resumed", "attempt": int(spec["attempt"]), "stem": spec["resume"]["stem"],
-                        "epoch": int(spec["resume"]["meta"]["epoch"]), "global_step": co.cycle.global_step})
+    if spec.attempt and spec.resume is not None:
+        co.events.emit({"event": "resumed", "attempt": spec.attempt, "stem": spec.resume.stem,
+                        "epoch": spec.resume.meta.epoch, "global_step": co.cycle.global_step})
     try:
         status = co.run(cfg.cluster.rendezvous_timeout_s).value
     except RunFailure as e:
@@ -121,7 +119,7 @@ def main(argv: list[str]) -> int:
     return _close(co, spec, cfg, job_dir, sink, server, status, slurm)
 
 
-def _close(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: Any, server: Any, status: str,
+def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, server: Any, status: str,
            slurm: bool) -> int:
     """Write result.json, end the MLflow run (terminal status first where SIGKILL may follow), log artifacts."""
     status = _fail_on_own_bundle(co, status)
@@ -172,11 +170,11 @@ def _fail_on_own_bundle(co: Coordinator, status: str) -> str:
     return "FAILED"
 
 
-def _write_result(co: Coordinator, spec: dict[str, Any], job_dir: str) -> tuple[dict[str, Any], str]:
+def _write_result(co: Coordinator, spec: JobSpec, job_dir: str) -> tuple[dict[str, Any], str]:
     """``<job>/result.json``: the coordinator's result with the attempt, the end reason, failed bundles and
     dropped log writes; returns it and its path."""
     result = co.result()
-    result["attempt"] = int(spec.get("attempt", 0))
+    result["attempt"] = spec.attempt
     if co.life.end_reason:
         result["end_reason"] = co.life.end_reason
     failed_bundles = dict(co.writer.failed)
@@ -190,21 +188,21 @@ def _write_result(co: Coordinator, spec: dict[str, Any], job_dir: str) -> tuple[
     return result, result_path
 
 
-def _end_run_early(spec: dict[str, Any], status: str, failure: Optional[str]) -> None:
+def _end_run_early(spec: JobSpec, status: str, failure: Optional[str]) -> None:
     """A failed rank's task exiting makes srun (--kill-on-bad-exit) kill the step within KillWait:
     the terminal status and the error go first, the artifacts after (large bundles take time)."""
     try:
         from ..tracking import client
 
-        c = client(spec["tracking_uri"])
+        c = client(spec.tracking_uri)
         if failure:
-            c.set_tag(spec["run_id"], "error", failure[:5000])
-        c.set_terminated(spec["run_id"], status=status)
+            c.set_tag(spec.run_id, "error", failure[:5000])
+        c.set_terminated(spec.run_id, status=status)
     except Exception as e:
         log.warning("could not end the MLflow run early: %s", e)
 
 
-def _log_run_artifacts(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, sink: Any, status: str) -> None:
+def _log_run_artifacts(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, status: str) -> None:
     """result.json, the event and record logs, the timeline, the dashboard and, when FINISHED, the final bundle."""
     sink.log_artifact(os.path.join(job_dir, "result.json"), "run")
     sink.log_artifact(co.events.path, "run")
@@ -221,15 +219,15 @@ def _log_run_artifacts(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir:
             if os.path.exists(stem + suffix):
                 sink.log_artifact(stem + suffix, "checkpoints")
         if cfg.tracking.log_model and os.path.exists(stem + ".pt"):
-            sink.log_model(stem, spec["config"]["experiment"])
+            sink.log_model(stem, spec.config["experiment"])
 
 
-def _write_dashboard(co: Coordinator, spec: dict[str, Any], cfg: Any, sink: Any, timeline: Optional[str]) -> None:
+def _write_dashboard(co: Coordinator, spec: JobSpec, cfg: Any, sink: Any, timeline: Optional[str]) -> None:
     try:
         from ..dashboard import load_events, write_dashboard
 
         epochs, windows, evals = load_events(co.events.path)
-        path = write_dashboard(cfg.dashboard.html, f"flodl_exp {spec['run_id'][:8]} {cfg.experiment.name}", epochs, windows,
+        path = write_dashboard(cfg.dashboard.html, f"flodl_exp {spec.run_id[:8]} {cfg.experiment.name}", epochs, windows,
                                evals, theme=cfg.dashboard.theme,
                                links=[("Timeline", "../timeline/timeline.html")] if timeline else [])
         sink.log_artifact(path, "dashboard")
@@ -237,14 +235,14 @@ def _write_dashboard(co: Coordinator, spec: dict[str, Any], cfg: Any, sink: Any,
         log.warning("dashboard not written: %s", e)
 
 
-def _write_timeline(co: Coordinator, spec: dict[str, Any], cfg: Any, job_dir: str, status: str) -> Optional[str]:
+def _write_timeline(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, status: str) -> Optional[str]:
     """The run's timeline (timeline.json/.csv/.html) in ``<job>/timeline/``; its folder, or None when it failed
     (a report, never a reason to fail the run)."""
     try:
         from ..timeline_report import write_timeline
 
         out = os.path.join(job_dir, "timeline")
-        meta = {"title": f"flodl_exp {spec['run_id'][:8]} {cfg.experiment.name} timeline", "run_id": spec["run_id"],
+        meta = {"title": f"flodl_exp {spec.run_id[:8]} {cfg.experiment.name} timeline", "run_id": spec.run_id,
                 "mode": cfg.mode.name, "experiment": cfg.experiment.name, "status": status}
         write_timeline(out, co.timeline, meta)
         return out

@@ -42,9 +42,10 @@ from typing import Any, Optional
 
 import submitit
 
-from ..config import load_cluster
+from ..config import ClusterConfig, load_cluster
 from ..constants import COORDINATOR_LOG, FAULT_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK
 from .executor import restore_visible_devices
+from .spec import JobSpec
 
 PREEMPT_WAIT_S = 120.0
 """How long task 0 waits for the coordinator's preemption bundle before giving up."""
@@ -99,7 +100,7 @@ def _peer_hosts() -> list[str]:
         return []
 
 
-def coordinator_host(spec: dict) -> str:
+def coordinator_host(cluster: ClusterConfig) -> str:
     """The address the coordinator binds and advertises in rendezvous.json.
 
     ``cluster.host`` when set; 127.0.0.1 locally; on one SLURM node the node's host name. When the
@@ -108,7 +109,6 @@ def coordinator_host(spec: dict) -> str:
     address on the route to the other nodes of the job, else the non-loopback address its host
     name resolves to, else (with a warning) the host name.
     """
-    cluster = load_cluster(spec["config"]["cluster"])
     if cluster.host:
         return str(cluster.host)
     if cluster.executor == "local":
@@ -202,18 +202,19 @@ def preempt_mark(job_dir: str, attempt: int) -> Optional[dict]:
     return mark if mark is not None and int(mark.get("attempt", -1)) == int(attempt) else None
 
 
-def fail_run_if_running(spec: dict, error: str, tags: Optional[dict] = None) -> None:
-    """End the MLflow run FAILED with ``error`` unless someone (the coordinator) already ended it."""
+def fail_run_if_running(tracking_uri: str, run_id: str, error: str, tags: Optional[dict[str, Any]] = None) -> None:
+    """End the MLflow run FAILED with ``error`` unless someone (the coordinator) already ended it.
+    ``tracking_uri``: the spec's (redacted: the credentials come from the environment) or the launcher's own."""
     try:
         from ..tracking import client
 
-        c = client(spec["tracking_uri"])
-        if c.get_run(spec["run_id"]).info.status not in ("RUNNING", "SCHEDULED"):
+        c = client(tracking_uri)
+        if c.get_run(run_id).info.status not in ("RUNNING", "SCHEDULED"):
             return
-        c.set_tag(spec["run_id"], "error", error[:5000])
+        c.set_tag(run_id, "error", error[:5000])
         for k, v in (tags or {}).items():
-            c.set_tag(spec["run_id"], k, str(v))
-        c.set_terminated(spec["run_id"], status="FAILED")
+            c.set_tag(run_id, k, str(v))
+        c.set_terminated(run_id, status="FAILED")
     except Exception as e:  # the store must not hide the job's own error
         log.warning("could not mark the MLflow run FAILED: %s", e)
 
@@ -222,15 +223,15 @@ class _RunEnded(BaseException):
     """Raised out of the signal handler when the run finished while the signal was handled."""
 
 
-def add_import_paths(spec: dict) -> None:
+def add_import_paths(spec: JobSpec) -> None:
     """Make the launch directory importable here: experiment modules (``experiments.digits``, a
     user's ``my_task``) are found from where the user launched, not installed into site-packages."""
-    for path in reversed(spec.get("import_paths") or []):
+    for path in reversed(spec.import_paths):
         if path not in sys.path:
             sys.path.insert(0, path)
 
 
-def _wait_rank0(worker: threading.Thread, coord: subprocess.Popen, spec: dict, job_dir: str, attempt: int) -> None:
+def _wait_rank0(worker: threading.Thread, coord: subprocess.Popen, spec: JobSpec, job_dir: str, attempt: int) -> None:
     """Task 0's main thread while rank 0 trains: wait for it, and leave it behind when it outlives the coordinator
     by LOST_GRACE_S. A USR2 that does not requeue (an exception from submitit's handler) fails the run."""
     try:
@@ -251,8 +252,8 @@ def _wait_rank0(worker: threading.Thread, coord: subprocess.Popen, spec: dict, j
     except Exception as e:  # from submitit's USR2 handler: the job is not requeued
         mark = preempt_mark(job_dir, attempt)
         hint = f"; resume with checkpoint.resume_from={mark['stem']}" if mark else ""
-        fail_run_if_running(spec, f"time limit / preemption: the job was not requeued ({e}){hint}",
-                            {"end_reason": "time_limit"})
+        fail_run_if_running(spec.tracking_uri, spec.run_id,
+                            f"time limit / preemption: the job was not requeued ({e}){hint}", {"end_reason": "time_limit"})
         raise
 
 
@@ -266,7 +267,7 @@ def _reap(coord: subprocess.Popen) -> None:
         coord.wait(10)
 
 
-def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: dict, job_dir: str, attempt: int) -> dict:
+def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: JobSpec, job_dir: str, attempt: int) -> dict:
     """Task 0's result from the coordinator's exit code and rank 0's (``box``: its result or its error)."""
     if rc not in (0, PREEMPT_EXIT):
         res = _read_json(os.path.join(job_dir, "result.json"))
@@ -275,7 +276,7 @@ def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: dict, job_dir: 
             why = f"the run ended {res['status']}: {res.get('failure')}"
         else:
             why = f"coordinator failed (exit code {rc}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
-            fail_run_if_running(spec, why)
+            fail_run_if_running(spec.tracking_uri, spec.run_id, why)
         if "error" in box:
             raise RuntimeError(f"{why}\nrank 0: {type(box['error']).__name__}: {box['error']}") from box["error"]
         raise RuntimeError(why)
@@ -284,7 +285,7 @@ def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: dict, job_dir: 
     if rc == PREEMPT_EXIT:  # preempted without task 0 asking (a USR1 sent by hand): no requeue
         why = ("the coordinator stopped for preemption but no requeue was asked: "
                f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
-        fail_run_if_running(spec, why, {"end_reason": "preempted"})
+        fail_run_if_running(spec.tracking_uri, spec.run_id, why, {"end_reason": "preempted"})
         raise RuntimeError(why)
     if "out" not in box:  # the coordinator ended the run; rank 0's thread was left in its cleanup
         return {"rank": 0, "left_running": True}
@@ -305,18 +306,17 @@ class RunTask(submitit.helpers.Checkpointable):
         env = submitit.JobEnvironment()
         rank, local_rank = env.global_rank, env.local_rank
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", stream=sys.stderr)
-        with open(spec_path) as fh:
-            spec = json.load(fh)
+        spec = JobSpec.load(spec_path)
         job_dir = os.path.dirname(os.path.abspath(spec_path))
-        attempt = int(spec.get("attempt", 0))
+        attempt = spec.attempt
         add_import_paths(spec)
-        cluster = load_cluster(spec["config"]["cluster"])
-        restore_visible_devices(cluster.executor, spec.get("cuda_visible_devices"), os.environ)
+        cluster = load_cluster(spec.config["cluster"])
+        restore_visible_devices(cluster.executor, spec.cuda_visible_devices, os.environ)
         gloo_interface(cluster, os.environ)
         if cluster.device != "cuda":
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         if attempt:
-            log.info("attempt %d (requeued): resuming from %s", attempt, (spec.get("resume") or {}).get("stem"))
+            log.info("attempt %d (requeued): resuming from %s", attempt, spec.resume.stem if spec.resume else None)
         if rank != 0:
             out = _run_rank(spec, rank, local_rank, job_dir, attempt, None)
             if preempt_mark(job_dir, attempt) is not None:
@@ -326,10 +326,11 @@ class RunTask(submitit.helpers.Checkpointable):
                 logging.shutdown()
                 sys.exit(0)
             return out
-        return self._task0(spec_path, spec, local_rank, job_dir, attempt)
+        return self._task0(spec_path, spec, cluster, local_rank, job_dir, attempt)
 
-    def _task0(self, spec_path: str, spec: dict, local_rank: int, job_dir: str, attempt: int) -> dict:
-        coord = spawn_coordinator(spec_path, coordinator_host(spec))
+    def _task0(self, spec_path: str, spec: JobSpec, cluster: ClusterConfig, local_rank: int, job_dir: str,
+               attempt: int) -> dict:
+        coord = spawn_coordinator(spec_path, coordinator_host(cluster))
         box: dict[str, Any] = {}
 
         def coord_dead() -> Optional[str]:
@@ -365,7 +366,8 @@ class RunTask(submitit.helpers.Checkpointable):
             log.warning("preemption signal before the run started: requeueing as submitted")
             return submitit.helpers.DelayedSubmission(RunTask(), spec_path)
         coord: subprocess.Popen = live["coord"]
-        spec, job_dir, attempt = live["spec"], live["job_dir"], live["attempt"]
+        spec: JobSpec = live["spec"]
+        job_dir, attempt = live["job_dir"], live["attempt"]
         t0 = time.monotonic()
         if coord.poll() is None:
             log.warning("preemption / time-limit signal: asking the coordinator for a bundle")
@@ -378,7 +380,8 @@ class RunTask(submitit.helpers.Checkpointable):
         rc = coord.poll()
         if rc is None:
             coord.kill()
-            fail_run_if_running(spec, f"time limit reached: no preemption bundle after {PREEMPT_WAIT_S:.0f}s",
+            fail_run_if_running(spec.tracking_uri, spec.run_id,
+                                f"time limit reached: no preemption bundle after {PREEMPT_WAIT_S:.0f}s",
                                 {"end_reason": "time_limit"})
             return None  # submitit: "Job not requeued because: checkpoint function returned None"
         if rc == 0:
@@ -389,17 +392,20 @@ class RunTask(submitit.helpers.Checkpointable):
         mark = preempt_mark(job_dir, attempt)
         if rc != PREEMPT_EXIT or mark is None:
             log.error("the coordinator ended with exit code %s instead of a preemption bundle", rc)
-            fail_run_if_running(spec, f"time limit / preemption: the coordinator ended with exit code {rc} "
+            fail_run_if_running(spec.tracking_uri, spec.run_id,
+                                f"time limit / preemption: the coordinator ended with exit code {rc} "
                                 f"instead of a bundle:\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}",
                                 {"end_reason": "time_limit"})
             return None
         return self._requeue_spec(live, mark, time.monotonic() - t0)
 
     def _requeue_spec(self, live: dict, mark: dict, waited_s: float) -> Optional[submitit.helpers.DelayedSubmission]:
+        from ..bundle_meta import Resume
         from ..checkpoint import check_pieces, load_meta
         from ..fsio import atomic_json
 
-        spec, job_dir, attempt = live["spec"], live["job_dir"], live["attempt"]
+        spec: JobSpec = live["spec"]
+        job_dir, attempt = live["job_dir"], live["attempt"]
         stem = str(mark["stem"])
         try:
             meta = load_meta(stem)
@@ -409,11 +415,11 @@ class RunTask(submitit.helpers.Checkpointable):
         if bad:  # never requeue onto a bundle that cannot resume
             why = f"time limit / preemption: the bundle {stem} cannot resume: {bad}"
             log.error("%s: not requeued", why)
-            fail_run_if_running(spec, why, {"end_reason": "bundle_failed"})
+            fail_run_if_running(spec.tracking_uri, spec.run_id, why, {"end_reason": "bundle_failed"})
             return None
-        nxt = dict(spec, attempt=attempt + 1, resume={"stem": stem, "meta": meta})
+        nxt = spec.requeued(Resume(stem=stem, meta=meta))
         path = os.path.join(job_dir, f"spec.attempt{attempt + 1}.json")
-        atomic_json(nxt, path, mode=0o600)
+        atomic_json(nxt.to_dict(), path, mode=0o600)
         for name, dest in (("result.json", f"result.attempt{attempt}.json"), ("rendezvous.json", None)):
             p = os.path.join(job_dir, name)
             try:
@@ -424,7 +430,7 @@ class RunTask(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(RunTask(), path)
 
 
-def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int,
+def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: int,
               coord_dead: Optional[Callable[[], Optional[str]]]) -> dict:
     from ..rank.fault_inject import CONNECT_STEP, inject_fault, parse_fault
     from .rendezvous import wait_rendezvous, write_rank_marker
@@ -433,12 +439,12 @@ def _run_rank(spec: dict, rank: int, local_rank: int, job_dir: str, attempt: int
     fault = parse_fault(os.environ.get(FAULT_ENV), rank)
     if fault is not None and fault[0] == CONNECT_STEP:
         inject_fault(fault[1], rank, CONNECT_STEP)  # test hook: a rank lost during rendezvous
-    timeout, since = load_cluster(spec["config"]["cluster"]).rendezvous_timeout_s, time.monotonic()
+    timeout, since = load_cluster(spec.config["cluster"]).rendezvous_timeout_s, time.monotonic()
 
     def rdv() -> dict:  # the rank builds its replica and data set first, while the coordinator starts
         return wait_rendezvous(job_dir, timeout, coord_dead, attempt=attempt, since=since)
 
-    loop = spec["config"]["experiment"].get("loop")
+    loop = spec.experiment_loop
     if loop:  # the cooperative tier: the user's loop drives the rank (rank/cooperative.py)
         from hydra.utils import get_method
 

@@ -456,7 +456,7 @@ class RunHandle:
                 self._append_event({"event": "end", "status": "FAILED", "failure": failure})
             except OSError as e:
                 print(f"warning: could not append the end event to events.jsonl: {e}", file=sys.stderr)
-        fail_run_if_running({"tracking_uri": self._live_uri, "run_id": self.run_id}, failure, {"end_reason": HOST_LOST})
+        fail_run_if_running(self._live_uri, self.run_id, failure, {"end_reason": HOST_LOST})
         self._ended = True
         for name in ("result.json", "events.jsonl"):
             try:
@@ -581,7 +581,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
         print(f"warning: {w}", file=sys.stderr)
     root = os.path.abspath(root or os.getcwd())
-    import_paths = experiment_import_paths(root)  # the tasks add them (spec["import_paths"]); here only the resume check
+    import_paths = experiment_import_paths(root)  # the tasks add them (JobSpec.import_paths); here only the resume check
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from ..checkpoint import validate_resume
@@ -590,6 +590,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
             resume = validate_resume(cfg)
     from ..tracking import URI_ENV, create_run, redact_uri, resolve_tracking
     from .executor import make_executor
+    from .spec import JobSpec
 
     full_uri, art = resolve_tracking(cfg.tracking, root)
     # Credentials never reach a file or the store: params, config.yaml, spec.json and the handle's tracking_uri
@@ -608,11 +609,11 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     for sub in ("submitit", "checkpoints", "ranks"):
         _private_dir(os.path.join(job_dir, sub))
     stem = cfg.checkpoint.save_path or os.path.join(job_dir, "checkpoints", "final")
-    spec = {"config": resolved, "run_id": run_id, "tracking_uri": uri, "job_dir": job_dir,
-            "checkpoint_stem": os.path.abspath(stem), "shuffle_seed": int(cfg.seed), "resume": resume,
-            "import_paths": import_paths, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    spec = JobSpec(config=resolved, run_id=run_id, tracking_uri=uri, job_dir=job_dir,
+                   checkpoint_stem=os.path.abspath(stem), shuffle_seed=int(cfg.seed), resume=resume,
+                   import_paths=tuple(import_paths), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
     spec_path = os.path.join(job_dir, "spec.json")
-    _private_write(spec_path, json.dumps(spec, indent=1))
+    _private_write(spec_path, json.dumps(spec.to_dict(), indent=1))
     _private_write(os.path.join(job_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(resolved)))
     from ..tracking import client
 
@@ -632,8 +633,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         end_run(full_uri, run_id, "FAILED", error=str(err))
         raise err from e
     tags = {"job_id": str(job.job_id), "job_dir": job_dir}
-    if resume:
-        tags["resumed_from"] = resume["stem"]
+    if resume is not None:
+        tags["resumed_from"] = resume.stem
     if cfg.cluster.executor == "slurm":
         tags["slurm_job_id"] = str(job.job_id)
     from mlflow.entities import RunTag

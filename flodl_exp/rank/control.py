@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..averaging import consensus_state, float_buffers
+from ..bundle_meta import Resume
 from ..outer import OuterOptimizer, OuterSpec, OuterStep
 from ..protocol import Batch as BatchReport
 from ..protocol import (
@@ -134,16 +135,16 @@ class RankControl:
         self._handlers = self._handler_table()
 
     # -- resume -------------------------------------------------------------
-    def resume_from(self, resume: Optional[dict[str, Any]]) -> None:
+    def resume_from(self, resume: Optional[Resume]) -> None:
         """Load model (and nccl: outer optimizer) state from the resume bundle (validated by the launcher)."""
-        if not resume:
+        if resume is None:
             return
         from ..checkpoint import load_model_state
 
-        stem = resume["stem"]
+        stem = resume.stem
         self.trainer.model.load_state_dict(load_model_state(stem, map_location=str(self.device)))
         self.resume_stem = stem  # the optimizer state follows as training starts (load_resumed_optimizer)
-        self.trainer.global_step = int(resume["meta"]["global_step"])
+        self.trainer.global_step = resume.meta.global_step
         if self.outer is not None:
             from ..checkpoint import load_outer_state
 

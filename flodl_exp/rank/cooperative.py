@@ -33,6 +33,7 @@ from ..scalars import record_scalar as _record_scalar
 from .trainer import Batch, OptimizerSet
 
 if TYPE_CHECKING:
+    from ..jobs.spec import JobSpec
     from .control import RankControl
 
 
@@ -44,7 +45,7 @@ class LoopMisuse(RuntimeError):
 class RankContext:
     """What the job hands the cooperative tier: how to build this rank's worker, and its result."""
 
-    spec: dict[str, Any]
+    spec: JobSpec
     rank: int
     local_rank: int
     rendezvous: dict[str, Any] | Callable[[], dict[str, Any]]
@@ -68,7 +69,7 @@ def run_loop(loop: Callable[[Any], Any], ctx: RankContext) -> dict[str, Any]:
 
     _context = ctx
     try:
-        loop(load_config(ctx.spec["config"]))
+        loop(load_config(ctx.spec.config))
     finally:
         _context = None
     name = getattr(loop, "__qualname__", repr(loop))

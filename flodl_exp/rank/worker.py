@@ -26,6 +26,7 @@ from ..averaging import float_buffers
 from ..config import RunShape, load_config
 from ..constants import FAULT_ENV, LOST_GRACE_S
 from ..experiment import build_experiment
+from ..jobs.spec import JobSpec
 from ..outer import OuterOptimizer
 from ..protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError, encode
 from ..store_names import pin_gloo_to_loopback
@@ -115,9 +116,9 @@ class RankWorker:
     ``owns_process``: the rank is its process's only job, so a stuck main thread may be ended by exiting
     (task 0 trains rank 0 on a thread beside the coordinator's keeper, which decides instead)."""
 
-    def __init__(self, spec: dict[str, Any], rank: int, local_rank: int,
+    def __init__(self, spec: JobSpec, rank: int, local_rank: int,
                  rendezvous: dict[str, Any] | Callable[[], dict[str, Any]], owns_process: bool = True) -> None:
-        cfg = load_config(spec["config"])
+        cfg = load_config(spec.config)
         self.owns_process = owns_process
         self.ended = threading.Event()
         """Set once run() has cleaned up: the reader thread's watchdogs wait on it."""
@@ -138,7 +139,7 @@ class RankWorker:
         augment = max(1, cfg.data_plane.augment)
         exp = build_experiment(cfg.experiment, world_size=self.world_size, device=self.device, seed=cfg.seed, augment=augment)
         self.trainer = RankTrainer(
-            exp, device=self.device, world_size=self.world_size, seed=int(spec.get("shuffle_seed", cfg.seed)),
+            exp, device=self.device, world_size=self.world_size, seed=spec.shuffle_seed,
             augment=augment, batch_size=cfg.experiment.batch_size, speed=float(speeds[rank]),
             lr_scale_ratio=cfg.mode.lr_scale_ratio, max_grad_norm=cfg.mode.max_grad_norm,
         )
@@ -165,7 +166,7 @@ class RankWorker:
             gamma=cfg.mode.gamma, outer_spec=shape.outer, outer=outer, cpu=CoordinatorBackend(bf16_wire=cfg.mode.bf16_wire),
             join_group=self._join_group,
             fault=fault if fault is not None and fault[0] >= 0 else None)  # "connect" faults fire in the task
-        self.control.resume_from(spec.get("resume"))
+        self.control.resume_from(spec.resume)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rank-heartbeat", daemon=True).start()
         # Data plane (rank/data): prefetch + sample cache; control is drained while waiting on a batch.
