@@ -135,6 +135,7 @@ class SimProcess:
         import torch
 
         from flodl_exp import wire
+        from flodl_exp.hello import Hello
         from flodl_exp.rank.backends import CoordinatorBackend, snapshot_nbytes
 
         torch.manual_seed(0)
@@ -150,9 +151,9 @@ class SimProcess:
         self.bs = bs
         for r in ranks:
             conn = wire.dial(HOST, int(rdv["port"]), timeout=30)
-            wire.client_handshake(conn, rdv["token"], {
-                "rank": r, "host": os.uname().nodename, "pid": os.getpid(), "device": "cpu", "device_uuid": None,
-                "device_score": None, "model_bytes": model_bytes, "samples": int(rdv["samples"])}, timeout=60)
+            hello = Hello(rank=r, host=os.uname().nodename, pid=os.getpid(), device="cpu", model_bytes=model_bytes,
+                          samples=int(rdv["samples"]))
+            wire.client_handshake(conn, rdv["token"], hello.to_dict(), timeout=60)
             conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
             sim = SimRank(r, conn, ms=10.0 if r % 4 else 14.0)  # a little heterogeneity for ElChe
             self.sims.append(sim)

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from flodl_exp.bundle_meta import Resume
 from flodl_exp.config import Config
 from flodl_exp.control.coordinator import Coordinator
+from flodl_exp.hello import Hello
 from flodl_exp.jobs.spec import JobSpec
 from flodl_exp.protocol import (
     Batch,
@@ -136,7 +137,7 @@ class Harness:
 
     def start(self, samples: int = SAMPLES) -> dict[int, list[StartEpoch]]:
         for r in range(self.world):
-            self.co.on_event(("join", r, {"samples": samples, "host": "h", "pid": 100 + r}))
+            self.co.on_event(("join", r, Hello(rank=r, samples=samples, host="h", pid=100 + r)))
         self.co.start()
         return self.plans()
 

@@ -14,6 +14,7 @@ from control_fakes import BATCH, SAMPLES, Harness
 
 from flodl_exp.control.lifecycle import Phase, Status
 from flodl_exp.control.preemption import PREEMPT_SAVE_DEADLINE_S, TERM_GRACE_S, Stage
+from flodl_exp.hello import Hello
 from flodl_exp.protocol import (
     EvalResult,
     ExecuteEval,
@@ -290,7 +291,7 @@ def test_a_rank_lost_while_connecting_fails_the_run_naming_it(tmp_path, kind):
     from flodl_exp.control.lifecycle import RunFailure
 
     h = Harness(tmp_path, "nccl_sync", world=2)
-    h.co.on_event(("join", 0, {"samples": SAMPLES}))
+    h.co.on_event(("join", 0, Hello(rank=0, samples=SAMPLES)))
     if kind == "closed":
         with pytest.raises(RunFailure, match="rank 1 failed before training started"):
             h.co.on_event(("closed", 1, "closed"))
@@ -526,7 +527,7 @@ def test_a_rank_lost_before_it_joined_is_named_at_once(tmp_path):
     from flodl_exp.jobs.rendezvous import rank_marker_path, write_rank_marker
 
     h = Harness(tmp_path, "nccl_sync", world=2)
-    h.co.on_event(("join", 0, {"samples": SAMPLES}))
+    h.co.on_event(("join", 0, Hello(rank=0, samples=SAMPLES)))
     write_rank_marker(h.job_dir, 1, 0)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     marker = json.load(open(rank_marker_path(h.job_dir, 1)))
@@ -553,7 +554,7 @@ def test_a_rank_lost_during_start_up_leads_the_error_before_a_collateral_close(t
 
     h = Harness(tmp_path, "nccl_sync", world=3)
     for r in (0, 2):
-        h.co.on_event(("join", r, {"samples": SAMPLES}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=SAMPLES)))
     task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         write_rank_marker(h.job_dir, 1, 0)
@@ -582,7 +583,7 @@ def test_a_close_while_a_rank_is_missing_is_blamed_after_the_grace(tmp_path):
 
     h = Harness(tmp_path, "nccl_sync", world=3)
     for r in (0, 2):
-        h.co.on_event(("join", r, {"samples": SAMPLES}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=SAMPLES)))
     h.co.on_event(("closed", 2, "closed"))
     h.co.on_event(("closed", 0, "RuntimeError: store timeout"))
     h.clock.advance(LOST_PEER_GRACE_S - 0.5)
@@ -677,7 +678,7 @@ def test_the_regroup_generator_is_the_lowest_live_rank_on_the_coordinators_host(
     here = os.uname().nodename
     hosts = {0: "elsewhere", 1: here, 2: here, 3: here}
     for r in range(4):
-        h.co.on_event(("join", r, {"samples": SAMPLES, "host": hosts[r], "pid": 100 + r}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=SAMPLES, host=hosts[r], pid=100 + r)))
     h.co.start()
     plans = h.plans()
     for r, ms in ((0, 1.0), (1, 9.0), (2, 2.0), (3, 3.0)):  # rank 2 is the fastest co-located rank

@@ -20,6 +20,7 @@ from flodl_exp.control.commands import Broadcast, Command, RankMessage, Record, 
 from flodl_exp.control.coordinator import Coordinator
 from flodl_exp.control.core import ControlCore, recording_core
 from flodl_exp.control.lifecycle import Phase, Status
+from flodl_exp.hello import Hello
 from flodl_exp.protocol import (
     Batch,
     ChunkMetrics,
@@ -90,7 +91,7 @@ class AsCoordinator:
 
     def start(self, samples: int) -> None:
         for r in range(self.co.W):
-            self.co.on_event(("join", r, {"samples": samples, "host": "h", "pid": 100 + r}))
+            self.co.on_event(("join", r, Hello(rank=r, samples=samples, host="h", pid=100 + r)))
         self.co.start()
 
     def send(self, r: int, p: Payload) -> None:

@@ -10,6 +10,7 @@ from control_fakes import Harness
 from rank_fakes import rank_control
 
 from flodl_exp.control.cohort import Cohort
+from flodl_exp.hello import Hello
 from flodl_exp.protocol import EpochAggregated, EpochFnResult, SetEpochRole
 
 
@@ -55,7 +56,7 @@ def test_a_failing_hook_is_reported_not_fatal():
 def test_the_coordinator_names_the_epoch_role_and_tells_every_rank_each_aggregate(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=2, epochs=2, **EPOCH_PROBE)
     for r in range(2):
-        h.co.on_event(("join", r, {"samples": 96, "host": "h", "pid": 100 + r}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=96, host="h", pid=100 + r)))
     h.co.start()
     sent = h.transport.take()
     roles = [(r, p.rank) for r, p in sent if isinstance(p, SetEpochRole)]

@@ -19,6 +19,7 @@ from rank_fakes import rank_control
 from flodl_exp.config import ConfigError, validate
 from flodl_exp.control.devices import CollectiveRefused, RankDevice, choose_collective, shared_devices
 from flodl_exp.control.lifecycle import RunFailure
+from flodl_exp.hello import Hello
 from flodl_exp.jobs.executor import restore_visible_devices
 from flodl_exp.protocol import (
     CoordHeartbeat,
@@ -77,7 +78,7 @@ def test_a_forced_nccl_that_cannot_run_is_refused_in_one_line():
 def test_the_coordinator_sends_the_cohorts_backend_before_the_first_chunk(tmp_path):
     h = Harness(tmp_path, "nccl_cadence", 2)
     for r in range(2):
-        h.co.on_event(("join", r, {"samples": 256, "host": "h", "pid": 100 + r, "device": "cuda:0", "device_uuid": "GPU-x"}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=256, host="h", pid=100 + r, device="cuda:0", device_uuid="GPU-x")))
     h.co.start()
     sent = h.transport.take()
     first = {r: next(type(p) for rr, p in sent if rr == r) for r in range(2)}
@@ -90,7 +91,7 @@ def test_a_forced_nccl_on_a_shared_gpu_fails_the_run_before_training(tmp_path):
     forced: dict[str, Any] = {"cluster.collective": "nccl"}
     h = Harness(tmp_path, "nccl_cadence", 2, **forced)
     for r in range(2):
-        h.co.on_event(("join", r, {"samples": 256, "host": "h", "pid": 100 + r, "device": "cuda:0", "device_uuid": "GPU-x"}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=256, host="h", pid=100 + r, device="cuda:0", device_uuid="GPU-x")))
     with pytest.raises(RunFailure, match="share one GPU"):
         h.co.start()
     assert not h.transport.take(StartEpoch)

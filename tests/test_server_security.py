@@ -17,6 +17,7 @@ import torch
 
 from flodl_exp import wire
 from flodl_exp.control.server import MAX_HANDSHAKES, RankServer, start_store
+from flodl_exp.hello import Hello
 from flodl_exp.protocol import CoordHeartbeat, RankError, encode
 from flodl_exp.store_names import group_prefix, is_loopback_host, loopback_ifname, pin_gloo_to_loopback
 from flodl_exp.wire import Message
@@ -344,7 +345,7 @@ def test_a_dropped_connection_leaves_conns_with_its_partial_frame(server):
     pytest.param({"rank": 1.9, "model_bytes": 10}, "hello rank 1.9 is not an int in [0, 2)", id="rank-float"),
     pytest.param({"rank": True}, "hello rank True", id="rank-bool"),
     pytest.param({"rank": "0"}, "hello rank '0'", id="rank-str"),
-    pytest.param({"model_bytes": 10}, "hello rank None", id="rank-missing"),
+    pytest.param({"model_bytes": 10}, "hello rank is missing", id="rank-missing"),
     pytest.param({"rank": 2}, "hello rank 2 is not an int in [0, 2)", id="rank-out-of-range"),
     pytest.param({"rank": -1}, "hello rank -1", id="rank-negative"),
     pytest.param({"rank": 0, "model_bytes": 1e300}, "hello model_bytes 1e+300", id="model-bytes-huge-float"),
@@ -371,14 +372,16 @@ def test_a_hello_with_bad_values_is_refused_with_its_reason(server, hello, reaso
         time.sleep(0.02)
     assert srv.rejected == 1 and srv.conns == {} and srv.events.empty()
     good = _join(srv.port, 0)  # nothing was reserved: rank 0 can still join
-    assert _next_event(srv.events, "join")[1] == 0 and srv.conns[0].max_frame_bytes == wire.frame_ceiling(1000)
+    joined = _next_event(srv.events, "join")
+    assert joined[1] == 0 and srv.conns[0].max_frame_bytes == wire.frame_ceiling(1000)
+    assert joined[2] == Hello(rank=0, model_bytes=1000)  # the event loop gets the checked, typed hello
     good.close()
 
 
 def test_a_valid_full_hello_joins():
-    from flodl_exp.control.server import hello_problem
-
     full = {"rank": 1, "host": "n1", "pid": 42, "device": "cuda:0", "device_uuid": "GPU-1", "device_score": 2.5,
             "model_bytes": 4 * 10**9, "samples": 60000, "inputs": [{"name": "train"}], "added_later": object()}
-    assert hello_problem(full, 2) is None
-    assert hello_problem({"rank": 0, "device_uuid": None, "device_score": None}, 1) is None
+    assert Hello.from_dict(full, 2) == Hello(rank=1, host="n1", pid=42, device="cuda:0", device_uuid="GPU-1",
+                                             device_score=2.5, model_bytes=4 * 10**9, samples=60000,
+                                             inputs=({"name": "train"},))
+    assert Hello.from_dict({"rank": 0, "device_uuid": None, "device_score": None}, 1) == Hello(rank=0)

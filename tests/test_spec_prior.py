@@ -7,6 +7,7 @@ import pytest
 from control_fakes import SAMPLES, Harness
 
 from flodl_exp.control.devices import RankDevice, device_score, spec_prior_anchor
+from flodl_exp.hello import Hello
 
 GiB = 2**30
 
@@ -39,8 +40,8 @@ def test_no_prior_without_a_score_for_every_gpu(devs):
 def _start(h: Harness, scores: list) -> None:
     for r, s in enumerate(scores):
         dev = "cpu" if s is None else f"cuda:{r}"
-        h.co.on_event(("join", r, {"samples": SAMPLES, "host": "h", "pid": 100 + r, "device": dev,
-                                   "device_uuid": None if s is None else f"GPU-{r}", "device_score": s}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=SAMPLES, host="h", pid=100 + r, device=dev,
+                                   device_uuid=None if s is None else f"GPU-{r}", device_score=s)))
     h.co.start()
 
 

@@ -9,6 +9,7 @@ from control_fakes import Harness
 from test_data_plane import Synth, drain, make_trainer
 
 from flodl_exp.control.chunk_pool import ChunkPool, stage_advisory
+from flodl_exp.hello import Hello
 from flodl_exp.partition import make_partition
 from flodl_exp.protocol import StageAdvisory
 from flodl_exp.rank.data.cache import SampleCache
@@ -58,7 +59,7 @@ def test_staged_picks_are_served_from_the_cache_when_the_chunk_comes():
 def test_the_coordinator_advises_each_rank_at_epoch_start_this_epoch_and_the_next(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
     for r in range(2):
-        h.co.on_event(("join", r, {"samples": 960, "host": "h", "pid": 100 + r}))
+        h.co.on_event(("join", r, Hello(rank=r, samples=960, host="h", pid=100 + r)))
     h.co.start()
     adv = {r: p for r, p in h.transport.take() if isinstance(p, StageAdvisory)}
     assert sorted(adv) == [0, 1]

@@ -1,4 +1,4 @@
-"""The typed values that cross a file or process boundary as JSON: the job spec and the bundle meta.
+"""The typed values that cross a file or process boundary as JSON: the job spec, the rank's hello, the bundle meta.
 
 Each round-trips through its JSON form, reads what older writers wrote, and refuses a missing or bad key with
 one line naming it.
@@ -14,7 +14,9 @@ from control_fakes import SAMPLES, FakeSink, FakeTransport, Harness, make_config
 from flodl_exp import checkpoint as ck
 from flodl_exp.bundle_meta import META_SCHEMA_VERSION, BundleMeta, MetaCoverage, Resume
 from flodl_exp.control.coordinator import Coordinator
+from flodl_exp.control.devices import RankDevice
 from flodl_exp.control.lifecycle import Status
+from flodl_exp.hello import Hello, HelloError
 from flodl_exp.jobs.spec import JobSpec
 from flodl_exp.json_fields import FieldError
 from flodl_exp.protocol import EvalResult, SaveResult
@@ -116,6 +118,41 @@ def test_load_names_the_file_and_the_key(tmp_path):
     _one_line(e, str(path), "not a readable job spec")
     path.write_text(json.dumps(_spec().to_dict()))
     assert JobSpec.load(str(path)) == _spec()
+
+
+# ---------------------------------------------------------------- the hello
+def test_the_hello_round_trips_through_the_handshake_fields():
+    hello = Hello(rank=1, host="n1", pid=42, device="cuda:0", device_uuid="GPU-1", device_score=92.0, model_bytes=10,
+                  samples=60000, inputs=({"name": "training", "digest": "ab"},))
+    assert Hello.from_dict(_json(hello.to_dict()), world_size=2) == hello
+    assert Hello.from_dict(_json(Hello(rank=0).to_dict())) == Hello(rank=0)
+    assert Hello.from_dict({"rank": 0, "samples": 3, "device_score": 7}).device_score == 7.0  # JSON: one number type
+    assert RankDevice.of(1, hello) == RankDevice(rank=1, host="n1", device="cuda:0", uuid="GPU-1", score=92.0)
+    assert RankDevice.of(0, Hello(rank=0)) == RankDevice(rank=0, host="unknown", device="cpu")
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    pytest.param({}, ["hello rank is missing"], id="rank-missing"),
+    pytest.param({"rank": 3}, ["hello rank 3 is not an int in [0, 2)"], id="rank-range"),
+    pytest.param({"rank": 0, "samples": -2}, ["hello samples -2 is not a non-negative int"], id="samples"),
+    pytest.param({"rank": 0, "device_score": "fast"}, ["hello device_score 'fast' is not a finite number"], id="score"),
+    pytest.param({"rank": 0, "inputs": [{}, 2]}, ["hello inputs[1] 2 is not an object"], id="inputs"),
+    pytest.param([0], ["hello is not an object"], id="not-an-object"),
+])
+def test_a_bad_hello_is_refused_naming_the_key(fields, words):
+    with pytest.raises(HelloError) as e:
+        Hello.from_dict(fields, world_size=2)
+    _one_line(e, *words)
+
+
+def test_the_coordinator_reads_the_typed_hello(tmp_path):
+    h = Harness(tmp_path, "cpu_sync", world=2)
+    h.co.on_event(("join", 0, Hello(rank=0, host="n0", pid=5, samples=SAMPLES, inputs=({"name": "training"},))))
+    assert h.co.total_picks == SAMPLES and h.co.records.hosts[0] == "n0" and h.co.devices[0].device == "cpu"
+    assert h.sink.inputs == [{"name": "training"}]
+    with open(h.co.events.path) as fh:
+        joined = [e for e in map(json.loads, fh) if e.get("event") == "joined"]
+    assert [(e["rank"], e["pid"], e["host"], e["device"]) for e in joined] == [(0, 5, "n0", None)]
 
 
 # ---------------------------------------------------------------- the bundle meta

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from ..bundle_meta import Resume
 from ..config import RunShape, load_config
+from ..hello import Hello
 from ..jobs.spec import JobSpec
 from ..protocol import (
     Batch,
@@ -60,7 +61,7 @@ closes), often before its own process reads as gone (a zombie until the task man
 second under submitit's local executor)."""
 
 Event = tuple[Any, ...]
-"""From the rank server: ``("join", rank, hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
+"""From the rank server: ``("join", rank, Hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
 
 
 
@@ -341,17 +342,17 @@ class Coordinator:
                 return
             self.declare_dead(rank, "connection closed" if ev[2] == "closed" else str(ev[2]))
 
-    def _on_join(self, r: int, hello: dict[str, Any]) -> None:
+    def _on_join(self, r: int, hello: Hello) -> None:
         self.cohort.join(r, self.clock())
-        self.records.hosts[r] = str(hello.get("host", "unknown"))
+        self.records.hosts[r] = hello.host or "unknown"
         self.devices[r] = RankDevice.of(r, hello)
-        if hello.get("inputs") and not self._inputs_logged:  # rank 0's data sets, once (a rejoin sends them again)
+        if hello.inputs and not self._inputs_logged:  # rank 0's data sets, once (a rejoin sends them again)
             self._inputs_logged = True
-            self.sink.log_inputs(list(hello["inputs"]))
-        self.total_picks = int(hello.get("samples", 0)) * max(1, self.cfg.data_plane.augment)
-        log.info("rank %d joined from %s (%s)", r, hello.get("host"), hello.get("device"))
-        self.events.emit({"event": "joined", "rank": r, "pid": hello.get("pid"), "host": hello.get("host"),
-                          "device": hello.get("device"), "device_uuid": hello.get("device_uuid")})
+            self.sink.log_inputs([dict(i) for i in hello.inputs])
+        self.total_picks = hello.samples * max(1, self.cfg.data_plane.augment)
+        log.info("rank %d joined from %s (%s)", r, hello.host, hello.device)
+        self.events.emit({"event": "joined", "rank": r, "pid": hello.pid, "host": hello.host, "device": hello.device,
+                          "device_uuid": hello.device_uuid})
 
     def on_message(self, r: int, msg: Message) -> None:
         try:

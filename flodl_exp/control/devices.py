@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from ..config import COLLECTIVES
+from ..hello import Hello
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,9 @@ class RankDevice:
         return ("uuid", self.uuid) if self.uuid else (self.host, self.device)
 
     @classmethod
-    def of(cls, rank: int, hello: Mapping[str, Any]) -> RankDevice:
-        uuid = hello.get("device_uuid")
-        score = hello.get("device_score")
-        return cls(rank=int(rank), host=str(hello.get("host", "unknown")), device=str(hello.get("device", "cpu")),
-                   uuid=str(uuid) if uuid else None,
-                   score=float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None)
+    def of(cls, rank: int, hello: Hello) -> RankDevice:
+        return cls(rank=rank, host=hello.host or "unknown", device=hello.device or "cpu",
+                   uuid=hello.device_uuid or None, score=hello.device_score)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The coordinator's side of the wire: accept, authenticate, and read rank connections.
 
 Three kinds of thread turn the sockets into events on a single queue consumed by
-the coordinator's event loop: ``("join", rank, hello)``, ``("msg", rank, Message)``,
+the coordinator's event loop: ``("join", rank, Hello)``, ``("msg", rank, Message)``,
 ``("closed", rank, reason)`` (at most one ``closed`` per rank):
 
 * one accept thread;
@@ -17,10 +17,11 @@ the coordinator's event loop: ``("join", rank, hello)``, ``("msg", rank, Message
 
 A peer that fails the handshake (wrong token, random bytes, an oversized or
 malformed frame) is closed with a log line; the run goes on. An authenticated hello
-whose values do not fit (:func:`hello_problem`: a rank that is no int in range, a
-model size that is no sane int) is refused with its reason (``server_reject``) before
-anything is reserved. A rank id is reserved under the lock before the welcome goes
-out, so two clients can never both be accepted as one rank.
+whose values do not fit (:meth:`~flodl_exp.hello.Hello.from_dict`: a rank that is no int in
+range, a model size that is no sane int) is refused with its reason (``server_reject``) before
+anything is reserved; the event loop gets the checked :class:`~flodl_exp.hello.Hello`. A rank id
+is reserved under the lock before the welcome goes out, so two clients can never both be
+accepted as one rank.
 
 The accept thread outlives a failed ``accept`` (descriptors exhausted, a connection
 aborted in the backlog): it logs once, backs off (:data:`ACCEPT_BACKOFF_S`) and accepts
@@ -40,16 +41,16 @@ connections through a queue and a wake-up socket.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeGuard
+from typing import Any, Callable, Optional
 
 from .. import wire
+from ..hello import Hello, HelloError
 from ..wire import Connection, Message
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -62,65 +63,6 @@ READ_CHUNK = 256 * 1024
 """Bytes the read thread takes from one socket per turn (a snapshot larger than this takes several turns)."""
 ACCEPT_BACKOFF_S = (0.05, 2.0)
 """After a failed accept: wait the first, doubling on each failure in a row up to the second, then accept again."""
-MAX_MODEL_BYTES = 2**40
-"""The largest ``model_bytes`` a hello may state (a terabyte of float32 state; past it the number is garbage).
-It sizes the connection's frame ceiling (``wire.frame_ceiling``)."""
-_I64_MAX = 2**63 - 1
-
-
-def _is_int(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _show(v: Any) -> str:
-    if _is_int(v) and not -(10**30) < v < 10**30:
-        return f"an int of {v.bit_length()} bits"  # repr of a 5,000-digit int raises
-    if v is None or isinstance(v, (int, float)):
-        return repr(v)
-    return f"{v!r:.40}" if isinstance(v, str) else f"a {type(v).__name__}"
-
-
-def hello_problem(hello: dict[str, Any], world_size: int) -> Optional[str]:
-    """Why an authenticated ``hello`` cannot join (None: it can), checked before its rank is reserved or
-    welcomed, so a bad value is refused with a reason the rank logs instead of taken half-way (``rank: 1.9``
-    as rank 1, a negative ``model_bytes`` welcomed then closed, ``1e300`` lifting the frame ceiling) or
-    crashing the event loop that reads it (``int(hello["samples"])``).
-
-    ``rank``: an int in ``[0, world_size)`` (required); ``model_bytes``: an int in ``[0, MAX_MODEL_BYTES]``
-    (default 0); ``pid``, ``samples``: non-negative ints; ``device_score``: a finite number; ``host``,
-    ``device``: str; ``device_uuid``: str; ``inputs``: a list of objects. Each but ``rank`` may be absent
-    (or None); fields this version does not read are not checked."""
-    rank = hello.get("rank")
-    if not _is_int(rank) or not 0 <= rank < world_size:
-        return f"hello rank {_show(rank)} is not an int in [0, {world_size})"
-    model_bytes = hello.get("model_bytes", 0)
-    if not _is_int(model_bytes) or not 0 <= model_bytes <= MAX_MODEL_BYTES:
-        return f"hello model_bytes {_show(model_bytes)} is not an int in [0, 2**40]"
-    for name in ("pid", "samples"):
-        v = hello.get(name)
-        if v is not None and not (_is_int(v) and 0 <= v <= _I64_MAX):
-            return f"hello {name} {_show(v)} is not a non-negative int"
-    score = hello.get("device_score")
-    if score is not None and not (isinstance(score, (int, float)) and not isinstance(score, bool)
-                                  and _finite(score)):
-        return f"hello device_score {_show(score)} is not a finite number"
-    for name in ("host", "device", "device_uuid"):
-        v = hello.get(name)
-        if v is not None and not isinstance(v, str):
-            return f"hello {name} {_show(v)} is not a str"
-    inputs = hello.get("inputs")
-    if inputs is not None and not (isinstance(inputs, list) and all(isinstance(i, dict) for i in inputs)):
-        return "hello inputs is not a list of objects"
-    return None
-
-
-def _finite(v: int | float) -> bool:
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
 class RankServer:
     def __init__(self, host: str, token: str, world_size: int, events: queue.Queue[tuple], handshake_timeout: float = 10.0,
                  *, max_handshakes: int = MAX_HANDSHAKES, send_stall_timeout: Optional[float] = SEND_STALL_TIMEOUT_S) -> None:
@@ -199,24 +141,29 @@ class RankServer:
                 conn.close()
                 self._stop.wait(ACCEPT_BACKOFF_S[0])
 
-    def _handshake(self, conn: Connection) -> tuple[int, dict[str, Any]]:
-        """Authenticate, reserve the rank, welcome; raises on any failure (the reservation is released)."""
-        hello = wire.server_handshake(conn, self.token, timeout=self.handshake_timeout)
-        problem = hello_problem(hello, self.world_size)
-        rank: int = hello["rank"] if problem is None else -1
+    def _handshake(self, conn: Connection) -> tuple[int, Hello]:
+        """Authenticate, read the hello, reserve the rank, welcome; raises on any failure (the reservation is
+        released)."""
+        fields = wire.server_handshake(conn, self.token, timeout=self.handshake_timeout)
+        try:
+            hello = Hello.from_dict(fields, self.world_size)
+        except HelloError as e:
+            wire.server_reject(conn, str(e))
+            raise wire.WireError(str(e)) from None
+        rank = hello.rank
         with self._lock:
-            if problem is None and rank in self._reserved:
-                problem = f"rank {rank} already claimed or connected"
-            if problem is None:
+            taken = rank in self._reserved
+            if not taken:
                 self._reserved.add(rank)
-        if problem:
+        if taken:
+            problem = f"rank {rank} already claimed or connected"
             wire.server_reject(conn, problem)
             raise wire.WireError(problem)
         try:
             if self.before_welcome is not None:
                 self.before_welcome(rank)
             wire.server_accept(conn, {"world_size": self.world_size})
-            conn.max_frame_bytes = wire.frame_ceiling(hello.get("model_bytes", 0))
+            conn.max_frame_bytes = wire.frame_ceiling(hello.model_bytes)
         except BaseException:
             with self._lock:
                 self._reserved.discard(rank)

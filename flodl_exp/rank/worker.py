@@ -26,6 +26,7 @@ from ..averaging import float_buffers
 from ..config import RunShape, load_config
 from ..constants import FAULT_ENV, LOST_GRACE_S
 from ..experiment import build_experiment
+from ..hello import Hello
 from ..jobs.spec import JobSpec
 from ..outer import OuterOptimizer
 from ..protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError, encode
@@ -148,13 +149,11 @@ class RankWorker:
             rendezvous = rendezvous()
         self.conn = wire.dial(rendezvous["host"], int(rendezvous["port"]), timeout=cfg.cluster.rendezvous_timeout_s)
         model_bytes = snapshot_nbytes(self.trainer.model)  # the wire's frame ceiling comes from it (both ends)
-        self.welcome = wire.client_handshake(
-            self.conn, rendezvous["token"],
-            {"rank": rank, "host": os.uname().nodename, "pid": os.getpid(), "device": str(self.device),
-             "device_uuid": device_uuid(self.device), "device_score": cuda_device_score(self.device), "model_bytes": model_bytes, "samples": len(exp.train_data),
-             "inputs": inputs},
-            timeout=cfg.cluster.rendezvous_timeout_s,
-        )
+        hello = Hello(rank=rank, host=os.uname().nodename, pid=os.getpid(), device=str(self.device),
+                      device_uuid=device_uuid(self.device), device_score=cuda_device_score(self.device),
+                      model_bytes=model_bytes, samples=len(exp.train_data), inputs=tuple(inputs))
+        self.welcome = wire.client_handshake(self.conn, rendezvous["token"], hello.to_dict(),
+                                             timeout=cfg.cluster.rendezvous_timeout_s)
         self.conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
         self.rendezvous = rendezvous
         self.loop_watch: Optional[Callable[[], Optional[LoopNotice]]] = None
