@@ -49,7 +49,7 @@ from .lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
 from .ports import Sink
 from .records import RecordLog, WindowRecorder
 from .timeline import TimelineRecorder
-from .watchdog import StallWatchdog, run_state
+from .watchdog import StallWatchdog
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -156,7 +156,7 @@ class Coordinator:
         self.last_beacon = -math.inf
         self.resume: Optional[Resume] = spec.resume
         if self.resume is not None:
-            core.restore(self.resume.meta.to_dict(), cfg.guard.kind)
+            core.restore(self.resume.meta, cfg.guard.kind)
             self._restore_outer(self.resume.stem)
         self._inputs_logged = False
         self._connect_closes: list[tuple[int, str]] = []
@@ -172,19 +172,17 @@ class Coordinator:
         """cpu backend: the outer optimizer's momentum from the bundle's sidecar (the launcher checked it exists)."""
         from ..checkpoint import load_outer_state
 
-        outer = self.cycle.outer
-        if not self.core.mode.is_cpu or not outer.spec.stateful:
+        if not self.core.wants_outer_state:
             return
-        outer.load_state_dict(load_outer_state(stem))
-        norm = outer.momentum_norm()
-        log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", outer.spec.describe(), stem, norm)
+        norm = self.core.restore_outer(load_outer_state(stem))
+        log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", self.shape.outer.describe(), stem, norm)
         self.events.emit({"event": "outer_restored", "stem": stem, "momentum_norm": norm})
 
     def _is_local(self, r: int) -> bool:
         return self.records.hosts.get(r) == self._node
 
     def current_epoch(self) -> int:
-        return self.dispatch.current_epoch()
+        return self.core.current_epoch()
 
     # -- start-up ---------------------------------------------------------------
     def start(self) -> None:
@@ -200,13 +198,11 @@ class Coordinator:
     def _apply_spec_prior(self) -> None:
         """CUDA cohorts: the device scores of the hellos pick ElChe's cold-start anchor rank (the slowest
         guess), unless a speed hint or partition ratios pinned one, or the run resumed ElChe's own state."""
-        elche = self.cycle.elche
-        if elche is None or elche.anchor_rank is not None or self.resume:
+        if self.resume:
             return
         r = spec_prior_anchor(self.devices, self.W)
-        if r is None:
+        if r is None or not self.core.seed_anchor(r):
             return
-        elche.with_initial_anchor(r)
         scores = {q: self.devices[q].score for q in sorted(self.devices)}
         log.info("spec prior: rank %d has the lowest device score %s: cold-start anchor", r, scores)
         self.events.emit({"event": "spec_prior", "anchor_rank": r, "scores": scores})
@@ -320,8 +316,8 @@ class Coordinator:
             self.evict(r, f"no training step for {idle:.0f}s with a chunk in progress while its heartbeat "
                           "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
         self.core.tick(now)                                  # 4-11: the core's decisions
-        if self.life.phase in TRAINING_PHASES and self.watchdog.check(self.cycle.global_step, self.stall_state):
-            self.events.emit({"event": "stall", "global_step": self.cycle.global_step, "dump": self.watchdog.paths[-1]})
+        if self.life.phase in TRAINING_PHASES and self.watchdog.check(self.core.global_step, self.stall_state):
+            self.events.emit({"event": "stall", "global_step": self.core.global_step, "dump": self.watchdog.paths[-1]})
 
     def _beacon(self, now: float) -> None:
         if now - self.last_beacon >= COORD_HEARTBEAT_S:
@@ -385,44 +381,26 @@ class Coordinator:
         self.core.shutdown()
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
-        self.faults.shutdown_with_save(reason, detail)
+        self.core.shutdown_with_save(reason, detail)
 
     def stall_state(self) -> dict[str, Any]:
-        return run_state(life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
-                         pending_saves=self.writer.pending, now=self.clock())
+        return self.core.stall_state(self.clock())
 
     # -- the result ---------------------------------------------------------------
     @property
     def saved_stem(self) -> Optional[str]:
-        return self.faults.failure_stem or self.preemption.saved_stem
+        return self.core.saved_stem
 
     def result(self) -> dict[str, Any]:
         return {
-            "status": self.life.status.value,
-            "failure": self.life.failure,
+            **self.core.outcome(),
             "world_size": self.W,
-            "epochs": self.epochs,
-            "global_step": self.cycle.global_step,
-            "syncs": self.cycle.version,
-            "final_eval": self.core.evals.final,
-            "evals": self.core.evals.history,
-            "finals": {str(r): v for r, v in self.cohort.finals.items()},
-            "coverage": {str(e): v for e, v in self.dispatch.coverage.items()},
             "total_picks": self.total_picks,
             "wall_s": self.clock() - self.t_start,
-            "callback_rank": self.cohort.callback_rank,
-            "stem": self.writer.stem,
             "rejected_connections": self._rejected(),
-            "deaths": [d.as_dict() for d in self.cohort.deaths],
-            "errors": {str(r): v for r, v in self.cohort.errors.items()},
-            "regroups": self.cohort.generation,
-            "lost_picks": self.dispatch.lost_picks,
-            "retrained_picks": self.dispatch.retrained_picks,
-            "saved_stem": self.saved_stem,
             "resumed_from": self.resume.stem if self.resume is not None else None,
         }
 
     def fail(self, failure: str) -> None:
         """The loop raised (RunFailure or a crash): the run ends FAILED and the ranks are told."""
-        self.life.end(Status.FAILED, failure, overwrite=True)
-        self.shutdown()
+        self.core.fail(failure)

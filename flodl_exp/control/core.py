@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..bundle_meta import BundleMeta
 from ..config import RunShape
 from ..mode import Backend, Mode
 from ..protocol import (
@@ -178,15 +179,15 @@ class ControlCore:
                    is_local=is_local, dispatcher=dispatcher, start=clock())
 
     # -- resume ---------------------------------------------------------------------
-    def restore(self, meta: dict[str, Any], guard_kind: str) -> None:
+    def restore(self, meta: BundleMeta, guard_kind: str) -> None:
         """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
-        self.cycle.restore(int(meta["global_step"]), int(meta["sync_round"]))
-        if self.cycle.elche is not None and meta.get("elche_state"):
-            st = dict(meta["elche_state"])
+        self.cycle.restore(meta.global_step, meta.sync_round)
+        if self.cycle.elche is not None and meta.elche_state:
+            st = dict(meta.elche_state)
             st.pop("trend_history", None)
             self.cycle.elche.load_state_dict(st)
-        if meta.get("guard_state") and meta.get("guard_kind") == guard_kind:
-            self.cycle.guard.load_state_dict(meta["guard_state"])
+        if meta.guard_state and meta.guard_kind == guard_kind:
+            self.cycle.guard.load_state_dict(meta.guard_state)
 
     def restore_outer(self, state: dict[str, Any]) -> Optional[float]:
         """cpu backend: the outer optimizer's momentum from a bundle's sidecar; its norm (None when this
@@ -217,6 +218,42 @@ class ControlCore:
     @property
     def syncs(self) -> int:
         return self.cycle.version
+
+    @property
+    def saved_stem(self) -> Optional[str]:
+        """The bundle the run ended on other than its final one (failure or preemption), if any."""
+        return self.faults.failure_stem or self.preemption.saved_stem
+
+    def outcome(self) -> dict[str, Any]:
+        """The run's result as the core knows it (result.json's decisions part)."""
+        return {
+            "status": self.life.status.value,
+            "failure": self.life.failure,
+            "epochs": self.epochs,
+            "global_step": self.cycle.global_step,
+            "syncs": self.cycle.version,
+            "final_eval": self.evals.final,
+            "evals": self.evals.history,
+            "finals": {str(r): v for r, v in self.cohort.finals.items()},
+            "coverage": {str(e): v for e, v in self.dispatch.coverage.items()},
+            "callback_rank": self.cohort.callback_rank,
+            "stem": self.writer.stem,
+            "deaths": [d.as_dict() for d in self.cohort.deaths],
+            "errors": {str(r): v for r, v in self.cohort.errors.items()},
+            "regroups": self.cohort.generation,
+            "lost_picks": self.dispatch.lost_picks,
+            "retrained_picks": self.dispatch.retrained_picks,
+            "saved_stem": self.saved_stem,
+        }
+
+    def fail(self, failure: str) -> None:
+        """The shell's loop raised (RunFailure or a crash): the run ends FAILED and the ranks are told."""
+        self.life.end(Status.FAILED, failure, overwrite=True)
+        self.shutdown()
+
+    def shutdown_with_save(self, reason: str, detail: str) -> None:
+        """Unrecoverable: every survivor saves its bundle pieces, the meta records why, the run ends FAILED."""
+        self.faults.shutdown_with_save(reason, detail)
 
     def stall_state(self, now: float) -> dict[str, Any]:
         """What the stall watchdog dumps: the phase, the reduce in flight, each rank's books."""
