@@ -108,6 +108,17 @@ class BundleMeta:
         return out
 
 
+def resolve_shuffle_seed(seed: int, meta: Optional[BundleMeta]) -> tuple[int, Optional[str]]:
+    """The shuffle seed a run uses: a resumed run adopts its bundle's (the reference's ``resolve_shuffle_seed``),
+    so the epochs it resumes see the permutation the bundle's coverage was recorded in. With the line to log when
+    the run's own ``seed`` differs (None when nothing changed)."""
+    saved = meta.coverage_seed if meta is not None else None
+    if saved is None or saved == seed:
+        return seed, None
+    return saved, (f"resume: the bundle was saved with seed={saved}; this run's seed={seed} is kept for the model's "
+                   f"init but the data order follows the bundle's (shuffle seed {saved})")
+
+
 @dataclass(frozen=True)
 class Resume:
     """The bundle a run resumes from: its stem and its meta (checked by the launcher, or by task 0 on a requeue)."""

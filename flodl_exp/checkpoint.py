@@ -152,8 +152,9 @@ def load_outer_state(stem: str) -> dict[str, Any]:
 def validate_resume(cfg: Any) -> Optional[Resume]:
     """Check ``checkpoint.resume_from`` before any process starts; ConfigError (one line) on a bad bundle.
 
-    Refused: a missing or corrupt meta, a newer schema, another world size or
-    shuffle seed, another data set size, another model (parameter names/shapes).
+    Refused: a missing or corrupt meta, a newer schema, another world size, another data set size, another
+    model (parameter names/shapes). Another ``seed`` is not refused: the run adopts the bundle's shuffle seed
+    (``bundle_meta.resolve_shuffle_seed``).
     """
     from .config import ConfigError, world_size
 
@@ -177,9 +178,6 @@ def validate_resume(cfg: Any) -> Optional[Resume]:
     w = world_size(cfg)
     if meta.world_size_at_save is not None and meta.world_size_at_save != w:
         raise ConfigError(f"config error: {key}: saved with world size {meta.world_size_at_save}, this run has {w}")
-    seed = meta.coverage_seed
-    if seed is not None and seed != int(cfg.seed):
-        raise ConfigError(f"config error: {key}: saved with seed={seed}, this run has seed={cfg.seed} (pass seed={seed})")
     if meta.epoch > int(cfg.experiment.epochs):
         raise ConfigError(f"config error: {key}: saved at epoch {meta.epoch}, beyond experiment.epochs={cfg.experiment.epochs}")
     from hydra.utils import instantiate

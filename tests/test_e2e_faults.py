@@ -146,7 +146,10 @@ def test_at_epoch_bundle_resumes_exactly(store, mode, tmp_path, monkeypatch):
     sidecar = torch.load(stem + ".outer.pt", weights_only=True)
     saved_norm = sum(float(t.pow(2).sum()) for t in sidecar["momentum"]) ** 0.5
     assert os.path.basename(stem) + ".outer.pt" in meta["pieces"]
-    h2 = _launch(store, *common, f"checkpoint.resume_from={stem}")
+    # another seed on resume: the run adopts the bundle's shuffle seed (the data order its coverage was recorded
+    # in), as the reference's resolve_shuffle_seed does, where it was refused before
+    h2 = _launch(store, *common, f"checkpoint.resume_from={stem}", "seed=8")
+    assert json.loads((Path(h2.job_dir) / "spec.json").read_text())["shuffle_seed"] == 7
     res = h2.wait()
     restored = [e for e in read_events(Path(h2.job_dir)) if e.get("event") == "outer_restored"]
     assert saved_norm > 0 and len(restored) == 1 and restored[0]["momentum_norm"] == pytest.approx(saved_norm, rel=1e-6)

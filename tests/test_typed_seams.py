@@ -226,3 +226,16 @@ def test_a_bad_meta_is_refused_naming_the_key(change, words, tmp_path):
     with pytest.raises(ValueError) as loaded:
         ck.load_meta(stem)
     _one_line(loaded, f"checkpoint.resume_from={stem!r}", ck.meta_path(stem), *words)
+
+
+def test_a_resume_adopts_the_bundles_shuffle_seed() -> None:
+    """The reference's resolve_shuffle_seed: the resumed epochs see the permutation the bundle's coverage was
+    recorded in, whatever this run's ``seed``; a line says so when they differ."""
+    from flodl_exp.bundle_meta import resolve_shuffle_seed
+
+    meta = BundleMeta.from_dict({"epoch": 1, "global_step": 10, "sync_round": 2, "schema_version": META_SCHEMA_VERSION,
+                                 "coverage": {"seed": 7, "algorithm": "x", "batch_size": 32, "per_epoch": []}})
+    assert resolve_shuffle_seed(7, meta) == (7, None)
+    seed, line = resolve_shuffle_seed(8, meta)
+    assert seed == 7 and line is not None and "seed=7" in line and "seed=8" in line
+    assert resolve_shuffle_seed(8, None) == (8, None)

@@ -22,6 +22,7 @@ from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..bundle_meta import resolve_shuffle_seed
 from ..config import ConfigError, RunShape, mode_name, validate, world_size
 
 
@@ -609,8 +610,11 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     for sub in ("submitit", "checkpoints", "ranks"):
         _private_dir(os.path.join(job_dir, sub))
     stem = cfg.checkpoint.save_path or os.path.join(job_dir, "checkpoints", "final")
+    shuffle_seed, adopted = resolve_shuffle_seed(int(cfg.seed), resume.meta if resume is not None else None)
+    if adopted:
+        print(adopted, file=sys.stderr)
     spec = JobSpec(config=resolved, run_id=run_id, tracking_uri=uri, job_dir=job_dir,
-                   checkpoint_stem=os.path.abspath(stem), shuffle_seed=int(cfg.seed), resume=resume,
+                   checkpoint_stem=os.path.abspath(stem), shuffle_seed=shuffle_seed, resume=resume,
                    import_paths=tuple(import_paths), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
     spec_path = os.path.join(job_dir, "spec.json")
     _private_write(spec_path, json.dumps(spec.to_dict(), indent=1))
