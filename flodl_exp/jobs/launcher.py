@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
@@ -196,9 +196,22 @@ def _sigint_ignored(on: bool) -> Iterator[None]:
         signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
 
 
+MetricsFn = Callable[[int, dict[str, float]], None]
+"""``metrics_fn(epoch, metrics)``: an epoch's aggregated metrics (loss, samples/s, per-rank ...)."""
+EvalResultFn = Callable[[int, dict[str, float]], None]
+"""``eval_result_fn(epoch, metrics)``: a periodic or final eval's metrics (``eval/<name>``)."""
+
+
 class RunHandle:
+    """A submitted run: its progress events, its result, and the user's callbacks.
+
+    ``metrics_fn`` and ``eval_result_fn`` (the reference's builder hooks) are called in this process, in order, as
+    the events reach it: from :meth:`wait`, :meth:`poll_events`, :meth:`poll_metrics` and :meth:`next_metrics`. A
+    callback that raises is reported once on stderr and then skipped for the rest of the run: the run goes on."""
+
     def __init__(self, *, cfg: Any, run_id: str, tracking_uri: str, job_dir: str, job: Any, stem: str,
-                 live_uri: Optional[str] = None) -> None:
+                 live_uri: Optional[str] = None, metrics_fn: Optional[MetricsFn] = None,
+                 eval_result_fn: Optional[EvalResultFn] = None) -> None:
         self.cfg = cfg
         self.run_id = run_id
         self.tracking_uri = tracking_uri  # without credentials: what is printed and written
@@ -214,6 +227,8 @@ class RunHandle:
         self._ended = False
         self._last_force = 0.0
         self._t0 = time.monotonic()
+        self._callbacks: dict[str, Optional[Callable[[int, dict[str, float]], None]]] = {
+            "epoch": metrics_fn, "eval": eval_result_fn}
 
     @property
     def job_id(self) -> str:
@@ -278,6 +293,22 @@ class RunHandle:
                     continue
                 self.events.append(ev)
                 self._queue.append(ev)
+                self._call_back(ev)
+
+    def _call_back(self, ev: dict) -> None:
+        kind = str(ev.get("event"))
+        fn = self._callbacks.get(kind)
+        if fn is None or not isinstance(ev.get("epoch"), int):
+            return
+        skip = ("event", "epoch", "t", "wall", "final")
+        metrics = {k: float(v) for k, v in ev.items() if k not in skip and isinstance(v, (int, float))}
+        try:
+            fn(int(ev["epoch"]), metrics)
+        except Exception as e:  # the user's callback: the run goes on, the callback is not called again
+            name = "metrics_fn" if kind == "epoch" else "eval_result_fn"
+            print(f"warning: {name} raised {type(e).__name__}: {e} (epoch {ev['epoch']}); not called again this run",
+                  file=sys.stderr)
+            self._callbacks[kind] = None
 
     def poll_events(self) -> list[dict]:
         """Every new event (started, epoch, eval, end, ...) since the last call."""
@@ -568,7 +599,8 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 
 
 def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str] = None,
-           own_sigint: bool = False) -> RunHandle:
+           own_sigint: bool = False, metrics_fn: Optional[MetricsFn] = None,
+           eval_result_fn: Optional[EvalResultFn] = None) -> RunHandle:
     """Validate, create the MLflow run, submit the job; returns at once with a RunHandle.
 
     ``own_sigint``: the caller answers Ctrl-C by cancelling the whole job (:meth:`RunHandle.shutdown`, as the CLI
@@ -576,7 +608,10 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     foreground process group, the local job's included, and each would act on its own: the coordinator ends the
     run FAILED as a crash, submitit's controller prints a traceback and starts a cleanup the launcher's cancel
     cuts short, task 0 waits on its coordinator. Off by default: a program that does not cancel on
-    KeyboardInterrupt would leave the job running."""
+    KeyboardInterrupt would leave the job running.
+
+    ``metrics_fn(epoch, metrics)`` and ``eval_result_fn(epoch, metrics)``: called in this process as each epoch
+    aggregates and each eval reports, while the caller waits on the handle (:class:`RunHandle`)."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
     for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
@@ -645,7 +680,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
 
     client(full_uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     return RunHandle(cfg=cfg, run_id=run_id, tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem),
-                     live_uri=full_uri)
+                     live_uri=full_uri, metrics_fn=metrics_fn, eval_result_fn=eval_result_fn)
 
 
 __all__ = ["launch", "RunHandle", "RunFailed", "SubmitFailed", "ConfigError"]
