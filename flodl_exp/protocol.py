@@ -94,6 +94,7 @@ class Kind(str, enum.Enum):
     SET_EPOCH_ROLE = "set_epoch_role"
     STAGE_ADVISORY = "stage_advisory"
     EPOCH_AGGREGATED = "epoch_aggregated"
+    EVAL_BROADCAST = "eval_broadcast"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
@@ -425,6 +426,17 @@ class EpochAggregated:
 
 
 @dataclass
+class EvalBroadcast:
+    """An eval of epoch ``epoch`` reported (the reference's ``EvalBroadcast``): every rank hears its metrics, so a
+    cooperative loop can read them (``w.poll_eval()``): early stopping, a schedule, logging."""
+
+    KIND: ClassVar[Kind] = Kind.EVAL_BROADCAST
+    epoch: Count
+    metrics: dict[str, Reading] = field(default_factory=dict)
+    final: bool = False
+
+
+@dataclass
 class EpochFnResult:
     """The epoch-role rank ran ``experiment.epoch_fn`` before epoch ``epoch``."""
 
@@ -462,6 +474,7 @@ Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
+    EvalBroadcast,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"

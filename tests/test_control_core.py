@@ -26,6 +26,7 @@ from flodl_exp.protocol import (
     ChunkMetrics,
     CoordHeartbeat,
     EpochAggregated,
+    EvalBroadcast,
     EvalResult,
     ExecuteEval,
     ExtendPartition,
@@ -399,6 +400,8 @@ def test_a_nccl_eval_holds_the_next_collective_until_it_answers() -> None:
         w.tick()
     assert sent(w.commands, SyncNow) == []
     w.send(w.core.evals.pending, EvalResult(epoch=0, metrics={"acc": 0.5}, elapsed_ms=30.0))
+    (told,) = sent(w.commands, EvalBroadcast)
+    assert told.to == (0, 1) and told.payload.epoch == 0 and told.payload.metrics == {"acc": 0.5}, "every rank hears it"
     w.tick()
     assert len(sent(w.commands, SyncNow)) == 1
 

@@ -17,6 +17,8 @@ from flodl_exp.experiment import Experiment
 from flodl_exp.protocol import (
     Batch,
     ChunkMetrics,
+    EpochAggregated,
+    EvalBroadcast,
     Intent,
     LoopNotice,
     RankError,
@@ -402,3 +404,28 @@ def test_a_resumed_loop_gets_the_state_of_both_its_optimizers(tmp_path):
     next(resumed.epochs())
     assert fresh[1].state_dict()["state"][0]["momentum_buffer"].equal(opts[1].state_dict()["state"][0]["momentum_buffer"])
     assert ctl.resume_stem is None, "loaded once"
+
+
+def test_the_loop_reads_the_cohorts_evals_and_epoch_metrics() -> None:
+    """The reference's EvalBroadcast / EpochAggregated in the user's loop: ``w.poll_eval()`` hands out each eval once,
+    oldest first; ``w.latest_metrics()`` is the latest aggregated epoch's metrics (None before the first)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    exp = Experiment(model, torch.optim.SGD(model.parameters(), lr=0.1), None, Points(), None, None, None)
+    trainer = RankTrainer(exp, device=torch.device("cpu"), batch_size=BATCH)
+    ctl, _ = rank_control(trainer, frames=Inbox(), messages=[
+        StartEpoch(epoch=0, offset=0, size=2 * BATCH, chunk=0),
+        EpochAggregated(epoch=0, metrics={"loss": 0.7, "global_step": 2.0}),
+        EvalBroadcast(epoch=0, metrics={"accuracy": 0.8}),
+        StartEpoch(epoch=1, offset=0, size=2 * BATCH, chunk=1)])
+    w = CooperativeWorker(ctl, CFG)
+    assert w.poll_eval() is None and w.latest_metrics() is None
+    seen: list[tuple[int, object, object]] = []
+    for epoch in w.epochs():
+        for x, y in w.batches():
+            w.step(w.optimizer, loss=torch.nn.functional.cross_entropy(w.model(x), y))
+        seen.append((epoch, w.poll_eval(), w.latest_metrics()))
+    w.check_finished()
+    assert seen[-1][0] == 1
+    assert [s[1] for s in seen if s[1] is not None] == [(0, {"eval/accuracy": 0.8})], "each eval handed out once"
+    assert seen[-1][2] == (0, {"loss": 0.7, "global_step": 2.0})

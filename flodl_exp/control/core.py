@@ -35,6 +35,7 @@ from ..protocol import (
     ChunkMetrics,
     EpochAggregated,
     EpochFnResult,
+    EvalBroadcast,
     EvalResult,
     Evict,
     ExecuteEval,
@@ -426,6 +427,8 @@ class ControlCore:
             self.obs.log_metrics(metrics, f.epoch)
         ev.history.append({"epoch": f.epoch, **metrics})
         self.obs.emit({"event": "eval", "epoch": f.epoch, "final": f.final, **metrics})
+        if not f.error:  # every rank hears it (a cooperative loop's w.poll_eval())
+            self.outbox.broadcast(EvalBroadcast(epoch=f.epoch, metrics=dict(f.metrics), final=f.final))
         if f.final:
             ev.final = metrics
             ev.final_rank = None

@@ -35,6 +35,7 @@ from ..protocol import (
     CoordHeartbeat,
     EpochAggregated,
     EpochFnResult,
+    EvalBroadcast,
     EvalResult,
     Evict,
     ExecuteEval,
@@ -121,6 +122,9 @@ class RankControl:
         self.epoch_fn_done: set[int] = set()
         self.last_epoch_metrics: dict[str, float] = {}
         """The latest EpochAggregated metrics (handed to experiment.epoch_fn)."""
+        self.last_metrics_epoch: Optional[int] = None
+        self.evals: list[EvalBroadcast] = []
+        """Every eval result the coordinator broadcast, in order (a cooperative loop's ``w.poll_eval()``)."""
         self.last_consensus: dict[str, torch.Tensor] = {}
         """cpu backend: the last consensus frame adopted (bundles save it, not the blended replica)."""
         self.collective: Optional[CollectiveBackend] = None
@@ -292,6 +296,7 @@ class RankControl:
             SyncNow: self._sync_collective, RequestParams: self._on_request_params, Update: self._on_update,
             SetGlobalStep: self._on_global_step, Throttle: self._on_throttle, ExecuteEval: self._on_eval,
             SetEpochRole: self._on_epoch_role, EpochAggregated: self._on_epoch_aggregated,
+            EvalBroadcast: self._on_eval_broadcast,
             StageAdvisory: self._on_stage_advisory,
             Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
             RequestSession: self._on_request_session, Evict: self._on_evict,
@@ -379,6 +384,10 @@ class RankControl:
 
     def _on_epoch_aggregated(self, m: EpochAggregated) -> None:
         self.last_epoch_metrics = {str(k): float(v) for k, v in m.metrics.items() if isinstance(v, (int, float))}
+        self.last_metrics_epoch = m.epoch
+
+    def _on_eval_broadcast(self, m: EvalBroadcast) -> None:
+        self.evals.append(m)
 
     def _maybe_epoch_fn(self, epoch: int) -> None:
         """The epoch-role rank runs ``experiment.epoch_fn`` once per epoch, before training it (algorithms.md

@@ -175,6 +175,8 @@ class CooperativeWorker:
         self._stepped_at: Optional[float] = None
         self._resumed_at = 0.0
         """When the last ``w.step`` ended: the loop's code from then to its next item is part of the next step."""
+        self._evals_read = 0
+        """How many of the broadcast evals ``poll_eval`` has handed out."""
         self.hold_notice_s = float(cfg.cluster.heartbeat_timeout_s) / 2
         """A batch held this long without ``w.step()`` is reported (well inside the heartbeat timeout)."""
 
@@ -334,6 +336,23 @@ class CooperativeWorker:
     def request_checkpoint(self) -> None:
         """Ask for a bundle at the next boundary (the next epoch boundary; the next reduce in progressive modes)."""
         self._intent("checkpoint")
+
+    def poll_eval(self) -> Optional[tuple[int, dict[str, float]]]:
+        """The next eval result this loop has not read yet, oldest first: ``(epoch, {"eval/<name>": value})``, or
+        None. Every rank hears each periodic and final eval (the reference's ``EvalBroadcast``), between batches:
+        a loop can stop improving a schedule, or log, on the cohort's eval."""
+        evals = self._ctl.evals
+        if self._evals_read >= len(evals):
+            return None
+        m = evals[self._evals_read]
+        self._evals_read += 1
+        return m.epoch, {f"eval/{k}": float(v) for k, v in m.metrics.items() if isinstance(v, (int, float))}
+
+    def latest_metrics(self) -> Optional[tuple[int, dict[str, float]]]:
+        """The latest aggregated epoch's cohort metrics (loss, samples, global step...; the reference's
+        ``EpochAggregated``): ``(epoch, metrics)``, or None before the first epoch aggregates."""
+        e = self._ctl.last_metrics_epoch
+        return None if e is None else (e, dict(self._ctl.last_epoch_metrics))
 
     def _intent(self, kind: str) -> None:
         self._ctl.send(Intent(kind=kind, epoch=self._epoch if self._epoch is not None else -1))
