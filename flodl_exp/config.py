@@ -26,6 +26,7 @@ REDUCTIONS = ("mean", "sum", "max", "min")
 CORE_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_ms")
 DEVICES = ("auto", "cpu", "cuda")
 COLLECTIVES = ("auto", "nccl", "gloo")
+LOOP_ERRORS = ("lose_rank", "fail")
 OUTERS = ("avg", "slowmo", "diloco")
 OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "diloco": (0.7, 0.9)}
 """outer.kind -> (lr, mu) when the config leaves them unset."""
@@ -173,6 +174,10 @@ class ClusterConfig:
     """A rank whose heartbeat keeps arriving while its main thread takes no training step for this
     long, with a chunk in progress, is declared dead and recovered from like a crash (a hung data
     read, a stuck kernel). 0 turns the watch off. Evals, saves and collectives are not counted."""
+    loop_error: str = "lose_rank"
+    """The cooperative tier: an exception out of the user's loop is a lost rank (lose_rank: the survivors recover as
+    from a crash, as in the reference and the managed tier; a bug every rank hits ends in max_failure's bundle) or
+    ends the run at once (fail: ShutdownWithSave, save_reason loop_error, FAILED with the traceback)."""
     stall_dump_s: float = 120.0
     """The stall watchdog's interval: when the global step has not moved this long with ranks alive, the
     coordinator dumps its state to ``stall-<k>.json`` (again each interval, at most 5 a run). 120 is the
@@ -539,6 +544,8 @@ def _cluster_rules(cfg: Any) -> List[str]:
         raise _err("cluster.device", c.device, f"one of {', '.join(DEVICES)}")
     if c.collective not in COLLECTIVES:
         raise _err("cluster.collective", c.collective, f"one of {', '.join(COLLECTIVES)}")
+    if c.loop_error not in LOOP_ERRORS:
+        raise _err("cluster.loop_error", c.loop_error, f"one of {', '.join(LOOP_ERRORS)}")
     if not (math.isfinite(c.collective_timeout_s) and c.collective_timeout_s >= 1):
         raise _err("cluster.collective_timeout_s", c.collective_timeout_s, "a number of seconds >= 1")
     if not (math.isfinite(c.progress_timeout_s) and c.progress_timeout_s >= 0):

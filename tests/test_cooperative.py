@@ -307,13 +307,32 @@ def test_a_loop_error_ends_the_run_failed_with_its_traceback(tmp_path):
 
     from flodl_exp.control.lifecycle import Status
 
-    h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
+    fail: dict[str, Any] = {"cluster.loop_error": "fail"}
+    h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2, **fail)
     h.start()
     h.msg(2, RankError(error="ValueError: boom", traceback='File "loops.py", line 3, in main\nValueError: boom', loop=True))
     failure = h.co.life.failure
     assert h.co.life.status is Status.FAILED and failure is not None
     assert "loop_error" in failure and "loops.py" in failure
     assert "loops.py" in h.sink.tags["error"]
+
+
+def test_a_loop_error_loses_the_rank_by_default_and_the_survivors_go_on(tmp_path):
+    """cluster.loop_error=lose_rank (the default, the reference's): the loop's exception is reported, its rank's
+    process exits, and its closed connection is a death the survivors recover from, as in the managed tier."""
+    from control_fakes import Harness
+
+    from flodl_exp.control.lifecycle import Phase, Status
+
+    h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
+    h.start()
+    h.msg(2, RankError(error="ValueError: boom", traceback='File "loops.py", line 3, in main\nValueError: boom', loop=True))
+    assert h.co.life.status is Status.RUNNING and h.co.life.phase is Phase.TRAINING
+    assert "loops.py" in h.sink.tags["loop_error.rank2"] and "error" not in h.sink.tags
+    h.co.on_event(("closed", 2, "closed"))
+    (death,) = h.co.cohort.deaths
+    assert death.rank == 2 and "ValueError: boom" in death.reason
+    assert h.co.life.status is Status.RUNNING and h.co.cohort.alive_ranks() == [0, 1]
 
 
 def test_a_rank_error_outside_a_loop_is_a_lost_rank_as_before(tmp_path):

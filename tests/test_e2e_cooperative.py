@@ -25,7 +25,7 @@ def test_a_held_batch_is_reported_and_a_raising_loop_fails_the_run(store, tmp_pa
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
     h = launch_run(store, "cooperative", "mode=cpu_cadence", "experiment=digits_accumulate",
                    "experiment.loop=loops_under_test.hold_then_raise", "experiment.epochs=3",
-                   f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}")
+                   f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}", "cluster.loop_error=fail")
 
     def notice() -> dict | None:
         return next((e for e in read_events(Path(h.job_dir)) if e.get("event") == "loop_stalled"), None)

@@ -117,6 +117,8 @@ class ControlCore:
         self.epoch_fn = cfg.experiment.epoch_fn is not None
         self.eval_every = cfg.eval.every
         self.stall_ceiling = max(10 * cfg.cluster.heartbeat_timeout_s, 300.0)
+        self.loop_error = str(cfg.cluster.loop_error)
+        """cluster.loop_error: a cooperative loop's exception loses its rank, or fails the run."""
         self.mode = Mode.of(cfg)
         """The policy and backend as one value, resolved once (flodl_exp/mode.py)."""
         self.life = Lifecycle()
@@ -606,7 +608,12 @@ class ControlCore:
     def on_error(self, r: int, e: RankError) -> None:
         self.cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
         log.error("rank %d reported: %s", r, e.error)
-        if e.loop:  # the user's own loop raised: a bug every rank would hit, not a fault to recover from
+        if not e.loop:
+            return
+        # the user's own loop raised (cluster.loop_error): a lost rank (its process exits; the survivors recover
+        # when its connection closes), or the end of the run
+        self.obs.set_tags({f"loop_error.rank{r}": f"{e.error}\n{e.traceback}"[:5000]})
+        if self.loop_error == "fail":
             self.obs.set_tags({"error": f"rank {r}: {e.error}\n{e.traceback}"[:5000]})
             self.faults.shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
 
