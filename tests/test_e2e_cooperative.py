@@ -1,6 +1,7 @@
 """The cooperative tier's failure paths end to end (its conformance runs are in test_modes, a lost rank of
 three in test_e2e_faults): a loop that holds a batch without ``w.step()`` is reported within the heartbeat
-timeout, naming the call; a loop that raises ends the run FAILED with the user's traceback."""
+timeout, naming the call; a loop that raises loses its rank (the survivors finish), or with
+cluster.loop_error=fail ends the run FAILED with the user's traceback."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import launch_run, read_events, wait_for
+from conftest import assert_exact_coverage, launch_run, read_events, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -42,3 +43,22 @@ def test_a_held_batch_is_reported_and_a_raising_loop_fails_the_run(store, tmp_pa
     run = MlflowClient(store["uri"]).get_run(h.run_id)
     assert run.info.status == "FAILED"
     assert "hold_then_raise" in run.data.tags["error"] and "w.step()" in run.data.tags["loop_warning.rank1"]
+
+
+def test_a_raising_loop_loses_its_rank_and_the_survivors_finish(store, tmp_path, monkeypatch):
+    """cluster.loop_error=lose_rank (the default): rank 1's loop raises at its first batch; its process exits, the
+    coordinator declares it dead, the two survivors retrain its picks and the run FINISHES, every pick once."""
+    gate = tmp_path / "open"
+    gate.touch()  # rank 1 raises at once
+    monkeypatch.setenv("FLODL_TEST_LOOP_GATE", str(gate))
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    h = launch_run(store, "cooperative", "mode=cpu_cadence", "experiment=digits_accumulate",
+                   "experiment.loop=loops_under_test.hold_then_raise", "experiment.epochs=2",
+                   "cluster.ranks_per_node=3", f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}")
+    res = h.wait()
+    assert res["status"] == "FINISHED" and [d["rank"] for d in res["deaths"]] == [1]
+    assert "deliberate bug in the user's loop" in res["deaths"][0]["reason"]
+    assert_exact_coverage(res, 32)
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert "hold_then_raise" in run.data.tags["loop_error.rank1"] and "error" not in run.data.tags

@@ -276,7 +276,7 @@ class RankWorker:
 
     def report_failure(self, e: BaseException, loop: bool = False) -> None:
         """Tell the coordinator why this rank fails, before the connection drops (not for a lost coordinator).
-        ``loop``: the exception came out of the user's own training loop (the cooperative tier): the run fails."""
+        ``loop``: the exception came out of the user's own training loop (the cooperative tier; cluster.loop_error)."""
         if isinstance(e, CoordinatorLost):
             return
         import traceback
