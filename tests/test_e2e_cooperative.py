@@ -4,6 +4,7 @@ timeout, naming the call; a loop that raises loses its rank (the survivors finis
 cluster.loop_error=fail ends the run FAILED with the user's traceback."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -62,3 +63,7 @@ def test_a_raising_loop_loses_its_rank_and_the_survivors_finish(store, tmp_path,
     assert_exact_coverage(res, 32)
     run = MlflowClient(store["uri"]).get_run(h.run_id)
     assert "hold_then_raise" in run.data.tags["loop_error.rank1"] and "error" not in run.data.tags
+    # the rank's own death record (the reference's), beside the coordinator's summary
+    own = json.loads((Path(h.job_dir) / "ranks" / "death.r1.json").read_text())
+    assert own["schema_version"] == 1 and own["rank"] == 1 and own["world_size"] == 3
+    assert "deliberate bug in the user's loop" in own["error"] and own["unix_time"] > 0

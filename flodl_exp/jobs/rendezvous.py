@@ -67,6 +67,33 @@ def rank_marker_path(job_dir: str, rank: int) -> str:
     return os.path.join(job_dir, "ranks", f"rank{rank}.json")
 
 
+DEATH_RECORD_SCHEMA = 1
+"""The version of a rank's own death record (``ranks/death.r<rank>.json``)."""
+
+
+def death_record_path(job_dir: str, rank: int) -> str:
+    return os.path.join(job_dir, "ranks", f"death.r{rank}.json")
+
+
+def write_death_record(job_dir: str, rank: int, world_size: int, error: str, traceback: str, *,
+                       attempt: int = 0) -> Optional[str]:
+    """The rank's own record of why it fails (the reference's per-rank death record: rank, world size, error,
+    time, a schema number), written before it tells the coordinator: an error frame that never reaches the
+    coordinator (it is gone, the link broke) still leaves its cause in the job folder. The coordinator keeps its
+    own summary of every death (``<stem>.death.json``). Returns the path, or None when it could not be written
+    (a full disk must not hide the original error)."""
+    path = death_record_path(job_dir, rank)
+    record = {"schema_version": DEATH_RECORD_SCHEMA, "rank": rank, "world_size": world_size, "error": error,
+              "traceback": traceback, "unix_time": time.time(), "host": os.uname().nodename, "pid": os.getpid(),
+              "incarnation": incarnation(attempt)}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_text(json.dumps(record), path, mode=0o600)
+    except OSError:
+        return None
+    return path
+
+
 def write_rank_marker(job_dir: str, rank: int, attempt: int) -> None:
     """Each task says who runs rank ``rank`` (pid, host, incarnation) before it dials the coordinator, so a
     rank lost before it connected can be named at once instead of after a process-group timeout."""

@@ -275,14 +275,19 @@ class RankWorker:
         return dataclasses.asdict(final)
 
     def report_failure(self, e: BaseException, loop: bool = False) -> None:
-        """Tell the coordinator why this rank fails, before the connection drops (not for a lost coordinator).
+        """Record why this rank fails (its own death record in the job folder) and tell the coordinator, before the
+        connection drops (not a lost coordinator: the record alone then keeps the cause).
         ``loop``: the exception came out of the user's own training loop (the cooperative tier; cluster.loop_error)."""
-        if isinstance(e, CoordinatorLost):
-            return
         import traceback
 
+        from ..jobs.rendezvous import write_death_record
+
+        error, tb = f"{type(e).__name__}: {e}", traceback.format_exc()[-4000:]
+        write_death_record(self.spec.job_dir, self.rank, self.world_size, error, tb, attempt=self.spec.attempt)
+        if isinstance(e, CoordinatorLost):
+            return
         try:
-            self.send(RankError(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:], loop=loop))
+            self.send(RankError(error=error, traceback=tb, loop=loop))
         except Exception:
             pass
 
