@@ -97,3 +97,13 @@ def test_cli_prints_the_table() -> None:
     assert out.returncode == 0, out.stderr
     assert "| run | wall s | samples/s |" in out.stdout
     assert "| nccl_cadence |" in out.stdout
+
+
+def test_a_run_the_core_ends_early_is_an_error_not_a_short_report() -> None:
+    """A reduce past the stall ceiling (300 s) ends a real run in ShutdownWithSave; the simulator, driving the same
+    core, says so instead of reporting the epochs done so far as a finished run."""
+    cfg = SimulateConfig(ranks=[RankGroupConfig(count=1, speed=1.0), RankGroupConfig(count=1, speed=0.5)],
+                         model_mb=1000.0, samples=256, batch_size=16, epochs=2,
+                         link=LinkConfig(bandwidth_gbps=0.01, coordinator_gbps=0.01))
+    with pytest.raises(RuntimeError, match=r"ended in phase saving .*reduce_stall"):
+        simulate(cfg, "cpu_cadence")

@@ -22,7 +22,8 @@ What is real and what is modelled:
   ``x = a``; with k's weight w the consensus is ``[1, w a]`` and k's relative delta, the largest,
   is ``a (1 - w) / sqrt(1 + w^2 a^2)``, so ``a = D / sqrt((1 - w)^2 - D^2 w^2)`` makes it the drift D.
 
-Not modelled: evals, checkpoints and their callback slack, stage advisories (no timing effect), deaths
+Not modelled: evals, checkpoints and their callback slack, stage advisories (sent, as the coordinator sends them,
+and ignored: no timing effect), deaths
 and regroups, CPU contention between ranks sharing a host, the launcher's start-up (wall = from the
 first chunks to the last epoch aggregated, as experiments/bench_hetero.py measures).
 """
@@ -172,7 +173,8 @@ class Engine:
 
     @property
     def done(self) -> bool:
-        """Training is over once the core asks for the final eval (evals are not modelled)."""
+        """Training is over once the core asks for the final eval (evals are not modelled), or the core ended it
+        another way (the stall ceiling's ShutdownWithSave: :meth:`run` then says so)."""
         return self.core.life.phase not in (Phase.TRAINING, Phase.DRAINING)
 
     # -- the run ------------------------------------------------------------------
@@ -188,6 +190,13 @@ class Engine:
                                    f"(epochs aggregated {self.dispatch.last_aggregated + 1}/{self.cfg.epochs})")
             kind, r, payload = self.q.pop()
             handlers[kind](r, payload)
+        life = self.core.life
+        if not life.is_(Phase.FINISHING) or life.ending:
+            # the core ended the run as a real one would (a reduce past the stall ceiling): a report of the epochs
+            # done so far would read as a finished run
+            raise RuntimeError(f"simulation of {self.mode} ended in phase {life.phase.value} at t={self.clock.t:.3f}s "
+                               f"after {self.dispatch.last_aggregated + 1}/{self.cfg.epochs} epochs: "
+                               f"{life.failure or 'no final eval was asked for'}")
         st = self.stats
         st.events = self.q.popped
         st.batches = [rk.batches for rk in self.ranks]
