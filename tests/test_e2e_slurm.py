@@ -192,9 +192,12 @@ def test_cluster_slurm_run_finishes_with_the_job_id_in_mlflow(cluster, store):
 @slurm
 @pytest.mark.timeout(240)
 def test_crashed_rank_ends_the_job_failed_with_its_error(cluster, store):
-    """FLODL_FAULT_INJECT reaches the SLURM tasks (sbatch exports the environment)."""
+    """With srun --kill-on-bad-exit=1 (opted into: the default leaves a dead rank to the fault rules) a crashed
+    rank ends the job: the coordinator sees it first and saves a bundle (task_failed). FLODL_FAULT_INJECT reaches
+    the SLURM tasks (sbatch exports the environment)."""
     r = run_cli(_overrides(store, "cluster.ranks_per_node=2", "mode=cpu_cadence", "experiment=digits_mlp",
-                           "experiment.epochs=20"), timeout=230, env={"FLODL_FAULT_INJECT": "1:10:raise"})
+                           "experiment.epochs=20", "cluster.slurm.srun_args=['--kill-on-bad-exit=1']"),
+                timeout=230, env={"FLODL_FAULT_INJECT": "1:10:raise"})
     assert r.returncode == 1, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     run_id, job_id, job = run_id_of(r.stdout), _job_id(r.stdout), job_dir_of(r.stdout)
     ev = read_events(job)
