@@ -41,6 +41,7 @@ from typing import Annotated, Any, Callable, ClassVar, Optional, Union
 
 import torch
 
+from .json_fields import show
 from .wire import Message, WireError
 
 
@@ -504,17 +505,6 @@ class _Bad(Exception):
         self.path = ""
 
 
-def _show(v: Any) -> str:
-    """A short, always printable account of a refused value (``repr`` of a 5,000-digit int raises)."""
-    if isinstance(v, int) and not isinstance(v, bool):
-        return repr(v) if -(10**30) < v < 10**30 else f"an int of {v.bit_length()} bits"
-    if v is None or isinstance(v, (bool, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return repr(v[:40]) + ("..." if len(v) > 40 else "")
-    return f"a {type(v).__name__}"
-
-
 def _bound(n: int) -> str:
     return {I64_MIN: "-2**63", I64_MAX + 1: "2**63"}.get(n, str(n))
 
@@ -558,9 +548,9 @@ def _compile(hint: Any, rule: Num | None = None, length: int | None = None) -> _
 def _int_check(lo: int, hi: int) -> _Check:
     def check(v: Any) -> int:
         if not isinstance(v, int) or isinstance(v, bool):
-            raise _Bad(f"expected int, got {_show(v)}")
+            raise _Bad(f"expected int, got {show(v)}")
         if not lo <= v <= hi:
-            raise _Bad(f"{_show(v)} is outside [{_bound(lo)}, {_bound(hi + 1)})")
+            raise _Bad(f"{show(v)} is outside [{_bound(lo)}, {_bound(hi + 1)})")
         return v
     return check
 
@@ -573,9 +563,9 @@ def _float_check(finite: bool) -> _Check:
             try:
                 f = float(v)
             except OverflowError:
-                raise _Bad(f"{_show(v)} does not fit a float") from None
+                raise _Bad(f"{show(v)} does not fit a float") from None
         else:
-            raise _Bad(f"expected float, got {_show(v)}")
+            raise _Bad(f"expected float, got {show(v)}")
         if finite and not math.isfinite(f):
             raise _Bad(f"expected a finite float, got {f!r}")
         return f
@@ -585,7 +575,7 @@ def _float_check(finite: bool) -> _Check:
 def _type_check(t: type) -> _Check:
     def check(v: Any) -> Any:
         if not isinstance(v, t) or (t is not bool and isinstance(v, bool)):
-            raise _Bad(f"expected {t.__name__}, got {_show(v)}")
+            raise _Bad(f"expected {t.__name__}, got {show(v)}")
         return v
     return check
 
@@ -593,7 +583,7 @@ def _type_check(t: type) -> _Check:
 def _list_check(elem: _Check, length: int | None) -> _Check:
     def check(v: Any) -> list[Any]:
         if not isinstance(v, list):
-            raise _Bad(f"expected a list, got {_show(v)}")
+            raise _Bad(f"expected a list, got {show(v)}")
         if length is not None and len(v) != length:
             raise _Bad(f"expected a list of {length}, got {len(v)} items")
         out = []
@@ -610,15 +600,15 @@ def _list_check(elem: _Check, length: int | None) -> _Check:
 def _dict_check(value: _Check) -> _Check:
     def check(v: Any) -> dict[str, Any]:
         if not isinstance(v, dict):
-            raise _Bad(f"expected a dict, got {_show(v)}")
+            raise _Bad(f"expected a dict, got {show(v)}")
         out = {}
         for k, x in v.items():
             if not isinstance(k, str):
-                raise _Bad(f"key {_show(k)} is not a str")
+                raise _Bad(f"key {show(k)} is not a str")
             try:
                 out[k] = value(x)
             except _Bad as e:
-                e.path = f"[{_show(k)}]{e.path}"
+                e.path = f"[{show(k)}]{e.path}"
                 raise
         return out
     return check
@@ -666,7 +656,7 @@ def decode(msg: Message) -> Optional[Payload]:
     nothing else, for fields that do not fit (see the module docstring for the rules)."""
     fields = msg.fields
     if type(fields) is not dict:
-        raise ProtocolError(f"{msg.kind!r:.50}: fields must be an object, got {_show(fields)}")
+        raise ProtocolError(f"{msg.kind!r:.50}: fields must be an object, got {show(fields)}")
     if msg.kind == "batch" and not msg.tensors:
         fast = _decode_batch(fields)
         if fast is not None:
