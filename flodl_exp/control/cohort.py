@@ -70,9 +70,13 @@ class Cohort:
     def alive_ranks(self) -> list[int]:
         """The live ranks, ascending (a fresh list; the one it copies is rebuilt only on a join or a death,
         so the coordinator's per-tick reads cost a copy, not a scan of the world)."""
+        return list(self._live())
+
+    def _live(self) -> list[int]:
+        """The live ranks, rebuilt only after a join or a death (callers copy what they keep)."""
         if self._alive_list is None:
             self._alive_list = [r for r in range(self.world_size) if self._alive[r]]
-        return list(self._alive_list)
+        return self._alive_list
 
     def alive_count(self) -> int:
         return self._n_alive
@@ -97,7 +101,9 @@ class Cohort:
         return [r for r in self.working() if now - self._last_seen[r] > timeout]
 
     def lowest_alive(self) -> Optional[int]:
-        return next((r for r in range(self.world_size) if self._alive[r]), None)
+        """Asked on every batch (who speaks for the LR): the cached live list's head, not a scan."""
+        live = self._live()
+        return live[0] if live else None
 
     def primary(self) -> int:
         """The rank that writes the model and the primary optimizer piece: the callback rank, else the lowest live one."""
