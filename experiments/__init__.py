@@ -1,6 +1,6 @@
-"""Experiment modules (model, data, train step, eval) and benchmark scripts.
+"""Examples and benchmark scripts (bench_*.py, ddp_baseline.py).
 
-The library (flodl_exp/) never imports this package; configs point at it with
-``_target_`` dotted paths, so a user adds an experiment with one module and
-one yaml under conf/experiment/.
+The experiment modules the presets name (digits, the model zoo, the cooperative loops) ship in the
+package as ``flodl_exp.zoo``; a user's own experiment is one module in their project and one yaml under
+their ``conf/experiment/`` (``--config-dir``). The library never imports this package.
 """

@@ -3,7 +3,7 @@
     .venv/bin/python experiments/bench_data.py [--epochs 3] [--sleep-ms 1.0] [--ranks 2] [--mode nccl_cadence]
 
 Runs ``experiment=digits_slow`` (digits whose loading sleeps ``sleep_ms`` per
-sample, see experiments/slow_data.py) once per configuration, each a real
+sample, see flodl_exp/zoo/slow_data.py) once per configuration, each a real
 run (coordinator + ranks, a throw-away MLflow store), and prints one table:
 epoch wall times and the per-epoch data starvation (time ranks spent blocked
 waiting for batches, summed over ranks). Configurations:

@@ -477,7 +477,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a.batch_size, a.lr = exp["batch_size"], exp["optimizer"]["lr"]
     a.channels = int(exp["model"].get("channels", 48))
     a.scheduled = bool(exp.get("scheduler"))
-    from experiments.digits import DigitsDataset
+    from flodl_exp.zoo.digits import DigitsDataset
 
     a.train_samples = len(DigitsDataset("train"))
     runs = runs_for(a.rig)

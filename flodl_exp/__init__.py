@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from .jobs.launcher import RunHandle
     from .rank.cooperative import CooperativeWorker
 
-__all__ = ["launch", "record_scalar", "worker"]
+__version__ = "0.2.0"
+"""The package's version (pyproject reads it from here; CHANGELOG.md says what each one changed)."""
+
+__all__ = ["__version__", "launch", "record_scalar", "worker"]
 
 
 def launch(cfg: Any, **kw: Any) -> RunHandle:

@@ -26,7 +26,7 @@ def _is_multirun() -> bool:
         return False
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         from .jobs.launcher import RunFailed, launch
@@ -109,5 +109,16 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``flodl-exp`` command and ``python -m flodl_exp``: ``--version`` says this package's version (Hydra's own
+    flag would print Hydra's), anything else is the Hydra app."""
+    if sys.argv[1:2] in (["--version"], ["-V"]):
+        from . import __version__
+
+        print(f"flodl_exp {__version__} (hydra-core {hydra.__version__}, python {sys.version.split()[0]})")
+        return
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,8 +1,8 @@
 """Build an experiment (model, optimizer, LR factor, data, step and eval functions) from config.
 
 Factories are resolved through Hydra's ``instantiate`` / ``get_method`` on the
-``_target_`` dotted paths of ``conf/experiment/*.yaml``; the library never
-imports ``experiments/`` directly.
+``_target_`` dotted paths of ``conf/experiment/*.yaml`` (the shipped presets name ``flodl_exp.zoo``, a
+user's preset names their own module); the library never imports an experiment module by name.
 """
 from __future__ import annotations
 

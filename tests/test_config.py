@@ -563,7 +563,7 @@ def test_max_failure_limit_from_count_and_share(count, pct, world, limit):
 
 
 @pytest.mark.parametrize(("overrides", "key"), [
-    (["experiment.loop=experiments.loops.accumulate"], "experiment.train_step"),
+    (["experiment.loop=flodl_exp.zoo.loops.accumulate"], "experiment.train_step"),
     (["experiment.train_step=null"], "experiment.loop"),
     (["experiment=digits_accumulate", "experiment.loop=accumulate"], "experiment.loop"),
 ], ids=["both", "neither", "not-dotted"])
@@ -577,4 +577,4 @@ def test_exactly_one_of_train_step_and_loop(make, overrides, key):
 def test_the_cooperative_examples_validate(make, experiment):
     cfg = make(f"experiment={experiment}")
     validate(cfg)
-    assert cfg.experiment.train_step is None and cfg.experiment.loop.startswith("experiments.loops.")
+    assert cfg.experiment.train_step is None and cfg.experiment.loop.startswith("flodl_exp.zoo.loops.")

@@ -33,7 +33,7 @@ _wait_for = wait_for
 def test_a_lost_rank_of_three_recovers(store, mode, fault, experiment, monkeypatch):
     """kill: the process dies. stall: only its main thread stops (a hung read) while its heartbeat beats on;
     the progress watch declares it dead and evicts it, and the run recovers the same way. digits_accumulate:
-    the cooperative tier (the user's own loop, experiments/loops.py) recovers as the managed one."""
+    the cooperative tier (the user's own loop, flodl_exp/zoo/loops.py) recovers as the managed one."""
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"1:25:{fault}")  # mid epoch 2 (about 15 batches per rank per epoch)
     h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=6",
                 f"experiment={experiment}")

@@ -40,7 +40,7 @@ def test_windows_reductions_record_log_and_dashboard(store, tmp_path):
     epochs = 3
     h = launch(compose([*base_overrides(store, "observability"), "mode=cpu_sync", f"experiment.epochs={epochs}",
                         "reports_per_epoch=4", "+scalar_reductions.ones=sum", "+scalar_reductions.label_mean=max",
-                        "experiment.train_step=experiments.digits.train_step_recording",
+                        "experiment.train_step=flodl_exp.zoo.digits.train_step_recording",
                         f"record_log.dir={tmp_path}/records", "record_log.max_bytes=1024",
                         f"dashboard.html={tmp_path}/dash.html"]))
     res = h.wait()

@@ -67,7 +67,7 @@ def _assert_inputs_and_model(store, run_id: str, accuracy: float) -> None:
     import mlflow.pytorch
     import torch
 
-    from experiments.digits import DigitsDataset, evaluate
+    from flodl_exp.zoo.digits import DigitsDataset, evaluate
 
     run = MlflowClient(store["uri"]).get_run(run_id)
     assert run.inputs is not None

@@ -2,7 +2,7 @@
 finish, evaluate on the callback rank and log the task's metrics (the LM's unigram baseline beside its loss).
 
 Sizes are cut to a few steps so both runs fit ~60 s on two cores; the measured CPU-preset numbers are in the
-README (experiments/zoo/README_section.md).
+README (flodl_exp/zoo/README_section.md).
 """
 from __future__ import annotations
 

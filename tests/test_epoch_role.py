@@ -19,7 +19,7 @@ def _rank(fn, rank: int = 1):
     return rank_control(trainer, rank=rank)
 
 
-EPOCH_PROBE: dict[str, Any] = {"experiment.epoch_fn": "experiments.digits.epoch_probe"}
+EPOCH_PROBE: dict[str, Any] = {"experiment.epoch_fn": "flodl_exp.zoo.digits.epoch_probe"}
 
 
 def test_the_epoch_role_rank_runs_the_hook_once_per_epoch_with_the_last_aggregate():

@@ -1,7 +1,7 @@
 """One conformance suite on the simulated 3:1 rig (cluster=local_hetero): every mode, the outer optimizers on the
 two low-communication modes (nccl_cadence and cpu_async with outer=slowmo and outer=diloco; plain averaging
 on them is the default run of the other end-to-end tests), and both tiers: the managed loop (experiment
-digits_mlp) and the cooperative examples of experiments/loops.py (digits_accumulate: gradient accumulation;
+digits_mlp) and the cooperative examples of flodl_exp/zoo/loops.py (digits_accumulate: gradient accumulation;
 digits_two_optimizers: an encoder/decoder pair with two optimizers). Every case checks the same invariants.
 
 The sync modes' end-to-end checks live here too (telemetry of every rank, the collective the coordinator
@@ -41,7 +41,7 @@ def _params(cases: list[tuple[str, str, str]], *marks: Any) -> list[Any]:
 def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
     from flodl_exp.jobs.launcher import launch
 
-    hook = ["experiment.epoch_fn=experiments.digits.epoch_probe"] if mode == "cpu_cadence" else []
+    hook = ["experiment.epoch_fn=flodl_exp.zoo.digits.epoch_probe"] if mode == "cpu_cadence" else []
     h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", f"outer={outer}", "cluster=local_hetero",
                         f"experiment={experiment}", f"experiment.epochs={EPOCHS}", *hook]))
     res = h.wait()
@@ -77,7 +77,7 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
         scalar = "micro_batches" if experiment == ACCUMULATE else "recon_mse"
         values = [m.value for m in c.get_metric_history(h.run_id, scalar)]
         assert len(values) == EPOCHS and all(v > 0 for v in values), values
-        assert run.data.params["experiment.loop"].startswith("experiments.loops.")
+        assert run.data.params["experiment.loop"].startswith("flodl_exp.zoo.loops.")
     if outer != "avg":  # per epoch with a reduce: the mean outer step and the momentum at its last reduce
         steps = c.get_metric_history(h.run_id, "outer/step_norm")
         momentum = [m.value for m in c.get_metric_history(h.run_id, "outer/momentum_norm")]

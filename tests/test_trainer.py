@@ -14,11 +14,11 @@ from flodl_exp.rank.trainer import RankTrainer
 from flodl_exp.scalars import drain_scalars
 
 EXP = {
-    "name": "t", "model": {"_target_": "experiments.digits.MLP", "hidden": 16},
+    "name": "t", "model": {"_target_": "flodl_exp.zoo.digits.MLP", "hidden": 16},
     "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
-    "scheduler": None, "train_data": {"_target_": "experiments.digits.DigitsDataset", "split": "train"},
-    "eval_data": {"_target_": "experiments.digits.DigitsDataset", "split": "test"},
-    "train_step": "experiments.digits.train_step_recording", "eval_fn": "experiments.digits.evaluate",
+    "scheduler": None, "train_data": {"_target_": "flodl_exp.zoo.digits.DigitsDataset", "split": "train"},
+    "eval_data": {"_target_": "flodl_exp.zoo.digits.DigitsDataset", "split": "test"},
+    "train_step": "flodl_exp.zoo.digits.train_step_recording", "eval_fn": "flodl_exp.zoo.digits.evaluate",
     "batch_size": 32, "epochs": 1,
 }
 
@@ -111,7 +111,7 @@ def test_eval_and_extend_partition():
 
 # -- the hot path: no host read per batch, one per chunk ------------------------------------------------
 
-PLAIN = {**EXP, "train_step": "experiments.digits.train_step"}  # no record_scalar: the user step reads nothing either
+PLAIN = {**EXP, "train_step": "flodl_exp.zoo.digits.train_step"}  # no record_scalar: the user step reads nothing either
 
 
 def _plain(**kw) -> RankTrainer:
@@ -276,7 +276,7 @@ def test_simulated_speed_on_device_timing(monkeypatch):
 def test_the_digits_split_is_cached_identically_and_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
     import numpy as np
 
-    from experiments import digits
+    from flodl_exp.zoo import digits
 
     monkeypatch.setenv(digits.CACHE_ENV, str(tmp_path))
     digits._split.cache_clear()

@@ -1,4 +1,4 @@
-"""The zoo's data (experiments/zoo): each on-disk format read from small files written here in that exact
+"""The zoo's data (flodl_exp/zoo): each on-disk format read from small files written here in that exact
 format, and every corrupt or truncated file refused with one line that names the file and what is wrong.
 
 No download, no process: MNIST IDX (plain and gzipped), CIFAR-10 binary batches and plain-text corpora are
@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # experiments/ is not installed: found from the repo root, as the CLI finds it
     sys.path.insert(0, str(ROOT))
 
-from experiments.zoo import data_cifar as C  # noqa: E402
-from experiments.zoo import data_mnist as M  # noqa: E402
-from experiments.zoo import data_text as T  # noqa: E402
+from flodl_exp.zoo import data_cifar as C  # noqa: E402
+from flodl_exp.zoo import data_mnist as M  # noqa: E402
+from flodl_exp.zoo import data_text as T  # noqa: E402
 
 
 def _one_line_error(exc: pytest.ExceptionInfo, path: Path | str, *words: str) -> str:

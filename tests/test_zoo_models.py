@@ -1,4 +1,4 @@
-"""The zoo's models, steps, schedules and presets (experiments/zoo, conf/experiment/<model>.yaml).
+"""The zoo's models, steps, schedules and presets (flodl_exp/zoo, conf/experiment/<model>.yaml).
 
 Each architecture is pinned by its output shape and its parameter count, computed from the reference's
 layer list (algorithms.md 12.1 names the layers, not the counts; ResNet-20 with projection shortcuts is the
@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # experiments/ is not installed: found from the repo root, as the CLI finds it
     sys.path.insert(0, str(ROOT))
 
-from experiments.zoo import models_text as MT  # noqa: E402
-from experiments.zoo import models_vision as MV  # noqa: E402
-from experiments.zoo import tasks  # noqa: E402
+from flodl_exp.zoo import models_text as MT  # noqa: E402
+from flodl_exp.zoo import models_vision as MV  # noqa: E402
+from flodl_exp.zoo import tasks  # noqa: E402
 
 ZOO = ("logistic", "mlp", "lenet", "resnet20", "char_rnn", "gpt_nano", "conv_ae")
 

@@ -31,20 +31,22 @@ def translate_argv(argv: list[str]) -> list[str]:
 def run_suite(cfg: BenchConfig) -> int:
     """Every run of the plan as a child of one parent run, then the report; 0 when every run finished."""
     from ..tracking import client, create_run, resolve_tracking
-    from .runner import ROOT, RunRecord, run_all
+    from .runner import RunRecord, run_all
 
     specs = plan(cfg)
     out = os.path.abspath(cfg.out_dir or os.path.join("outputs", "bench", time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
-    # The ranks (submitit) and the DDP workers (spawn) import experiments.* from the repository root.
+    # The ranks (submitit) and the DDP workers (spawn) import the presets' modules: flodl_exp.zoo from the package,
+    # a user's own from the launch directory.
+    root = os.getcwd()
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if ROOT not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *[p for p in paths if p]])
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p]])
+    if root not in sys.path:
+        sys.path.insert(0, root)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    uri, art = resolve_tracking(cfg.tracking, ROOT)
+    uri, art = resolve_tracking(cfg.tracking, root)
     if cfg.report_of:
         run = client(uri).get_run(cfg.report_of)
         wall = float(run.data.metrics.get("bench_wall_s", float("nan")))
@@ -105,7 +107,7 @@ def write_report(cfg: BenchConfig, c: object, parent: str, out: str, wall: float
 register()
 
 
-@hydra.main(version_base="1.3", config_path="../../conf/bench", config_name="config")
+@hydra.main(version_base="1.3", config_path="../conf/bench", config_name="config")
 def main(dcfg: DictConfig) -> None:
     obj = OmegaConf.to_object(dcfg)
     assert isinstance(obj, BenchConfig)

@@ -19,10 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..constants import CONF_DIR as CONF
 from .suite import BenchConfig, RunSpec, experiment_overrides
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONF = os.path.join(ROOT, "conf")
 
 
 @dataclass
@@ -108,7 +106,7 @@ def start_flodl(cfg: BenchConfig, spec: RunSpec, parent_id: str, out: str) -> Pe
 
     t0 = time.monotonic()
     app_cfg = compose_app(flodl_overrides(cfg, spec, out))
-    handle = launch(app_cfg, root=ROOT, parent_run_id=parent_id)
+    handle = launch(app_cfg, root=os.getcwd(), parent_run_id=parent_id)
     _tag(handle.client(), handle.run_id, bench_tags(spec, parent_id))  # the handle holds the store's credentials
     return Pending(spec, handle, t0, t0 + cfg.run_timeout_s)
 
@@ -140,7 +138,7 @@ def run_torch_entry(cfg: BenchConfig, spec: RunSpec, parent_id: str, out: str) -
     app_cfg = compose_app(experiment_overrides(cfg, spec.model))
     exp = OmegaConf.to_container(app_cfg.experiment, resolve=True)
     assert isinstance(exp, dict)
-    uri, art = resolve_tracking(_tracking_node(cfg), ROOT)
+    uri, art = resolve_tracking(_tracking_node(cfg), os.getcwd())
     run_dir = os.path.join(out, "runs", spec.model, spec.name)
     res = run_torch(exp=exp, rank_speeds=spec.speeds, seed=cfg.seed, lr_scale_ratio=cfg.lr_scale_ratio,
                     sleep_basis=cfg.ddp_sleep_basis, out=run_dir, tracking_uri=uri,

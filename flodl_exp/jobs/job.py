@@ -224,7 +224,7 @@ class _RunEnded(BaseException):
 
 
 def add_import_paths(spec: JobSpec) -> None:
-    """Make the launch directory importable here: experiment modules (``experiments.digits``, a
+    """Make the launch directory importable here: experiment modules (``flodl_exp.zoo.digits``, a
     user's ``my_task``) are found from where the user launched, not installed into site-packages."""
     for path in reversed(spec.import_paths):
         if path not in sys.path:

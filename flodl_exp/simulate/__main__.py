@@ -28,7 +28,7 @@ def run(cfg: SimulateConfig) -> tuple[str, list[str]]:
     return md, write(cfg, stats, rows, md, cfg.out)
 
 
-@hydra.main(version_base="1.3", config_path="../../conf/simulate", config_name="config")
+@hydra.main(version_base="1.3", config_path="../conf/simulate", config_name="config")
 def main(dcfg: DictConfig) -> None:
     obj = OmegaConf.to_object(dcfg)
     assert isinstance(obj, SimulateConfig)

@@ -149,9 +149,11 @@ def rank_steps(cfg: SimulateConfig) -> list[tuple[float, float, float]]:
 
 
 def _preset(name: str) -> dict[str, Any]:
-    """conf/mode/<name>.yaml of this checkout (the run's presets); the policy/backend split of the name when
-    the file is not there (an installed package)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "mode", f"{name}.yaml")
+    """conf/mode/<name>.yaml the package ships (the run's presets); the policy/backend split of the name when
+    the file is not there."""
+    from ..constants import CONF_DIR
+
+    path = os.path.join(CONF_DIR, "mode", f"{name}.yaml")
     if os.path.exists(path):
         from omegaconf import OmegaConf
 
@@ -184,7 +186,7 @@ def run_config(cfg: SimulateConfig, mode: str, world_size: int) -> Config:
 
 
 def lr_factor(cfg: SimulateConfig) -> Any:
-    """The rank's LR factor of the global step (what the meta-controller watches), as experiments.digits'
+    """The rank's LR factor of the global step (what the meta-controller watches), as flodl_exp.zoo.digits'
     cosine_schedule: a pure function of the step."""
     import math
 

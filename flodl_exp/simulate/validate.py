@@ -19,9 +19,10 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from ..constants import CONF_DIR
 from .topology import RankGroupConfig, SimulateConfig, register
 
-CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "simulate")
+CONF = os.path.join(CONF_DIR, "simulate")
 
 
 def measured(job_dir: str, db: str, run_name: str) -> Optional[dict[str, Any]]:

@@ -6,7 +6,7 @@ parser checks everything a damaged file can break (magic, element type, header l
 size) and says which file and what in one line, so a half-copied data set fails at start-up rather
 than training on garbage.
 
-Without ``data_dir`` the data sets use scikit-learn's bundled 8x8 digits (``experiments.digits``:
+Without ``data_dir`` the data sets use scikit-learn's bundled 8x8 digits (``flodl_exp.zoo.digits``:
 same fixed split, same cache), upsampled bilinearly to 28x28 so the reference's MNIST architectures
 (Linear(784, 10), LeNet-5's 5x5 convolutions, the autoencoder's two stride-2 stages) run unchanged.
 """
@@ -114,7 +114,7 @@ def load_mnist(data_dir: str, split: str) -> tuple[np.ndarray, np.ndarray]:
 @lru_cache(maxsize=2)
 def bundled_digits(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The bundled 8x8 digits of ``split`` upsampled to [n, 1, 28, 28] in [0, 1] (bilinear, clamped)."""
-    from experiments.digits import DigitsDataset
+    from flodl_exp.zoo.digits import DigitsDataset
 
     d = DigitsDataset(split)
     x = F.interpolate(d.x, size=(SIDE, SIDE), mode="bilinear", align_corners=False).clamp_(0.0, 1.0)

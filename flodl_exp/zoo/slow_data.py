@@ -1,6 +1,6 @@
 """A deliberately slow digits data set: the test bed of the rank data plane.
 
-``SlowDigits`` is ``experiments.digits.DigitsDataset`` whose own loading
+``SlowDigits`` is ``flodl_exp.zoo.digits.DigitsDataset`` whose own loading
 sleeps ``sleep_ms`` per sample (think: decoding from network storage). Sleep
 holds no CPU, so the cost it models stays visible on a small shared machine
 and prefetching, the sample cache and the disk stage have something to hide.

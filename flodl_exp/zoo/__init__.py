@@ -1,4 +1,5 @@
-"""The model zoo: the reference's seven benchmark models (algorithms.md 12.1) on real data, offline.
+"""The experiments the presets name: digits (the default), the cooperative loops, and the model zoo: the
+reference's seven benchmark models (algorithms.md 12.1) on real data, offline.
 
 One module per job, so each piece can be read and tested alone:
 

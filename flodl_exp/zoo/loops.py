@@ -58,7 +58,7 @@ def two_optimizers(cfg: Any) -> None:
     with flodl_exp.worker() as w:
         model = w.model
         if not isinstance(model, EncoderDecoder):
-            raise TypeError(f"two_optimizers trains an experiments.loops.EncoderDecoder, not a {type(model).__name__}")
+            raise TypeError(f"two_optimizers trains an flodl_exp.zoo.loops.EncoderDecoder, not a {type(model).__name__}")
         classify = torch.optim.Adam([*model.encoder.parameters(), *model.head.parameters()], lr=2e-3)
         reconstruct = torch.optim.SGD(model.decoder.parameters(), lr=0.05, momentum=0.9)
         w.setup(classify, reconstruct)

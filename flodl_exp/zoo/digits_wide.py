@@ -7,7 +7,7 @@ wire) but ~20 MFLOP per sample forward, so at batch 16 one train step takes
 ~7 ms on one CPU thread while a full parameter exchange is about a millisecond
 -- the regime of real GPUs, where a step is compute-bound and the all-reduce
 is small next to it. Data, train step and eval come from
-``experiments.digits``.
+``flodl_exp.zoo.digits``.
 """
 from __future__ import annotations
 
