@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned here (dev/CI) to the CPU wheel; the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
-FAST := not e2e and not slurm and not gpu and not conformance and not fuzz
+FAST := not e2e and not slurm and not gpu and not conformance and not fuzz and not package
 
-.PHONY: run test test-fast conformance lint typecheck ui venv clean clean-all
+.PHONY: run test test-fast test-package docs docs-serve conformance lint typecheck ui venv clean clean-all
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,19 @@ run: $(STAMP)
 
 # The full suite: unit tests, end-to-end runs on real processes, a real SLURM, a real browser.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not conformance" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not conformance and not package" $(PYTEST_ARGS)
+
+# What a user outside this repository gets: the wheel installed into a fresh venv and run from a temporary project,
+# the strict docs build, the quickstart's commands, an Optuna study (.ci/run runs it after make test).
+test-package: $(STAMP)
+	$(BIN)/python -m pytest -q -m package $(PYTEST_ARGS)
+
+# The documentation site (docs/, mkdocs-material) into site/; --strict: a broken link or a missing page fails.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
 
 # The whole conformance matrix on the 3:1 rig (five modes x (managed loop, two cooperative loops)) and the fault
 # cases make test covers another way (an nccl kill, max_failure on one node), ~9 minutes.
@@ -46,7 +58,7 @@ ui: $(STAMP)
 
 # Keeps the MLflow store (outputs/mlflow.db, outputs/mlartifacts) and every bundle; `make clean-all` removes them too.
 clean:
-	rm -rf outputs/jobs outputs/reports outputs/bench multirun .pytest_cache .mypy_cache .ruff_cache
+	rm -rf outputs/jobs outputs/reports outputs/bench multirun site .pytest_cache .mypy_cache .ruff_cache
 	@echo "kept outputs/mlflow.db, outputs/mlartifacts and checkpoint bundles (make clean-all removes them)"
 
 clean-all:
