@@ -38,30 +38,71 @@ def _to_container(node: Any) -> Any:
     return node
 
 
+class ExperimentSetupError(RuntimeError):
+    """A factory of the experiment could not be built: which key, which target, the cause, in one line.
+
+    A rank's set-up runs user code (imports, data files, constructors) far from the terminal that launched it; the
+    user needs the config key to fix and the cause, not Hydra's frames (the rank keeps the full traceback)."""
+
+    def __init__(self, key: str, target: Optional[str], cause: BaseException) -> None:
+        self.key, self.target, self.cause = key, target, cause
+        what = f"cannot build {target!r}" if target else "cannot be built"
+        super().__init__(f"{key}: {what}: {root_cause(cause)}")
+
+
+def root_cause(e: BaseException) -> str:
+    """The innermost cause of ``e`` as ``Type: first line`` (Hydra wraps an ImportError two levels deep)."""
+    seen: set[int] = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        nxt = e.__cause__ or e.__context__
+        assert nxt is not None
+        e = nxt
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _target(node: Any) -> Optional[str]:
+    if isinstance(node, dict):
+        return str(node.get("_target_")) if node.get("_target_") else None
+    return str(node) if isinstance(node, str) else None
+
+
+def _built(key: str, node: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, or an ExperimentSetupError naming ``experiment.<key>`` and its target."""
+    try:
+        return make()
+    except Exception as e:
+        raise ExperimentSetupError(f"experiment.{key}", _target(node), e) from e
+
+
 def build_experiment(exp: Any, *, world_size: int, device: torch.device, seed: int, augment: int = 1) -> Experiment:
     """Instantiate every factory of ``exp`` (an ExperimentConfig node or plain dict).
 
     The model is created under ``torch.manual_seed(seed)`` so every rank starts
     from the same weights (averaging replicas that started apart wastes the
-    first windows).
+    first windows). A factory that fails raises :class:`ExperimentSetupError` (its key, target and cause).
     """
     from hydra.utils import get_method, instantiate
 
     exp = _to_container(exp)
     torch.manual_seed(int(seed))
-    model = instantiate(exp["model"]).to(device)
-    optimizer = instantiate(exp["optimizer"])(model.parameters())
-    train_data = instantiate(exp["train_data"])
-    eval_data = instantiate(exp["eval_data"]) if exp.get("eval_data") else None
+    model = _built("model", exp["model"], lambda: instantiate(exp["model"]).to(device))
+    optimizer = _built("optimizer", exp["optimizer"], lambda: instantiate(exp["optimizer"])(model.parameters()))
+    train_data = _built("train_data", exp["train_data"], lambda: instantiate(exp["train_data"]))
+    eval_data = _built("eval_data", exp["eval_data"], lambda: instantiate(exp["eval_data"])) if exp.get("eval_data") else None
     lr_factor = None
     if exp.get("scheduler"):
         steps_per_epoch = (len(train_data) * max(1, augment)) // int(exp["batch_size"])
         total_steps = max(1, steps_per_epoch * int(exp["epochs"]))
-        lr_factor = instantiate(exp["scheduler"])(total_steps=total_steps, world_size=world_size)
-    train_step = get_method(exp["train_step"]) if exp.get("train_step") else None
-    eval_fn = get_method(exp["eval_fn"]) if exp.get("eval_fn") else None
-    epoch_fn = get_method(exp["epoch_fn"]) if exp.get("epoch_fn") else None
-    return Experiment(model, optimizer, lr_factor, train_data, eval_data, train_step, eval_fn, epoch_fn)
+        lr_factor = _built("scheduler", exp["scheduler"],
+                           lambda: instantiate(exp["scheduler"])(total_steps=total_steps, world_size=world_size))
+
+    def method(key: str) -> Any:
+        return _built(key, exp[key], lambda: get_method(exp[key])) if exp.get(key) else None
+
+    return Experiment(model, optimizer, lr_factor, train_data, eval_data, method("train_step"), method("eval_fn"),
+                      method("epoch_fn"))
 
 
 def fetch_batch(dataset: Any, sample_ids: Any) -> Any:

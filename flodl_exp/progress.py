@@ -1,6 +1,7 @@
 """Terminal UX: a live bar on a TTY (rich), plain lines otherwise, then a one-screen summary."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -166,7 +167,11 @@ def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Opt
         if result.get("lost_picks"):
             lines.append(f"  LOST PICKS  {result['lost_picks']} trained picks of dead ranks are in no consensus and were not "
                          "retrained (no survivor)")
-        lines.append(f"  bundle      {result.get('stem')}.pt")
+        bundle = f"{result.get('stem')}.pt"
+        if result.get("stem") and os.path.exists(bundle):  # named only when one was written
+            lines.append(f"  bundle      {bundle}")
+        else:
+            lines.append("  bundle      none written")
     lines.append(f"  wall time   {wall_s:.1f}s")
     lines.append(f"  status      {'FAILED: ' + error.splitlines()[0] if error else 'FINISHED'}")
     lines.append(f"  MLflow UI   mlflow ui --host 127.0.0.1 --backend-store-uri {uri}")

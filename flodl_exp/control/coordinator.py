@@ -244,7 +244,7 @@ class Coordinator:
     def _check_lost_before_join(self) -> None:
         """A task whose process is gone before its rank said hello can never join: fail now, naming it (its
         pid and host) first, then any joined rank that failed since (collateral: its setup waited for it)."""
-        from ..jobs.rendezvous import lost_before_join
+        from ..jobs.rendezvous import lost_before_join, setup_failure
 
         closed = {q for q, _ in self._connect_closes}
         for r in self.cohort.missing():
@@ -253,6 +253,9 @@ class Coordinator:
             why = lost_before_join(self.job_dir, r, self.spec.attempt)
             if why:
                 after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._connect_closes)
+                cause = setup_failure(self.job_dir, r, self.spec.attempt)
+                if cause is not None:  # the rank said why (its death record): that is the run's cause
+                    raise RunFailure(f"rank {r} could not set up: {cause}{after}")
                 raise RunFailure(f"rank {r} was lost before training started: {why}{after}")
 
     def _on_close_while_connecting(self, r: int, err: str) -> None:

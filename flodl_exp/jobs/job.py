@@ -269,6 +269,10 @@ def _reap(coord: subprocess.Popen) -> None:
 
 def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: JobSpec, job_dir: str, attempt: int) -> dict:
     """Task 0's result from the coordinator's exit code and rank 0's (``box``: its result or its error)."""
+    if rc not in (0, PREEMPT_EXIT) and isinstance(box.get("error"), RankSetupFailed):
+        # rank 0 could not set up: the coordinator, still waiting for it, was ended; the rank's line is the cause
+        fail_run_if_running(spec.tracking_uri, spec.run_id, str(box["error"]))
+        raise box["error"]
     if rc not in (0, PREEMPT_EXIT):
         res = _read_json(os.path.join(job_dir, "result.json"))
         if res is not None and int(res.get("attempt", attempt)) == attempt and res.get("status") in ("FAILED", "KILLED"):
@@ -448,12 +452,56 @@ def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: 
     if loop:  # the cooperative tier: the user's loop drives the rank (rank/cooperative.py)
         from hydra.utils import get_method
 
+        from ..experiment import ExperimentSetupError
         from ..rank.cooperative import RankContext, run_loop
 
-        return run_loop(get_method(loop), RankContext(spec, rank, local_rank, rdv, owns_process=coord_dead is None))
+        try:
+            fn = get_method(loop)
+        except Exception as e:
+            raise _setup_failed(spec, rank, job_dir, attempt, ExperimentSetupError("experiment.loop", loop, e)) from e
+        return run_loop(fn, RankContext(spec, rank, local_rank, rdv, owns_process=coord_dead is None))
     from ..rank.worker import RankWorker
 
-    return RankWorker(spec, rank, local_rank, rdv, owns_process=coord_dead is None).run()
+    try:
+        worker = RankWorker(spec, rank, local_rank, rdv, owns_process=coord_dead is None)
+    except Exception as e:
+        raise _setup_failed(spec, rank, job_dir, attempt, e) from e
+    return worker.run()
+
+
+class RankSetupFailed(RuntimeError):
+    """A rank could not set up (build its experiment, reach the coordinator): one line naming the rank, the config
+    key and the cause, with where the full traceback is kept."""
+
+
+def _setup_failed(spec: JobSpec, rank: int, job_dir: str, attempt: int, e: BaseException) -> RankSetupFailed:
+    """Keep the full traceback in the job folder (``ranks/setup_error.r<rank>.txt``) and the rank's death record
+    (the coordinator names the cause from it), and return the one-line error the task raises."""
+    import traceback
+
+    from ..experiment import ExperimentSetupError, root_cause
+    from ..fsio import atomic_text
+    from .rendezvous import write_death_record
+
+    what = str(e) if isinstance(e, ExperimentSetupError) else root_cause(e)
+    cause = e.cause if isinstance(e, ExperimentSetupError) else e
+    if isinstance(cause, ImportError) or "ModuleNotFoundError" in what or "ImportError" in what:
+        what += f" (the task imports from {', '.join(spec.import_paths) or '(no launch folder)'} and site-packages)"
+    path = setup_error_path(job_dir, rank)
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_text(f"rank {rank} could not set up: {what}\n\n{tb}", path, mode=0o600)
+        where = f" (full traceback: {path})"
+    except OSError:
+        where = ""
+    write_death_record(job_dir, rank, 0, what, tb[-4000:], attempt=attempt, phase="setup")
+    return RankSetupFailed(f"rank {rank} could not set up: {what}{where}")
+
+
+def setup_error_path(job_dir: str, rank: int) -> str:
+    """Where a rank that could not set up keeps its full traceback."""
+    return os.path.join(job_dir, "ranks", f"setup_error.r{rank}.txt")
 
 
 run_task = RunTask()

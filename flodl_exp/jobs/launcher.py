@@ -380,12 +380,40 @@ class RunHandle:
             end_run(self._live_uri, self.run_id, "FINISHED")
             self._ended = True
             return result
+        setup = self._setup_failures()
         reason = result.get("failure") or error or "the job ended without a result"
-        if error and result.get("failure") and error not in reason:
+        if setup and "could not set up" not in reason:
+            reason = "; ".join(setup)  # the ranks said why in one line each (their tracebacks: ranks/, MLflow)
+        elif error and result.get("failure") and error not in reason and not setup:
             reason = f"{reason}\n{error}"
         end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
         raise RunFailed(_tail_lines(reason, 40))
+
+    def _setup_failures(self) -> list[str]:
+        """One line per rank that could not set up in this job (its death record), its full traceback logged to the
+        MLflow run (``ranks/setup_error.r<rank>.txt``)."""
+        import glob
+
+        from .job import setup_error_path
+        from .rendezvous import death_record_path
+
+        lines = []
+        for rank in range(world_size(self.cfg)):
+            try:
+                with open(death_record_path(self.job_dir, rank)) as fh:
+                    rec = json.load(fh)
+            except (OSError, ValueError):
+                continue
+            if rec.get("phase") == "setup":
+                lines.append(f"rank {rank} could not set up: {rec.get('error')} "
+                             f"(full traceback: {setup_error_path(self.job_dir, rank)})")
+        for path in sorted(glob.glob(os.path.join(self.job_dir, "ranks", "setup_error.r*.txt"))):
+            try:
+                self.client().log_artifact(self.run_id, path, "ranks")
+            except Exception as e:  # the record is in the job folder either way
+                print(f"warning: could not log {path} to MLflow: {e}", file=sys.stderr)
+        return lines
 
     # -- task 0 lost: the coordinator went with it and wrote nothing -----------------
     def _task0(self) -> Any:

@@ -76,22 +76,36 @@ def death_record_path(job_dir: str, rank: int) -> str:
 
 
 def write_death_record(job_dir: str, rank: int, world_size: int, error: str, traceback: str, *,
-                       attempt: int = 0) -> Optional[str]:
+                       attempt: int = 0, phase: str = "training") -> Optional[str]:
     """The rank's own record of why it fails (the reference's per-rank death record: rank, world size, error,
     time, a schema number), written before it tells the coordinator: an error frame that never reaches the
     coordinator (it is gone, the link broke) still leaves its cause in the job folder. The coordinator keeps its
     own summary of every death (``<stem>.death.json``). Returns the path, or None when it could not be written
-    (a full disk must not hide the original error)."""
+    (a full disk must not hide the original error). ``phase``: ``setup`` (before the rank joined: the coordinator
+    names this error as the run's cause) or ``training``."""
     path = death_record_path(job_dir, rank)
     record = {"schema_version": DEATH_RECORD_SCHEMA, "rank": rank, "world_size": world_size, "error": error,
               "traceback": traceback, "unix_time": time.time(), "host": os.uname().nodename, "pid": os.getpid(),
-              "incarnation": incarnation(attempt)}
+              "incarnation": incarnation(attempt), "phase": phase}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         atomic_text(json.dumps(record), path, mode=0o600)
     except OSError:
         return None
     return path
+
+
+def setup_failure(job_dir: str, rank: int, attempt: int) -> Optional[str]:
+    """The one-line error of ``rank`` when this incarnation's rank failed to set up (its death record says so), else
+    None."""
+    try:
+        with open(death_record_path(job_dir, rank)) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if rec.get("phase") != "setup" or str(rec.get("incarnation")) != incarnation(attempt):
+        return None
+    return str(rec.get("error"))
 
 
 def write_rank_marker(job_dir: str, rank: int, attempt: int) -> None:
