@@ -28,6 +28,7 @@ DEVICES = ("auto", "cpu", "cuda")
 COLLECTIVES = ("auto", "nccl", "gloo")
 LOOP_ERRORS = ("lose_rank", "fail")
 OUTERS = ("avg", "slowmo", "diloco")
+DIRECTIONS = ("maximize", "minimize")
 OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "diloco": (0.7, 0.9)}
 """outer.kind -> (lr, mu) when the config leaves them unset."""
 
@@ -285,6 +286,18 @@ class DashboardConfig:
 
 
 @dataclass
+class SweepConfig:
+    """Hydra sweeps (``-m``). An Optuna study (``hydra/sweeper=optuna``, docs/how-to/optuna.md) optimizes the final
+    value of ``objective`` in each trial's finished run; a grid sweep (Hydra's basic sweeper) reads neither key."""
+
+    objective: str = "eval/accuracy"
+    """The MLflow metric of a finished run each trial returns to the sweeper (its last value): eval/accuracy,
+    eval/loss, loss, epoch_time_s, ... (any key the run logged)."""
+    direction: str = "maximize"
+    """maximize | minimize the objective; ``hydra.sweeper.direction`` follows it (set there too, it must agree)."""
+
+
+@dataclass
 class Config:
     mode: ModeConfig = field(default_factory=ModeConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -304,6 +317,7 @@ class Config:
     """Cross-rank roll-up of user scalars: name -> mean | sum | max | min (undeclared = mean)."""
     record_log: RecordLogConfig = field(default_factory=RecordLogConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 def register_configs() -> None:
@@ -754,10 +768,20 @@ def _multinode_rules(cfg: Any) -> List[str]:
     return warnings
 
 
+def _sweep_rules(cfg: Any) -> List[str]:
+    """What an Optuna study optimizes (read only in a study, checked in every run: a typo waits for no sweep)."""
+    s = cfg.sweep
+    if s.direction not in DIRECTIONS:
+        raise _err("sweep.direction", s.direction, f"one of {', '.join(DIRECTIONS)}")
+    if not isinstance(s.objective, str) or not s.objective.strip():
+        raise _err("sweep.objective", s.objective, "the name of a metric the run logs (eval/accuracy, eval/loss, loss, ...)")
+    return []
+
+
 _RULES: tuple[Callable[[Any], List[str]], ...] = (
     _schema_rules, _loop_rules, _mode_kind_rules, _outer_rules, _cluster_rules, _anchor_rules, _split_rules,
     _update_rules, _guard_rules, _cluster_health_rules, _experiment_rules, _eval_rules, _checkpoint_rules,
-    _records_rules, _data_plane_rules, _multinode_rules,
+    _records_rules, _data_plane_rules, _multinode_rules, _sweep_rules,
 )
 
 
