@@ -282,6 +282,112 @@ def plot_batch_share(rows: Sequence[RunSummary], path: str) -> None:
 
 
 # -- MLflow edge ----------------------------------------------------------------
+# -- pure: an Optuna study's trials, ranked by the objective ------------------------------------------------
+TRIAL_TAG = "sweep.trial"
+"""Tag of a study's trial run: its trial number (``hydra.job.num``)."""
+TRIAL_OVERRIDES_TAG = "sweep.overrides"
+"""Tag of a study's trial run: the trial's Hydra overrides, space-separated (a tracking URI redacted)."""
+TRIAL_ERROR_TAG = "sweep.error"
+"""Tag of a finished trial run the sweeper got no objective from (the metric missing): the one-line error."""
+OBJECTIVE_METRIC = "objective"
+"""Metric of a study's trial run: the objective value returned to the sweeper."""
+
+
+@dataclass
+class TrialRow:
+    """One trial of a study as a ranking row: COMPLETE (a finite objective) or FAIL (``note`` says why)."""
+
+    trial: Optional[int]
+    params: dict[str, str]
+    objective: Optional[float]
+    status: str
+    note: str = ""
+    run_id: str = ""
+
+
+def _override_values(overrides: str) -> dict[str, str]:
+    """``key=value`` pairs of a space-separated override list (``+``/``~``/``++`` prefixes dropped)."""
+    out = {}
+    for item in overrides.split():
+        key, sep, value = item.partition("=")
+        if sep:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def trial_row(tags: dict[str, str], metrics: dict[str, float], status: str, run_id: str,
+              swept: Sequence[str]) -> TrialRow:
+    """A trial run's row: its number, the values of the swept keys, the objective it returned and its outcome."""
+    try:
+        number: Optional[int] = int(tags[TRIAL_TAG])
+    except (KeyError, ValueError):
+        number = None
+    values = _override_values(tags.get(TRIAL_OVERRIDES_TAG, ""))
+    params = {k: values.get(k, MISSING) for k in swept}
+    value = metrics.get(OBJECTIVE_METRIC)
+    note = ""
+    if status != "FINISHED":
+        err = (tags.get("error") or "").strip().splitlines()
+        note = f"run {status}" + (f": {err[0]}" if err else "")
+    elif tags.get(TRIAL_ERROR_TAG):
+        note = tags[TRIAL_ERROR_TAG].strip().splitlines()[0]
+    elif value is None:
+        note = "no objective logged"
+    elif not math.isfinite(value):
+        note = f"objective is {value}"
+    ok = not note
+    return TrialRow(trial=number, params=params, objective=value if ok else None, status="COMPLETE" if ok else "FAIL",
+                    note=note, run_id=run_id)
+
+
+def rank_trials(rows: Sequence[TrialRow], direction: str) -> list[TrialRow]:
+    """COMPLETE trials best first (``direction`` maximize: highest objective), ties by trial number; then the
+    failed ones by trial number."""
+    sign = -1.0 if direction == "maximize" else 1.0
+    done = sorted((r for r in rows if r.status == "COMPLETE" and r.objective is not None),
+                  key=lambda r: (sign * float(r.objective or 0.0), r.trial if r.trial is not None else math.inf))
+    ranked = {id(r) for r in done}
+    rest = sorted((r for r in rows if id(r) not in ranked), key=lambda r: r.trial if r.trial is not None else math.inf)
+    return [*done, *rest]
+
+
+def trials_markdown(title: str, ranked: Sequence[TrialRow], objective: str, direction: str,
+                    swept: Sequence[str], source: str = "") -> str:
+    """The study's ranking as markdown: a one-line account, then Rank | Trial | each swept key | objective |
+    Status | Run (failed trials last, unranked, with their reason)."""
+    done = [r for r in ranked if r.status == "COMPLETE"]
+    lines = [f"# Study `{title}`: trials ranked by `{objective}` ({direction})", ""]
+    if source:
+        lines += [f"Source: {source}", ""]
+    account = f"{len(ranked)} trials: {len(done)} complete, {len(ranked) - len(done)} failed."
+    if done:
+        best = done[0]
+        params = ", ".join(f"{k}={v}" for k, v in best.params.items())
+        account += f" Best: trial {best.trial}, {objective} {fmt(best.objective, '{:.6g}')}" + (f" ({params})" if params else "") + "."
+    lines += [account, ""]
+    body = []
+    for i, r in enumerate(ranked):
+        status = r.status if not r.note else f"{r.status}: {r.note if len(r.note) <= 160 else r.note[:157] + '...'}"
+        body.append([str(i + 1) if r.status == "COMPLETE" else MISSING, MISSING if r.trial is None else str(r.trial),
+                     *[r.params.get(k, MISSING) for k in swept], fmt(r.objective, "{:.6g}"), status, r.run_id[:8]])
+    lines += [*table(["Rank", "Trial", *swept, objective, "Status", "Run"], body), ""]
+    return "\n".join(lines)
+
+
+def generate_trials_report(client: Any, parent_run_id: str, children: Sequence[Any], out: str, title: str,
+                           objective: str, direction: str, swept: Sequence[str]) -> tuple[str, list[TrialRow]]:
+    """``out``/trials.md from a study's child runs (MLflow ``Run`` objects), logged to the parent under
+    ``report/``; returns (its path, the ranked rows)."""
+    rows = [trial_row(dict(r.data.tags), dict(r.data.metrics), r.info.status, r.info.run_id, swept) for r in children]
+    ranked = rank_trials(rows, direction)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "trials.md")
+    atomic_text(trials_markdown(title, ranked, objective, direction, swept, f"children of run `{parent_run_id}`"),
+                path, mode=None)
+    client.log_artifact(parent_run_id, path, "report")
+    return os.path.abspath(path), ranked
+
+
 def _client(uri: str) -> Any:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
