@@ -5,7 +5,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import hydra
 from omegaconf import DictConfig
@@ -27,7 +27,11 @@ def _is_multirun() -> bool:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Optional[float]:
+    """One run; in an Optuna study (``hydra/sweeper=optuna``) it returns the trial's objective to the sweeper."""
+    from .sweep import current_trial
+
+    trial = current_trial()  # None unless this job is a trial of an Optuna study
     try:
         from .jobs.launcher import RunFailed, launch
         from .progress import follow, summary
@@ -39,7 +43,11 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         if _is_multirun():
-            raise  # a failing job must not end the whole sweep
+            if trial is not None:  # refused before its run existed: a FAILED child run shows it under the study
+                from .sweep import record_failed_trial
+
+                record_failed_trial(cfg, os.environ.get(PARENT_ENV), trial, str(e))
+            raise  # a failing job must not end the whole sweep (a study records a FAIL trial and goes on)
         sys.exit(2)
     except Exception as e:
         from .jobs.launcher import SubmitFailed
@@ -51,19 +59,15 @@ def main(cfg: DictConfig) -> None:
             raise
         sys.exit(e.exit_code)
     print(f"MLflow run {handle.run_id}  job {handle.job_id}  folder {handle.job_dir}", flush=True)
+    if trial is not None:
+        from .sweep import tag_trial
+
+        tag_trial(handle.client(), handle.run_id, trial, str(cfg.sweep.objective))
     if not cfg.run.wait:
-        # Detached: the job ends the MLflow run itself (FINISHED / FAILED / KILLED; a time limit requeues).
-        where = "SLURM job" if handle.on_slurm else "local job (controller pid)"
-        print(f"submitted {where} {handle.job_id} in {time.monotonic() - t0:.1f}s; not waiting (run.wait=false)")
-        for name, path in handle.log_paths().items():
-            print(f"  {name:<13} {path}")
-        if handle.on_slurm:
-            print(f"  follow        squeue -j {handle.job_id}; tail -f {handle.log_paths()['coordinator']}")
-            print(f"  cancel        scancel {handle.job_id}")
-        print(f"  MLflow UI     mlflow ui --host 127.0.0.1 --backend-store-uri {handle.tracking_uri}", flush=True)
+        _detached(handle, time.monotonic() - t0)
         if not multirun:
             _leave(0)
-        return
+        return None
     try:
         follow(handle, cfg.run.progress)
         result = handle.wait()
@@ -78,6 +82,35 @@ def main(cfg: DictConfig) -> None:
     print(summary(handle, result, time.monotonic() - t0))
     if not multirun:
         _leave(0)
+    # a grid sweep's job returns None (Hydra's basic sweeper ignores it); a study's trial its objective
+    return None if trial is None else _objective(handle, cfg, trial.number)
+
+
+def _detached(handle: Any, submit_s: float) -> None:
+    """run.wait=false: where the job is and how to follow it. The job ends the MLflow run itself (FINISHED /
+    FAILED / KILLED; a time limit requeues)."""
+    where = "SLURM job" if handle.on_slurm else "local job (controller pid)"
+    print(f"submitted {where} {handle.job_id} in {submit_s:.1f}s; not waiting (run.wait=false)")
+    for name, path in handle.log_paths().items():
+        print(f"  {name:<13} {path}")
+    if handle.on_slurm:
+        print(f"  follow        squeue -j {handle.job_id}; tail -f {handle.log_paths()['coordinator']}")
+        print(f"  cancel        scancel {handle.job_id}")
+    print(f"  MLflow UI     mlflow ui --host 127.0.0.1 --backend-store-uri {handle.tracking_uri}", flush=True)
+
+
+def _objective(handle: Any, cfg: DictConfig, number: int) -> float:
+    """A finished trial's objective (the final value of ``sweep.objective`` in its run), for the Optuna sweeper.
+    The metric missing raises ConfigError (one line): the trial fails, the study goes on."""
+    from .sweep import finish_trial
+
+    try:
+        value = finish_trial(handle.client(), handle.run_id, str(cfg.sweep.objective))
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        raise
+    print(f"trial {number}: {cfg.sweep.objective} = {value:.6g} ({cfg.sweep.direction})", flush=True)
+    return value
 
 
 def _interrupted(handle: Any, multirun: bool) -> None:
