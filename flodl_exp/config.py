@@ -38,6 +38,8 @@ class ModeConfig:
     """When replicas are averaged (policy) and how (backend), plus ElChe tuning."""
 
     name: str = "nccl_cadence"
+    """The preset's name (conf/mode/<name>.yaml). Informational: what runs is ``backend`` and ``policy``, and the
+    run's ``mode`` tag and default run name read ``<backend>_<policy>`` whatever this says."""
     policy: str = "cadence"
     """sync | cadence | async. Sync averages as soon as every rank stepped once;
     cadence after each rank ran its ElChe batch count; async adds lookahead."""
@@ -49,6 +51,8 @@ class ModeConfig:
     min_anchor: Optional[int] = None
     """Floor for anchor growth (default: the initial anchor)."""
     max_anchor: int = 1000
+    """Ceiling on the anchor (ElChe's growth and the async relax stop there), batches; an integer >= 1.
+    A min_anchor above it is lowered to it."""
     overhead_target: float = 0.05
     """Fraction of a window that per-window fixed cost (sync) may take; clamped to [0.01, 0.5]."""
     max_batch_diff: Optional[int] = None
@@ -88,11 +92,23 @@ class GuardConfig:
     threshold: Optional[float] = None
     """TrendGuard threshold; unset = 0.05, or 0.3 when easgd_alpha is set."""
     msf_alpha: float = 0.9
+    """guard.kind=msf only: EMA factor of the growth-rate estimate, ``ema = a x ema + (1 - a) x lam`` with
+    ``lam = ln(D_t / D_t-1) / k_max`` (bias-corrected); closer to 1 = smoother and slower. A number in (0, 1)."""
     suppress_threshold: float = 1e-3
+    """guard.kind=msf only: the smoothed growth rate of the drift D (per step: ln of D over the previous reduce's D,
+    divided by the most steps a rank took in the window) above which a reduce counts toward SuppressGrowth (hold
+    the anchor)."""
     suppress_sustain: int = 3
+    """guard.kind=msf only: consecutive reduces above suppress_threshold before SuppressGrowth fires (its streak then
+    restarts); an integer >= 1."""
     nudge_threshold: float = 1e-2
+    """guard.kind=msf only: the smoothed rate (as suppress_threshold) above which a reduce counts toward NudgeDown."""
     nudge_sustain: int = 3
+    """guard.kind=msf only: consecutive reduces above nudge_threshold before NudgeDown fires (it wins over a
+    SuppressGrowth due at the same reduce; its streak then restarts); an integer >= 1."""
     nudge_factor: float = 0.5
+    """guard.kind=msf only: NudgeDown's factor on the anchor, ``anchor = ceil(anchor x f)`` (0.5 halves it; at least
+    1, below min_anchor if need be). A number in (0, 1)."""
     nudge: bool = True
     """MsfGuard: false = suppress only, never nudge the anchor down."""
 
@@ -119,6 +135,8 @@ class DataPlaneConfig:
     ram_max_usage: float = 0.50
     """Fraction of available RAM for staging + sample cache; [0, 0.9]; 0 = no retention."""
     sample_cache: bool = True
+    """Retain samples in host RAM across epochs (pinned on CUDA): 3/4 of the rank's RAM share (ram_max_usage) holds
+    samples, the rest the ready-batch ring. false: the ring keeps the whole share and the disk stage is off."""
     disk_stage_gb: float = 0.0
     """Local-disk overflow under the sample cache; 0 = off."""
     disk_stage_dir: Optional[str] = None
@@ -136,19 +154,34 @@ class DataPlaneConfig:
 @dataclass
 class SlurmConfig:
     partition: Optional[str] = None
+    """sbatch ``--partition``; unset = the cluster's default partition."""
     account: Optional[str] = None
+    """sbatch ``--account`` charged for the job; unset = your default account."""
     qos: Optional[str] = None
+    """sbatch ``--qos``; unset = the default quality of service."""
     time_min: int = 60
+    """sbatch ``--time``, minutes. USR2 comes min(90, max(15, time_min x 60 // 4)) s before it runs out: the ranks
+    save a bundle, the job requeues and resumes from it (at most 3 time-limit requeues, then FAILED)."""
     mem_gb: Optional[float] = None
+    """sbatch ``--mem`` (memory per node), GB; a fraction is passed in MB. Unset = the partition's default."""
     cpus_per_task: int = 1
+    """sbatch ``--cpus-per-task``: CPU cores allotted to each rank's task."""
     gpus_per_node: int = 0
+    """sbatch ``--gpus-per-node``; 0 = the flag is left out (some sites refuse it without GRES). With
+    mode.backend=nccl on GPUs, a value from 1 to ranks_per_node - 1 is refused: NCCL needs one GPU per rank
+    (or share GPUs through cluster.collective=gloo)."""
     constraint: Optional[str] = None
+    """sbatch ``--constraint``: node features the job needs (``a100``, ``a100|h100``); unset = any node."""
     exclude: Optional[str] = None
+    """sbatch ``--exclude``: nodes not to run on, a SLURM node list (``node[01-03]``); unset = none."""
     srun_args: List[str] = field(default_factory=list)
     """Extra srun options. Empty by default: a dead rank is the fault rules' (cluster.max_failure, recovery), as
     locally; ``[--kill-on-bad-exit=1]`` ends the job at the first failed task (ShutdownWithSave, task_failed)."""
     setup: List[str] = field(default_factory=list)
+    """Shell lines the batch script runs before ``srun`` (``module load cuda/12.4``, ``export NCCL_SOCKET_IFNAME=ib0``)."""
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
+    """Any other sbatch option, name -> value (``_`` becomes ``-``; true = a bare flag), over the ones above:
+    ``+cluster.slurm.additional_parameters.signal=USR2@300`` gives ``--signal=USR2@300``."""
 
 
 @dataclass
@@ -156,15 +189,23 @@ class ClusterConfig:
     """Where the ranks run and how failures are tolerated."""
 
     name: str = "local"
+    """The preset's name (conf/cluster/<name>.yaml), recorded as the run's ``cluster`` tag; what runs is ``executor``."""
     executor: str = "local"
     """local (submitit LocalExecutor: processes on this machine) | slurm."""
     nodes: int = 1
+    """Nodes the job spans (sbatch ``--nodes``); world size = nodes x ranks_per_node. An integer >= 1; 1 with
+    executor=local."""
     ranks_per_node: int = 2
+    """Rank processes per node (SLURM tasks per node; locally, processes on this machine); an integer >= 1. Co-hosted
+    ranks split the node's RAM budget; the NCCL collective needs a GPU per rank."""
     device: str = "auto"
     """auto (cuda:<local_rank> when GPUs exist, else cpu) | cpu | cuda."""
     rank_speeds: Optional[List[float]] = None
     """Simulated heterogeneity: rank r waits (1/s - 1) x step time after each step."""
     heartbeat_timeout_s: float = 30.0
+    """Seconds without a heartbeat (sent every 1 s each way) after which the coordinator declares a rank dead and a
+    rank gives its coordinator up as lost; > 0. A reduce that waits max(10 x this, 300) s with the cohort alive
+    ends the run (ShutdownWithSave, reduce_stall)."""
     collective: str = "auto"
     """The nccl modes' collective: auto (NCCL when every rank has a GPU of its own, else Gloo,
     said once in the log) | nccl (refuse the run otherwise) | gloo."""
@@ -200,12 +241,22 @@ class ExperimentConfig:
     """What is trained: factories found through ``_target_`` dotted paths."""
 
     name: str = MISSING
+    """The experiment's name (required; the preset sets it): the run's ``experiment`` tag, the first part of the
+    default run name, the dashboard's title."""
     model: Any = MISSING
+    """Required: a ``_target_`` factory of the ``torch.nn.Module`` to train, built on every rank under
+    ``torch.manual_seed(seed)`` (the replicas start equal) and moved to the rank's device."""
     optimizer: Any = MISSING
+    """Required: a ``_target_`` factory with ``_partial_: true`` (``torch.optim.Adam``, ``lr``), called with the
+    model's parameters on every rank."""
     scheduler: Any = None
     """Optional factory returning ``lr_factor(step) -> float``; gets total_steps, world_size."""
     train_data: Any = MISSING
+    """Required: a ``_target_`` factory of the training data set (``len()``, and ``get_batch(ids)`` or
+    ``__getitem__``); every rank builds it and trains the sample indices the coordinator deals it."""
     eval_data: Any = None
+    """A ``_target_`` factory of the evaluation data set, passed to eval_fn on the callback rank; unset = no
+    evaluation."""
     train_step: Optional[str] = None
     """Dotted path of ``fn(model, batch) -> loss`` (the managed tier: the rank's own loop calls it)."""
     loop: Optional[str] = None
@@ -217,7 +268,10 @@ class ExperimentConfig:
     """Dotted path of ``fn(epoch, model, last_epoch_metrics) -> {name: value} | None``: run on the epoch-role
     rank (the callback rank) before it trains each epoch; what it returns is logged as ``epoch_fn/<name>``."""
     batch_size: int = 32
+    """Samples per batch on each rank (one optimizer step per batch); an epoch trains floor(picks / batch_size)
+    batches in all (picks = samples x data_plane.augment). An integer >= 1."""
     epochs: int = 1
+    """Passes over the training data before the final consensus, eval and bundle; an integer >= 1."""
     data_dir: Optional[str] = None
     """A local data folder the preset's data factories read (MNIST IDX files, CIFAR-10 binary batches); unset =
     the preset's offline default. Only presets that interpolate ``${experiment.data_dir}`` use it."""
@@ -230,9 +284,12 @@ class TrackingConfig:
     uri: Optional[str] = None
     """MLflow tracking URI; unset = sqlite:///<cwd>/outputs/mlflow.db."""
     experiment_name: str = "flodl_exp"
+    """The MLflow experiment the run is logged in; created (at artifact_location) when it does not exist."""
     artifact_location: Optional[str] = None
     """Unset = <cwd>/outputs/mlartifacts for the embedded store."""
     run_name: Optional[str] = None
+    """The MLflow run's name; unset = ``<experiment.name>/<backend>_<policy>/<guard.kind>``, plus
+    ``/<outer.kind>`` unless outer.kind is avg."""
     log_model: bool = True
     """Log the final consensus model as an MLflow model (``runs:/<run_id>/model``) besides the bundle."""
 
@@ -246,6 +303,9 @@ class CheckpointConfig:
     save_path: Optional[str] = None
     """Bundle stem; unset = <job dir>/checkpoints/final."""
     resume_from: Optional[str] = None
+    """A bundle's stem to continue from (its path without ``.pt`` / ``.meta.json``: ``<job dir>/checkpoints/final``);
+    from a coverage-granular bundle only the uncovered picks of its epoch are trained. Refused before any rank
+    starts: missing or corrupt pieces, another world size, model or data set size. Unset = a fresh start."""
 
 
 @dataclass
@@ -262,9 +322,14 @@ class EvalConfig:
 @dataclass
 class RunConfig:
     wait: bool = True
+    """true: follow the run here (progress, summary) and exit with its outcome; false: submit, print the job id,
+    log paths and MLflow run, and return (the job ends its own run). true in an Optuna study."""
     progress: str = "auto"
     """auto (a live bar on a TTY, plain lines otherwise) | bar | plain | off."""
     timeout_min: int = 60
+    """cluster.executor=local: the job's time limit, minutes (submitit's LocalExecutor); 30 s before it the job is
+    signalled as at a SLURM time limit (a bundle, a requeue that resumes). SLURM jobs use
+    cluster.slurm.time_min. An integer >= 1."""
     job_root: Optional[str] = None
     """Where job folders go; unset = <cwd>/outputs/jobs."""
 

@@ -4,8 +4,9 @@
   fails it: mkdocs.yml's ``validation`` turns each into a warning, strict into a failure);
 - every relative link in README.md resolves to a file of the repository, and its ``#anchor`` to a heading;
 - the configuration reference, generated at build time by docs/hooks/config_reference.py, lists every field of
-  the config dataclasses (the run's, the bench suite's, the simulator's), each with its docstring or a plain
-  "no description" (so a key added to flodl_exp/config.py shows up in the docs on the next build).
+  the config dataclasses (the run's, the bench suite's, the simulator's), each with its docstring (so a key added
+  to flodl_exp/config.py shows up in the docs on the next build); a field without an attribute docstring or a
+  trailing comment gets the hook's "no description" marker, which fails the test.
 """
 from __future__ import annotations
 
@@ -162,9 +163,15 @@ def test_the_config_reference_lists_every_field(site: tuple[subprocess.Completed
         assert not missing, f"the configuration reference lacks {name} keys {missing} (docs/hooks/config_reference.py)"
         # the hook's own walk agrees (its rows are what the page shows)
         assert [r.key for r in hook.rows(name)] == keys, name
-    # every row says what the key does, or says plainly that the source does not
+    # every row says what the key does: a field without a docstring (or trailing comment) fails here
     blank = [k for k, d in described.items() if not d]
     assert not blank, f"rows with an empty description: {blank}"
+    marker = html.unescape(re.sub(r"<[^>]+>", "", hook.NO_DESCRIPTION)).strip("*")
+    undocumented = [f"{r.owner}.{r.key.rsplit('.', 1)[-1]} ({name}: {r.key})" for name in _schemas()
+                    for r in hook.rows(name) if r.description == hook.NO_DESCRIPTION]
+    assert not undocumented, ("config fields without a description (add an attribute docstring on the line after "
+                              f"the field): {undocumented}")
+    assert marker not in page, f"the built reference still shows {marker!r}"
     assert described["mode.anchor"].startswith("Slow rank's batches per averaging window")
     assert "config-reference:" not in page  # every marker was replaced
 

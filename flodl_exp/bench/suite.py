@@ -36,6 +36,8 @@ class BenchTracking:
     uri: Optional[str] = None
     """MLflow tracking URI; unset = sqlite:///<cwd>/outputs/mlflow.db (the main app's store)."""
     experiment_name: str = "flodl_bench"
+    """The MLflow experiment of the bench's parent run and of every run of the suite (created when it does not
+    exist); with ``report_of``, the runs of the report are read from it."""
     artifact_location: Optional[str] = None
     """Unset = <cwd>/outputs/mlartifacts for the embedded store."""
 
@@ -61,6 +63,8 @@ class BenchConfig:
     rank_speeds: List[float] = field(default_factory=lambda: [1.0, 0.33])
     """The simulated rig (cluster.rank_speeds): rank r waits (1/s - 1) x its step time after each step."""
     seed: int = 42
+    """Every run's seed: passed as ``seed=`` to each flodl_exp run, and to the DDP and torch runs (model init,
+    data shuffle)."""
     solo: str = "flodl"
     """How the solo runs train: flodl (one flodl_exp rank: coordinator + rank process) or torch (a plain loop in
     the bench process, no start-up cost; the same events and metrics)."""

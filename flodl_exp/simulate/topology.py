@@ -42,6 +42,7 @@ class RankGroupConfig:
     """``count`` ranks with the same step time. The first of ``step_ms``, ``speed``, ``device`` set wins."""
 
     count: int = 1
+    """Ranks in this group, an integer >= 1."""
     step_ms: Optional[float] = None
     """Compute per batch (forward, backward, optimizer step), ms."""
     speed: Optional[float] = None
@@ -79,7 +80,11 @@ class DivergenceConfig:
     ``per_step x n_r x lr_factor x (1 + noise x N(0,1))``, n_r its steps in the window."""
 
     per_step: float = 0.002
+    """Relative drift a rank's replica gains per local step (a fraction of the consensus norm); D grows linearly with
+    its steps in the window and with the LR factor."""
     noise: float = 0.1
+    """Relative standard deviation of each drift reading (seeded Gaussian; 0 = deterministic); a negative reading
+    counts as 0."""
 
 
 @dataclass
@@ -89,31 +94,44 @@ class SimulateConfig:
     rig: str = "custom"
     """A name for the report."""
     ranks: List[RankGroupConfig] = field(default_factory=lambda: [RankGroupConfig(count=2)])
+    """The rig's ranks as groups, in rank order (the first group's ranks are 0 .. count - 1); world size = the sum
+    of the counts."""
     base_step_ms: float = 10.0
     """Step time of a speed-1.0 (A100-class) rank, ms."""
     link: LinkConfig = field(default_factory=LinkConfig)
     model_mb: float = 1.0
     """Parameter (and float buffer) bytes, MB (1e6 bytes)."""
     samples: int = 1437
+    """Training samples per epoch (the data set's size)."""
     batch_size: int = 16
+    """Samples per batch on each rank (one step per batch), as ``experiment.batch_size``: an epoch is
+    floor(samples / batch_size) batches. An integer >= 1."""
     epochs: int = 10
+    """Epochs simulated for each mode, as ``experiment.epochs``; an integer >= 1."""
     chunk_start_ms: float = 0.0
     """Extra data wait on the first batch of every chunk (the pipeline refills): ElChe's window fill."""
     lr_schedule: str = "none"
     """none | cosine (linear warm-up over warmup_frac of the steps, then cosine to 1% of the LR)."""
     warmup_frac: float = 0.1
+    """lr_schedule=cosine: the share of all steps (floor(samples / batch_size) x epochs) the LR warms up over
+    (at least one step)."""
     modes: List[str] = field(default_factory=lambda: list(MODES))
+    """The modes to simulate, one report row each: nccl_sync | nccl_cadence | cpu_sync | cpu_cadence | cpu_async
+    (nccl_async is refused, as by a real run)."""
     mode: Dict[str, Any] = field(default_factory=dict)
     """Overrides applied to every mode's preset, e.g. ``+mode.anchor=20``."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     seed: int = 42
+    """Seeds each mode's random draws (step jitter, drift noise; every mode starts from the same seed) and is the
+    run config's ``seed``."""
     max_events: int = 20_000_000
     """Hard bound on the event loop (a rig that never ends is reported, not looped on)."""
     out: Optional[str] = None
     """Write report.md, report.png and <mode>/events.jsonl here; unset = print only."""
     plot: bool = True
+    """With ``out`` set, also draw report.png (samples trained over simulated time, and each rank's batch share)."""
 
 
 def register() -> None:
