@@ -110,10 +110,56 @@ def log_consensus_model(uri: str, run_id: str, stem: str, experiment: dict[str, 
         if isinstance(out, torch.Tensor):
             signature = infer_signature(example.numpy(), out.detach().numpy())
     mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(run_id=run_id, log_system_metrics=False):
-        info = mlflow.pytorch.log_model(
-            model, name=MODEL_NAME, signature=signature,
-            input_example=example.numpy() if example is not None else None,
-            # the requirements named here: MLflow's inference of them loads the model in a subprocess (seconds)
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"])
+    # A logged model whose source is the run, written without reopening it: the run may already be FINISHED
+    # (the launcher exports after the run's end) and must not flip back to RUNNING while the model is written.
+    experiment_id = mlflow.MlflowClient(uri).get_run(run_id).info.experiment_id
+    logged = mlflow.initialize_logged_model(name=MODEL_NAME, source_run_id=run_id, experiment_id=experiment_id)
+    info = mlflow.pytorch.log_model(
+        model, name=MODEL_NAME, model_id=logged.model_id, signature=signature,
+        input_example=example.numpy() if example is not None else None,
+        # the requirements named here: MLflow's inference of them loads the model in a subprocess (seconds)
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"])
     return str(info.model_uri)
+
+
+EXPORT_REQUEST = "model_export.json"
+"""The coordinator's request (in the job folder) to export the final bundle's model once the run has ended."""
+EXPORT_LOG = "model_export.log"
+URI_ENV = "FLODL_EXPORT_TRACKING_URI"
+"""The store (with its credentials) the export process connects to: passed in its environment, never on disk."""
+
+
+def write_export_request(job_dir: str, run_id: str, stem: str, experiment: dict[str, Any]) -> str:
+    """Ask for the model export after the run's end (the launcher runs it): the run's end does not wait for it."""
+    from .fsio import atomic_text
+
+    path = os.path.join(job_dir, EXPORT_REQUEST)
+    atomic_text(json.dumps({"run_id": run_id, "stem": stem, "experiment": experiment}), path, mode=0o600)
+    return path
+
+
+def export_from_request(path: str, uri: str) -> int:
+    """Run one export request: the model logged and the run tagged ``model_export=done``, or ``log_model_error``
+    on failure (the run keeps its status either way: the bundle is the run's record, the model a copy)."""
+    from .tracking import client
+
+    with open(path) as fh:
+        req = json.load(fh)
+    c = client(uri)
+    try:
+        model_uri = log_consensus_model(uri, req["run_id"], req["stem"], req["experiment"])
+    except Exception as e:
+        log.warning("consensus model not logged to MLflow: %s", e)
+        c.set_tag(req["run_id"], "log_model_error", f"{type(e).__name__}: {e}"[:2000])
+        c.set_tag(req["run_id"], "model_export", "failed")
+        return 1
+    c.set_tag(req["run_id"], "model_export", "done")
+    log.info("consensus model logged: %s", model_uri)
+    return 0
+
+
+if __name__ == "__main__":  # python -m flodl_exp.model_export <request>: the launcher's background export
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s model_export %(levelname)s %(message)s")
+    sys.exit(export_from_request(sys.argv[1], os.environ.pop(URI_ENV)))

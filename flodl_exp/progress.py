@@ -172,6 +172,10 @@ def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Opt
             lines.append(f"  bundle      {bundle}")
         else:
             lines.append("  bundle      none written")
+    export = getattr(handle, "model_export", None)
+    if export is not None:
+        lines.append(f"  model       exporting to MLflow in the background (pid {export.pid}; tag model_export; "
+                     f"log {os.path.join(handle.job_dir, 'model_export.log')})")
     lines.append(f"  wall time   {wall_s:.1f}s")
     lines.append(f"  status      {'FAILED: ' + error.splitlines()[0] if error else 'FINISHED'}")
     lines.append(f"  MLflow UI   mlflow ui --host 127.0.0.1 --backend-store-uri {uri}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,13 @@ def _assert_inputs_and_model(store, run_id: str, accuracy: float) -> None:
     got = {(i.dataset.name, i.tags[0].value) for i in run.inputs.dataset_inputs}
     assert got == {("DigitsDataset/train", "training"), ("DigitsDataset/test", "eval")}
     assert all(len(i.dataset.digest) == 16 for i in run.inputs.dataset_inputs)
+    # the model is exported after the run's end, in the background (the command did not wait for it)
+    deadline = time.monotonic() + 180
+    while run.data.tags.get("model_export") == "pending" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        run = MlflowClient(store["uri"]).get_run(run_id)
+    assert run.data.tags.get("model_export") == "done", run.data.tags
+    assert run.info.status == "FINISHED"  # the export did not reopen the run
     assert "log_model_error" not in run.data.tags
     mlflow.set_tracking_uri(store["uri"])
     model = mlflow.pytorch.load_model(f"runs:/{run_id}/model")

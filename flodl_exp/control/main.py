@@ -219,7 +219,12 @@ def _log_run_artifacts(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, s
             if os.path.exists(stem + suffix):
                 sink.log_artifact(stem + suffix, "checkpoints")
         if cfg.tracking.log_model and os.path.exists(stem + ".pt"):
-            sink.log_model(stem, spec.config["experiment"])
+            if cfg.run.wait:  # the launcher exports it after the run's end, off the run's critical path
+                from ..model_export import write_export_request
+
+                write_export_request(job_dir, spec.run_id, stem, dict(spec.config["experiment"]))
+            else:  # nobody waits on a detached job: the job exports it before it ends
+                sink.log_model(stem, spec.config["experiment"])
 
 
 def _write_dashboard(co: Coordinator, spec: JobSpec, cfg: Any, sink: Any, timeline: Optional[str]) -> None:

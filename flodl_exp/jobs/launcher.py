@@ -225,6 +225,8 @@ class RunHandle:
         self.events: list[dict] = []
         self.result: Optional[dict] = None
         self._ended = False
+        self.model_export: Optional[Any] = None
+        """The background MLflow model export (a Popen) once the run FINISHED with ``tracking.log_model``."""
         self._last_force = 0.0
         self._t0 = time.monotonic()
         self._callbacks: dict[str, Optional[Callable[[int, dict[str, float]], None]]] = {
@@ -379,6 +381,7 @@ class RunHandle:
                 self.client().set_tag(self.run_id, "recovered_task_errors", _tail_lines(error, 20)[:5000])
             end_run(self._live_uri, self.run_id, "FINISHED")
             self._ended = True
+            self._start_model_export()
             return result
         setup = self._setup_failures()
         reason = result.get("failure") or error or "the job ended without a result"
@@ -389,6 +392,33 @@ class RunHandle:
         end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
         raise RunFailed(_tail_lines(reason, 40))
+
+    def _start_model_export(self) -> None:
+        """The consensus model's MLflow export (``tracking.log_model``), asked by the coordinator, in a process of
+        its own started after the run is FINISHED: the run's end does not wait the seconds MLflow's export takes,
+        and the process outlives this command (the run is tagged ``model_export`` pending, then done or failed).
+        :meth:`wait_model` waits for it."""
+        import subprocess
+
+        from ..model_export import EXPORT_LOG, EXPORT_REQUEST, URI_ENV
+
+        request = os.path.join(self.job_dir, EXPORT_REQUEST)
+        if not os.path.exists(request):
+            return
+        try:
+            self.client().set_tag(self.run_id, "model_export", "pending")
+            with open(os.path.join(self.job_dir, EXPORT_LOG), "ab") as out:
+                self.model_export = subprocess.Popen(
+                    [sys.executable, "-m", "flodl_exp.model_export", request], stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, URI_ENV: self._live_uri})
+        except Exception as e:  # the run is FINISHED; the model is a copy of its bundle
+            print(f"warning: the model export did not start: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def wait_model(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Wait for the background model export; its exit code (0: logged), or None when none was started."""
+        if self.model_export is None:
+            return None
+        return self.model_export.wait(timeout)
 
     def _setup_failures(self) -> list[str]:
         """One line per rank that could not set up in this job (its death record), its full traceback logged to the
