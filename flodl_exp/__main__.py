@@ -82,6 +82,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     print(summary(handle, result, time.monotonic() - t0))
     if not multirun:
         _leave(0)
+    handle.wait_model()  # a sweep's next job starts after this one's model export, not beside it
     # a grid sweep's job returns None (Hydra's basic sweeper ignores it); a study's trial its objective
     return None if trial is None else _objective(handle, cfg, trial.number)
 

@@ -129,28 +129,48 @@ URI_ENV = "FLODL_EXPORT_TRACKING_URI"
 """The store (with its credentials) the export process connects to: passed in its environment, never on disk."""
 
 
-def write_export_request(job_dir: str, run_id: str, stem: str, experiment: dict[str, Any]) -> str:
-    """Ask for the model export after the run's end (the launcher runs it): the run's end does not wait for it."""
+def write_export_request(job_dir: str, run_id: str, stem: str, experiment: dict[str, Any],
+                         import_paths: list[str]) -> str:
+    """Ask for the model export after the run's end (the launcher runs it): the run's end does not wait for it.
+    ``import_paths``: where the tasks import the user's modules from (the export builds the model too)."""
     from .fsio import atomic_text
 
     path = os.path.join(job_dir, EXPORT_REQUEST)
-    atomic_text(json.dumps({"run_id": run_id, "stem": stem, "experiment": experiment}), path, mode=0o600)
+    atomic_text(json.dumps({"run_id": run_id, "stem": stem, "experiment": experiment, "import_paths": import_paths}),
+                path, mode=0o600)
     return path
+
+
+def _hide_password(text: str, uri: str) -> str:
+    """``text`` with the store's password (if the URI has one) replaced: MLflow's errors quote the URL it built."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(uri).password
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
 
 
 def export_from_request(path: str, uri: str) -> int:
     """Run one export request: the model logged and the run tagged ``model_export=done``, or ``log_model_error``
     on failure (the run keeps its status either way: the bundle is the run's record, the model a copy)."""
+    import sys
+
     from .tracking import client
 
     with open(path) as fh:
         req = json.load(fh)
+    for p in reversed(req.get("import_paths") or []):
+        if p not in sys.path:
+            sys.path.insert(0, p)
     c = client(uri)
     try:
         model_uri = log_consensus_model(uri, req["run_id"], req["stem"], req["experiment"])
     except Exception as e:
-        log.warning("consensus model not logged to MLflow: %s", e)
-        c.set_tag(req["run_id"], "log_model_error", f"{type(e).__name__}: {e}"[:2000])
+        why = _hide_password(f"{type(e).__name__}: {e}", uri)
+        log.warning("consensus model not logged to MLflow: %s", why)
+        c.set_tag(req["run_id"], "log_model_error", why[:2000])
         c.set_tag(req["run_id"], "model_export", "failed")
         return 1
     c.set_tag(req["run_id"], "model_export", "done")
@@ -162,4 +182,10 @@ if __name__ == "__main__":  # python -m flodl_exp.model_export <request>: the la
     import sys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s model_export %(levelname)s %(message)s")
-    sys.exit(export_from_request(sys.argv[1], os.environ.pop(URI_ENV)))
+    store = os.environ.pop(URI_ENV)
+    try:
+        code = export_from_request(sys.argv[1], store)
+    except Exception as exc:  # the request or the store could not be read: the log says why
+        log.error("model export failed: %s", _hide_password(f"{type(exc).__name__}: {exc}", store))
+        code = 2
+    sys.exit(code)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # experiments/ is not installed: found from the repo root, as the CLI finds it
+if str(ROOT) not in sys.path:  # tests import helpers from the repo root
     sys.path.insert(0, str(ROOT))
 
 from flodl_exp.zoo import models_text as MT  # noqa: E402

@@ -250,12 +250,12 @@ class Coordinator:
         for r in self.cohort.missing():
             if r in closed:
                 continue
+            after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._connect_closes)
+            cause = setup_failure(self.job_dir, r, self.spec.attempt)
+            if cause is not None:  # the rank said why (its death record), alive or not (rank 0 is a thread of task 0)
+                raise RunFailure(f"rank {r} could not set up: {cause}{after}")
             why = lost_before_join(self.job_dir, r, self.spec.attempt)
             if why:
-                after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._connect_closes)
-                cause = setup_failure(self.job_dir, r, self.spec.attempt)
-                if cause is not None:  # the rank said why (its death record): that is the run's cause
-                    raise RunFailure(f"rank {r} could not set up: {cause}{after}")
                 raise RunFailure(f"rank {r} was lost before training started: {why}{after}")
 
     def _on_close_while_connecting(self, r: int, err: str) -> None:

@@ -222,7 +222,7 @@ def _log_run_artifacts(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, s
             if cfg.run.wait:  # the launcher exports it after the run's end, off the run's critical path
                 from ..model_export import write_export_request
 
-                write_export_request(job_dir, spec.run_id, stem, dict(spec.config["experiment"]))
+                write_export_request(job_dir, spec.run_id, stem, dict(spec.config["experiment"]), list(spec.import_paths))
             else:  # nobody waits on a detached job: the job exports it before it ends
                 sink.log_model(stem, spec.config["experiment"])
 

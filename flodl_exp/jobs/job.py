@@ -269,12 +269,14 @@ def _reap(coord: subprocess.Popen) -> None:
 
 def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: JobSpec, job_dir: str, attempt: int) -> dict:
     """Task 0's result from the coordinator's exit code and rank 0's (``box``: its result or its error)."""
-    if rc not in (0, PREEMPT_EXIT) and isinstance(box.get("error"), RankSetupFailed):
-        # rank 0 could not set up: the coordinator, still waiting for it, was ended; the rank's line is the cause
-        fail_run_if_running(spec.tracking_uri, spec.run_id, str(box["error"]))
-        raise box["error"]
     if rc not in (0, PREEMPT_EXIT):
         res = _read_json(os.path.join(job_dir, "result.json"))
+        ended = res is not None and int(res.get("attempt", attempt)) == attempt and res.get("status") in ("FAILED", "KILLED")
+        if not ended and isinstance(box.get("error"), RankSetupFailed):
+            # rank 0 could not set up and the coordinator, still waiting for it, ended without a word: the rank's
+            # line is the cause (a coordinator that ended the run itself says why first, below)
+            fail_run_if_running(spec.tracking_uri, spec.run_id, str(box["error"]))
+            raise box["error"]
         if res is not None and int(res.get("attempt", attempt)) == attempt and res.get("status") in ("FAILED", "KILLED"):
             # The coordinator ended the run itself (it may then die from the cluster's SIGTERM on its way out).
             why = f"the run ended {res['status']}: {res.get('failure')}"
@@ -459,12 +461,16 @@ def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: 
             fn = get_method(loop)
         except Exception as e:
             raise _setup_failed(spec, rank, job_dir, attempt, ExperimentSetupError("experiment.loop", loop, e)) from e
-        return run_loop(fn, RankContext(spec, rank, local_rank, rdv, owns_process=coord_dead is None))
+        try:
+            return run_loop(fn, RankContext(spec, rank, local_rank, rdv, owns_process=coord_dead is None))
+        except ExperimentSetupError as e:  # flodl_exp.worker() in the user's loop could not build the experiment
+            raise _setup_failed(spec, rank, job_dir, attempt, e) from e
+    from ..experiment import ExperimentSetupError
     from ..rank.worker import RankWorker
 
     try:
         worker = RankWorker(spec, rank, local_rank, rdv, owns_process=coord_dead is None)
-    except Exception as e:
+    except ExperimentSetupError as e:  # only the experiment's build: a rendezvous or link error keeps its own report
         raise _setup_failed(spec, rank, job_dir, attempt, e) from e
     return worker.run()
 

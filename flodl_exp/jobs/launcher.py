@@ -383,11 +383,11 @@ class RunHandle:
             self._ended = True
             self._start_model_export()
             return result
-        setup = self._setup_failures()
+        setup = self._setup_failures(result.get("attempt"))
         reason = result.get("failure") or error or "the job ended without a result"
-        if setup and "could not set up" not in reason:
+        if setup and not result.get("failure"):
             reason = "; ".join(setup)  # the ranks said why in one line each (their tracebacks: ranks/, MLflow)
-        elif error and result.get("failure") and error not in reason and not setup:
+        elif error and result.get("failure") and error not in reason and "could not set up" not in reason:
             reason = f"{reason}\n{error}"
         end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
@@ -403,16 +403,22 @@ class RunHandle:
         from ..model_export import EXPORT_LOG, EXPORT_REQUEST, URI_ENV
 
         request = os.path.join(self.job_dir, EXPORT_REQUEST)
-        if not os.path.exists(request):
+        claimed = request + ".claimed"
+        try:
+            os.replace(request, claimed)  # one export per request, however often wait() is called
+        except FileNotFoundError:
             return
         try:
             self.client().set_tag(self.run_id, "model_export", "pending")
-            with open(os.path.join(self.job_dir, EXPORT_LOG), "ab") as out:
+            fd = os.open(os.path.join(self.job_dir, EXPORT_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "ab") as out:
                 self.model_export = subprocess.Popen(
-                    [sys.executable, "-m", "flodl_exp.model_export", request], stdout=out, stderr=subprocess.STDOUT,
+                    [sys.executable, "-m", "flodl_exp.model_export", claimed], stdout=out, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, URI_ENV: self._live_uri})
         except Exception as e:  # the run is FINISHED; the model is a copy of its bundle
             print(f"warning: the model export did not start: {type(e).__name__}: {e}", file=sys.stderr)
+            with contextlib.suppress(Exception):
+                self.client().set_tag(self.run_id, "model_export", "failed")
 
     def wait_model(self, timeout: Optional[float] = None) -> Optional[int]:
         """Wait for the background model export; its exit code (0: logged), or None when none was started."""
@@ -420,13 +426,14 @@ class RunHandle:
             return None
         return self.model_export.wait(timeout)
 
-    def _setup_failures(self) -> list[str]:
-        """One line per rank that could not set up in this job (its death record), its full traceback logged to the
-        MLflow run (``ranks/setup_error.r<rank>.txt``)."""
+    def _setup_failures(self, attempt: Any = None) -> list[str]:
+        """One line per rank that could not set up in this job (its death record; of attempt ``attempt`` when the
+        coordinator's result names one), its full traceback logged to the MLflow run
+        (``ranks/setup_error.r<rank>.txt``)."""
         import glob
 
         from .job import setup_error_path
-        from .rendezvous import death_record_path
+        from .rendezvous import death_record_path, incarnation
 
         lines = []
         for rank in range(world_size(self.cfg)):
@@ -434,6 +441,8 @@ class RunHandle:
                 with open(death_record_path(self.job_dir, rank)) as fh:
                     rec = json.load(fh)
             except (OSError, ValueError):
+                continue
+            if attempt is not None and str(rec.get("incarnation")) != incarnation(int(attempt)):
                 continue
             if rec.get("phase") == "setup":
                 lines.append(f"rank {rank} could not set up: {rec.get('error')} "
@@ -614,7 +623,7 @@ def _tail_lines(text: str, n: int) -> str:
 
 def experiment_import_paths(root: str) -> list[str]:
     """Where every task imports experiment modules from: the launch directory (Hydra's original
-    working directory, which holds ``experiments/``), then ``PYTHONPATH``. On SLURM these must be
+    working directory, which holds a user's own modules), then ``PYTHONPATH``. On SLURM these must be
     on storage every node shares, like the job folder."""
     paths = [root]
     try:
