@@ -26,7 +26,7 @@ COLUMNS = ("rank", "kind", "start_s", "end_s", "epoch", "window", "n", "busy_ms"
 FILES = ("timeline.json", "timeline.csv", "timeline.html")
 COLORS = {"compute": "#2ca02c", "data": "#ff7f0e", "sync": "#1f77b4", "cpu_avg": "#9467bd", "eval": "#d62728"}
 CAUSE_COLORS = {"epoch_boundary": "#8c564b", "sync": "#9ecae1", "cpu_avg": "#c5b0d5", "eval": "#ff9896",
-                "unexplained": "#7f7f7f", "short": "#dddddd"}
+                "unexplained": "#7f7f7f"}
 
 
 def _r(x: float) -> float:
@@ -113,12 +113,14 @@ def _fmt(v: Any, digits: int = 3) -> str:
 def _idle_table(data: dict[str, Any]) -> str:
     ia = data["idle_analysis"]
     causes = data["causes"]
-    head = ["rank", "compute s", "data s", "idle s", *[f"{c} s" for c in causes], "idle frac (training wall)",
+    head = ["rank", "compute s", "data s", "idle s", *[f"idle: {c} s" for c in causes], "sync spans", "sync span s",
+            "idle frac (training wall)",
             "idle frac (epoch walls)", "idle frac (run)", "diff"]
     rows = []
     for r, v in sorted(ia["ranks"].items(), key=lambda kv: int(kv[0])):
         cells = [f"rank {r}", _fmt(v["compute_s"]), _fmt(v["data_s"]), _fmt(v["idle_s"]),
-                 *[_fmt(v["idle_by_cause_s"].get(c, 0.0)) for c in causes], _fmt(v["idle_frac"]),
+                 *[_fmt(v["idle_by_cause_s"].get(c, 0.0)) for c in causes], _fmt(v.get("sync_spans", 0)),
+                 _fmt(v.get("sync_span_s", 0.0)), _fmt(v["idle_frac"]),
                  _fmt(v["idle_frac_epochs"]), _fmt(v["run_idle_frac"]), _fmt(v["diff"])]
         rows.append(f'<tr class="idle-row" data-rank="{html.escape(r)}">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
@@ -137,7 +139,7 @@ def _epoch_table(data: dict[str, Any]) -> str:
 
 def _legend() -> str:
     items = [f'<span class="sw" style="background:{c}"></span>{k}' for k, c in COLORS.items()]
-    items += [f'<span class="sw" style="background:{c}"></span>idle: {k}' for k, c in CAUSE_COLORS.items() if k != "short"]
+    items += [f'<span class="sw" style="background:{c}"></span>idle: {k}' for k, c in CAUSE_COLORS.items()]
     return '<div id="legend">' + "".join(f'<span class="item">{i}</span>' for i in items) + "</div>"
 
 
@@ -243,7 +245,7 @@ def render_html(data: dict[str, Any]) -> str:
     ia = data["idle_analysis"]
     facts = [f"{data['world_size']} rank(s)", f"training wall {data['wall_s']:.3f} s",
              f"{len(data['epochs'])} epoch(s)", f"{len(data['spans'])} span(s)",
-             f"idle gaps >= {ia['min_gap_s']:g} s classified"]
+             f"every idle gap classified (drawn from {ia['min_gap_s']:g} s)"]
     facts += [f"{html.escape(str(k))} {html.escape(str(v))}" for k, v in meta.items() if k != "title"]
     lanes = "".join(f'<div class="lane" data-rank="{r}"><div class="label">rank {r}</div><canvas></canvas></div>'
                     for r in range(data["world_size"]))
@@ -264,7 +266,9 @@ def render_html(data: dict[str, Any]) -> str:
         f'(idle frac (run)) is over the epochs\' walls ({ia["epoch_walls_s"]:.3f} s: they overlap by '
         f'{ia["epoch_overlap_s"]:.3f} s where a rank streams into the next epoch), and so is idle frac (epoch walls), '
         'the timeline\'s busy time on that wall. Idle gaps of at least '
-        f'{ia["min_gap_s"]:g} s are classified by the nearest event; shorter ones are summed as short.</p>',
+        f'{ia["min_gap_s"]:g} s or more are drawn as idle spans; every gap, whatever its length, is classified by '
+        f'the events around it (shorter ones against the newest events). Sync spans: the reduces the rank took part '
+        f'in and their seconds (idle or not).</p>',
         _idle_table(data), "<h2>Epochs</h2>", _epoch_table(data),
         f'<script type="application/json" id="timeline-data">{_script_json(data)}</script>',
         f'<script type="application/json" id="timeline-colors">{_script_json(colors)}</script>',

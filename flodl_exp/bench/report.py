@@ -22,7 +22,7 @@ from .suite import REFERENCE_RUN
 HIGHER_BETTER = {"eval/accuracy": True, "eval/mse": False, "eval/loss": False}
 EVAL_KEYS = tuple(HIGHER_BETTER)
 """Preference order of the eval metric a model is judged by."""
-CAUSES = ("epoch_boundary", "sync", "cpu_avg", "eval", "unexplained", "short")
+CAUSES = ("epoch_boundary", "sync", "cpu_avg", "eval", "unexplained")
 OVERLAP_EPS_S = 0.002
 """Overlap below this is timestamp rounding (events carry ms), reported as none."""
 PLOTS = ("loss_vs_time.png", "speedup.png", "idle.png")
@@ -291,9 +291,9 @@ def cross_sections(by_model: dict[str, list[BenchRow]]) -> list[str]:
                 idle.append([m, _label(r), str(rank), secs(tot),
                              *[secs(by_cause.get(c, 0.0)) if by_cause else "—" for c in CAUSES], src])
     lines += ["## Idle analysis", "",
-              "Idle seconds per rank. With a timeline (flodl_exp runs), gaps of 0.5 s or more are classified by the "
-              "nearest event (epoch boundary, sync, cpu averaging, eval; none near: unexplained) and shorter gaps are "
-              "summed as short; without one (DDP, torch solo), idle = Σ idle_frac · epoch_time_s.", "",
+              "Idle seconds per rank. With a timeline (flodl_exp runs), every gap is classified by the events around "
+              "it (epoch boundary, sync, cpu averaging, eval; none near: unexplained); without one (DDP, torch "
+              "solo), idle = Σ idle_frac · epoch_time_s.", "",
               *table(["Model", "Mode", "Rank", "Idle s", *CAUSES, "Source"], idle), ""]
     return lines
 

@@ -31,13 +31,16 @@ in a ring of ``EVENT_RING`` entries. Totals never come from the stored spans: bu
 summed per batch as they arrive, so merging changes the picture, never the numbers. O(1) per batch
 (amortised: a compaction costs O(max_spans) once per ``max_spans / 20`` spans).
 
-**Idle analysis.** Every idle gap of ``min_gap_s`` (0.5 s) or more is classified when it closes (the
-first batch after it arrives; the gap after a rank's last batch when the analysis is taken) against the events known then: reduces (``sync``, ``cpu_avg``), evals (any rank's: a peer's eval holds
-the cohort), and epoch boundaries. An event ``[a, b]`` counts when it lies within ``near_s`` of the gap;
+**Idle analysis.** Every idle gap is classified when it closes (the first batch after it arrives; the gap after
+a rank's last batch when the analysis is taken) against the events known then: reduces (``sync``, ``cpu_avg``),
+evals (any rank's: a peer's eval holds the cohort), and epoch boundaries. A gap of ``min_gap_s`` (0.5 s) or more is
+weighed against every event in the ring and gets an idle span of its own; a shorter one (an nccl_sync rank's
+per-step wait) against the :data:`RECENT_EVENTS` newest and the ones in flight, and is only summed. An event ``[a, b]`` counts when it lies within ``near_s`` of the gap;
 its weight is its overlap with the gap, and an epoch aggregation at ``t`` inside the gap weighs
 ``t - gap start`` (the rank waited for the epoch to close). The kind with the largest weight is the
 cause; with no overlap, the nearest event (ties: epoch boundary, eval, cpu averaging, sync); none within
-``near_s``: ``unexplained``. Shorter gaps are summed as ``short``.
+``near_s``: ``unexplained``. Each lane also counts its sync spans (``sync_spans``) and their seconds
+(``sync_span_s``, ``cpu_avg`` included): the time a rank spent inside reduces, idle or not.
 
 **Against idle_frac.** The run logs ``rank<r>/idle_frac = 1 - share_e / wall_e`` per epoch (share: the
 rank's compute + data wait in epoch e's chunks; wall: the epoch's accumulator, opened -> aggregated); its
@@ -63,8 +66,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 KINDS = ("compute", "data", "sync", "cpu_avg", "eval", "idle")
-CAUSES = ("epoch_boundary", "sync", "cpu_avg", "eval", "unexplained", "short")
-"""Idle causes: the four events, no event near the gap, and gaps under ``min_gap_s`` (not classified)."""
+CAUSES = ("epoch_boundary", "sync", "cpu_avg", "eval", "unexplained")
+"""Idle causes: the four events, and no event near the gap. Every gap gets one, whatever its length."""
+RECENT_EVENTS = 16
+"""A gap under ``min_gap_s`` is classified against the newest events only (and the ones in flight): what holds a
+rank for a few ms happened just before or during it, and a batch's cost stays O(1) however long the ring."""
 _TIE_ORDER = {"epoch_boundary": 0, "eval": 1, "cpu_avg": 2, "sync": 3}
 EVENT_RING = 4096
 """Recent events kept to classify gaps (a gap is classified as soon as it closes)."""
@@ -120,7 +126,11 @@ class _Lane:
     busy_by_epoch: dict[int, float] = field(default_factory=dict)
     idle: dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
     gaps: int = 0
-    """Gaps of min_gap_s or more (classified)."""
+    """Gaps of min_gap_s or more (each an idle span)."""
+    sync_spans: int = 0
+    """Reduces this rank took part in (its sync spans, however the stored ones were merged)."""
+    sync_span_s: float = 0.0
+    """Seconds inside those reduces (sync and cpu_avg spans)."""
     compactions: int = 0
 
 
@@ -166,7 +176,7 @@ class TimelineRecorder:
         if gap >= self.min_gap_s:
             self._idle_gap(r, prev, d0)
         elif gap > 0:
-            lane.idle["short"] += gap
+            lane.idle[self.classify(prev, d0, recent_only=True)] += gap
         lane.compute_s += t - c0
         lane.data_s += c0 - d0
         if epoch is not None:
@@ -201,10 +211,14 @@ class TimelineRecorder:
         cpu = backend == "cpu"
         gathered = averaging_from if (cpu and averaging_from is not None) else now
         for r in members:
-            end = gathered if cpu else self._answers.get(r, now)
-            self._add(r, Span("sync", r, started, max(started, end), window=window, note=note))
+            end = max(started, gathered if cpu else self._answers.get(r, now))
+            self._add(r, Span("sync", r, started, end, window=window, note=note))
+            lane = self._lanes[r]
+            lane.sync_spans += 1
+            lane.sync_span_s += end - started
             if cpu and now > gathered:
                 self._add(r, Span("cpu_avg", r, gathered, now, window=window, note=note))
+                lane.sync_span_s += now - gathered
         self._events.append(_Event("sync", started, gathered))
         if cpu and now > gathered:
             self._events.append(_Event("cpu_avg", gathered, now))
@@ -266,19 +280,24 @@ class TimelineRecorder:
         lane.gaps += 1
         self._add(r, Span("idle", r, g0, g1, note=cause))
 
-    def _candidates(self) -> list[_Event]:
+    def _candidates(self, recent_only: bool = False) -> list[_Event]:
         now = self.last_t
-        out = list(self._events)
+        if recent_only:
+            n = len(self._events)
+            out = [self._events[i] for i in range(max(0, n - RECENT_EVENTS), n)]
+        else:
+            out = list(self._events)
         out += [_Event("eval", t0, now) for t0, _, _ in self._evals.values()]
         if self._reduce_started is not None:
             out.append(_Event("sync", self._reduce_started, now))
         return out
 
-    def classify(self, g0: float, g1: float, extra: Iterable[_Event] = ()) -> str:
-        """The cause of the idle gap [g0, g1] (the rule is in the module docstring)."""
+    def classify(self, g0: float, g1: float, extra: Iterable[_Event] = (), *, recent_only: bool = False) -> str:
+        """The cause of the idle gap [g0, g1] (the rule is in the module docstring); ``recent_only``: weighed against
+        the newest events only (a short gap, classified on every batch)."""
         weight: dict[str, float] = {}
         nearest: Optional[tuple[float, int, str]] = None
-        for ev in [*self._candidates(), *extra]:
+        for ev in [*self._candidates(recent_only), *extra]:
             dist = max(0.0, ev.t0 - g1, g0 - ev.t1)
             if dist > self.near_s:
                 continue
@@ -327,7 +346,7 @@ class TimelineRecorder:
             tail = lane.last_end if lane.last_end is not None else start
             if end > tail:
                 g = end - max(tail, start)
-                idle["short" if g < self.min_gap_s else self.classify(max(tail, start), end)] += g
+                idle[self.classify(max(tail, start), end)] += g
             busy = lane.compute_s + lane.data_s
             idle_s = sum(idle.values())
             epoch_busy = sum(v for e, v in lane.busy_by_epoch.items() if e in aggregated)
@@ -340,6 +359,7 @@ class TimelineRecorder:
                 "idle_frac_epochs": frac_epochs, "run_idle_frac": run,
                 "diff": None if run is None or frac_epochs is None else frac_epochs - run,
                 "spans_stored": lane.count, "compactions": lane.compactions,
+                "sync_spans": lane.sync_spans, "sync_span_s": lane.sync_span_s,
             }
         return {"wall_s": wall, "epoch_walls_s": ewall, "epoch_overlap_s": ewall - wall if self.epochs else 0.0,
                 "start": start, "end": end, "min_gap_s": self.min_gap_s, "near_s": self.near_s, "ranks": ranks}
