@@ -59,6 +59,7 @@ an epoch whose ``idle_frac`` was clipped at 0, and a dead rank's batches taken b
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -68,7 +69,7 @@ from typing import Any, Optional
 KINDS = ("compute", "data", "sync", "cpu_avg", "eval", "idle")
 CAUSES = ("epoch_boundary", "sync", "cpu_avg", "eval", "unexplained")
 """Idle causes: the four events, and no event near the gap. Every gap gets one, whatever its length."""
-RECENT_EVENTS = 16
+RECENT_EVENTS = 4
 """A gap under ``min_gap_s`` is classified against the newest events only (and the ones in flight): what holds a
 rank for a few ms happened just before or during it, and a batch's cost stays O(1) however long the ring."""
 _TIE_ORDER = {"epoch_boundary": 0, "eval": 1, "cpu_avg": 2, "sync": 3}
@@ -176,7 +177,7 @@ class TimelineRecorder:
         if gap >= self.min_gap_s:
             self._idle_gap(r, prev, d0)
         elif gap > 0:
-            lane.idle[self.classify(prev, d0, recent_only=True)] += gap
+            lane.idle[self._short_cause(prev, d0)] += gap
         lane.compute_s += t - c0
         lane.data_s += c0 - d0
         if epoch is not None:
@@ -280,11 +281,15 @@ class TimelineRecorder:
         lane.gaps += 1
         self._add(r, Span("idle", r, g0, g1, note=cause))
 
-    def _candidates(self, recent_only: bool = False) -> list[_Event]:
+    def _candidates(self, recent_only: bool = False, since: float = -math.inf) -> list[_Event]:
         now = self.last_t
-        if recent_only:
-            n = len(self._events)
-            out = [self._events[i] for i in range(max(0, n - RECENT_EVENTS), n)]
+        if recent_only:  # newest first, up to RECENT_EVENTS, stopping at the first that ended before ``since`` (the
+            # ring is in finishing order, so the older ones ended earlier still): a batch's gap costs O(1)
+            out = []
+            for ev in itertools.islice(reversed(self._events), RECENT_EVENTS):
+                if ev.t1 < since:
+                    break
+                out.append(ev)
         else:
             out = list(self._events)
         out += [_Event("eval", t0, now) for t0, _, _ in self._evals.values()]
@@ -292,12 +297,37 @@ class TimelineRecorder:
             out.append(_Event("sync", self._reduce_started, now))
         return out
 
+    def _short_cause(self, g0: float, g1: float) -> str:
+        """:meth:`classify`'s rule for a gap under ``min_gap_s``, on every batch: the newest RECENT_EVENTS events
+        (stopping at one that ended more than ``near_s`` before the gap) and the ones in flight, with no
+        allocation when nothing is in flight (the common case: the reduce that held the rank has just finished)."""
+        if self._reduce_started is None and not self._evals:
+            near, since = self.near_s, g0 - self.near_s
+            best, best_w, nearest = "", 0.0, (math.inf, 9, "unexplained")
+            for ev in itertools.islice(reversed(self._events), RECENT_EVENTS):
+                if ev.t1 < since:
+                    break
+                dist = max(0.0, ev.t0 - g1, g0 - ev.t1)
+                if dist > near:
+                    continue
+                if ev.kind == "epoch_boundary":
+                    w = ev.t0 - g0 if g0 <= ev.t0 <= g1 else 0.0
+                else:
+                    w = min(ev.t1, g1) - max(ev.t0, g0)
+                if w > best_w:  # one event of a kind per gap, almost always: its overlap is the kind's weight
+                    best, best_w = ev.kind, w
+                cand = (dist, _TIE_ORDER.get(ev.kind, 9), ev.kind)
+                if cand < nearest:
+                    nearest = cand
+            return best if best_w > 0 else nearest[2]
+        return self.classify(g0, g1, recent_only=True)
+
     def classify(self, g0: float, g1: float, extra: Iterable[_Event] = (), *, recent_only: bool = False) -> str:
         """The cause of the idle gap [g0, g1] (the rule is in the module docstring); ``recent_only``: weighed against
         the newest events only (a short gap, classified on every batch)."""
         weight: dict[str, float] = {}
         nearest: Optional[tuple[float, int, str]] = None
-        for ev in [*self._candidates(recent_only), *extra]:
+        for ev in [*self._candidates(recent_only, g0 - self.near_s), *extra]:
             dist = max(0.0, ev.t0 - g1, g0 - ev.t1)
             if dist > self.near_s:
                 continue
