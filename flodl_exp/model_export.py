@@ -178,11 +178,36 @@ def export_from_request(path: str, uri: str) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m flodl_exp.model_export <request>: the launcher's background export
+def request_of(path: str) -> str:
+    """The request to run for ``path``: a request file itself, or a job folder's (claimed or not, so an export the
+    launcher never started, or one that failed, can be run again by hand)."""
+    if os.path.isdir(path):
+        for name in (EXPORT_REQUEST, EXPORT_REQUEST + ".claimed"):
+            if os.path.exists(os.path.join(path, name)):
+                return os.path.join(path, name)
+        raise FileNotFoundError(f"{path}: no {EXPORT_REQUEST} (the run did not finish, or tracking.log_model=false)")
+    return path
+
+
+def store_of(request: str) -> str:
+    """The store to log to: the launcher's (``FLODL_EXPORT_TRACKING_URI``, with credentials), else
+    ``MLFLOW_TRACKING_URI``, else the job's own ``spec.json`` (its URI without credentials: enough for SQLite)."""
+    uri = os.environ.pop(URI_ENV, None) or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    with open(os.path.join(os.path.dirname(os.path.abspath(request)), "spec.json")) as fh:
+        return str(json.load(fh)["tracking_uri"])
+
+
+if __name__ == "__main__":
+    # python -m flodl_exp.model_export <request | job folder>: the launcher's background export, or the same by hand
+    # for a run whose launcher did not live to start it (its tag model_export is missing or failed)
     import sys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s model_export %(levelname)s %(message)s")
-    store = os.environ.pop(URI_ENV)
+    target = request_of(sys.argv[1])
+    store = store_of(target)
+    sys.argv[1] = target
     try:
         code = export_from_request(sys.argv[1], store)
     except Exception as exc:  # the request or the store could not be read: the log says why
