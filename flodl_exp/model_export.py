@@ -157,14 +157,14 @@ def export_from_request(path: str, uri: str) -> int:
     on failure (the run keeps its status either way: the bundle is the run's record, the model a copy)."""
     import sys
 
-    from .tracking import client
+    from mlflow import MlflowClient
 
     with open(path) as fh:
         req = json.load(fh)
     for p in reversed(req.get("import_paths") or []):
         if p not in sys.path:
             sys.path.insert(0, p)
-    c = client(uri)
+    c = MlflowClient(uri)  # (not tracking.client: tracking imports this module to export in a detached job)
     try:
         model_uri = log_consensus_model(uri, req["run_id"], req["stem"], req["experiment"])
     except Exception as e:

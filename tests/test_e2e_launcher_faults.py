@@ -73,8 +73,11 @@ def test_ctrl_c_cancels_a_hung_run_within_seconds(store, tmp_path):
     gate = tmp_path / "gate"
     env = dict(os.environ, FLODL_FAULT_INJECT=f"0:1:gate:{gate},1:1:gate:{gate}")
     args = [*base_overrides(store, "launcher_faults"), "mode=cpu_cadence", "experiment.epochs=3"]
+    # SIGINT's default disposition in the launcher, as in a terminal: a suite started in the background of a
+    # non-interactive shell (`make test &`) runs with SIGINT ignored, which its children would inherit
     p = subprocess.Popen([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out: list[str] = []
     err: list[str] = []
     readers = [threading.Thread(target=lambda s=s, buf=buf: buf.extend(s), daemon=True)
