@@ -22,8 +22,11 @@ run: $(STAMP)
 	$(BIN)/python -m flodl_exp $(ARGS)
 
 # The full suite: unit tests, end-to-end runs on real processes, a real SLURM, a real browser.
+# The unit tests on two pytest workers (as make test-fast), then the end-to-end runs, SLURM, GPU and fuzz cases
+# serially (resource-sensitive): the same tests as one serial run, ~45 s sooner.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not conformance and not package" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 -m "$(FAST)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not conformance and not package and not ($(FAST))" $(PYTEST_ARGS)
 
 # What a user outside this repository gets: the wheel installed into a fresh venv and run from a temporary project,
 # the strict docs build, the quickstart's commands, an Optuna study (.ci/run runs it after make test).
