@@ -95,14 +95,8 @@ def multistep(total_steps: int, world_size: int, milestones: Sequence[float] = (
 def warmup_cosine(total_steps: int, world_size: int, warmup_frac: float = 0.2, base_lr: float = 3e-4,
                   min_lr: float = 1e-5) -> Callable[[int], float]:
     """Linear warm-up over ``warmup_frac`` of the steps, then cosine from ``base_lr`` down to ``min_lr``
-    (GPT-nano's); returned as a factor of the optimizer's base LR."""
-    warm = max(1, int(total_steps * warmup_frac))
-    floor = min_lr / base_lr
+    (GPT-nano's); returned as a factor of the optimizer's base LR: digits' schedule with the floor
+    ``min_lr / base_lr``."""
+    from .digits import cosine_schedule
 
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        t = min(1.0, (step - warm) / max(1, total_steps - warm))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-    return factor
+    return cosine_schedule(total_steps, world_size, warmup_frac=warmup_frac, floor=min_lr / base_lr)
