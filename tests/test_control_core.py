@@ -523,14 +523,20 @@ def test_preemption_at_every_stage(mode: str, when: str) -> None:
 
 
 # -- callback slack ---------------------------------------------------------------------------------------
-def test_callback_slack_gives_the_eval_rank_less_work_in_the_eval_window() -> None:
+@pytest.mark.parametrize(("mode", "progressive"), [("nccl_cadence", True), ("nccl_cadence", False),
+                                                   ("cpu_cadence", False)])
+def test_callback_slack_gives_the_eval_rank_less_work_in_the_eval_window(mode: str, progressive: bool) -> None:
+    """Progressive or not (issue 29: a non-progressive cadence run's eval rank made its peers wait)."""
     clock = FakeClock()
-    w = Bare(cfg_of("nccl_cadence", 2, epochs=4, **{"eval.every": 1, "eval.callback_slack": True}), clock)
+    w = Bare(cfg_of(mode, 2, epochs=4, **{"eval.every": 1, "eval.callback_slack": True,
+                                          "mode.progressive_dispatch": progressive}), clock)
+    assert w.core.shape.progressive is progressive
     play(w, Ranks(2, eval_ms=400.0), clock, samples=192)
     slack = emitted(w.log, "callback_slack")
     assert slack, "no window was shortened for an eval"
     cb = w.core.cohort.callback_rank
     assert {e["rank"] for e in slack} == {cb} and all(e["ms"] > 0 for e in slack)
+    assert len({e["epoch"] for e in slack}) == len(slack), "once per epoch"
     assert w.core.life.status is Status.FINISHED
 
 

@@ -42,8 +42,8 @@ class CallbackSlack:
         return self.eval_every > 0 and epoch != self.epochs - 1 and (epoch + 1) % self.eval_every == 0
 
     def due(self, closing_epoch: Optional[int], callback_rank: int) -> dict[int, float]:
-        """The slack to stage at this reduce: ``{callback_rank: ms}`` once per epoch, at the first reduce after
-        the epoch's last chunk was handed out (``closing_epoch``), summing the known times of the callbacks that
+        """The slack to stage at this reduce: ``{callback_rank: ms}`` once per epoch, at the first reduce whose
+        next window holds the epoch's end (``closing_epoch``, Dispatcher.closing_epoch), summing the known times of the callbacks that
         run on the callback rank around that boundary (the eval after it, the epoch hook before the next);
         else nothing."""
         if not self.enabled or closing_epoch is None or closing_epoch in self._staged:

@@ -140,7 +140,7 @@ class ControlCore:
         self.dispatch.advise = shape.progressive and cfg.data_plane.stage_advisories
         self.intents = Intents()
         """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
-        self.slack = CallbackSlack(enabled=cfg.eval.callback_slack and shape.progressive, eval_every=cfg.eval.every,
+        self.slack = CallbackSlack(enabled=cfg.eval.callback_slack, eval_every=cfg.eval.every,
                                    epochs=self.epochs, epoch_fn=self.epoch_fn)
         self.cycle.slack_source = self._callback_slack
         self.fold_updates = self.mode.folds_updates(shape.progressive)
@@ -659,7 +659,7 @@ class ControlCore:
     def _callback_slack(self) -> dict[int, float]:
         # The epoch whose last chunk is out; or, when it aggregated before this reduce finished (its chunks
         # done first, as in nccl cadence), the epoch whose eval is running now: the next window overlaps it.
-        e = self.dispatch.closing_epoch()
+        e = self.dispatch.closing_epoch(self.cohort.callback_rank)
         if e is None and self.evals.pending is not None:
             e = self.evals.pending_epoch
         due = self.slack.due(e, self.cohort.callback_rank)

@@ -545,10 +545,28 @@ class Dispatcher:
             self.pools[m.epoch].mark_completed(r, chunk.size)
             self.dispatch_next(r)
 
-    def closing_epoch(self) -> Optional[int]:
-        """The oldest epoch not yet aggregated whose every chunk was handed out (progressive only): its last
-        window is running or done, and the next window overlaps what follows its aggregation."""
-        return min((e for e, pool in self.pools.items() if e > self.last_aggregated and pool.remaining() == 0), default=None)
+    def closing_epoch(self, rank: Optional[int] = None) -> Optional[int]:
+        """The oldest epoch not yet aggregated whose last window is running or done, so the next window overlaps
+        what follows its aggregation (the eval after it, the epoch hook before the next one).
+
+        Progressive: every chunk of it was handed out. Non-progressive (every chunk goes out when the epoch is
+        dispatched, and the window running when a rank ends its share carries on into the next epoch, with no
+        reduce at the boundary): ``rank`` (the callback rank) has no more of it left than its current window
+        count, so the next window crosses the boundary."""
+        if self.progressive:
+            return min((e for e, pool in self.pools.items() if e > self.last_aggregated and pool.remaining() == 0),
+                       default=None)
+        e = self._open_epoch()
+        if e is None or rank is None:
+            return None
+        return e if self.batches_left(rank, e) <= max(1, self._cycle.counts_view[rank]) else None
+
+    def batches_left(self, r: int, e: int) -> int:
+        """Batches of epoch ``e`` handed to rank ``r`` and not reported trained yet (its chunks, extensions too)."""
+        if not self.chunks.by_rank[r]:
+            return 0
+        return sum(max(0, ch.size // self.bs - self.progress[r].get(cid, 0))
+                   for cid, ch in self.chunks.items() if ch.rank == r and ch.epoch == e)
 
     def _open_epoch(self) -> Optional[int]:
         return min((e for e in self.accs if e > self.last_aggregated), default=None)
