@@ -448,14 +448,15 @@ class EpochFnResult:
     error: Optional[str] = None
 
 
-INTENT_KINDS = ("eval", "checkpoint")
+INTENT_KINDS = ("eval", "checkpoint", "stop")
 """What a cooperative loop may ask for (Intent.kind)."""
 
 
 @dataclass
 class Intent:
     """The user's loop asks for an eval or a bundle (``w.request_eval()`` / ``w.request_checkpoint()``) in
-    ``epoch``; the coordinator answers it at that epoch's boundary, once for all ranks (control/intents.py)."""
+    ``epoch``; the coordinator answers it at that epoch's boundary, once for all ranks (control/intents.py).
+    ``stop`` (``w.request_stop()``): the run ends after the furthest epoch the cohort has started."""
 
     KIND: ClassVar[Kind] = Kind.INTENT
     kind: str

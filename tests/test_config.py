@@ -573,7 +573,7 @@ def test_exactly_one_of_train_step_and_loop(make, overrides, key):
     assert str(ei.value).startswith(f"config error: {key}="), str(ei.value)
 
 
-@pytest.mark.parametrize("experiment", ["digits_accumulate", "digits_two_optimizers"])
+@pytest.mark.parametrize("experiment", ["digits_accumulate", "digits_two_optimizers", "digits_early_stop"])
 def test_the_cooperative_examples_validate(make, experiment):
     cfg = make(f"experiment={experiment}")
     validate(cfg)

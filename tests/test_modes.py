@@ -84,3 +84,28 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
         # an epoch with no reduce (async's long windows) records none
         assert 0 < len(steps) <= EPOCHS and all(m.value >= 0 for m in steps) and momentum[-1] > 0
         assert run.data.params["outer.kind"] == outer
+
+
+def test_a_loop_stops_the_run_early_on_the_cohorts_eval(store):
+    """flodl_exp/zoo/loops.py's early_stop (issue 29): every rank reads the cohort's evals (``w.poll_eval()``) and
+    asks the run to stop once accuracy reaches its target (``w.request_stop()``); under async, where fast ranks
+    run epochs ahead, the furthest epoch started is trained whole, then the run ends as planned runs end."""
+    from flodl_exp.jobs.launcher import launch
+    from flodl_exp.zoo.loops import TARGET_ACCURACY
+
+    planned = 30
+    h = launch(compose([*base_overrides(store, "modes"), "mode=cpu_async", "cluster=local_hetero",
+                        "experiment=digits_early_stop", f"experiment.epochs={planned}"]))
+    res = h.wait()
+    assert res["status"] == "FINISHED"
+    stops = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "stop"]
+    assert len(stops) == 1, stops
+    last = stops[0]["last_epoch"]
+    assert res["epochs"] == last + 1 < planned
+    assert res["final_eval"]["eval/accuracy"] >= 0.90
+    assert_exact_coverage(res, 32)
+    assert len({f["hash"] for f in res["finals"].values()}) == 1, "replicas differ after the final consensus"
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert run.data.tags["stopped_early"].startswith(f"after epoch {last} ")
+    accs = [e["eval/accuracy"] for e in read_events(Path(h.job_dir)) if e.get("event") == "eval" and not e["final"]]
+    assert max(accs) >= TARGET_ACCURACY or len(accs) > 3, f"it stopped on neither its target nor its patience: {accs}"

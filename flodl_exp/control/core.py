@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..bundle_meta import BundleMeta
@@ -404,6 +404,10 @@ class ControlCore:
             log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
             return
         self.obs.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
+        if i.kind == "stop":
+            if self.life.phase in TRAINING_PHASES:
+                self._stop_early(r, i.epoch)
+            return
         if self.life.phase not in TRAINING_PHASES or not self.intents.ask(i.kind, i.epoch):
             return  # the run's end (its final eval and bundle) answers it, or a boundary already did
         if i.kind == "eval" and self.intents.due("eval", self.dispatch.last_aggregated):
@@ -413,6 +417,22 @@ class ControlCore:
             self.intents.answer("eval", e)
             if e != self.epochs - 1 and self.evals.pending is None:
                 self._send_eval(e)
+
+    def _stop_early(self, r: int, asked: int) -> None:
+        """``w.request_stop()``: the furthest epoch started (no chunk of a later one is out) becomes the last, so
+        every epoch the run trains is trained whole; then the run ends as at its planned end (the final reduce,
+        eval and bundle; FINISHED). The final bundle's epoch is where it stopped: resuming it trains the rest."""
+        d = self.dispatch
+        last = max(asked, d.last_aggregated, *(e for e in d.accs if e > d.last_aggregated))
+        if last + 1 >= self.epochs:
+            return  # already the last epoch (or a later stop asked for less)
+        log.info("rank %d asked to stop (in epoch %d): epoch %d is the last of %d planned", r, asked, last, self.epochs)
+        self.epochs = d.epochs = self.slack.epochs = self.checkpoints.epochs = last + 1
+        if self.checkpoints.next_periodic is not None and self.checkpoints.next_periodic > last:
+            self.checkpoints.next_periodic = None
+        self.writer.facts = replace(self.writer.facts, epochs=last + 1)
+        self.obs.set_tags({"stopped_early": f"after epoch {last} (asked by rank {r} in epoch {asked})"})
+        self.obs.emit({"event": "stop", "rank": r, "asked_epoch": asked, "last_epoch": last})
 
     def on_eval(self, r: int, f: EvalResult) -> None:
         ev = self.evals

@@ -337,6 +337,12 @@ class CooperativeWorker:
         """Ask for a bundle at the next boundary (the next epoch boundary; the next reduce in progressive modes)."""
         self._intent("checkpoint")
 
+    def request_stop(self) -> None:
+        """End the run early (the loop's own early stopping): the furthest epoch the cohort has started is the
+        last, trained whole; then the final reduce, eval and bundle, and ``w.epochs()`` ends on every rank. Any
+        rank may ask, once or more; the run's tag ``stopped_early`` says where it stopped and who asked."""
+        self._intent("stop")
+
     def poll_eval(self) -> Optional[tuple[int, dict[str, float]]]:
         """The next eval result this loop has not read yet, oldest first: ``(epoch, {"eval/<name>": value})``, or
         None. Every rank hears each periodic and final eval (the reference's ``EvalBroadcast``), between batches:

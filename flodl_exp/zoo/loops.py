@@ -11,8 +11,13 @@ code with SGD + momentum. Both optimizers are registered with ``w.setup`` (bundl
 resets both) and stepped by one ``w.step``. Its quality bar is the managed tier's: eval accuracy >= 0.90
 (the model's forward is the classifier), with the reconstruction error recorded as a scalar.
 
-Run either from the CLI: ``python -m flodl_exp experiment=digits_accumulate`` or
-``experiment=digits_two_optimizers``.
+``early_stop``: the managed step, with the loop's own early stopping. Every rank hears each eval of the cohort
+(``w.poll_eval()``); once the eval accuracy reaches ``TARGET_ACCURACY``, or has not improved for ``PATIENCE``
+evals, the loop asks the run to stop (``w.request_stop()``): the furthest epoch started is trained whole, then
+the run ends as at its planned end (final reduce, eval and bundle), its tag ``stopped_early`` saying where.
+
+Run any of them from the CLI: ``python -m flodl_exp experiment=digits_accumulate``,
+``experiment=digits_two_optimizers`` or ``experiment=digits_early_stop``.
 """
 from __future__ import annotations
 
@@ -25,6 +30,10 @@ from torch import nn
 import flodl_exp
 
 MICRO_BATCHES = 4
+TARGET_ACCURACY = 0.95
+"""early_stop: stop once the cohort's eval accuracy reaches this."""
+PATIENCE = 3
+"""early_stop: or once this many evals in a row did not improve on the best."""
 
 
 def accumulate(cfg: Any) -> None:
@@ -71,3 +80,20 @@ def two_optimizers(cfg: Any) -> None:
                 recon.backward()
                 w.record_scalar("recon_mse", float(recon.detach()))
                 w.step(classify, reconstruct, loss=loss)
+
+
+def early_stop(cfg: Any) -> None:
+    with flodl_exp.worker() as w:
+        model, opt = w.model, w.optimizer
+        best, stale, asked = -1.0, 0, False
+        for _epoch in w.epochs():
+            for x, y in w.batches():
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                w.step(opt, loss=loss)
+            while (ev := w.poll_eval()) is not None:
+                acc = ev[1].get("eval/accuracy", -1.0)
+                best, stale = (acc, 0) if acc > best else (best, stale + 1)
+                if not asked and (best >= TARGET_ACCURACY or stale >= PATIENCE):
+                    w.request_stop()
+                    asked = True
