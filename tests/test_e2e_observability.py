@@ -1,4 +1,5 @@
-"""Observability end to end: sweeps as parent/child runs, window records, reductions, record log, dashboard."""
+"""Observability end to end: window records, reductions, record log, dashboard (sweeps as parent/child runs and
+their report: tests/test_ui_browser.py, on the sweep its UI checks serve)."""
 from __future__ import annotations
 
 import os
@@ -7,31 +8,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import base_overrides, compose, run_cli
+from conftest import base_overrides, compose
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
-
-
-def test_sweep_is_one_parent_with_a_child_per_job_and_a_report(store, tmp_path):
-    ov = [o for o in base_overrides(store, "sweep_e2e") if not o.startswith("hydra.run")]
-    r = run_cli(["-m", "mode=cpu_sync,cpu_cadence", "experiment.epochs=2", "run.progress=off", *ov,
-                 f"hydra.sweep.dir={tmp_path}/sweep"], timeout=380)
-    assert r.returncode == 0, r.stderr[-3000:]
-    c = MlflowClient(store["uri"])
-    exp = c.get_experiment_by_name("sweep_e2e")
-    assert exp is not None
-    runs = c.search_runs([exp.experiment_id])
-    parents = [x for x in runs if x.data.tags.get("flodl.sweep") == "parent"]
-    assert len(parents) == 1
-    pid = parents[0].info.run_id
-    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == pid]
-    assert sorted(x.data.tags["mode"] for x in children) == ["cpu_cadence", "cpu_sync"]
-    assert all(x.info.status == "FINISHED" for x in children) and parents[0].info.status == "FINISHED"
-    assert sorted(x.info.run_name for x in children) == ["digits_mlp/cpu_cadence/trend", "digits_mlp/cpu_sync/trend"]
-    report = tmp_path / "sweep" / "report" / "report.md"
-    assert report.exists() and "cpu_cadence" in report.read_text()
-    assert (tmp_path / "sweep" / "report" / "loss_vs_time.png").exists()
-    assert {a.path for a in c.list_artifacts(pid, "report")} >= {"report/report.md", "report/loss_vs_time.png"}
 
 
 def test_windows_reductions_record_log_and_dashboard(store, tmp_path):

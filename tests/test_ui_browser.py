@@ -99,6 +99,20 @@ def test_rest_api_lists_sweep_parent_and_children(ui_store):
         assert {"loss", "eval/accuracy"} <= metrics
 
 
+def test_the_sweep_writes_a_report_and_names_its_children(ui_store):
+    """The sweep's report (markdown and plot, on disk and as the parent's artifacts) and the children's run names
+    (the sweep these UI checks serve: one sweep run for both)."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(ui_store["uri"])
+    pid = ui_store["parent_id"]
+    children = c.search_runs([ui_store["experiment_id"]], f"tags.mlflow.parentRunId = '{pid}'")
+    assert sorted(x.info.run_name for x in children) == sorted(f"digits_mlp/{m}/trend" for m in MODES)
+    report = Path(ui_store["dir"]) / "sweep" / "report"
+    assert "cpu_cadence" in (report / "report.md").read_text() and (report / "loss_vs_time.png").exists()
+    assert {a.path for a in c.list_artifacts(pid, "report")} >= {"report/report.md", "report/loss_vs_time.png"}
+
+
 @pytest.fixture(scope="module")
 def chromium(request) -> str:
     """/usr/bin/chromium, installed by tests/ui/install_chromium.sh if missing; skip (printed) where it can't be."""
