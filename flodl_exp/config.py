@@ -267,6 +267,11 @@ class ExperimentConfig:
     epoch_fn: Optional[str] = None
     """Dotted path of ``fn(epoch, model, last_epoch_metrics) -> {name: value} | None``: run on the epoch-role
     rank (the callback rank) before it trains each epoch; what it returns is logged as ``epoch_fn/<name>``."""
+    checkpoint_fn: Optional[str] = None
+    """Dotted path of ``fn(version, model) -> None``, run with each periodic (``checkpoint.every``) or requested
+    (``w.request_checkpoint()``) bundle on the rank that writes its model piece, right after it does (the model
+    is the bundle's state, at the start of epoch ``version``; the cpu backend hands it a copy holding the
+    consensus): an export of your own. An error is logged and the next live rank tries; never fatal."""
     batch_size: int = 32
     """Samples per batch on each rank (one optimizer step per batch); an epoch trains floor(picks / batch_size)
     batches in all (picks = samples x data_plane.augment). An integer >= 1."""

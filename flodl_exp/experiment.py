@@ -24,6 +24,8 @@ class Experiment:
     """None for the cooperative tier (``experiment.loop``): the user's loop does the step."""
     eval_fn: Optional[Callable[[nn.Module, Any, torch.device], dict]]
     epoch_fn: Optional[Callable[[int, nn.Module, dict], Optional[dict]]] = None
+    checkpoint_fn: Optional[Callable[[int, nn.Module], None]] = None
+    """``experiment.checkpoint_fn``: run with a periodic or requested bundle on its model-piece rank."""
 
 
 def _to_container(node: Any) -> Any:
@@ -103,7 +105,7 @@ def build_experiment(exp: Any, *, world_size: int, device: torch.device, seed: i
         return _built(key, exp[key], lambda: get_method(exp[key])) if exp.get(key) else None
 
     return Experiment(model, optimizer, lr_factor, train_data, eval_data, method("train_step"), method("eval_fn"),
-                      method("epoch_fn"))
+                      method("epoch_fn"), method("checkpoint_fn"))
 
 
 def fetch_batch(dataset: Any, sample_ids: Any) -> Any:

@@ -96,6 +96,7 @@ class Kind(str, enum.Enum):
     STAGE_ADVISORY = "stage_advisory"
     EPOCH_AGGREGATED = "epoch_aggregated"
     EVAL_BROADCAST = "eval_broadcast"
+    CHECKPOINT = "checkpoint"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
@@ -111,6 +112,7 @@ class Kind(str, enum.Enum):
     EPOCH_FN_RESULT = "epoch_fn_result"
     INTENT = "intent"
     LOOP_NOTICE = "loop_notice"
+    CHECKPOINT_RESULT = "checkpoint_result"
 
 
 # ------------------------------------------------------------ coordinator -> rank
@@ -223,6 +225,20 @@ class Save:
     consensus: bool = False
     """cpu backend: write the model piece from the last consensus adopted, not the replica
     (EASGD keeps replicas apart from it; the bundle holds the consensus, as the reference's CPU path)."""
+
+
+@dataclass
+class Checkpoint:
+    """Run the user's ``experiment.checkpoint_fn(version, model)`` on this rank (algorithms.md 8.3): sent to the
+    rank that writes a periodic or requested bundle's model piece, right after its ``save``, so the function
+    sees the bundle's state; answered with a :class:`CheckpointResult`."""
+
+    KIND: ClassVar[Kind] = Kind.CHECKPOINT
+    version: Count
+    """The bundle's epoch: the model state at the end of epoch ``version - 1``."""
+    consensus: bool = False
+    """cpu backend: hand the function a copy of the model holding the last consensus adopted (as ``Save``),
+    never the training replica."""
 
 
 @dataclass
@@ -448,6 +464,16 @@ class EpochFnResult:
     error: Optional[str] = None
 
 
+@dataclass
+class CheckpointResult:
+    """The rank ran ``experiment.checkpoint_fn`` for ``version``; ``error`` when it raised (or none is configured)."""
+
+    KIND: ClassVar[Kind] = Kind.CHECKPOINT_RESULT
+    version: Count
+    elapsed_ms: float
+    error: Optional[str] = None
+
+
 INTENT_KINDS = ("eval", "checkpoint", "stop")
 """What a cooperative loop may ask for (Intent.kind)."""
 
@@ -476,7 +502,7 @@ Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
-    EvalBroadcast,
+    EvalBroadcast, Checkpoint, CheckpointResult,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"

@@ -12,7 +12,9 @@ meta, and the periodic and coverage-granular bundles.
   steps, the bundle is written, training resumes: exactly the consensus at the epoch
   boundary) and ``checkpoint.at_epoch`` (progressive modes: at the first reduce finish
   where a live rank has reached epoch E, the coverage of every open epoch is snapshotted,
-  in-flight chunks counting as uncovered; resuming trains only the uncovered picks).
+  in-flight chunks counting as uncovered; resuming trains only the uncovered picks). With
+  ``experiment.checkpoint_fn`` set, a periodic or requested bundle also runs it on its model-piece rank
+  (:class:`~.checkpoint_fn.CheckpointFnRole`) and stays in progress until it reported or was given up.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any, Optional
 from ..protocol import Save, SaveResult
 from .bundle_store import BundleStore
 from .channels import Outbox
+from .checkpoint_fn import CheckpointFnRole
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
@@ -284,6 +287,8 @@ class PeriodicBundle:
     stem: str
     saving: bool = False
     """False while the consensus reduce settles; True once the saves went out."""
+    written: bool = False
+    """Its saves settled and its meta was written (the user's checkpoint_fn may still be running)."""
 
 
 @dataclass
@@ -295,6 +300,8 @@ class CoverageBundle:
     """``at_epoch`` or ``periodic`` (the meta's save_reason)."""
     artifact_path: str
     coverage: list[dict[str, Any]] = field(default_factory=list)
+    written: bool = False
+    """Its saves settled and its meta was written (the user's checkpoint_fn may still be running)."""
 
 
 class Checkpoints:
@@ -313,7 +320,8 @@ class Checkpoints:
 
     def __init__(self, *, every: int, at_epoch: Optional[int], epochs: int, progressive: bool, world_size: int,
                  writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, obs: Any,
-                 intents: Intents, fire_reduce: Callable[..., bool]) -> None:
+                 intents: Intents, fire_reduce: Callable[..., bool],
+                 checkpoint_fn: Optional[CheckpointFnRole] = None) -> None:
         self.every = every
         self.at_epoch = at_epoch if progressive else None
         self.epochs = epochs
@@ -335,6 +343,8 @@ class Checkpoints:
         self._fire_reduce = fire_reduce
         """The core's one way to start a reduce (ControlCore.fire_reduce): asked for a bundle's consensus."""
         """Progressive: a cooperative loop's ``w.request_checkpoint()`` is taken at the next reduce finish."""
+        self.checkpoint_fn = checkpoint_fn
+        """``experiment.checkpoint_fn`` is set: periodic and requested bundles run it (None: not set)."""
         if self.at_epoch is not None:
             dispatch.hold_after(self.at_epoch)
 
@@ -362,14 +372,31 @@ class Checkpoints:
                 return False
             ck.saving = True
             self._writer.send_saves(ck.stem)
+            self._fire_checkpoint_fn(ck.epoch)
             return False
-        if not self._writer.settled:
-            return False
-        self._writer.write_meta("periodic", ck.stem, epoch=ck.epoch)
-        self._writer.log_bundle(ck.stem, f"checkpoints/epoch{ck.epoch}")
-        self._obs.emit({"event": "checkpoint", "stem": ck.stem, "epoch": ck.epoch})
+        if not ck.written:
+            if not self._writer.settled:
+                return False
+            ck.written = True
+            self._writer.write_meta("periodic", ck.stem, epoch=ck.epoch)
+            self._writer.log_bundle(ck.stem, f"checkpoints/epoch{ck.epoch}")
+            self._obs.emit({"event": "checkpoint", "stem": ck.stem, "epoch": ck.epoch})
+        if not self.fn_settled:
+            return False  # training stays held: a failover runs on the same boundary state
         self.periodic = None
         return True
+
+    @property
+    def fn_settled(self) -> bool:
+        """No ``checkpoint_fn`` result is owed (or none is configured)."""
+        return self.checkpoint_fn is None or self.checkpoint_fn.settled
+
+    def _fire_checkpoint_fn(self, version: int) -> None:
+        """Right after a periodic or requested bundle's saves went out: ``checkpoint_fn(version, model)`` on its
+        model-piece rank, which runs it after writing that piece, on the same state (algorithms.md 8.3)."""
+        rank = self._writer.model_rank
+        if self.checkpoint_fn is not None and rank is not None:
+            self.checkpoint_fn.fire(version, rank)
 
     def maybe_coverage_bundle(self) -> None:
         """At a reduce finish, before any new chunk is dispatched: an at_epoch or periodic bundle when due."""
@@ -395,6 +422,8 @@ class Checkpoints:
         lowest = min((p["epoch"] for p in coverage), default=self._dispatch.current_epoch())
         self.coverage_bundle = CoverageBundle(stem, lowest, reason, artifact_path, coverage)
         self._writer.send_saves(stem)
+        if reason != "at_epoch":
+            self._fire_checkpoint_fn(asked)
         self._obs.emit({"event": "checkpoint_armed", "stem": stem, "epoch": asked, "reason": reason})
 
     def on_saves_settled(self) -> None:
@@ -402,10 +431,14 @@ class Checkpoints:
         cb = self.coverage_bundle
         if cb is None:
             return
+        if not cb.written:
+            cb.written = True
+            self._writer.write_meta(cb.reason, cb.stem, epoch=cb.epoch, coverage_epochs=cb.coverage)
+            self._writer.log_bundle(cb.stem, cb.artifact_path)
+            self._obs.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch, "reason": cb.reason})
+        if not self.fn_settled:
+            return  # in progress until the checkpoint_fn reported (or was given up): called again then
         self.coverage_bundle = None
-        self._writer.write_meta(cb.reason, cb.stem, epoch=cb.epoch, coverage_epochs=cb.coverage)
-        self._writer.log_bundle(cb.stem, cb.artifact_path)
-        self._obs.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch, "reason": cb.reason})
         if self.at_epoch_done:
             self._dispatch.hold_after(None)
         elif self.at_epoch is not None and not self._cycle.any_steps(self._cohort.alive_ranks()):

@@ -32,6 +32,7 @@ from ..mode import Backend, Mode
 from ..protocol import (
     INTENT_KINDS,
     Batch,
+    CheckpointResult,
     ChunkMetrics,
     EpochAggregated,
     EpochFnResult,
@@ -56,6 +57,7 @@ from ..protocol import Shutdown as ShutdownMsg
 from .bundle_store import BundleStore, MemoryBundles
 from .callback_slack import CallbackSlack
 from .channels import Outbox
+from .checkpoint_fn import CheckpointFnRole
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
 from .commands import Command, CommandOutbox, Event, RankDeath, RankMessage, RecordingObserver
@@ -152,10 +154,18 @@ class ControlCore:
             facts=MetaFacts(world_size=w, epochs=self.epochs, experiment=cfg.experiment.name,
                             guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
                             shuffle_seed=facts.shuffle_seed))
+        self.checkpoint_fn = CheckpointFnRole(cohort=self.cohort, outbox=self.outbox, obs=observer,
+                                              consensus=self.mode.is_cpu)
+        """``experiment.checkpoint_fn``: run with periodic and requested bundles, failing over (control/checkpoint_fn.py)."""
         self.checkpoints = Checkpoints(
             every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs,
             progressive=shape.progressive, world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle,
-            dispatch=self.dispatch, obs=observer, intents=self.intents, fire_reduce=self.fire_reduce)
+            dispatch=self.dispatch, obs=observer, intents=self.intents, fire_reduce=self.fire_reduce,
+            checkpoint_fn=self.checkpoint_fn if cfg.experiment.checkpoint_fn else None)
+        if cfg.experiment.checkpoint_fn and not (0 < cfg.checkpoint.every < self.epochs) and not cfg.experiment.loop:
+            log.warning("experiment.checkpoint_fn is set but will not run: it runs with periodic bundles "
+                        "(checkpoint.every=%d of %d epochs takes none) and with w.request_checkpoint() of a "
+                        "cooperative loop (experiment.loop is not set)", cfg.checkpoint.every, self.epochs)
         self.faults = FaultHandler(
             world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
@@ -540,6 +550,8 @@ class ControlCore:
         """Every epoch aggregated: one last consensus reduce if replicas may differ, then the final eval and bundle."""
         if self.dispatch.any_in_flight():
             return  # a dead rank's picks are being retrained: the last reduce waits for them
+        if not self.checkpoint_fn.settled:
+            return  # a bundle's checkpoint_fn is owed (a failover): the final bundle does not start under it
         alive = self.cohort.alive_ranks()
         blended = self.shape.easgd_alpha is not None and not self.evals.final_overwrite_done
         if self.W > 1 and (blended or self.cycle.any_steps(alive)):
@@ -572,8 +584,11 @@ class ControlCore:
         if not self.faults.recover(death):
             return
         self._report_picks_of_the_dead(r, lost, retrained)
+        owed_fn = self.checkpoint_fn.on_rank_dead(r)  # its checkpoint_fn result moves to another live rank
         if r in self.writer.pending:  # a bundle in progress (periodic, coverage) does not wait for its pieces
             self.writer.on_rank_dead(r)
+            self.after_saves()
+        elif owed_fn:
             self.after_saves()
         self.try_finish_reduce()
 
@@ -597,6 +612,7 @@ class ControlCore:
     def _drop_pending_of(self, r: int) -> None:
         """A rank died while a bundle was being written: its pieces are forfeit; the final eval and the
         consensus model move to another survivor."""
+        self.checkpoint_fn.on_rank_dead(r)
         alive = self.cohort.alive_ranks()
         if not (self.life.is_(Phase.FINISHING) and self.evals.final_rank == r and alive):
             self.writer.on_rank_dead(r)  # a model piece it owed moves to another survivor
@@ -614,6 +630,12 @@ class ControlCore:
     def on_save_result(self, r: int, res: SaveResult) -> None:
         self.writer.on_result(r, res)
         self.after_saves()
+
+    def on_checkpoint_result(self, r: int, res: CheckpointResult) -> None:
+        """``experiment.checkpoint_fn`` ran (or failed: another live rank tries); a progressive bundle waiting for
+        it is done now (a non-progressive one is taken on by the next tick)."""
+        if self.checkpoint_fn.on_result(r, res):
+            self.after_saves()
 
     def after_saves(self) -> None:
         if not self.writer.settled:
@@ -723,7 +745,8 @@ class ControlCore:
     _MESSAGE_HANDLERS: dict[type, str] = {
         Batch: "on_batch", SyncAck: "on_ack", Snapshot: "on_snapshot", ChunkMetrics: "on_metrics", EvalResult: "on_eval",
         Intent: "on_intent", SaveResult: "on_save_result", RankError: "on_error", SessionReady: "on_session_ready",
-        Exiting: "on_exiting", Telemetry: "on_telemetry", EpochFnResult: "on_epoch_fn", LoopNotice: "on_loop_notice"}
+        Exiting: "on_exiting", Telemetry: "on_telemetry", EpochFnResult: "on_epoch_fn", LoopNotice: "on_loop_notice",
+        CheckpointResult: "on_checkpoint_result"}
 
     def on_message(self, r: int, payload: Payload) -> bool:
         """A rank message the core decides on; False when it is not one (the shell handles it)."""

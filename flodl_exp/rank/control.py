@@ -7,7 +7,7 @@ coordinator handed out, the running chunk, the throttle and barrier flags, the c
 consensus, the trained steps not reported yet. Control messages are handled between batches (never while a
 collective could deadlock): start_epoch, extend_partition, form_group, regroup, sync_now, request_params,
 update, set_global_step, throttle, execute_eval, set_epoch_role, epoch_aggregated, stage_advisory, save,
-request_session, evict, shutdown. The rank is mode-agnostic: policies live in the coordinator.
+checkpoint, request_session, evict, shutdown. The rank is mode-agnostic: policies live in the coordinator.
 
 It sends through a ``send(payload)`` function and reads from a :class:`~flodl_exp.rank.inbox.ControlInbox`;
 it opens no socket, starts no thread and says no hello, so its tests build it directly (a list's ``append``
@@ -32,6 +32,8 @@ from ..bundle_meta import Resume
 from ..outer import OuterOptimizer, OuterSpec, OuterStep
 from ..protocol import Batch as BatchReport
 from ..protocol import (
+    Checkpoint,
+    CheckpointResult,
     CoordHeartbeat,
     EpochAggregated,
     EpochFnResult,
@@ -298,7 +300,7 @@ class RankControl:
             SetEpochRole: self._on_epoch_role, EpochAggregated: self._on_epoch_aggregated,
             EvalBroadcast: self._on_eval_broadcast,
             StageAdvisory: self._on_stage_advisory,
-            Save: self._save, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
+            Save: self._save, Checkpoint: self._on_checkpoint, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
             RequestSession: self._on_request_session, Evict: self._on_evict,
         }
 
@@ -440,6 +442,31 @@ class RankControl:
         except Exception as e:  # save errors are reported, never fatal
             err = f"{type(e).__name__}: {e}"
         self.send(SaveResult(stem=m.stem, error=err))
+
+    def _on_checkpoint(self, m: Checkpoint) -> None:
+        """Run ``experiment.checkpoint_fn(version, model)`` (algorithms.md 8.3), right after this rank wrote the
+        bundle's model piece, on the same state: the cpu backend's consensus frame on a copy of the model (the
+        training replica is never handed out there), else the replica. An error (or no function configured) is
+        reported, never fatal: the coordinator tries another rank. Its time counts as callback time."""
+        fn = getattr(self.trainer.exp, "checkpoint_fn", None)
+        err: Optional[str] = None
+        t0 = time.perf_counter()
+        try:
+            if fn is None:
+                raise RuntimeError("no experiment.checkpoint_fn is configured on this rank")
+            with self.doing("callback"):
+                model = self.trainer.model
+                if m.consensus and self.last_consensus:
+                    import copy
+
+                    model = copy.deepcopy(model)
+                    model.load_state_dict(consensus_state(model, self.last_consensus))
+                fn(m.version, model)
+        except Exception as e:  # a broken export must not kill training
+            err = f"{type(e).__name__}: {e}"
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        self.callback_ms += elapsed_ms
+        self.send(CheckpointResult(version=m.version, elapsed_ms=elapsed_ms, error=err))
 
     # -- handlers: the collective (nccl modes) ------------------------------------------
     def _on_request_session(self, m: RequestSession) -> None:
