@@ -38,10 +38,14 @@ def _params(cases: list[tuple[str, str, str]], *marks: Any) -> list[Any]:
 
 
 @pytest.mark.parametrize(("mode", "outer", "experiment"), _params(CASES) + _params(MATRIX, pytest.mark.conformance))
-def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
+def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment, monkeypatch):
     from flodl_exp.jobs.launcher import launch
 
     hook = ["experiment.epoch_fn=flodl_exp.zoo.digits.epoch_probe"] if mode == "cpu_cadence" else []
+    export = mode == "cpu_cadence" and experiment == MANAGED
+    if export:  # the user's checkpoint_fn with the periodic bundles (versions 2 and 4); rank 0's fails: failover
+        hook += ["experiment.checkpoint_fn=flodl_exp.zoo.digits.export_checkpoint", "checkpoint.every=2"]
+        monkeypatch.setenv("FLODL_TEST_CHECKPOINT_FN_FAIL_RANK", "0")
     h = launch(compose([*base_overrides(store, "modes"), f"mode={mode}", f"outer={outer}", "cluster=local_hetero",
                         f"experiment={experiment}", f"experiment.epochs={EPOCHS}", *hook]))
     res = h.wait()
@@ -70,6 +74,8 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
         norms = c.get_metric_history(h.run_id, "epoch_fn/weight_norm")
         assert sorted(m.step for m in norms) == list(range(EPOCHS)) and all(m.value > 0 for m in norms)
         assert c.get_metric_history(h.run_id, "epoch_fn/last_loss"), "EpochAggregated reached the epoch-role rank"
+    if export:
+        _check_exports(h, c)
     if not mode.endswith("sync"):  # progressive: the eval after each epoch gets callback slack once measured
         slack = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "callback_slack"]
         assert slack and all(e["ms"] > 0 for e in slack), slack
@@ -84,6 +90,25 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment):
         # an epoch with no reduce (async's long windows) records none
         assert 0 < len(steps) <= EPOCHS and all(m.value >= 0 for m in steps) and momentum[-1] > 0
         assert run.data.params["outer.kind"] == outer
+
+
+def _check_exports(h: Any, c: MlflowClient) -> None:
+    """checkpoint_fn ran for versions 2 and 4, each written by a rank other than rank 0 (whose export fails on
+    purpose: the coordinator moved it on), and each file loads into the model's state_dict keys."""
+    import torch
+
+    from flodl_exp.zoo.digits import MLP
+
+    events = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "checkpoint_fn"]
+    ok = {e["version"]: e["rank"] for e in events if not e.get("error")}
+    assert ok.keys() == {2, 4} and 0 not in ok.values(), events
+    assert any(e["rank"] == 0 and "on purpose" in (e.get("error") or "") for e in events), "rank 0 saw the env: failover"
+    assert not [e for e in events if e.get("gave_up")], events
+    keys = MLP(hidden=128).state_dict().keys()
+    for v in (2, 4):
+        state = torch.load(Path(h.job_dir) / "checkpoint_exports" / f"model_v{v}.pt", weights_only=True)
+        assert state.keys() == keys
+    assert sorted(m.step for m in c.get_metric_history(h.run_id, "checkpoint_fn/elapsed_ms")) == [2, 4]
 
 
 def test_a_loop_stops_the_run_early_on_the_cohorts_eval(store):

@@ -43,7 +43,7 @@ from typing import Any, Optional
 import submitit
 
 from ..config import ClusterConfig, load_cluster
-from ..constants import COORDINATOR_LOG, FAULT_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK
+from ..constants import COORDINATOR_LOG, FAULT_ENV, JOB_DIR_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK, RANK_ENV
 from .executor import restore_visible_devices
 from .spec import JobSpec
 
@@ -442,6 +442,7 @@ def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: 
     from .rendezvous import wait_rendezvous, write_rank_marker
 
     write_rank_marker(job_dir, rank, attempt)
+    os.environ[RANK_ENV], os.environ[JOB_DIR_ENV] = str(rank), job_dir  # for user code (experiment.checkpoint_fn)
     fault = parse_fault(os.environ.get(FAULT_ENV), rank)
     if fault is not None and fault[0] == CONNECT_STEP:
         inject_fault(fault[1], rank, CONNECT_STEP)  # test hook: a rank lost during rendezvous

@@ -209,3 +209,22 @@ def epoch_probe(epoch: int, model: nn.Module, last_epoch: dict[str, float]) -> d
     if "loss" in last_epoch:
         out["last_loss"] = float(last_epoch["loss"])
     return out
+
+
+CHECKPOINT_FN_FAIL_ENV = "FLODL_TEST_CHECKPOINT_FN_FAIL_RANK"
+"""Test hook: ``export_checkpoint`` raises on this rank (the coordinator then fails over to another rank)."""
+
+
+def export_checkpoint(version: int, model: nn.Module) -> None:
+    """An ``experiment.checkpoint_fn`` example: the model's ``state_dict`` as a plain ``torch.save`` file,
+    ``<job folder>/checkpoint_exports/model_v<version>.pt``, written whole or not at all. It runs on the rank
+    writing the bundle's model piece; the job folder comes from ``FLODL_JOB_DIR``, which every rank's process
+    has (outside a job: the working directory)."""
+    from flodl_exp.constants import JOB_DIR_ENV, RANK_ENV
+
+    rank = os.environ.get(RANK_ENV)
+    if rank is not None and os.environ.get(CHECKPOINT_FN_FAIL_ENV) == rank:
+        raise RuntimeError(f"{CHECKPOINT_FN_FAIL_ENV}={rank}: this rank's export fails on purpose")
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    path = os.path.join(os.environ.get(JOB_DIR_ENV) or os.getcwd(), "checkpoint_exports", f"model_v{version}.pt")
+    atomic_write(path, lambda fh: torch.save(state, fh))
