@@ -24,7 +24,7 @@ MANAGED, ACCUMULATE, TWO_OPTIMIZERS = "digits_mlp", "digits_accumulate", "digits
 CASES = [("nccl_sync", "avg", ACCUMULATE), ("cpu_sync", "avg", TWO_OPTIMIZERS), ("cpu_cadence", "avg", MANAGED),
          ("nccl_cadence", "slowmo", TWO_OPTIMIZERS), ("cpu_async", "diloco", TWO_OPTIMIZERS)]
 """``make test``: every mode, each example loop on both backends and every policy but one (the lost-rank test of
-test_e2e_faults runs digits_accumulate on cpu_cadence), the managed loop with the epoch hook (the managed loop
+test_e2e_faults runs digits_accumulate on cpu_cadence), the managed loop with the epoch hook and checkpoint_fn (the managed loop
 on the other modes is the default run of the other end-to-end tests; on the sync modes it is in MATRIX)."""
 MATRIX = [("nccl_cadence", "diloco", ACCUMULATE), ("cpu_async", "slowmo", ACCUMULATE), ("cpu_sync", "avg", ACCUMULATE), ("cpu_cadence", "avg", ACCUMULATE), ("nccl_sync", "avg", TWO_OPTIMIZERS),
           ("cpu_cadence", "avg", TWO_OPTIMIZERS), ("nccl_sync", "avg", MANAGED), ("cpu_sync", "avg", MANAGED),
