@@ -176,6 +176,10 @@ def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Opt
     if export is not None:
         lines.append(f"  model       exporting to MLflow in the background (pid {export.pid}; tag model_export; "
                      f"log {os.path.join(handle.job_dir, 'model_export.log')})")
+    pred = getattr(handle, "prediction", None)
+    if pred:  # the simulator's prediction for this mode on the rig the run measured (predicted/* in MLflow)
+        lines.append(f"  predicted   {pred['predicted/samples_per_s']:.0f} samples/s on the measured rig; measured "
+                     f"{pred['measured/samples_per_s']:.0f} ({pred['predicted/error_pct']:+.1f}%)")
     lines.append(f"  wall time   {wall_s:.1f}s")
     lines.append(f"  status      {'FAILED: ' + error.splitlines()[0] if error else 'FINISHED'}")
     lines.append(f"  MLflow UI   mlflow ui --host 127.0.0.1 --backend-store-uri {uri}")

@@ -4,11 +4,14 @@ One run (2 ranks, ``cluster=local_hetero``, digits_mlp, 4 epochs), then: ``timel
 and ``timeline.html`` are MLflow artifacts under ``timeline/`` (the dashboard links them); each rank's idle
 over the training wall matches the run's wall-weighted ``rank<r>/idle_frac`` (logged per epoch) within 5
 points; and the page, opened from the artifact store in headless Chromium (tests/ui/cdp.py, as
-tests/test_ui_browser.py), draws one lane per rank and zooms on the wheel.
+tests/test_ui_browser.py), draws one lane per rank and zooms on the wheel. The same run logs the simulator's
+prediction for it (``predicted/*``, issue 31) and is replayed with ``python -m flodl_exp.simulate --from-run``.
 """
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,7 +20,7 @@ from test_ui_browser import announce, chromium  # noqa: F401  (the fixture: inst
 
 from flodl_exp.timeline_report import read_csv
 
-from conftest import base_overrides, job_dir_of, run_cli, run_id_of
+from conftest import ROOT, base_overrides, job_dir_of, run_cli, run_id_of
 from ui.cdp import Browser, group_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -36,7 +39,44 @@ def timeline_run(store, tmp_path_factory) -> dict:
     run_id = run_id_of(r.stdout)
     c = MlflowClient(store["uri"])
     local = c.download_artifacts(run_id, "timeline", str(d / "artifacts"))
-    return {"run_id": run_id, "job": job_dir_of(r.stdout), "client": c, "dir": d, "artifacts": local}
+    return {"run_id": run_id, "job": job_dir_of(r.stdout), "client": c, "dir": d, "artifacts": local,
+            "stdout": r.stdout, "uri": store["uri"]}
+
+
+def test_the_run_logs_the_simulators_prediction_and_replays(timeline_run):
+    """Issue 31, items 2 and 3 on this run: ``predicted/*`` beside what it measured (step = the last epoch), the
+    summary line, and ``python -m flodl_exp.simulate --from-run`` on it."""
+    from flodl_exp.simulate.from_run import RANK_KEYS, RUN_KEYS, measured, read_history
+
+    c, run_id = timeline_run["client"], timeline_run["run_id"]
+    metrics = c.get_run(run_id).data.metrics
+    keys = ["samples_per_s", "syncs", "error_pct", *(f"share.rank{r}" for r in range(RANKS))]
+    for k in keys:
+        hist = c.get_metric_history(run_id, f"predicted/{k}")
+        assert [m.step for m in hist] == [EPOCHS - 1], k
+    pred = {k: metrics[f"predicted/{k}"] for k in keys}
+    assert pred["samples_per_s"] > 0 and pred["syncs"] >= 1
+    assert sum(pred[f"share.rank{r}"] for r in range(RANKS)) == pytest.approx(1.0)
+    hist = read_history(c, run_id, [*RUN_KEYS, *(f"rank{r}/{x}" for r in range(RANKS) for x in RANK_KEYS)])
+    meas = measured(hist)["samples_per_s"]
+    assert pred["error_pct"] == pytest.approx(100 * (meas - pred["samples_per_s"]) / pred["samples_per_s"], rel=1e-6)
+    assert f"predicted   {pred['samples_per_s']:.0f} samples/s on the measured rig; measured {meas:.0f}" \
+        in timeline_run["stdout"]
+
+    out = timeline_run["dir"] / "replay"
+    r = subprocess.run([sys.executable, "-m", "flodl_exp.simulate", "--from-run", run_id,
+                        f"tracking.uri={timeline_run['uri']}", f"out={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert f"Replay of MLflow run `{run_id}`" in r.stdout and f"{RANKS} ranks, {EPOCHS} epochs measured" in r.stdout
+    for mode in ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"):
+        assert f"| {mode} |" in r.stdout
+    # the replay's row of the run's own mode is the prediction the run logged (same rig, same defaults)
+    assert f"The run's own mode cpu_async: predicted {pred['samples_per_s']:.0f} samples/s" in r.stdout
+    assert (out / "report.md").exists() and (out / "report.png").exists()
+    bad = subprocess.run([sys.executable, "-m", "flodl_exp.simulate", "--from-run", "0" * 32,
+                          f"tracking.uri={timeline_run['uri']}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert bad.returncode == 2 and f"simulate --from-run: no run {'0' * 32}" in bad.stderr
 
 
 def test_the_timeline_is_logged_and_its_idle_matches_idle_frac(timeline_run):

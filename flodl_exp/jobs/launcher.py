@@ -123,6 +123,8 @@ CANCEL_WAIT_S = 20.0
 """SLURM: how long :meth:`RunHandle.shutdown` waits for the scheduler to report the cancelled job ended."""
 KILL_WAIT_S = 5.0
 """Local: how long :meth:`RunHandle.shutdown` waits for the killed processes of the job to be gone."""
+PREDICT_WAIT_S = 20.0
+"""How long :meth:`RunHandle.wait` waits for the simulator's prediction of a FINISHED run (``predicted/*``)."""
 HOST_LOST = "coordinator_host_lost"
 """``end_reason`` of a run whose task 0 (the coordinator's host) ended without a result."""
 
@@ -231,6 +233,9 @@ class RunHandle:
         self._t0 = time.monotonic()
         self._callbacks: dict[str, Optional[Callable[[int, dict[str, float]], None]]] = {
             "epoch": metrics_fn, "eval": eval_result_fn}
+        self.prediction: Optional[dict[str, float]] = None
+        """Once FINISHED: the simulator's ``predicted/*`` for this run (and ``measured/samples_per_s``), as logged."""
+        self._warm_prediction()
 
     @property
     def job_id(self) -> str:
@@ -382,6 +387,7 @@ class RunHandle:
             end_run(self._live_uri, self.run_id, "FINISHED")
             self._ended = True
             self._start_model_export()
+            self._log_prediction(result)
             return result
         setup = self._setup_failures(result.get("attempt"))
         reason = result.get("failure") or error or "the job ended without a result"
@@ -392,6 +398,48 @@ class RunHandle:
         end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
         raise RunFailed(_tail_lines(reason, 40))
+
+    def _warm_prediction(self) -> None:
+        """Import the simulator (torch, ~2-3 s) in a daemon thread while the run starts, so the prediction at its
+        end (:meth:`_log_prediction`) costs a simulation, not an import. World size 1: nothing to predict."""
+        try:
+            if world_size(self.cfg) < 2:
+                return
+        except Exception:  # a handle on a partial config (tests): no prediction to warm up for
+            return
+
+        def work() -> None:
+            with contextlib.suppress(Exception):  # the prediction says its own failure later
+                import flodl_exp.simulate.engine  # noqa: F401
+
+        threading.Thread(target=work, name="flodl-predict-import", daemon=True).start()
+
+    def _log_prediction(self, result: dict) -> None:
+        """The simulator's prediction for this run's mode on its measured rig, logged as ``predicted/*`` beside
+        what it measured (flodl_exp/simulate/from_run.py), in a daemon thread given :data:`PREDICT_WAIT_S`. A
+        failure, or a prediction not done in time, is one warning line: never the run's failure."""
+        if world_size(self.cfg) < 2:
+            return
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                from ..simulate.from_run import log_prediction
+
+                box["out"] = log_prediction(self.client(), self.run_id, result)
+            except Exception as e:
+                box["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+        th = threading.Thread(target=work, name="flodl-predict", daemon=True)
+        th.start()
+        th.join(PREDICT_WAIT_S)
+        if th.is_alive():
+            print(f"warning: the simulator's prediction (predicted/*) was not done within {PREDICT_WAIT_S:.0f} s; "
+                  "not waited for", file=sys.stderr)
+        elif "error" in box:
+            print(f"warning: the simulator's prediction (predicted/*) was not logged: {box['error']}", file=sys.stderr)
+        else:
+            self.prediction = box["out"]
 
     def _start_model_export(self) -> None:
         """The consensus model's MLflow export (``tracking.log_model``), asked by the coordinator, in a process of

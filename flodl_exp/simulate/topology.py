@@ -88,6 +88,14 @@ class DivergenceConfig:
 
 
 @dataclass
+class SimTracking:
+    """Where ``from_run`` reads its run (the main app's store unless set)."""
+
+    uri: Optional[str] = None
+    """MLflow tracking URI; unset = sqlite:///<cwd>/outputs/mlflow.db (the main app's store)."""
+
+
+@dataclass
 class SimulateConfig:
     """The simulator app's config (``conf/simulate/config.yaml`` and the rig presets)."""
 
@@ -132,6 +140,11 @@ class SimulateConfig:
     """Write report.md, report.png and <mode>/events.jsonl here; unset = print only."""
     plot: bool = True
     """With ``out`` set, also draw report.png (samples trained over simulated time, and each rank's batch share)."""
+    from_run: Optional[str] = None
+    """An MLflow run id (``--from-run RUN_ID``): replay that finished run's measured rig (per-rank step and data
+    times, the link's fixed cost fitted to its mean sync ms, its data, mode knobs, guard and outer optimizer) instead
+    of the declared one; the link's other values, ``divergence``, ``modes``, ``out`` and ``plot`` still apply."""
+    tracking: SimTracking = field(default_factory=SimTracking)
 
 
 def register() -> None:
