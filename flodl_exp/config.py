@@ -297,6 +297,10 @@ class TrackingConfig:
     ``/<outer.kind>`` unless outer.kind is avg."""
     log_model: bool = True
     """Log the final consensus model as an MLflow model (``runs:/<run_id>/model``) besides the bundle."""
+    predict: bool = True
+    """After a FINISHED run of 2+ ranks, log the simulator's prediction for its mode on its measured rig
+    (``predicted/samples_per_s``, ``predicted/syncs``, ``predicted/share.rank<r>``, ``predicted/error_pct``) and
+    print it in the run summary; the simulator is imported in the background while the run starts."""
 
 
 @dataclass

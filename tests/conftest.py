@@ -37,10 +37,11 @@ def master_store():
 
 def base_overrides(store: dict, experiment: str = "e2e") -> list[str]:
     # tracking.log_model=false: the MLflow model export (seconds of torch.export per run) is proven by
-    # test_single_rank_run_logs_to_mlflow; the other runs test other things
+    # test_single_rank_run_logs_to_mlflow; tracking.predict=false: the simulator's prediction (an import of torch in
+    # the launching process) is proven by test_e2e_timeline's run; the other runs test other things
     return [f"tracking.uri={store['uri']}", f"tracking.experiment_name={experiment}", f"run.job_root={store['jobs']}",
             "run.progress=plain", f"hydra.run.dir={store['dir']}/hydra/${{now:%H-%M-%S-%f}}", "run.timeout_min=10",
-            "tracking.log_model=false"]
+            "tracking.log_model=false", "tracking.predict=false"]
 
 
 def compose(overrides: list[str]):

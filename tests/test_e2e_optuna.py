@@ -24,7 +24,7 @@ def test_a_study_runs_its_trials_as_children_ranks_them_and_survives_a_failed_tr
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     r = run_cli(["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", f"hydra.sweeper.sampler.seed={SEED}",
                  f"mode=choice({','.join(MODES)})", "experiment.optimizer.lr=interval(1e-3,1e-2)",
-                 "experiment.epochs=1", "run.progress=off", "tracking.log_model=false",
+                 "experiment.epochs=1", "run.progress=off", "tracking.log_model=false", "tracking.predict=false",
                  f"tracking.uri={uri}", "tracking.experiment_name=optuna_e2e", f"run.job_root={tmp_path}/jobs",
                  "run.timeout_min=5", f"hydra.sweep.dir={tmp_path}/sweep"], timeout=280)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -33,7 +33,7 @@ TOLERANCE = 0.05
 @pytest.fixture(scope="module")
 def timeline_run(store, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("timeline_run")
-    r = run_cli([*base_overrides(store, "timeline"), "mode=cpu_async", "cluster=local_hetero", "experiment=digits_mlp",
+    r = run_cli([*base_overrides(store, "timeline"), "tracking.predict=true", "mode=cpu_async", "cluster=local_hetero", "experiment=digits_mlp",
                  f"experiment.epochs={EPOCHS}", f"dashboard.html={d}/dashboard.html"])
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     run_id = run_id_of(r.stdout)

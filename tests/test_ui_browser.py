@@ -52,7 +52,7 @@ def ui_store(tmp_path_factory, request) -> Iterator[dict]:
     uri = f"sqlite:///{d}/mlflow.db"
     t0 = time.monotonic()
     r = run_cli(["-m", f"mode={','.join(MODES)}", "experiment=digits_mlp", f"experiment.epochs={EPOCHS}",
-                 "run.progress=off", "run.timeout_min=10", f"tracking.uri={uri}",
+                 "run.progress=off", "run.timeout_min=10", "tracking.predict=false", f"tracking.uri={uri}",
                  f"tracking.experiment_name={EXPERIMENT}", f"tracking.artifact_location={d}/artifacts",
                  f"run.job_root={d}/jobs", f"hydra.sweep.dir={d}/sweep"], timeout=240)
     sweep_s = time.monotonic() - t0

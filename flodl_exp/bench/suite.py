@@ -58,7 +58,8 @@ class BenchConfig:
     """Epochs of every run; unset = each preset's own."""
     experiment_overrides: Dict[str, List[str]] = field(default_factory=dict)
     """model -> ``experiment.*`` overrides of its preset (batch limits: ``experiment.train_data.limit=256``)."""
-    run_overrides: List[str] = field(default_factory=lambda: ["eval.every=0", "tracking.log_model=false"])
+    run_overrides: List[str] = field(default_factory=lambda: ["eval.every=0", "tracking.log_model=false",
+                                                              "tracking.predict=false"])
     """Main-app overrides for every flodl_exp run (the DDP and torch runs read only ``experiment``)."""
     rank_speeds: List[float] = field(default_factory=lambda: [1.0, 0.33])
     """The simulated rig (cluster.rank_speeds): rank r waits (1/s - 1) x its step time after each step."""

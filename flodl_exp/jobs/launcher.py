@@ -399,11 +399,15 @@ class RunHandle:
         self._ended = True
         raise RunFailed(_tail_lines(reason, 40))
 
+    def _predicts(self) -> bool:
+        """``tracking.predict`` is on and the run has ranks to compare (world size 2+)."""
+        return bool(getattr(self.cfg.tracking, "predict", True)) and world_size(self.cfg) >= 2
+
     def _warm_prediction(self) -> None:
         """Import the simulator (torch, ~2-3 s) in a daemon thread while the run starts, so the prediction at its
         end (:meth:`_log_prediction`) costs a simulation, not an import. World size 1: nothing to predict."""
         try:
-            if world_size(self.cfg) < 2:
+            if not self._predicts():
                 return
         except Exception:  # a handle on a partial config (tests): no prediction to warm up for
             return
@@ -418,7 +422,7 @@ class RunHandle:
         """The simulator's prediction for this run's mode on its measured rig, logged as ``predicted/*`` beside
         what it measured (flodl_exp/simulate/from_run.py), in a daemon thread given :data:`PREDICT_WAIT_S`. A
         failure, or a prediction not done in time, is one warning line: never the run's failure."""
-        if world_size(self.cfg) < 2:
+        if not self._predicts():
             return
         box: dict[str, Any] = {}
 
