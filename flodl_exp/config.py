@@ -81,6 +81,12 @@ class ModeConfig:
     """Fixed per-rank data shares (non-progressive runs only); must sum to ~1."""
     meta_controller: bool = True
     """LR-aware meta-controller that nudges the anchor down on LR cliffs."""
+    auto: bool = False
+    """``mode=auto``: before the first chunk every rank times a few training steps (nothing is kept), the
+    simulator predicts every mode the cohort can run on that measured rig, and the run trains in the best
+    (``policy``/``backend`` are the fallback and are kept unless another mode is predicted 2% faster). The
+    choice, every prediction and the reason are tagged (``auto.*``), an event and a summary line. Managed tier
+    only (a cooperative loop has no step the framework can time); a resumed run keeps ``policy``/``backend``."""
 
 
 @dataclass
@@ -600,6 +606,9 @@ def _mode_kind_rules(cfg: Any) -> List[str]:
         raise _err("mode.policy", m.policy, f"one of {', '.join(POLICIES)}")
     if m.backend not in BACKENDS:
         raise _err("mode.backend", m.backend, f"one of {', '.join(BACKENDS)}")
+    if m.auto and cfg.experiment.loop is not None:
+        raise _err("mode.auto", m.auto, "false with experiment.loop (a cooperative loop has no step the framework "
+                                        "can time before the first chunk: choose the mode)")
     if m.policy == "async" and m.backend == "nccl":
         via = "" if m.name == "nccl_async" else f", reached from mode={m.name} and overrides"
         raise ConfigError(

@@ -161,6 +161,9 @@ def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Opt
         for k, v in (result.get("final_eval") or {}).items():
             lines.append(f"  {k:<11} {v:.4f}")
         lines.append(f"  syncs       {result.get('syncs')}   global step {result.get('global_step')}")
+        auto = result.get("auto")
+        if isinstance(auto, dict) and auto.get("mode"):  # mode=auto: what it chose and why
+            lines.append(f"  mode=auto   {auto['mode']} ({auto.get('reason', '')})")
         if result.get("deaths"):
             dead = ", ".join(f"rank {d.get('rank')}" for d in result["deaths"])
             lines.append(f"  deaths      {dead}   retrained picks {result.get('retrained_picks', 0)}")

@@ -97,6 +97,7 @@ class Kind(str, enum.Enum):
     EPOCH_AGGREGATED = "epoch_aggregated"
     EVAL_BROADCAST = "eval_broadcast"
     CHECKPOINT = "checkpoint"
+    PROBE = "probe"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
@@ -113,6 +114,7 @@ class Kind(str, enum.Enum):
     INTENT = "intent"
     LOOP_NOTICE = "loop_notice"
     CHECKPOINT_RESULT = "checkpoint_result"
+    PROBE_RESULT = "probe_result"
 
 
 # ------------------------------------------------------------ coordinator -> rank
@@ -239,6 +241,16 @@ class Checkpoint:
     consensus: bool = False
     """cpu backend: hand the function a copy of the model holding the last consensus adopted (as ``Save``),
     never the training replica."""
+
+
+@dataclass
+class Probe:
+    """``mode.auto``, before the first chunk: time ``steps`` full training steps (forward, backward, optimizer)
+    on this rank's data, then put the model, the optimizer and the RNG back as they were (nothing is trained);
+    answered with a :class:`ProbeResult`. The first step is warm-up and is reported too."""
+
+    KIND: ClassVar[Kind] = Kind.PROBE
+    steps: Count
 
 
 @dataclass
@@ -474,6 +486,18 @@ class CheckpointResult:
     error: Optional[str] = None
 
 
+@dataclass
+class ProbeResult:
+    """The probe's step times (ms, the simulated slowdown of ``cluster.rank_speeds`` included) and data waits, in
+    order; ``error`` when the rank cannot probe (a cooperative loop has no step the framework can run)."""
+
+    KIND: ClassVar[Kind] = Kind.PROBE_RESULT
+    step_ms: list[Reading] = field(default_factory=list)
+    data_ms: list[Reading] = field(default_factory=list)
+    model_bytes: Count = 0
+    error: Optional[str] = None
+
+
 INTENT_KINDS = ("eval", "checkpoint", "stop")
 """What a cooperative loop may ask for (Intent.kind)."""
 
@@ -502,7 +526,7 @@ Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
-    EvalBroadcast, Checkpoint, CheckpointResult,
+    EvalBroadcast, Checkpoint, CheckpointResult, Probe, ProbeResult,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"

@@ -360,11 +360,14 @@ def test_multinode_slurm_needs_a_shared_store(make, monkeypatch):
 
 # --------------------------------------------------------------------------- every preset combination
 
-def test_mode_presets_are_the_five_valid_modes_plus_nccl_async(make):
-    assert set(presets("mode")) == set(VALID_MODES) | {"nccl_async"}
+def test_mode_presets_are_the_five_valid_modes_plus_nccl_async_and_auto(make):
+    assert set(presets("mode")) == set(VALID_MODES) | {"nccl_async", "auto"}
     for name, (policy, backend) in VALID_MODES.items():
         m = make(f"mode={name}").mode
-        assert (m.name, m.policy, m.backend) == (name, policy, backend)
+        assert (m.name, m.policy, m.backend, m.auto) == (name, policy, backend, False)
+    auto = make("mode=auto").mode
+    assert auto.auto and (auto.policy, auto.backend) == ("cadence", "nccl"), "auto falls back to the default mode"
+    assert validate(make("mode=auto")) == []
 
 
 @pytest.mark.parametrize("outer", presets("outer"))

@@ -35,10 +35,12 @@ from ..protocol import (
     CoordHeartbeat,
     FormGroup,
     Heartbeat,
+    ProbeResult,
     ProtocolError,
     decode,
 )
 from ..wire import Message
+from .auto_probe import AutoProbe
 from .bundle_store import DiskBundles
 from .channels import EventLog, Outbox, Transport
 from .cohort import ProgressWatch
@@ -137,18 +139,10 @@ class Coordinator:
         self.timeline = TimelineRecorder(self.W, clock)
         """Per-rank spans (compute, data wait, sync, eval) from what arrives here; written at the run's end."""
         self.observer = ShellObserver(sink=sink, events=self.events, timeline=self.timeline)
-        self.core = ControlCore(
-            shape=shape, cfg=cfg, outbox_for=lambda cohort: Outbox(server, cohort), clock=clock, observer=self.observer,
-            store=DiskBundles(job_dir, sink), is_local=self._is_local, start=clock(),
-            facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
-        core = self.core
-        self.life, self.cohort, self.cycle, self.dispatch = core.life, core.cohort, core.cycle, core.dispatch
-        self.outbox, self.writer, self.faults, self.preemption = core.outbox, core.writer, core.faults, core.preemption
-        self.checkpoints = core.checkpoints
-        self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=self.W, epochs=self.epochs,
-                                      batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=sink, events=self.events,
-                                      records=self.records, clock=clock)
-        self.observer.windows = self.windows
+        self._server = server
+        self._build_core()
+        self.auto = AutoProbe(cfg, self.W, clock) if cfg.mode.auto and self.W >= 2 and spec.resume is None else None
+        """mode.auto: the probe before the first chunk, then the core rebuilt for the chosen mode (auto_probe.py)."""
         self.watchdog = StallWatchdog(job_dir, clock, interval_s=cfg.cluster.stall_dump_s)
         self.total_picks = 0
         self.devices: dict[int, RankDevice] = {}
@@ -156,13 +150,52 @@ class Coordinator:
         self.last_beacon = -math.inf
         self.resume: Optional[Resume] = spec.resume
         if self.resume is not None:
-            core.restore(self.resume.meta, cfg.guard.kind)
+            self.core.restore(self.resume.meta, cfg.guard.kind)
             self._restore_outer(self.resume.stem)
         self._inputs_logged = False
         self._connect_closes: list[tuple[int, str]] = []
         """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
         self._blame_by: Optional[float] = None
         """When the first of those closes is blamed if no rank that never connected was found lost by then."""
+
+    def _build_core(self) -> None:
+        """The core for ``self.cfg`` (again after mode.auto chose a mode: nothing has happened in the first one)."""
+        cfg, spec, clock = self.cfg, self.spec, self.clock
+        self.core = ControlCore(
+            shape=self.shape, cfg=cfg, outbox_for=lambda cohort: Outbox(self._server, cohort), clock=clock,
+            observer=self.observer, store=DiskBundles(self.job_dir, self.sink), is_local=self._is_local, start=clock(),
+            facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
+        core = self.core
+        self.life, self.cohort, self.cycle, self.dispatch = core.life, core.cohort, core.cycle, core.dispatch
+        self.outbox, self.writer, self.faults, self.preemption = core.outbox, core.writer, core.faults, core.preemption
+        self.checkpoints = core.checkpoints
+        self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=self.W, epochs=self.epochs,
+                                      batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=self.sink,
+                                      events=self.events, records=self.records, clock=clock)
+        self.observer.windows = self.windows
+
+    def _apply_auto(self) -> bool:
+        """mode.auto, once every rank joined: probe, then choose and rebuild the core; True once decided."""
+        auto = self.auto
+        if auto is None or auto.choice is not None:
+            return True
+        if not auto.sent:
+            auto.begin(self.outbox)
+            return False
+        if not auto.ready():
+            return False
+        choice = auto.decide(self.devices, self.total_picks)
+        backend, policy = choice.mode.split("_", 1)
+        if (backend, policy) != (self.cfg.mode.backend, self.cfg.mode.policy):
+            self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=backend, policy=policy, name=choice.mode)
+            self.shape = RunShape.of(self.cfg)
+            self._build_core()
+            for r in range(self.W):  # every rank joined the first core (the probe needs them all)
+                self.cohort.join(r, self.clock())
+        log.info("mode=auto chose %s: %s", choice.mode, choice.reason)
+        self.sink.set_tags({**choice.tags(), "mode": choice.mode, "policy": policy, "backend": backend})
+        self.events.emit(choice.as_event())
+        return True
 
     @property
     def eval_pending(self) -> Optional[int]:
@@ -187,7 +220,9 @@ class Coordinator:
     # -- start-up ---------------------------------------------------------------
     def start(self) -> None:
         """Every rank said hello: the collective and the cold-start anchor from the hellos, then the core plans
-        the first epoch (or the resumed coverage)."""
+        the first epoch (or the resumed coverage). mode.auto probes first (the ranks answer, then start again)."""
+        if not self._apply_auto():
+            return
         self._form_group()
         self._apply_spec_prior()
         self.timeline.on_start()
@@ -366,6 +401,12 @@ class Coordinator:
             if self.cohort.alive(r):
                 self.progress.on_heartbeat(r, payload.state, payload.steps, self.clock())
             return
+        if isinstance(payload, ProbeResult):
+            if self.auto is not None and not self.life.ending:
+                self.auto.on_result(r, payload)
+                if self.auto.ready() and self.life.is_(Phase.CONNECTING):
+                    self.start()
+            return
         if isinstance(payload, ChunkMetrics):
             self.records.rank(r, "chunk", {k: v for k, v in dataclasses.asdict(payload).items() if k != "ranges"})
         if not self.core.on_message(r, payload):
@@ -402,6 +443,8 @@ class Coordinator:
             "wall_s": self.clock() - self.t_start,
             "rejected_connections": self._rejected(),
             "resumed_from": self.resume.stem if self.resume is not None else None,
+            "auto": ({"mode": self.auto.choice.mode, "reason": self.auto.choice.reason}
+                     if self.auto is not None and self.auto.choice is not None else None),
         }
 
     def fail(self, failure: str) -> None:

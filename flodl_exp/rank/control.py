@@ -44,6 +44,8 @@ from ..protocol import (
     ExtendPartition,
     FormGroup,
     Payload,
+    Probe,
+    ProbeResult,
     Regroup,
     RequestParams,
     RequestSession,
@@ -301,7 +303,7 @@ class RankControl:
             EvalBroadcast: self._on_eval_broadcast,
             StageAdvisory: self._on_stage_advisory,
             Save: self._save, Checkpoint: self._on_checkpoint, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
-            RequestSession: self._on_request_session, Evict: self._on_evict,
+            RequestSession: self._on_request_session, Evict: self._on_evict, Probe: self._on_probe,
         }
 
     # -- handlers: work and averaging ---------------------------------------------
@@ -467,6 +469,21 @@ class RankControl:
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         self.callback_ms += elapsed_ms
         self.send(CheckpointResult(version=m.version, elapsed_ms=elapsed_ms, error=err))
+
+    def _on_probe(self, m: Probe) -> None:
+        """``mode.auto``: time a few training steps before the first chunk (RankTrainer.probe: nothing is kept)."""
+        err: Optional[str] = None
+        step_ms: list[float] = []
+        data_ms: list[float] = []
+        try:
+            with self.doing("train"):
+                step_ms, data_ms = self.trainer.probe(m.steps)
+        except Exception as e:  # the coordinator falls back to the configured mode
+            err = f"{type(e).__name__}: {e}"
+        model = self.trainer.model
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        nbytes += sum(b.numel() * b.element_size() for b in float_buffers(model))
+        self.send(ProbeResult(step_ms=step_ms, data_ms=data_ms, model_bytes=int(nbytes), error=err))
 
     # -- handlers: the collective (nccl modes) ------------------------------------------
     def _on_request_session(self, m: RequestSession) -> None:

@@ -253,6 +253,39 @@ class RankTrainer:
         st.cursor += self.batch_size
         return Batch(data=got.data, data_ms=got.data_ms, ids=got.ids, wait_ms=got.wait_ms)
 
+    def probe(self, steps: int) -> tuple[list[float], list[float]]:
+        """``mode.auto``'s measurement before the first chunk: ``steps`` real training steps (forward, backward,
+        clip, optimizer step; the simulated slowdown included) on the first picks of epoch 0, each one's compute
+        and data-wait ms. The model, the optimizer and the RNG are then put back as they were, so nothing is
+        trained and every rank still starts from the same weights (BatchNorm statistics and optimizer moments
+        included)."""
+        import copy
+
+        if self.exp.train_step is None:
+            raise RuntimeError("a cooperative loop (experiment.loop) has no step the framework can time")
+        model_state = copy.deepcopy(self.model.state_dict())
+        optim_state = copy.deepcopy(self.optimizer.state_dict())
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        step_ms: list[float] = []
+        data_ms: list[float] = []
+        try:
+            st = self.begin_epoch(0, 0, min(self.total_picks, max(1, steps) * self.batch_size))
+            for _ in range(max(1, steps)):
+                batch = self.next_batch(st)
+                if batch is None:
+                    break
+                step_ms.append(self.step(batch).resolve()[1])
+                data_ms.append(float(batch.wait_ms))
+        finally:
+            self.model.load_state_dict(model_state)
+            self.optimizer.load_state_dict(optim_state)
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        return step_ms, data_ms
+
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's per-parameter state (moments, momentum buffers): DiLoCo restarts the
         inner optimizer from each adopted global. The learning rate and its schedule are kept."""

@@ -135,7 +135,7 @@ def mode_knobs(params: Mapping[str, str]) -> dict[str, Any]:
     defaults = {f.name: f.default for f in dataclasses.fields(ModeConfig)}
     preset = {**defaults, **_preset(mode)}
     return {k: v for k, v in _fields(params, "mode", ModeConfig).items()
-            if k not in ("name", "policy", "backend") and v != preset.get(k)}
+            if k not in ("name", "policy", "backend", "auto") and v != preset.get(k)}
 
 
 def measured_rig(params: Mapping[str, str], history: History, result: Optional[Mapping[str, Any]] = None, *,
@@ -250,7 +250,12 @@ def read_run(client: Any, run_id: str, result: Optional[Mapping[str, Any]] = Non
     stem = (res or {}).get("stem")
     if isinstance(stem, str) and os.path.isfile(f"{stem}.pt"):
         model_mb = os.path.getsize(f"{stem}.pt") / 1e6
-    return dict(run.data.params), history, res, model_mb
+    params = dict(run.data.params)
+    chosen = run.data.tags.get("auto.choice")
+    if chosen and "_" in chosen:  # mode=auto: the run trained in the mode it chose, not its params' fallback
+        backend, policy = chosen.split("_", 1)
+        params.update({"mode.name": chosen, "mode.backend": backend, "mode.policy": policy})
+    return params, history, res, model_mb
 
 
 def _read_result(client: Any, run_id: str, job_dir: Optional[str]) -> Optional[dict[str, Any]]:

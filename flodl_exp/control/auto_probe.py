@@ -1,0 +1,96 @@
+"""``mode.auto`` on the coordinator's side: the probe before the first chunk, and the choice it leads to.
+
+:class:`AutoProbe` asks every rank to time a few training steps (``Probe``), collects the ``ProbeResult``s (or
+gives up waiting after :data:`PROBE_TIMEOUT_S`), and asks the simulator (flodl_exp/simulate/auto.py) which mode
+the measured rig trains fastest in. The coordinator then builds its core for that mode: nothing has happened in
+the core yet, so the run is exactly a fixed-mode run of the chosen mode. Any failure (a rank that cannot probe, a
+simulation error, the timeout) keeps the configured mode and says why.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..protocol import Probe, ProbeResult
+from .channels import Outbox
+from .devices import CollectiveRefused, RankDevice, choose_collective
+
+if TYPE_CHECKING:
+    from ..simulate.auto import AutoChoice
+
+log = logging.getLogger("flodl_exp.coordinator")
+
+PROBE_TIMEOUT_S = 120.0
+"""How long the probe may take before the run starts in the configured mode (a first step may compile)."""
+
+
+class AutoProbe:
+    def __init__(self, cfg: Any, world_size: int, clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.W = world_size
+        self.clock = clock
+        self.results: dict[int, ProbeResult] = {}
+        self.deadline: Optional[float] = None
+        self.choice: Optional[AutoChoice] = None
+
+    @property
+    def configured(self) -> str:
+        return f"{self.cfg.mode.backend}_{self.cfg.mode.policy}"
+
+    def begin(self, outbox: Outbox) -> None:
+        from ..simulate.auto import PROBE_STEPS
+
+        self.deadline = self.clock() + PROBE_TIMEOUT_S
+        log.info("mode=auto: every rank times %d training steps before the first chunk (nothing is kept)", PROBE_STEPS)
+        outbox.broadcast(Probe(steps=PROBE_STEPS))
+
+    @property
+    def sent(self) -> bool:
+        return self.deadline is not None
+
+    def on_result(self, r: int, res: ProbeResult) -> None:
+        self.results[r] = res
+
+    def ready(self) -> bool:
+        """Every rank answered, or the probe timed out."""
+        return self.sent and (len(self.results) >= self.W or self.clock() > (self.deadline or 0.0))
+
+    def decide(self, devices: dict[int, RankDevice], total_picks: int) -> AutoChoice:
+        """The mode to train in (the configured one, with the reason, when the probe cannot tell)."""
+        from ..simulate.auto import AutoChoice
+
+        try:
+            self.choice = self._decide(devices, total_picks)
+        except Exception as e:  # the run goes on in the configured mode
+            self.choice = AutoChoice(self.configured, f"the configured mode: the prediction failed ({type(e).__name__}: {e})")
+        return self.choice
+
+    def _decide(self, devices: dict[int, RankDevice], total_picks: int) -> AutoChoice:
+        from ..simulate.auto import AutoChoice, candidate_modes, choose, probe_rig
+        from ..simulate.from_run import base_config
+
+        cfg = self.cfg
+        missing = [r for r in range(self.W) if r not in self.results]
+        failed = {r: res.error for r, res in self.results.items() if res.error or not res.step_ms}
+        if missing or failed:
+            why = (f"ranks {missing} did not answer the probe within its time" if missing else
+                   "; ".join(f"rank {r}: {e or 'no step timed'}" for r, e in sorted(failed.items())))
+            return AutoChoice(self.configured, f"the configured mode: {why}")
+        try:
+            choose_collective([devices[r] for r in sorted(devices)], cfg.cluster.collective)
+            can_group = True
+        except CollectiveRefused:
+            can_group = False
+        modes = candidate_modes(can_group)
+        if cfg.outer.kind != "avg":  # a stateful outer optimizer lives where the configured backend keeps it
+            modes = [m for m in modes if m.startswith(str(cfg.mode.backend))]
+        knobs = {k: getattr(cfg.mode, k) for k in ("anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
+                                          "max_overshoot", "relax_up", "gamma", "meta_controller")}
+        rig = probe_rig({r: list(self.results[r].step_ms) for r in range(self.W)},
+                        {r: list(self.results[r].data_ms) for r in range(self.W)},
+                        model_bytes=max(res.model_bytes for res in self.results.values()),
+                        samples=total_picks, batch_size=int(cfg.experiment.batch_size), epochs=int(cfg.experiment.epochs),
+                        knobs=knobs, base=base_config(), seed=int(cfg.seed),
+                        guard=cfg.guard, outer=cfg.outer)
+        return choose(rig, modes, configured=self.configured, max_window=float(cfg.mode.max_anchor))

@@ -1,0 +1,135 @@
+"""``mode.auto``: the mode for the rig a run finds, chosen by the simulator (which runs the coordinator's own core).
+
+Before the first chunk every rank times a few real training steps (``Probe``; nothing is kept: see
+RankTrainer.probe). :func:`probe_rig` turns those times into a simulated rig (each rank's step and data time, the
+model's size, the run's data, epochs and mode knobs; the link's costs are the simulator's calibrated defaults,
+conf/simulate/config.yaml), :func:`choose` simulates every candidate mode on it and keeps the one with the best
+predicted throughput among those whose windows stay within ``mode.max_anchor`` batches on every rank (the guard
+watches drift per window: a mode whose windows outgrow the ceiling the fixed modes respect is not offered).
+
+Why before the first chunk and not at a later window boundary: the averaging cycle, ElChe, the dispatcher and
+the bundle rules are built for one policy and backend; switching them under chunks in flight would need every
+invariant (every pick once, resumable bundles, exact coverage) proved for each pair of modes. Chosen before the
+first chunk, the run is exactly a fixed-mode run of the chosen mode. Pure: no I/O (the coordinator probes, logs
+and rebuilds its core).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .topology import MODES, RankGroupConfig, SimulateConfig
+
+PROBE_STEPS = 6
+"""Steps each rank times; the first is warm-up (allocations, lazy initialisation) and is left out."""
+SIM_EPOCHS = 3
+"""Epochs simulated per candidate at most: throughput settles within them, and a long run's choice stays cheap."""
+KEEP_MARGIN = 0.02
+"""The configured mode is kept unless another candidate is predicted at least this much faster (a prediction
+within a few percent is noise, and the configured mode is what the user would otherwise have run)."""
+
+
+@dataclass
+class Candidate:
+    mode: str
+    samples_per_s: float = 0.0
+    syncs: float = 0.0
+    window_batches: float = 0.0
+    """The longest predicted window on any rank: batches trained between two averagings."""
+    eligible: bool = True
+    why: str = ""
+
+
+@dataclass
+class AutoChoice:
+    mode: str
+    reason: str
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def as_event(self) -> dict[str, Any]:
+        return {"event": "auto_mode", "mode": self.mode, "reason": self.reason,
+                "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+
+    def tags(self) -> dict[str, str]:
+        out = {"auto.choice": self.mode, "auto.reason": self.reason[:4000]}
+        for c in self.candidates:
+            out[f"auto.predicted.{c.mode}"] = (f"{c.samples_per_s:.0f} samples/s, {c.syncs:.0f} syncs, windows up to "
+                                               f"{c.window_batches:.0f} batches" + ("" if c.eligible else f" ({c.why})"))
+        return out
+
+
+def probe_ms(times: Sequence[float]) -> float:
+    """A rank's step time from its probe: the median after the warm-up step."""
+    kept = [t for t in times[1:] if t == t and t >= 0] or [t for t in times if t == t and t >= 0]
+    if not kept:
+        raise ValueError("the probe reported no step time")
+    return float(statistics.median(kept))
+
+
+def probe_rig(step_ms: Mapping[int, Sequence[float]], data_ms: Mapping[int, Sequence[float]], *, model_bytes: int,
+              samples: int, batch_size: int, epochs: int, knobs: Mapping[str, Any], base: SimulateConfig,
+              guard: Optional[Any] = None, outer: Optional[Any] = None, seed: int = 42) -> SimulateConfig:
+    """The rig the probe measured, for the simulator (``base`` supplies what a probe does not measure: the link)."""
+    cfg = dataclasses.replace(base)
+    cfg.rig = "probed"
+    cfg.ranks = [RankGroupConfig(step_ms=max(probe_ms(step_ms[r]), 1e-3),
+                                 data_ms=max(0.0, statistics.median(list(data_ms.get(r) or [0.0])[1:] or [0.0])))
+                 for r in sorted(step_ms)]
+    cfg.chunk_start_ms = 0.0
+    if model_bytes > 0:
+        cfg.model_mb = model_bytes / 1e6
+    cfg.samples = int(samples)
+    cfg.batch_size = int(batch_size)
+    cfg.epochs = max(1, min(int(epochs), SIM_EPOCHS))
+    cfg.mode = dict(knobs)
+    if guard is not None:
+        cfg.guard = guard
+    if outer is not None:
+        cfg.outer = outer
+    cfg.seed = int(seed)
+    cfg.out = None
+    cfg.plot = False
+    return cfg
+
+
+def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, max_window: float) -> AutoChoice:
+    """Simulate every candidate on ``rig``; the best predicted samples/s among those whose windows stay within
+    ``max_window`` batches (``configured`` kept unless beaten by :data:`KEEP_MARGIN`)."""
+    from .engine import simulate
+    from .report import fastest_rank, summarize
+
+    fast = fastest_rank(rig)
+    per_epoch = rig.samples // rig.batch_size
+    out: list[Candidate] = []
+    for mode in candidates:
+        if mode not in MODES:
+            out.append(Candidate(mode, eligible=False, why="not a mode the simulator runs"))
+            continue
+        row = summarize(simulate(rig, mode), fast)
+        syncs = float(row["syncs"])
+        batches = per_epoch * rig.epochs
+        window = max(float(s) for s in row["shares"]) * batches / max(1.0, syncs)
+        c = Candidate(mode, float(row["samples_per_s"]), syncs, window)
+        if window > max_window:
+            c.eligible, c.why = False, f"windows of {window:.0f} batches exceed mode.max_anchor={max_window:.0f}"
+        out.append(c)
+    ok = [c for c in out if c.eligible and c.samples_per_s > 0]
+    if not ok:
+        return AutoChoice(configured, "no candidate could be simulated within the limits: the configured mode", out)
+    best = max(ok, key=lambda c: c.samples_per_s)
+    kept = next((c for c in ok if c.mode == configured), None)
+    if kept is not None and best.mode != configured and best.samples_per_s < kept.samples_per_s * (1 + KEEP_MARGIN):
+        best = kept
+    ranked = sorted(ok, key=lambda c: -c.samples_per_s)
+    others = ", ".join(f"{c.mode} {c.samples_per_s:.0f}" for c in ranked if c is not best)
+    reason = (f"{best.mode}: predicted {best.samples_per_s:.0f} samples/s on the probed rig "
+              f"(step ms {', '.join(f'{g.step_ms:.1f}' for g in rig.ranks)}); others: {others or 'none'}")
+    return AutoChoice(best.mode, reason, out)
+
+
+def candidate_modes(can_form_group: bool) -> list[str]:
+    """Every mode the cohort can run: the nccl modes only where a process group can form, the cpu modes always."""
+    return [m for m in MODES if can_form_group or not m.startswith("nccl")]
