@@ -23,29 +23,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..bundle_meta import BundleMeta
 from ..config import RunShape
 from ..mode import Backend, Mode
 from ..protocol import (
-    INTENT_KINDS,
     Batch,
     CheckpointResult,
     ChunkMetrics,
     EpochAggregated,
     EpochFnResult,
-    EvalBroadcast,
     EvalResult,
     Evict,
-    ExecuteEval,
     Exiting,
     Intent,
     LoopNotice,
     Payload,
     RankError,
-    Save,
     SaveResult,
     SessionReady,
     SetEpochRole,
@@ -70,6 +66,7 @@ from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .meta import LrEventMeta
 from .ports import CoreObserver, NullObserver
 from .preemption import Preemption
+from .run_end import RunEnd
 from .watchdog import run_state
 
 if TYPE_CHECKING:
@@ -78,22 +75,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("flodl_exp.coordinator")
 
 _GATE_FOR = {Phase.TRAINING: Gate.OPEN, Phase.CHECKPOINTING: Gate.HOLD_EPOCH}
-
-
-@dataclass
-class EvalState:
-    """Periodic evals and the end of the run: what is running where."""
-
-    pending: Optional[int] = None
-    """nccl: the rank running a periodic eval; no collective starts until it answers (its peers would wait in
-    the all_reduce for as long as the eval takes)."""
-    pending_epoch: Optional[int] = None
-    """The epoch whose periodic eval is running (with ``pending``)."""
-    history: list[dict[str, Any]] = field(default_factory=list)
-    final: dict[str, float] = field(default_factory=dict)
-    final_rank: Optional[int] = None
-    """Finishing: the rank running the final eval and writing the consensus model (None once it reported)."""
-    final_overwrite_done: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,7 +94,8 @@ class ControlCore:
                  is_local: Callable[[int], bool] = lambda r: False,
                  dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0) -> None:
         w = shape.world_size
-        self.W, self.shape, self.epochs = w, shape, cfg.experiment.epochs
+        epochs = cfg.experiment.epochs
+        self.W, self.shape = w, shape
         self.clock = clock
         self.obs = observer
         self.epoch_fn = cfg.experiment.epoch_fn is not None
@@ -135,7 +117,7 @@ class ControlCore:
             relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
             outer=shape.outer)
         self.dispatch = dispatcher(
-            world_size=w, batch_size=cfg.experiment.batch_size, epochs=self.epochs, mode=self.mode,
+            world_size=w, batch_size=cfg.experiment.batch_size, epochs=epochs, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
             partition_ratios=cfg.mode.partition_ratios, scalar_reductions=dict(cfg.scalar_reductions),
             cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=clock)
@@ -143,29 +125,28 @@ class ControlCore:
         self.intents = Intents()
         """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
         self.slack = CallbackSlack(enabled=cfg.eval.callback_slack, eval_every=cfg.eval.every,
-                                   epochs=self.epochs, epoch_fn=self.epoch_fn)
-        self.cycle.slack_source = self._callback_slack
+                                   epochs=epochs, epoch_fn=self.epoch_fn)
         self.fold_updates = self.mode.folds_updates(shape.progressive)
         """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
         self.store = store
         self.writer = BundleWriter(
             stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
             outbox=self.outbox, obs=observer, store=store,
-            facts=MetaFacts(world_size=w, epochs=self.epochs, experiment=cfg.experiment.name,
+            facts=MetaFacts(world_size=w, epochs=epochs, experiment=cfg.experiment.name,
                             guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
                             shuffle_seed=facts.shuffle_seed))
         self.checkpoint_fn = CheckpointFnRole(cohort=self.cohort, outbox=self.outbox, obs=observer,
                                               consensus=self.mode.is_cpu)
         """``experiment.checkpoint_fn``: run with periodic and requested bundles, failing over (control/checkpoint_fn.py)."""
         self.checkpoints = Checkpoints(
-            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=self.epochs,
+            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=epochs,
             progressive=shape.progressive, world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle,
             dispatch=self.dispatch, obs=observer, intents=self.intents, fire_reduce=self.fire_reduce,
             checkpoint_fn=self.checkpoint_fn if cfg.experiment.checkpoint_fn else None)
-        if cfg.experiment.checkpoint_fn and not (0 < cfg.checkpoint.every < self.epochs) and not cfg.experiment.loop:
+        if cfg.experiment.checkpoint_fn and not (0 < cfg.checkpoint.every < epochs) and not cfg.experiment.loop:
             log.warning("experiment.checkpoint_fn is set but will not run: it runs with periodic bundles "
                         "(checkpoint.every=%d of %d epochs takes none) and with w.request_checkpoint() of a "
-                        "cooperative loop (experiment.loop is not set)", cfg.checkpoint.every, self.epochs)
+                        "cooperative loop (experiment.loop is not set)", cfg.checkpoint.every, epochs)
         self.faults = FaultHandler(
             world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
@@ -175,7 +156,14 @@ class ControlCore:
             enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.faults.shutdown_with_save,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
             checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=clock, fire_reduce=self.fire_reduce)
-        self.evals = EvalState()
+        self.run_end = RunEnd(
+            world_size=w, epochs=epochs, blended=shape.easgd_alpha is not None, mode=self.mode, life=self.life,
+            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
+            checkpoints=self.checkpoints, checkpoint_fn=self.checkpoint_fn, slack=self.slack, intents=self.intents,
+            outbox=self.outbox, obs=observer, enter=self.enter, shutdown=self.shutdown, fire_reduce=self.fire_reduce)
+        """Evals, the user's eval and stop intents, the final consensus and the run's end (control/run_end.py)."""
+        self.evals = self.run_end.evals
+        self.cycle.slack_source = self.run_end.callback_slack
         self._epoch_role_sent: Optional[int] = None
         self._first_batch_seen = False
         self._deaths_at_trigger = 0
@@ -190,6 +178,11 @@ class ControlCore:
         return cls(shape=RunShape.of(cfg), cfg=cfg, outbox_for=outbox_for, clock=clock,
                    observer=observer or NullObserver(), store=store or MemoryBundles(), facts=facts,
                    is_local=is_local, dispatcher=dispatcher, start=clock())
+
+    @property
+    def epochs(self) -> int:
+        """The run's epoch count (fewer than the config's once a loop asked to stop: RunEnd.stop_early)."""
+        return self.run_end.epochs
 
     # -- resume ---------------------------------------------------------------------
     def restore(self, meta: BundleMeta, guard_kind: str) -> None:
@@ -301,8 +294,7 @@ class ControlCore:
 
     def eval_holds_sync(self) -> bool:
         """nccl: a periodic eval is running on a live rank, so no collective may start yet."""
-        r = self.evals.pending
-        return self.mode.is_nccl and r is not None and self.cohort.alive(r)
+        return self.run_end.eval_holds_sync()
 
     # -- the reduce: the one place it fires -----------------------------------------
     def fire_reduce(self, *, final: bool = False) -> bool:
@@ -408,63 +400,10 @@ class ControlCore:
         self.dispatch.on_metrics(r, m)
 
     def on_intent(self, r: int, i: Intent) -> None:
-        """The user's loop asked for an eval or a bundle: folded into the next boundary (an epoch's aggregation
-        for an eval and, in non-progressive modes, a bundle; the next reduce finish for a progressive bundle)."""
-        if i.kind not in INTENT_KINDS:
-            log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
-            return
-        self.obs.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
-        if i.kind == "stop":
-            if self.life.phase in TRAINING_PHASES:
-                self._stop_early(r, i.epoch)
-            return
-        if self.life.phase not in TRAINING_PHASES or not self.intents.ask(i.kind, i.epoch):
-            return  # the run's end (its final eval and bundle) answers it, or a boundary already did
-        if i.kind == "eval" and self.intents.due("eval", self.dispatch.last_aggregated):
-            # its boundary passed before the intent came (a sync loop asks once the next epoch's plan is in):
-            # evaluate now, not an epoch late
-            e = self.dispatch.last_aggregated
-            self.intents.answer("eval", e)
-            if e != self.epochs - 1 and self.evals.pending is None:
-                self._send_eval(e)
-
-    def _stop_early(self, r: int, asked: int) -> None:
-        """``w.request_stop()``: the furthest epoch started (no chunk of a later one is out) becomes the last, so
-        every epoch the run trains is trained whole; then the run ends as at its planned end (the final reduce,
-        eval and bundle; FINISHED). The final bundle's epoch is where it stopped: resuming it trains the rest."""
-        d = self.dispatch
-        last = max(asked, d.last_aggregated, *(e for e in d.accs if e > d.last_aggregated))
-        if last + 1 >= self.epochs:
-            return  # already the last epoch (or a later stop asked for less)
-        log.info("rank %d asked to stop (in epoch %d): epoch %d is the last of %d planned", r, asked, last, self.epochs)
-        self.epochs = d.epochs = self.slack.epochs = self.checkpoints.epochs = last + 1
-        if self.checkpoints.next_periodic is not None and self.checkpoints.next_periodic > last:
-            self.checkpoints.next_periodic = None
-        self.writer.facts = replace(self.writer.facts, epochs=last + 1)
-        self.obs.set_tags({"stopped_early": f"after epoch {last} (asked by rank {r} in epoch {asked})"})
-        self.obs.emit({"event": "stop", "rank": r, "asked_epoch": asked, "last_epoch": last})
+        self.run_end.on_intent(r, i)
 
     def on_eval(self, r: int, f: EvalResult) -> None:
-        ev = self.evals
-        self.obs.on_eval_result(r, f.epoch, f.final)
-        if not f.final:
-            self.slack.on_elapsed(r, f.elapsed_ms, kind="eval")
-        if not f.final and ev.pending == r:
-            ev.pending = None
-        if f.error:
-            log.warning("eval on rank %d failed: %s", r, f.error)
-            self.obs.set_tags({"eval_error": f.error})
-        metrics = {f"eval/{k}": v for k, v in f.metrics.items()}
-        if metrics:
-            self.obs.log_metrics(metrics, f.epoch)
-        ev.history.append({"epoch": f.epoch, **metrics})
-        self.obs.emit({"event": "eval", "epoch": f.epoch, "final": f.final, **metrics})
-        if not f.error:  # every rank hears it (a cooperative loop's w.poll_eval())
-            self.outbox.broadcast(EvalBroadcast(epoch=f.epoch, metrics=dict(f.metrics), final=f.final))
-        if f.final:
-            ev.final = metrics
-            ev.final_rank = None
-            self.maybe_complete()
+        self.run_end.on_eval(r, f)
 
     # -- the tick: steps 4-11 -------------------------------------------------------------
     def tick(self, now: Optional[float] = None) -> None:
@@ -495,7 +434,7 @@ class ControlCore:
             if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
                 self.enter(Phase.DRAINING)
         if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None and not self.eval_holds_sync():
-            self._drain_or_finish()                           # 11. end of run (3.14)
+            self.run_end.drain_or_finish()                    # 11. end of run (3.14)
 
     def _tick_ending(self, now: float) -> bool:
         """Shutdown and ShutdownWithSave wait here; True when nothing else may happen this tick."""
@@ -533,7 +472,7 @@ class ControlCore:
                        **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
         last = e == self.epochs - 1  # the final eval and bundle answer every intent
         periodic = self.eval_every > 0 and (e + 1) % self.eval_every == 0
-        if (self.intents.due("eval", e) or periodic) and not last and self._send_eval(e):
+        if (self.intents.due("eval", e) or periodic) and not last and self.run_end.send_eval(e):
             self.intents.answer("eval", e)
         # (progressive modes take both kinds of bundle at a reduce finish instead: Checkpoints.maybe_coverage_bundle)
         bundle = not last and not self.checkpoints.progressive and (
@@ -545,20 +484,6 @@ class ControlCore:
         if bundle:
             self.checkpoints.begin_periodic(e)
             self.enter(Phase.CHECKPOINTING)
-
-    def _drain_or_finish(self) -> None:
-        """Every epoch aggregated: one last consensus reduce if replicas may differ, then the final eval and bundle."""
-        if self.dispatch.any_in_flight():
-            return  # a dead rank's picks are being retrained: the last reduce waits for them
-        if not self.checkpoint_fn.settled:
-            return  # a bundle's checkpoint_fn is owed (a failover): the final bundle does not start under it
-        alive = self.cohort.alive_ranks()
-        blended = self.shape.easgd_alpha is not None and not self.evals.final_overwrite_done
-        if self.W > 1 and (blended or self.cycle.any_steps(alive)):
-            self.evals.final_overwrite_done = True
-            self.fire_reduce(final=True)
-        else:
-            self._finish_run()
 
     # -- signals ---------------------------------------------------------------------------
     def request_preempt(self) -> None:
@@ -613,18 +538,9 @@ class ControlCore:
         """A rank died while a bundle was being written: its pieces are forfeit; the final eval and the
         consensus model move to another survivor."""
         self.checkpoint_fn.on_rank_dead(r)
-        alive = self.cohort.alive_ranks()
-        if not (self.life.is_(Phase.FINISHING) and self.evals.final_rank == r and alive):
+        if not self.run_end.move_final(r):
             self.writer.on_rank_dead(r)  # a model piece it owed moves to another survivor
             self.after_saves()
-            return
-        self.writer.drop(r)
-        cb = alive[0]
-        self.writer.expect(cb)
-        self.evals.final_rank = cb
-        self.obs.on_eval_sent(cb, self.epochs - 1, final=True)
-        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
-        self.outbox.send(cb, Save(stem=self.writer.stem, primary=True, model=True))
 
     # -- saves and the other rank messages ------------------------------------------------
     def on_save_result(self, r: int, res: SaveResult) -> None:
@@ -686,52 +602,10 @@ class ControlCore:
         self.obs.set_tags({f"loop_warning.rank{r}": n.message[:4000]})
         self.obs.emit({"event": "loop_stalled", "rank": r, "held_s": n.held_s, "message": n.message})
 
-    # -- evals and the end ---------------------------------------------------------------
-    def _send_eval(self, e: int) -> bool:
-        """A periodic (or asked-for) eval of epoch e on the callback rank; False when that rank is dead. nccl:
-        no collective starts until it answers (``evals.pending``)."""
-        cb = self.cohort.callback_rank
-        if not self.cohort.alive(cb):
-            return False
-        self.evals.pending, self.evals.pending_epoch = cb, e
-        self.obs.on_eval_sent(cb, e)
-        self.outbox.send(cb, ExecuteEval(epoch=e))
-        return True
-
-    def _callback_slack(self) -> dict[int, float]:
-        # The epoch whose last chunk is out; or, when it aggregated before this reduce finished (its chunks
-        # done first, as in nccl cadence), the epoch whose eval is running now: the next window overlaps it.
-        e = self.dispatch.closing_epoch(self.cohort.callback_rank)
-        if e is None and self.evals.pending is not None:
-            e = self.evals.pending_epoch
-        due = self.slack.due(e, self.cohort.callback_rank)
-        for r, ms in due.items():
-            log.info("callback slack: rank %d gets %.0f ms less work in the window of the eval after epoch %s", r, ms, e)
-            self.obs.emit({"event": "callback_slack", "rank": r, "epoch": e, "ms": ms})
-        return due
-
-    def _finish_run(self) -> None:
-        """Every epoch aggregated and the last reduce settled: final eval and bundle, then shutdown."""
-        self.enter(Phase.FINISHING)
-        cb = self.cohort.primary()
-        self.evals.final_rank = cb
-        self.obs.on_eval_sent(cb, self.epochs - 1, final=True)
-        self.outbox.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
-        self.writer.send_saves(self.writer.stem, model_rank=cb)
-
+    # -- the end ------------------------------------------------------------------------
     def maybe_complete(self) -> bool:
         """Finishing, the final eval reported and every save settled: the run ends and the ranks are told (True)."""
-        w = self.writer
-        if not (self.life.is_(Phase.FINISHING) and self.evals.final_rank is None and w.settled):
-            return False
-        w.write_meta("completed", w.stem, epoch=self.epochs)
-        err = w.failed.get(w.stem)
-        if err:  # the final bundle could not be written: the run says so rather than end FINISHED on nothing
-            self.life.end(Status.FAILED, f"bundle {w.stem} failed: {err}", end_reason="bundle_failed")
-        else:
-            self.life.end(Status.FINISHED)
-        self.shutdown()
-        return True
+        return self.run_end.maybe_complete()
 
     def shutdown(self) -> None:
         """Tell every rank to go (with the failure, if any); the shell waits for them in SHUTDOWN."""
