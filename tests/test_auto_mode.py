@@ -85,8 +85,10 @@ def test_auto_probes_before_the_first_chunk_and_trains_every_pick_once_in_the_ch
     assert h.sink.tags["auto.choice"] == choice.mode and h.sink.tags["mode"] == choice.mode
     events = [e for e in _events(h) if e.get("event") == "auto_mode"]
     assert len(events) == 1 and len(events[0]["candidates"]) == len(MODES)
+    h.co.start()  # as the connect loop does after the pump that brought the last answer: a no-op now
     plans = h.plans()
     assert sorted(plans) == [0, 1], "the first chunks go out once the mode is chosen"
+    assert all(len({(p.epoch, p.offset) for p in ps}) == len(ps) for ps in plans.values()), "a chunk sent twice"
     h.play([0, 1], until=lambda: h.co.dispatch.all_aggregated(), pending=[(r, p) for r, ps in plans.items() for p in ps])
     total = h.co.dispatch.total
     for e in range(3):

@@ -134,3 +134,27 @@ def test_a_loop_stops_the_run_early_on_the_cohorts_eval(store):
     assert run.data.tags["stopped_early"].startswith(f"after epoch {last} ")
     accs = [e["eval/accuracy"] for e in read_events(Path(h.job_dir)) if e.get("event") == "eval" and not e["final"]]
     assert max(accs) >= TARGET_ACCURACY or len(accs) > 3, f"it stopped on neither its target nor its patience: {accs}"
+
+
+def test_mode_auto_probes_chooses_and_trains_the_chosen_mode(store):
+    """Issue 31: ``mode=auto`` on the 3:1 rig; which mode it picks is the simulator's call on the probed rig (not
+    asserted: machine speed moves it), what it must do is: choose among every mode, say so, and run exactly as
+    that fixed mode runs (every pick once, replicas equal, the same quality bar), its prediction logged beside."""
+    from flodl_exp.jobs.launcher import launch
+    from flodl_exp.simulate.topology import MODES
+
+    h = launch(compose([*base_overrides(store, "modes"), "mode=auto", "cluster=local_hetero", f"experiment={MANAGED}",
+                        "experiment.epochs=4", "tracking.predict=true"]))
+    res = h.wait()
+    assert res["status"] == "FINISHED"
+    chosen = res["auto"]["mode"]
+    assert chosen in MODES and res["auto"]["reason"].startswith(f"{chosen}: predicted ")
+    (ev,) = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "auto_mode"]
+    assert [c["mode"] for c in ev["candidates"]] == list(MODES), "the cohort forms a group: every mode is a candidate"
+    run = MlflowClient(store["uri"]).get_run(h.run_id)
+    assert run.data.tags["auto.choice"] == chosen == run.data.tags["mode"]
+    assert run.info.run_name.split("/")[1] == "auto"
+    assert res["final_eval"]["eval/accuracy"] >= 0.90
+    assert_exact_coverage(res, 32)
+    assert len({f["hash"] for f in res["finals"].values()}) == 1, "replicas differ after the final consensus"
+    assert h.prediction is not None and h.prediction["predicted/samples_per_s"] > 0, "predicted/* for the chosen mode"

@@ -221,8 +221,8 @@ class Coordinator:
     def start(self) -> None:
         """Every rank said hello: the collective and the cold-start anchor from the hellos, then the core plans
         the first epoch (or the resumed coverage). mode.auto probes first (the ranks answer, then start again)."""
-        if not self._apply_auto():
-            return
+        if not self.life.is_(Phase.CONNECTING) or not self._apply_auto():
+            return  # started already (the probe's last answer started it), or mode=auto is still probing
         self._form_group()
         self._apply_spec_prior()
         self.timeline.on_start()

@@ -93,7 +93,8 @@ def _redact_config(resolved: dict[str, Any], uri: str) -> dict[str, Any]:
 
 def run_name(cfg: Any) -> str:
     outer = "" if cfg.outer.kind == "avg" else f"/{cfg.outer.kind}"
-    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode_name(cfg)}/{cfg.guard.kind}{outer}"
+    mode = "auto" if getattr(cfg.mode, "auto", False) else mode_name(cfg)  # auto: the tag mode says what it chose
+    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode}/{cfg.guard.kind}{outer}"
 
 
 def _tags(cfg: Any, root: str) -> dict[str, str]:

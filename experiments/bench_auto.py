@@ -1,0 +1,121 @@
+"""mode=auto against every fixed mode, side by side in one sitting, on three rigs (issue 31).
+
+    python experiments/bench_auto.py [--rigs 3:1,1:1,4:2:1] [--epochs N] [--reps N] [--out DIR]
+
+For each rig (``cluster.rank_speeds``: 3:1 = [1.0, 0.33], 1:1 = [1.0, 1.0], 4:2:1 = [1.0, 0.5, 0.25] on three
+ranks) the five fixed modes and ``mode=auto`` run ``experiment=digits_wide`` (experiments/bench_hetero.py's
+compute-bound CNN) in this process through ``flodl_exp.launch``, interleaved per repetition (every mode once, then
+again), all logged to one MLflow experiment (``bench_auto``). Samples/s and the final eval are bench_hetero's
+definitions (training wall from the coordinator's ``started`` event to the last epoch's aggregation). mode=auto
+probes before ``started``; that time is reported on its own (``probe s``: from the last rank's hello to
+``started``) and is also charged to auto in ``auto/best (probe in)``.
+
+Prints and writes ``<out>/auto.md``: per rig, each mode's median samples/s and eval accuracy, the mode auto chose
+(each repetition), auto's samples/s as a fraction of the best fixed mode's, and the eval difference in points.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from experiments.bench_hetero import run_flodl_inprocess, summarize  # noqa: E402
+
+MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
+RIGS: dict[str, list[float]] = {"3:1": [1.0, 0.33], "1:1": [1.0, 1.0], "4:2:1": [1.0, 0.5, 0.25]}
+TARGET = 0.95
+"""auto's samples/s over the best fixed mode's (issue 31), with the eval within EVAL_POINTS."""
+EVAL_POINTS = 0.5
+
+
+def _rig_overrides(speeds: list[float]) -> list[str]:
+    return ["cluster=local_hetero", f"cluster.ranks_per_node={len(speeds)}",
+            f"cluster.rank_speeds=[{','.join(str(s) for s in speeds)}]", "tracking.predict=false"]
+
+
+def _probe_s(events: list[dict]) -> float:
+    joined = [float(e["t"]) for e in events if e.get("event") == "joined" and "t" in e]
+    started = next((float(e["t"]) for e in events if e.get("event") == "started" and "t" in e), None)
+    return started - max(joined) if joined and started is not None else float("nan")
+
+
+def _choice(events: list[dict]) -> Optional[str]:
+    return next((str(e["mode"]) for e in events if e.get("event") == "auto_mode"), None)
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rigs", default="3:1,1:1,4:2:1")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench-auto"))
+    a = p.parse_args(argv)
+    a.out = os.path.abspath(a.out)
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+    a.tracking_uri = f"sqlite:///{a.out}/mlflow.db"
+    a.experiment_name = "bench_auto"
+    a.artifact_location = os.path.join(a.out, "mlartifacts")
+    a.run_timeout_s = 600.0
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(a.tracking_uri)
+    t0 = time.monotonic()
+    load0 = os.getloadavg()
+    lines = ["# mode=auto vs the fixed modes", "",
+             f"`python experiments/bench_auto.py --rigs {a.rigs} --epochs {a.epochs} --reps {a.reps}`: "
+             f"experiment=digits_wide, {a.epochs} epochs, medians of {a.reps} run(s) per mode, interleaved.", ""]
+    verdicts = []
+    for rig in a.rigs.split(","):
+        speeds = RIGS[rig]
+        rows: dict[str, list[dict[str, Any]]] = {m: [] for m in (*MODES, "auto")}
+        for rep in range(a.reps):
+            for m in (*MODES, "auto"):
+                name = f"{rig.replace(':', 'to')}-{m}-{rep}"
+                print(f"[bench_auto] {rig} {m} rep {rep}", flush=True)
+                rec = run_flodl_inprocess(name, [f"mode={m}", *_rig_overrides(speeds)], a)
+                s = summarize(rec, client)
+                s["probe_s"] = _probe_s(rec["events"])
+                s["choice"] = _choice(rec["events"])
+                rows[m].append(s)
+        sps = {m: _median([r["samples_per_s"] for r in rs]) for m, rs in rows.items()}
+        acc = {m: _median([r["accuracy"] for r in rs]) for m, rs in rows.items()}
+        probe = {m: _median([r["probe_s"] for r in rs]) for m, rs in rows.items()}
+        best = max(MODES, key=lambda m: sps[m] if sps[m] == sps[m] else -1.0)
+        ratio = sps["auto"] / sps[best]
+        walls = {m: _median([r["wall_s"] for r in rs]) for m, rs in rows.items()}
+        ratio_probe = (sps["auto"] * walls["auto"] / (walls["auto"] + probe["auto"])) / sps[best]
+        d_eval = 100 * (acc["auto"] - acc[best])
+        chose = ", ".join(str(r["choice"]) for r in rows["auto"])
+        ok = ratio >= TARGET and abs(d_eval) <= EVAL_POINTS
+        verdicts.append(ok)
+        lines += [f"## rig {rig} (rank_speeds {speeds})", "",
+                  "| mode | samples/s | eval acc | probe s |", "|---|---:|---:|---:|"]
+        for m in (*MODES, "auto"):
+            lines.append(f"| {m}{' (best fixed)' if m == best else ''} | {sps[m]:.0f} | {acc[m]:.4f} | {probe[m]:.2f} |")
+        lines += ["", f"auto chose: {chose}; auto/best = **{ratio:.3f}** ({ratio_probe:.3f} with its probe in); eval "
+                      f"{d_eval:+.2f} points vs {best}: {'MET' if ok else 'MISSED'} (>= {TARGET}, within "
+                      f"{EVAL_POINTS} point)", ""]
+    load1 = os.getloadavg()
+    lines.append(f"Bench wall {time.monotonic() - t0:.0f} s; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end.")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(a.out, "auto.md"), "w") as fh:
+        fh.write(md)
+    print(md)
+    return 0 if all(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
