@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..bundle_meta import BundleMeta
 from ..config import RunShape
-from ..mode import Backend, Mode
+from ..mode import Mode
 from ..protocol import (
     Batch,
     CheckpointResult,
     ChunkMetrics,
-    EpochAggregated,
     EpochFnResult,
     EvalResult,
     Evict,
@@ -58,14 +57,16 @@ from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
 from .commands import Command, CommandOutbox, Event, RankDeath, RankMessage, RecordingObserver
 from .controllers import build_elche, build_run_guard
-from .cycle import AveragingCycle, Reduce, ReduceOutcome
+from .cycle import AveragingCycle
 from .dispatch import Dispatcher, Gate
+from .epochs import EpochBoundaries
 from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .meta import LrEventMeta
 from .ports import CoreObserver, NullObserver
 from .preemption import Preemption
+from .reduces import Reduces
 from .run_end import RunEnd
 from .watchdog import run_state
 
@@ -126,8 +127,6 @@ class ControlCore:
         """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
         self.slack = CallbackSlack(enabled=cfg.eval.callback_slack, eval_every=cfg.eval.every,
                                    epochs=epochs, epoch_fn=self.epoch_fn)
-        self.fold_updates = self.mode.folds_updates(shape.progressive)
-        """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
         self.store = store
         self.writer = BundleWriter(
             stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
@@ -163,11 +162,19 @@ class ControlCore:
             outbox=self.outbox, obs=observer, enter=self.enter, shutdown=self.shutdown, fire_reduce=self.fire_reduce)
         """Evals, the user's eval and stop intents, the final consensus and the run's end (control/run_end.py)."""
         self.evals = self.run_end.evals
+        self.reduces = Reduces(
+            mode=self.mode, fold_updates=self.mode.folds_updates(shape.progressive), life=self.life,
+            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, checkpoints=self.checkpoints,
+            outbox=self.outbox, obs=observer, clock=clock, preempt_snapshot=self.preemption.on_reduce_finished)
+        """The one place a reduce fires, and what its finish sets going (control/reduces.py)."""
+        self.boundaries = EpochBoundaries(
+            eval_every=cfg.eval.every, life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
+            checkpoints=self.checkpoints, intents=self.intents, run_end=self.run_end, outbox=self.outbox,
+            obs=observer, enter=self.enter)
+        """Epoch aggregation and what each boundary runs: an eval, a bundle (control/epochs.py)."""
         self.cycle.slack_source = self.run_end.callback_slack
         self._epoch_role_sent: Optional[int] = None
         self._first_batch_seen = False
-        self._deaths_at_trigger = 0
-        self._blocker: Optional[int] = None
 
     @classmethod
     def from_config(cls, cfg: Any, *, outbox_for: Callable[[Cohort], Outbox], clock: Callable[[], float],
@@ -298,69 +305,10 @@ class ControlCore:
 
     # -- the reduce: the one place it fires -----------------------------------------
     def fire_reduce(self, *, final: bool = False) -> bool:
-        """Start a reduce over the live ranks (a consensus one when ``final``); False when one is in flight
-        (the caller asks again at the next tick). Every reduce of the run starts here: the gate in :meth:`tick`,
-        the end of training, and the shell's requests for a bundle's consensus or preemption."""
-        if self.cycle.in_flight is not None:
-            return False
-        self.cycle.trigger(self.cohort.alive_ranks(), final=final)
-        self._deaths_at_trigger = len(self.cohort.deaths)
-        return True
-
-    def _gate_blocked(self, alive: list[int]) -> bool:
-        """A cheap necessary condition for the gate to stay shut: a rank training a chunk below its count (not
-        hit, not throttled, not quiesced). The last one found is checked first, so the gate costs O(1) a batch
-        while it waits for it, where :meth:`AveragingCycle.should_average` scans every rank."""
-        led = self.cycle.ledger
-        sync = self.mode.is_sync
-        counts = self.cycle.counts_view
-        out = self.dispatch.chunks.by_rank  # chunks in flight per rank (Dispatcher.in_flight, indexed)
-        b = self._blocker
-        if (b is not None and self.cohort.alive(b) and out[b] > 0 and not led[b].throttled
-                and led[b].steps < (1 if sync else counts[b])):
-            return True
-        for r in alive:
-            if out[r] > 0 and not led[r].throttled and led[r].steps < (1 if sync else counts[r]):
-                self._blocker = r
-                return True
-        self._blocker = None
-        return False
-
-    def try_finish_reduce(self) -> None:
-        red = self.cycle.in_flight
-        if red is None:
-            return
-        if len(self.cohort.deaths) == self._deaths_at_trigger:  # every member alive: all must have answered
-            answered = red.acks if red.backend is Backend.NCCL else red.snapshots
-            if len(answered) < len(red.members):
-                return
-        version, t = self.cycle.version, self.clock()
-        with self.outbox.folding_updates(self.fold_updates):
-            out = self.cycle.try_finish(self.cohort.alive)
-            if out is not None:
-                self._after_reduce(red, out, version, t)
-
-    def _after_reduce(self, red: Reduce, out: ReduceOutcome, version: int, averaging_from: float) -> None:
-        for r in out.dead_in:
-            self.dispatch.release_held(r)
-        for r in out.dead_out:  # its answer is not in the consensus: the survivors redid the collective without it
-            picks = self.dispatch.retrain_held(r)
-            log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
-                        "generation without its share: its %d picks are trained again", r, picks)
-            self.obs.emit({"event": "retrain", "rank": r, "picks": picks, "why": "answer_not_in_consensus"})
-        elche = self.cycle.elche
-        if elche is not None and elche.is_calibrated:
-            self.cohort.elect_fastest_once(elche.smoothed_ms)
-        if elche is not None:
-            self.dispatch.on_verdict(out.action)
-        self.dispatch.on_reduce_finished(out.n, keep_after_answer=self.mode.is_nccl)
-        self.obs.on_reduce_finished(red, out, version, averaging_from, self.current_epoch())
-        self.dispatch.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
-        if self.preemption.on_reduce_finished():
-            return  # an armed preemption snapshots the coverage now: no new chunk
-        if self.life.phase in TRAINING_PHASES:
-            self.checkpoints.maybe_coverage_bundle()
-        self.dispatch.after_finish()
+        """Start a reduce over the live ranks (a consensus one when ``final``); False when one is in flight.
+        Every reduce of the run starts here (Reduces.fire): the gate in :meth:`tick`, the end of training,
+        and the requests for a bundle's consensus or preemption."""
+        return self.reduces.fire(final=final)
 
     # -- rank messages ------------------------------------------------------------------
     def on_batch(self, r: int, b: Batch) -> None:
@@ -379,22 +327,11 @@ class ControlCore:
                            "counts": self.cycle.counts})
             self.dispatch.after_finish()
 
-    def _answered(self, r: int) -> None:
-        red = self.cycle.in_flight
-        if red is not None and r in red.members:
-            self.obs.on_answer(r, red.started)
-
     def on_ack(self, r: int, ack: SyncAck) -> None:
-        self._answered(r)
-        self.cycle.on_ack(r, ack)
-        self.dispatch.on_answer(r)
-        self.try_finish_reduce()
+        self.reduces.on_ack(r, ack)
 
     def on_snapshot(self, r: int, snap: Snapshot) -> None:
-        self._answered(r)
-        self.cycle.on_snapshot(r, snap)
-        self.dispatch.on_answer(r)
-        self.try_finish_reduce()
+        self.reduces.on_snapshot(r, snap)
 
     def on_metrics(self, r: int, m: ChunkMetrics) -> None:
         self.dispatch.on_metrics(r, m)
@@ -428,9 +365,9 @@ class ControlCore:
             alive = self.cohort.alive_ranks()
             self.cycle.throttle(alive, self.dispatch.in_flight)  # 5. max_batch_diff
             if (self.faults.regroup is None and self.cycle.in_flight is None and not self.eval_holds_sync()
-                    and not self._gate_blocked(alive) and self.cycle.should_average(alive, self.dispatch.quiesced)):
+                    and not self.reduces.gate_blocked(alive) and self.cycle.should_average(alive, self.dispatch.quiesced)):
                 self.fire_reduce()                            # 8. fire a reduce
-            self._aggregate()                                 # 10. aggregate ready epochs
+            self.boundaries.aggregate()                       # 10. aggregate ready epochs
             if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
                 self.enter(Phase.DRAINING)
         if self.life.is_(Phase.DRAINING) and self.cycle.in_flight is None and not self.eval_holds_sync():
@@ -450,40 +387,6 @@ class ControlCore:
                 self.shutdown()
             return True
         return self.life.is_(Phase.PREEMPTING)
-
-    def _aggregate(self) -> None:
-        while self.life.phase in TRAINING_PHASES:
-            agg = self.dispatch.pop_aggregated()
-            if agg is None:
-                return
-            self._on_epoch_aggregated(agg.epoch, agg.metrics)
-            if self.life.is_(Phase.CHECKPOINTING):
-                return  # the next epoch waits for the bundle
-            self.dispatch.advance()
-
-    def _on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
-        metrics["global_step"] = float(self.cycle.global_step)
-        metrics["alive_ranks"] = float(self.cohort.alive_count())
-        if self.cycle.elche is not None:
-            metrics["anchor"] = float(self.cycle.elche.anchor)
-        self.obs.on_epoch_aggregated(e, metrics)
-        self.outbox.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
-        self.obs.emit({"event": "epoch", "epoch": e,
-                       **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
-        last = e == self.epochs - 1  # the final eval and bundle answer every intent
-        periodic = self.eval_every > 0 and (e + 1) % self.eval_every == 0
-        if (self.intents.due("eval", e) or periodic) and not last and self.run_end.send_eval(e):
-            self.intents.answer("eval", e)
-        # (progressive modes take both kinds of bundle at a reduce finish instead: Checkpoints.maybe_coverage_bundle)
-        bundle = not last and not self.checkpoints.progressive and (
-            self.intents.due("checkpoint", e) or self.checkpoints.periodic_due(e))
-        if bundle or last:
-            self.intents.answer("checkpoint", e)
-        if last:
-            self.intents.answer("eval", e)
-        if bundle:
-            self.checkpoints.begin_periodic(e)
-            self.enter(Phase.CHECKPOINTING)
 
     # -- signals ---------------------------------------------------------------------------
     def request_preempt(self) -> None:
@@ -515,7 +418,7 @@ class ControlCore:
             self.after_saves()
         elif owed_fn:
             self.after_saves()
-        self.try_finish_reduce()
+        self.reduces.try_finish()
 
     def evict(self, r: int, reason: str) -> None:
         """Declare a live-but-stuck rank dead and tell its process to go (its exit frees peers blocked with it

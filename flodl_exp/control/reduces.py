@@ -1,0 +1,136 @@
+"""The reduce: the one place it fires, the gate's cheap test, the answers, and what its finish sets going.
+
+``AveragingCycle.trigger`` refuses a second reduce in flight, and only :meth:`Reduces.fire` calls it, so the
+rule "one reduce at a time, over the live ranks" is written once: the tick's gate (control/core.py), the end
+of training (control/run_end.py) and a bundle's or preemption's consensus (control/checkpoints.py,
+control/preemption.py, given the core's ``fire_reduce``) all ask here. A reduce finishes when every member
+answered, or, after a death, when the cycle says the survivors' answers suffice; its finish moves dispatch
+(held chunks, the next window's counts, the verdict), lets an armed preemption snapshot first, and takes a
+progressive mode's coverage bundle. Kept apart from the core so that the tick reads as the order of steps
+and this reads as one reduce's life.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Optional
+
+from ..mode import Backend, Mode
+from ..protocol import Snapshot, SyncAck
+from .channels import Outbox
+from .checkpoints import Checkpoints
+from .cohort import Cohort
+from .cycle import AveragingCycle, Reduce, ReduceOutcome
+from .dispatch import Dispatcher
+from .lifecycle import TRAINING_PHASES, Lifecycle
+from .ports import CoreObserver
+
+log = logging.getLogger("flodl_exp.coordinator")
+
+
+class Reduces:
+    """Firing and finishing reduces; see the module docstring."""
+
+    def __init__(self, *, mode: Mode, fold_updates: bool, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle,
+                 dispatch: Dispatcher, checkpoints: Checkpoints, outbox: Outbox, obs: CoreObserver,
+                 clock: Callable[[], float], preempt_snapshot: Callable[[], bool]) -> None:
+        self._mode = mode
+        self._fold_updates = fold_updates
+        """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
+        self._life = life
+        self._cohort = cohort
+        self._cycle = cycle
+        self._dispatch = dispatch
+        self._checkpoints = checkpoints
+        self._out = outbox
+        self._obs = obs
+        self._clock = clock
+        self._preempt_snapshot = preempt_snapshot
+        """``Preemption.on_reduce_finished``: True when an armed preemption takes the coverage now (no new chunk)."""
+        self._deaths_at_trigger = 0
+        self._blocker: Optional[int] = None
+
+    def fire(self, *, final: bool = False) -> bool:
+        """Start a reduce over the live ranks (a consensus one when ``final``); False when one is in flight
+        (the caller asks again at the next tick). Every reduce of the run starts here: the gate in the core's
+        tick, the end of training, and the requests for a bundle's consensus or preemption."""
+        if self._cycle.in_flight is not None:
+            return False
+        self._cycle.trigger(self._cohort.alive_ranks(), final=final)
+        self._deaths_at_trigger = len(self._cohort.deaths)
+        return True
+
+    def gate_blocked(self, alive: list[int]) -> bool:
+        """A cheap necessary condition for the gate to stay shut: a rank training a chunk below its count (not
+        hit, not throttled, not quiesced). The last one found is checked first, so the gate costs O(1) a batch
+        while it waits for it, where :meth:`AveragingCycle.should_average` scans every rank."""
+        led = self._cycle.ledger
+        sync = self._mode.is_sync
+        counts = self._cycle.counts_view
+        out = self._dispatch.chunks.by_rank  # chunks in flight per rank (Dispatcher.in_flight, indexed)
+        b = self._blocker
+        if (b is not None and self._cohort.alive(b) and out[b] > 0 and not led[b].throttled
+                and led[b].steps < (1 if sync else counts[b])):
+            return True
+        for r in alive:
+            if out[r] > 0 and not led[r].throttled and led[r].steps < (1 if sync else counts[r]):
+                self._blocker = r
+                return True
+        self._blocker = None
+        return False
+
+    # -- answers ---------------------------------------------------------------------------
+    def _answered(self, r: int) -> None:
+        red = self._cycle.in_flight
+        if red is not None and r in red.members:
+            self._obs.on_answer(r, red.started)
+
+    def on_ack(self, r: int, ack: SyncAck) -> None:
+        self._answered(r)
+        self._cycle.on_ack(r, ack)
+        self._dispatch.on_answer(r)
+        self.try_finish()
+
+    def on_snapshot(self, r: int, snap: Snapshot) -> None:
+        self._answered(r)
+        self._cycle.on_snapshot(r, snap)
+        self._dispatch.on_answer(r)
+        self.try_finish()
+
+    # -- the finish ------------------------------------------------------------------------
+    def try_finish(self) -> None:
+        red = self._cycle.in_flight
+        if red is None:
+            return
+        if len(self._cohort.deaths) == self._deaths_at_trigger:  # every member alive: all must have answered
+            answered = red.acks if red.backend is Backend.NCCL else red.snapshots
+            if len(answered) < len(red.members):
+                return
+        version, t = self._cycle.version, self._clock()
+        with self._out.folding_updates(self._fold_updates):
+            out = self._cycle.try_finish(self._cohort.alive)
+            if out is not None:
+                self._after_reduce(red, out, version, t)
+
+    def _after_reduce(self, red: Reduce, out: ReduceOutcome, version: int, averaging_from: float) -> None:
+        d = self._dispatch
+        for r in out.dead_in:
+            d.release_held(r)
+        for r in out.dead_out:  # its answer is not in the consensus: the survivors redid the collective without it
+            picks = d.retrain_held(r)
+            log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
+                        "generation without its share: its %d picks are trained again", r, picks)
+            self._obs.emit({"event": "retrain", "rank": r, "picks": picks, "why": "answer_not_in_consensus"})
+        elche = self._cycle.elche
+        if elche is not None and elche.is_calibrated:
+            self._cohort.elect_fastest_once(elche.smoothed_ms)
+        if elche is not None:
+            d.on_verdict(out.action)
+        d.on_reduce_finished(out.n, keep_after_answer=self._mode.is_nccl)
+        self._obs.on_reduce_finished(red, out, version, averaging_from, d.current_epoch())
+        d.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
+        if self._preempt_snapshot():
+            return  # an armed preemption snapshots the coverage now: no new chunk
+        if self._life.phase in TRAINING_PHASES:
+            self._checkpoints.maybe_coverage_bundle()
+        d.after_finish()
