@@ -14,17 +14,22 @@ training ends. It holds no socket, thread or file: what it decides leaves throug
 * a :class:`~.bundle_store.BundleStore` (bundle files and the preemption mark: the coordinator's on disk,
   the simulator's and the tests' in memory).
 
-Inputs are the rank messages (:meth:`on_batch`, :meth:`on_ack`, ...) and :meth:`tick`, which takes the
-reference's tick steps 5, 8, 10 and 11 (algorithms.md 3.1) in order; the shell keeps 2-4 (heartbeats,
-deaths, regroups) and the signals around it. :meth:`handle` takes one event and returns the commands it
-caused, for tests that feed a scripted sequence (tests/test_control_core.py).
+This module is the wiring and the order: it builds the components (each with one job, in its own module:
+reduces.py fires and finishes reduces, epochs.py aggregates epochs and answers their boundaries,
+run_end.py runs evals, intents, the stop rule and the run's end, deaths.py carries a death to the work in
+progress, reports.py records the ranks' other reports; faults.py, preemption.py, checkpoints.py and
+checkpoint_fn.py as before), routes each rank message to the one that decides on it
+(:meth:`on_message`), and keeps the reference's tick (:meth:`tick`: steps 5, 8, 10 and 11 of
+algorithms.md 3.1, in order, readable here); the shell keeps 2-4 (heartbeats, deaths, regroups) and the
+signals around it. :meth:`handle` takes one event and returns the commands it caused, for tests that
+feed a scripted sequence (tests/test_control_core.py).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..bundle_meta import BundleMeta
 from ..config import RunShape
@@ -58,6 +63,7 @@ from .cohort import Cohort
 from .commands import Command, CommandOutbox, Event, RankDeath, RankMessage, RecordingObserver
 from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle
+from .deaths import Deaths
 from .dispatch import Dispatcher, Gate
 from .epochs import EpochBoundaries
 from .faults import SHUTDOWN_GRACE_S, FaultHandler
@@ -67,11 +73,9 @@ from .meta import LrEventMeta
 from .ports import CoreObserver, NullObserver
 from .preemption import Preemption
 from .reduces import Reduces
+from .reports import RankReports
 from .run_end import RunEnd
 from .watchdog import run_state
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -100,10 +104,7 @@ class ControlCore:
         self.clock = clock
         self.obs = observer
         self.epoch_fn = cfg.experiment.epoch_fn is not None
-        self.eval_every = cfg.eval.every
         self.stall_ceiling = max(10 * cfg.cluster.heartbeat_timeout_s, 300.0)
-        self.loop_error = str(cfg.cluster.loop_error)
-        """cluster.loop_error: a cooperative loop's exception loses its rank, or fails the run."""
         self.mode = Mode.of(cfg)
         """The policy and backend as one value, resolved once (flodl_exp/mode.py)."""
         self.life = Lifecycle()
@@ -172,6 +173,15 @@ class ControlCore:
             checkpoints=self.checkpoints, intents=self.intents, run_end=self.run_end, outbox=self.outbox,
             obs=observer, enter=self.enter)
         """Epoch aggregation and what each boundary runs: an eval, a bundle (control/epochs.py)."""
+        self.deaths = Deaths(
+            life=self.life, faults=self.faults, dispatch=self.dispatch, writer=self.writer,
+            checkpoint_fn=self.checkpoint_fn, run_end=self.run_end, obs=observer, after_saves=self.after_saves,
+            try_finish_reduce=self.reduces.try_finish)
+        """What a death does to the work in progress, after FaultHandler's recovery (control/deaths.py)."""
+        self.reports = RankReports(loop_error=str(cfg.cluster.loop_error), cohort=self.cohort, dispatch=self.dispatch,
+                                   slack=self.slack, obs=observer, shutdown_with_save=self.faults.shutdown_with_save)
+        """Errors, the epoch hook's result, exits, telemetry, loop notices (control/reports.py)."""
+        self._handlers = self._message_routes()
         self.cycle.slack_source = self.run_end.callback_slack
         self._epoch_role_sent: Optional[int] = None
         self._first_batch_seen = False
@@ -327,21 +337,6 @@ class ControlCore:
                            "counts": self.cycle.counts})
             self.dispatch.after_finish()
 
-    def on_ack(self, r: int, ack: SyncAck) -> None:
-        self.reduces.on_ack(r, ack)
-
-    def on_snapshot(self, r: int, snap: Snapshot) -> None:
-        self.reduces.on_snapshot(r, snap)
-
-    def on_metrics(self, r: int, m: ChunkMetrics) -> None:
-        self.dispatch.on_metrics(r, m)
-
-    def on_intent(self, r: int, i: Intent) -> None:
-        self.run_end.on_intent(r, i)
-
-    def on_eval(self, r: int, f: EvalResult) -> None:
-        self.run_end.on_eval(r, f)
-
     # -- the tick: steps 4-11 -------------------------------------------------------------
     def tick(self, now: Optional[float] = None) -> None:
         """One turn of the reference's tick from step 4 (algorithms.md 3.1; the shell takes 2-3, heartbeats
@@ -399,26 +394,9 @@ class ControlCore:
 
     # -- deaths ---------------------------------------------------------------------------
     def on_death(self, r: int, reason: str) -> None:
-        """Rank ``r`` is gone (its connection closed, its heartbeat went stale, it was evicted): recover
-        without it (its picks to the survivors, a regroup on nccl, the reduce in flight finished without it),
-        or end the run with a bundle when the loss is unrecoverable (algorithms.md 7)."""
-        death = self.faults.record_death(r, reason)
-        if death is None or self.life.ending:
-            return
-        if self.life.is_(Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING):
-            self._drop_pending_of(r)
-            return
-        lost, retrained = self.dispatch.lost_picks, self.dispatch.retrained_picks
-        if not self.faults.recover(death):
-            return
-        self._report_picks_of_the_dead(r, lost, retrained)
-        owed_fn = self.checkpoint_fn.on_rank_dead(r)  # its checkpoint_fn result moves to another live rank
-        if r in self.writer.pending:  # a bundle in progress (periodic, coverage) does not wait for its pieces
-            self.writer.on_rank_dead(r)
-            self.after_saves()
-        elif owed_fn:
-            self.after_saves()
-        self.reduces.try_finish()
+        """Rank ``r`` is gone (its connection closed, its heartbeat went stale, it was evicted): recover without
+        it, or end the run with a bundle when the loss is unrecoverable (algorithms.md 7; control/deaths.py)."""
+        self.deaths.on_death(r, reason)
 
     def evict(self, r: int, reason: str) -> None:
         """Declare a live-but-stuck rank dead and tell its process to go (its exit frees peers blocked with it
@@ -426,26 +404,7 @@ class ControlCore:
         self.outbox.send(r, Evict(reason=reason))
         self.on_death(r, reason)
 
-    def _report_picks_of_the_dead(self, r: int, lost_before: int, retrained_before: int) -> None:
-        """What a death did to trained picks of epochs already aggregated: retrained by the survivors (an event),
-        or, with none left to do it, lost, which the run says in a metric, a tag and its result."""
-        d = self.dispatch
-        if d.retrained_picks > retrained_before:
-            self.obs.emit({"event": "retrain", "rank": r, "picks": d.retrained_picks - retrained_before})
-        if d.lost_picks > lost_before:
-            self.obs.set_tags({"lost_picks": d.lost_picks})
-            self.obs.log_metrics({"lost_picks": float(d.lost_picks)}, self.current_epoch())
-            self.obs.emit({"event": "lost_picks", "rank": r, "picks": d.lost_picks - lost_before})
-
-    def _drop_pending_of(self, r: int) -> None:
-        """A rank died while a bundle was being written: its pieces are forfeit; the final eval and the
-        consensus model move to another survivor."""
-        self.checkpoint_fn.on_rank_dead(r)
-        if not self.run_end.move_final(r):
-            self.writer.on_rank_dead(r)  # a model piece it owed moves to another survivor
-            self.after_saves()
-
-    # -- saves and the other rank messages ------------------------------------------------
+    # -- saves ------------------------------------------------------------------
     def on_save_result(self, r: int, res: SaveResult) -> None:
         self.writer.on_result(r, res)
         self.after_saves()
@@ -466,45 +425,6 @@ class ControlCore:
             self.preemption.on_saves_settled()
         self.maybe_complete()
 
-    def on_error(self, r: int, e: RankError) -> None:
-        self.cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
-        log.error("rank %d reported: %s", r, e.error)
-        if not e.loop:
-            return
-        # the user's own loop raised (cluster.loop_error): a lost rank (its process exits; the survivors recover
-        # when its connection closes), or the end of the run
-        self.obs.set_tags({f"loop_error.rank{r}": f"{e.error}\n{e.traceback}"[:5000]})
-        if self.loop_error == "fail":
-            self.obs.set_tags({"error": f"rank {r}: {e.error}\n{e.traceback}"[:5000]})
-            self.faults.shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
-
-    def on_epoch_fn(self, r: int, f: EpochFnResult) -> None:
-        self.slack.on_elapsed(r, f.elapsed_ms, kind="epoch_fn")
-        if f.error:
-            log.warning("experiment.epoch_fn on rank %d before epoch %d failed: %s", r, f.epoch, f.error)
-            self.obs.set_tags({"epoch_fn_error": f.error[:5000]})
-        self.obs.log_metrics({"epoch_fn/elapsed_ms": f.elapsed_ms, **{f"epoch_fn/{k}": v for k, v in f.metrics.items()}},
-                             f.epoch)
-        self.obs.emit({"event": "epoch_fn", "rank": r, "epoch": f.epoch, "elapsed_ms": f.elapsed_ms,
-                       "error": f.error, **f.metrics})
-
-    def on_exiting(self, r: int, x: Exiting) -> None:
-        self.cohort.mark_exited(r, {"rank": x.rank, "pid": x.pid, "hash": x.hash, "steps": x.steps,
-                                    "global_step": x.global_step})
-
-    def on_telemetry(self, r: int, t: Telemetry) -> None:
-        if self.dispatch.on_telemetry(r, t) is None and self.dispatch.last_aggregated >= 0:
-            # No epoch open (the run's tail, or epochs shorter than a report): the last epoch gets it.
-            self.obs.log_metrics({f"rank{r}/{k}": v for k, v in t.values().items()}, self.dispatch.last_aggregated)
-
-    def on_session_ready(self, r: int, m: SessionReady) -> None:
-        self.faults.on_session_ready(r, m)
-
-    def on_loop_notice(self, r: int, n: LoopNotice) -> None:
-        log.error("%s", n.message)
-        self.obs.set_tags({f"loop_warning.rank{r}": n.message[:4000]})
-        self.obs.emit({"event": "loop_stalled", "rank": r, "held_s": n.held_s, "message": n.message})
-
     # -- the end ------------------------------------------------------------------------
     def maybe_complete(self) -> bool:
         """Finishing, the final eval reported and every save settled: the run ends and the ranks are told (True)."""
@@ -518,19 +438,23 @@ class ControlCore:
         self.dispatch.set_gate(Gate.CLOSED)
         self.outbox.broadcast(ShutdownMsg(reason=self.life.failure or "completed"))
 
-    # -- scripted events (tests) ----------------------------------------------------------
-    _MESSAGE_HANDLERS: dict[type, str] = {
-        Batch: "on_batch", SyncAck: "on_ack", Snapshot: "on_snapshot", ChunkMetrics: "on_metrics", EvalResult: "on_eval",
-        Intent: "on_intent", SaveResult: "on_save_result", RankError: "on_error", SessionReady: "on_session_ready",
-        Exiting: "on_exiting", Telemetry: "on_telemetry", EpochFnResult: "on_epoch_fn", LoopNotice: "on_loop_notice",
-        CheckpointResult: "on_checkpoint_result"}
+    # -- routing: rank messages and scripted events ----------------------------------------
+    def _message_routes(self) -> dict[type, Callable[[int, Any], None]]:
+        """Which component decides on (or records) each rank message (:meth:`on_message`)."""
+        return {
+            Batch: self.on_batch, SyncAck: self.reduces.on_ack, Snapshot: self.reduces.on_snapshot,
+            ChunkMetrics: self.dispatch.on_metrics, EvalResult: self.run_end.on_eval, Intent: self.run_end.on_intent,
+            SaveResult: self.on_save_result, CheckpointResult: self.on_checkpoint_result,
+            SessionReady: self.faults.on_session_ready, RankError: self.reports.on_error,
+            Exiting: self.reports.on_exiting, Telemetry: self.reports.on_telemetry,
+            EpochFnResult: self.reports.on_epoch_fn, LoopNotice: self.reports.on_loop_notice}
 
     def on_message(self, r: int, payload: Payload) -> bool:
         """A rank message the core decides on; False when it is not one (the shell handles it)."""
-        name = self._MESSAGE_HANDLERS.get(type(payload))
-        if name is None:
+        handler = self._handlers.get(type(payload))
+        if handler is None:
             return False
-        getattr(self, name)(r, payload)
+        handler(r, payload)
         return True
 
     def handle(self, event: Event, commands: list[Command]) -> list[Command]:
