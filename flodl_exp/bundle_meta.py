@@ -66,6 +66,8 @@ class BundleMeta:
     coverage: Optional[MetaCoverage] = None
     pieces: Optional[tuple[str, ...]] = None
     """The files the ranks reported written (None: a meta older than the list; only the model piece is checked)."""
+    mode: Optional[str] = None
+    """The mode the bundle was saved in (``<backend>_<policy>``): a resumed ``mode=auto`` run trains on in it."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys this version does not read, kept as they were."""
 
@@ -94,7 +96,7 @@ class BundleMeta:
             elche_state=f.opt_obj("elche_state"), guard_kind=f.opt_str("guard_kind"),
             guard_state=f.opt_obj("guard_state"),
             coverage=MetaCoverage.from_dict(cov) if cov is not None else None,
-            pieces=tuple(pieces) if pieces is not None else None,
+            pieces=tuple(pieces) if pieces is not None else None, mode=f.opt_str("mode"),
             extra={k: v for k, v in d.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:

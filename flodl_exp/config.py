@@ -86,7 +86,8 @@ class ModeConfig:
     simulator predicts every mode the cohort can run on that measured rig, and the run trains in the best
     (``policy``/``backend`` are the fallback and are kept unless another mode is predicted 2% faster). The
     choice, every prediction and the reason are tagged (``auto.*``), an event and a summary line. Managed tier
-    only (a cooperative loop has no step the framework can time); a resumed run keeps ``policy``/``backend``."""
+    only (a cooperative loop has no step the framework can time); a resumed run trains on in the mode its bundle
+    was saved in."""
 
 
 @dataclass

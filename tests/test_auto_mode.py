@@ -150,3 +150,26 @@ def test_auto_is_refused_with_a_cooperative_loop():
     with pytest.raises(ConfigError) as ei:
         validate(compose(["mode=auto", "experiment=digits_accumulate"]))
     assert str(ei.value).startswith("config error: mode.auto=True")
+
+
+def test_a_resumed_auto_run_trains_on_in_the_mode_its_bundle_was_saved_in(tmp_path: Path):
+    """A requeue or resume_from of an auto run does not probe again mid-trajectory: the bundle's meta names its mode."""
+    from control_fakes import FakeSink, FakeTransport, make_config, make_spec
+
+    from flodl_exp import checkpoint as ck
+    from flodl_exp.bundle_meta import Resume
+    from flodl_exp.control.coordinator import Coordinator
+    from flodl_exp.protocol import EvalResult, SaveResult
+
+    h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
+    evals, saves = h.final_saves()
+    for r, p in saves:
+        h.msg(r, SaveResult(stem=p.stem))
+    h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
+    meta = ck.load_meta(h.co.writer.stem)
+    assert meta.mode == "cpu_sync" and meta.extra == {}
+    spec = make_spec(make_config("nccl_cadence", 2, 2, **{"mode.auto": True}), tmp_path / "next", attempt=1,
+                     resume=Resume(h.co.writer.stem, meta))
+    sink = FakeSink()
+    co = Coordinator(spec, FakeTransport(), None, sink, str(tmp_path), clock=h.clock)  # type: ignore[arg-type]
+    assert co.auto is None and co.core.mode.name == "cpu_sync" and sink.tags["auto.choice"] == "cpu_sync"

@@ -254,6 +254,7 @@ class BundleWriter:
             "epoch": f.epochs if epoch is None else int(epoch),
             **self._cycle.state_for_meta(),
             "world_size_at_save": f.world_size,
+            "mode": self._cycle.mode.name,
             "save_reason": reason,
             "unix_time": time.time(),
             "experiment": f.experiment,

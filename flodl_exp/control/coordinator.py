@@ -29,6 +29,7 @@ from ..bundle_meta import Resume
 from ..config import RunShape, load_config
 from ..hello import Hello
 from ..jobs.spec import JobSpec
+from ..mode import Mode
 from ..protocol import (
     Batch,
     ChunkMetrics,
@@ -140,6 +141,8 @@ class Coordinator:
         """Per-rank spans (compute, data wait, sync, eval) from what arrives here; written at the run's end."""
         self.observer = ShellObserver(sink=sink, events=self.events, timeline=self.timeline)
         self._server = server
+        if cfg.mode.auto and spec.resume is not None:
+            self._resume_auto_choice(spec.resume)
         self._build_core()
         self.auto = AutoProbe(cfg, self.W, clock) if cfg.mode.auto and self.W >= 2 and spec.resume is None else None
         """mode.auto: the probe before the first chunk, then the core rebuilt for the chosen mode (auto_probe.py)."""
@@ -173,6 +176,24 @@ class Coordinator:
                                       batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=self.sink,
                                       events=self.events, records=self.records, clock=clock)
         self.observer.windows = self.windows
+
+    def _resume_auto_choice(self, resume: Resume) -> None:
+        """mode=auto resumed (a requeue, a resume_from): train on in the mode the bundle was saved in (its meta's
+        ``mode``; a meta without one keeps the configured mode), not probe again mid-trajectory."""
+        saved = resume.meta.mode
+        backend, _, policy = str(saved or "").partition("_")
+        if not saved or (backend, policy) == (self.cfg.mode.backend, self.cfg.mode.policy):
+            return
+        try:
+            Mode.parse(policy, backend)
+        except ValueError:
+            log.warning("mode=auto resumed: the bundle's mode %r is not a mode: the configured one is kept", saved)
+            return
+        self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=backend, policy=policy, name=str(saved))
+        self.shape = RunShape.of(self.cfg)
+        log.info("mode=auto resumed: the bundle was saved in %s, the run goes on in it", saved)
+        self.sink.set_tags({"auto.choice": str(saved), "auto.reason": f"resumed from a bundle saved in {saved}",
+                            "mode": str(saved), "policy": policy, "backend": backend})
 
     def _apply_auto(self) -> bool:
         """mode.auto, once every rank joined: probe, then choose and rebuild the core; True once decided."""
