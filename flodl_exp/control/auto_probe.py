@@ -60,10 +60,14 @@ class AutoProbe:
         """The mode to train in (the configured one, with the reason, when the probe cannot tell)."""
         from ..simulate.auto import AutoChoice
 
+        answered = self.clock()
         try:
             self.choice = self._decide(devices, total_picks)
         except Exception as e:  # the run goes on in the configured mode
             self.choice = AutoChoice(self.configured, f"the configured mode: the prediction failed ({type(e).__name__}: {e})")
+        started = (self.deadline or answered) - PROBE_TIMEOUT_S
+        self.choice.timing = {"probe_s": round(answered - started, 3), "simulate_s": round(self.clock() - answered, 3),
+                              "step_ms": {str(r): [round(x, 2) for x in res.step_ms] for r, res in sorted(self.results.items())}}
         return self.choice
 
     def _decide(self, devices: dict[int, RankDevice], total_picks: int) -> AutoChoice:

@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 from .topology import MODES, RankGroupConfig, SimulateConfig
 
-PROBE_STEPS = 6
+PROBE_STEPS = 4
 """Steps each rank times; the first is warm-up (allocations, lazy initialisation) and is left out."""
-SIM_EPOCHS = 3
+SIM_EPOCHS = 2
 """Epochs simulated per candidate at most: throughput settles within them, and a long run's choice stays cheap."""
 KEEP_MARGIN = 0.02
 """The configured mode is kept unless another candidate is predicted at least this much faster (a prediction
@@ -48,10 +48,12 @@ class AutoChoice:
     mode: str
     reason: str
     candidates: list[Candidate] = field(default_factory=list)
+    timing: dict[str, Any] = field(default_factory=dict)
+    """The coordinator's: how long the probe and the simulations took, each rank's probed step times."""
 
     def as_event(self) -> dict[str, Any]:
         return {"event": "auto_mode", "mode": self.mode, "reason": self.reason,
-                "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+                "candidates": [dataclasses.asdict(c) for c in self.candidates], **self.timing}
 
     def tags(self) -> dict[str, str]:
         out = {"auto.choice": self.mode, "auto.reason": self.reason[:4000]}
