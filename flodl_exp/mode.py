@@ -53,6 +53,12 @@ class Mode:
                              f"{', '.join(p.value for p in Policy)}, backend one of "
                              f"{', '.join(b.value for b in Backend)}") from None
 
+    @classmethod
+    def from_name(cls, name: str) -> Mode:
+        """The mode a preset name (``<backend>_<policy>``: ``cpu_async``) names; ValueError when none."""
+        backend, _, policy = str(name).partition("_")
+        return cls.parse(policy, backend)
+
     @property
     def name(self) -> str:
         """``<backend>_<policy>``, as the presets are named (``nccl_cadence``)."""

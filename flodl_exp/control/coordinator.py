@@ -181,19 +181,30 @@ class Coordinator:
         """mode=auto resumed (a requeue, a resume_from): train on in the mode the bundle was saved in (its meta's
         ``mode``; a meta without one keeps the configured mode), not probe again mid-trajectory."""
         saved = resume.meta.mode
-        backend, _, policy = str(saved or "").partition("_")
-        if not saved or (backend, policy) == (self.cfg.mode.backend, self.cfg.mode.policy):
+        if not saved:
             return
         try:
-            Mode.parse(policy, backend)
+            self._adopt_mode(Mode.from_name(saved))
         except ValueError:
             log.warning("mode=auto resumed: the bundle's mode %r is not a mode: the configured one is kept", saved)
             return
-        self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=backend, policy=policy, name=str(saved))
-        self.shape = RunShape.of(self.cfg)
         log.info("mode=auto resumed: the bundle was saved in %s, the run goes on in it", saved)
-        self.sink.set_tags({"auto.choice": str(saved), "auto.reason": f"resumed from a bundle saved in {saved}",
-                            "mode": str(saved), "policy": policy, "backend": backend})
+        self.sink.set_tags({"auto.choice": saved, "auto.reason": f"resumed from a bundle saved in {saved}",
+                            **self._mode_tags()})
+
+    def _adopt_mode(self, mode: Mode) -> bool:
+        """Run in ``mode`` instead of the configured one (mode=auto); False when it is the configured one already.
+        The caller builds the core after it."""
+        if mode == Mode.of(self.cfg):
+            return False
+        self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=mode.backend.value, policy=mode.policy.value,
+                                            name=mode.name)
+        self.shape = RunShape.of(self.cfg)
+        return True
+
+    def _mode_tags(self) -> dict[str, str]:
+        m = Mode.of(self.cfg)
+        return {"mode": m.name, "policy": m.policy.value, "backend": m.backend.value}
 
     def _apply_auto(self) -> bool:
         """mode.auto, once every rank joined: probe, then choose and rebuild the core; True once decided."""
@@ -206,15 +217,12 @@ class Coordinator:
         if not auto.ready():
             return False
         choice = auto.decide(self.devices, self.total_picks)
-        backend, policy = choice.mode.split("_", 1)
-        if (backend, policy) != (self.cfg.mode.backend, self.cfg.mode.policy):
-            self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=backend, policy=policy, name=choice.mode)
-            self.shape = RunShape.of(self.cfg)
+        if self._adopt_mode(Mode.from_name(choice.mode)):
             self._build_core()
             for r in range(self.W):  # every rank joined the first core (the probe needs them all)
                 self.cohort.join(r, self.clock())
         log.info("mode=auto chose %s: %s", choice.mode, choice.reason)
-        self.sink.set_tags({**choice.tags(), "mode": choice.mode, "policy": policy, "backend": backend})
+        self.sink.set_tags({**choice.tags(), **self._mode_tags()})
         self.events.emit(choice.as_event())
         return True
 
