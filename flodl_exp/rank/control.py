@@ -62,7 +62,7 @@ from ..protocol import (
     Throttle,
     Update,
 )
-from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend
+from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, snapshot_nbytes
 from .fault_inject import ARMED_KINDS, fire_armed, inject_fault
 from .inbox import ControlInbox
 from .trainer import Batch as BatchData
@@ -480,10 +480,8 @@ class RankControl:
                 step_ms, data_ms = self.trainer.probe(m.steps)
         except Exception as e:  # the coordinator falls back to the configured mode
             err = f"{type(e).__name__}: {e}"
-        model = self.trainer.model
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        nbytes += sum(b.numel() * b.element_size() for b in float_buffers(model))
-        self.send(ProbeResult(step_ms=step_ms, data_ms=data_ms, model_bytes=int(nbytes), error=err))
+        self.send(ProbeResult(step_ms=step_ms, data_ms=data_ms, model_bytes=snapshot_nbytes(self.trainer.model),
+                              error=err))
 
     # -- handlers: the collective (nccl modes) ------------------------------------------
     def _on_request_session(self, m: RequestSession) -> None:
