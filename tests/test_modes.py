@@ -57,8 +57,11 @@ def test_mode_on_heterogeneous_ranks(store, mode, outer, experiment, monkeypatch
     share = [m.value for m in c.get_metric_history(h.run_id, "rank0/batch_share")]
     assert len(share) == EPOCHS
     if mode.endswith("cadence"):
+        # Equal counts (no balancing) give exactly 0.5; ElChe gives rank 0 its measured speed's share, 0.75 on
+        # an idle machine, less when other work slows rank 0's compute more than rank 1's sleep (0.636 seen
+        # under load). The check asserts the balancing, not the machine's speed.
         late = share[EPOCHS // 2:]
-        assert sum(late) / len(late) >= 0.65, f"fast rank share over the last half: {late}"
+        assert sum(late) / len(late) >= 0.58, f"fast rank share over the last half: {late}"
     run = c.get_run(h.run_id)
     for key in ("anchor", "syncs", "sync_ms_avg", "divergence_max", "guard_action"):
         assert key in run.data.metrics
