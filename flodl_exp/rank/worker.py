@@ -47,12 +47,39 @@ COORDINATOR_LOST_EXIT = 76
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:
-    """``cuda:<local_rank mod visible GPUs>`` (ranks beyond the GPU count share; the coordinator then
-    averages through Gloo, control/devices.py), else the CPU."""
+    """``cuda:<local_rank mod usable GPUs>`` (ranks beyond the GPU count share; the coordinator then
+    averages through Gloo, control/devices.py), else the CPU.
+
+    A GPU this torch build has no kernels for (its compute capability is not covered by
+    ``torch.cuda.get_arch_list()``: an older card in a mixed box) would kill the rank at its first
+    kernel, so it is skipped with a warning naming it, and the ranks share the usable GPUs. With none
+    usable, ``cluster.device=cuda`` is refused in one line (the GPUs, their capabilities, the build's
+    architectures) and ``auto`` trains on CPU, with a warning saying why."""
     if device == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
+        from ..control.devices import arch_runs_on
+
+        arch = list(torch.cuda.get_arch_list())
+        usable: list[int] = []
+        skipped: list[str] = []
+        for i in range(torch.cuda.device_count()):
+            cap = tuple(torch.cuda.get_device_capability(i)) if arch else (0, 0)  # no list: nothing to judge by
+            if not arch or arch_runs_on((int(cap[0]), int(cap[1])), arch):
+                usable.append(i)
+            else:
+                skipped.append(f"cuda:{i} ({torch.cuda.get_device_name(i)}, compute capability {cap[0]}.{cap[1]})")
+        why = (f"this torch build ({torch.__version__}) has no kernels for {', '.join(skipped)}: it is built for "
+               f"{' '.join(arch) or 'no CUDA architecture'}")
+        if usable:
+            if skipped:
+                log.warning("%s; skipped, the ranks share %s", why, ", ".join(f"cuda:{i}" for i in usable))
+            return torch.device(f"cuda:{usable[local_rank % len(usable)]}")
+        if device == "cuda":
+            raise RuntimeError(f"cluster.device=cuda but {why} (install a torch wheel built for it, or hide it "
+                               "with CUDA_VISIBLE_DEVICES)")
+        log.warning("cluster.device=auto: %s; training on CPU", why)
+        return torch.device("cpu")
     if device == "cuda":
         raise RuntimeError("cluster.device=cuda but this rank sees no CUDA device")
     return torch.device("cpu")
@@ -78,13 +105,25 @@ def use_device(device: torch.device) -> None:
 
 
 def device_uuid(device: torch.device) -> Optional[str]:
-    """The physical device's UUID (one GPU or MIG slice, whatever CUDA_VISIBLE_DEVICES renumbered), None on CPU."""
+    """The physical device's UUID (one GPU or MIG slice, whatever CUDA_VISIBLE_DEVICES renumbered), None on CPU.
+
+    A MIG slice's carries NVML's ``MIG-`` prefix (torch reports the bare UUID; the slice shows in the device's
+    name, ``... MIG 1g.10gb``, or in its CUDA_VISIBLE_DEVICES entry): the coordinator then averages through
+    Gloo, NCCL does not run on MIG (control/devices.py)."""
     if device.type != "cuda":
         return None
     try:
-        return str(torch.cuda.get_device_properties(device).uuid)
+        props = torch.cuda.get_device_properties(device)
+        uuid = str(props.uuid)
     except Exception:  # an old driver without UUIDs: the coordinator falls back to host + device name
         return None
+    if not uuid or uuid.upper().startswith(("GPU-", "MIG-")):
+        return uuid or None
+    entries = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    entry = entries[index] if 0 <= index < len(entries) else ""
+    mig = " MIG " in f" {getattr(props, 'name', '')} " or entry.upper().startswith("MIG-")
+    return f"MIG-{uuid}" if mig else uuid
 
 
 def cuda_device_score(device: torch.device) -> Optional[float]:
