@@ -10,8 +10,9 @@ devices, and the error only surfaced as a "dead peer" at the first sync.
 The rule, with ``cluster.collective`` (``auto`` | ``nccl`` | ``gloo``):
 
 * ``gloo``: Gloo, whatever the devices (CUDA tensors are staged through the host).
-* ``auto``: NCCL when every rank has a CUDA device of its own; otherwise Gloo, with
-  the reason logged once (ranks on CPU, or ranks sharing a GPU).
+* ``auto``: NCCL when every rank has a CUDA device of its own that is not a MIG slice; otherwise
+  Gloo, with the reason logged once (ranks on CPU, ranks sharing a GPU, or ranks on MIG slices: each
+  slice has a UUID of its own, but NCCL does not run on MIG).
 * ``nccl``: NCCL, or the run is refused with one line naming the ranks that prevent it.
 """
 from __future__ import annotations
@@ -33,12 +34,18 @@ class RankDevice:
     device: str
     """``cpu`` or ``cuda:<i>`` (the index inside the rank's own CUDA_VISIBLE_DEVICES)."""
     uuid: Optional[str] = None
+    """The device's UUID; a MIG slice's starts with ``MIG-`` (rank/worker.device_uuid marks it)."""
     score: Optional[float] = None
     """The spec prior's device score (CUDA: architecture generation x 10 + VRAM GiB); None when not reported."""
 
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def is_mig(self) -> bool:
+        """A MIG slice: NCCL does not run on one."""
+        return self.is_cuda and bool(self.uuid) and str(self.uuid).upper().startswith("MIG-")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -80,18 +87,21 @@ def choose_collective(devices: list[RankDevice], requested: str = "auto") -> Col
         return CollectiveChoice("gloo", "cluster.collective=gloo")
     on_cpu = sorted(d.rank for d in devices if not d.is_cuda)
     shared = shared_devices(devices)
-    if not on_cpu and not shared:
+    on_mig = sorted(d.rank for d in devices if d.is_mig)
+    if not on_cpu and not shared and not on_mig:
         return CollectiveChoice("nccl", "every rank has a CUDA device of its own")
     if on_cpu and len(on_cpu) == len(devices):
         why = "no rank has a CUDA device"
     elif on_cpu:
         why = f"ranks {on_cpu} train on CPU (a mixed CPU/GPU cohort)"
+    elif on_mig:
+        why = f"ranks {on_mig} train on MIG slices (NCCL does not run on MIG)"
     else:
         why = "; ".join(f"ranks {rs} share one GPU" for rs in shared) + " (NCCL needs one device per rank)"
     if requested == "nccl":
         raise CollectiveRefused(
-            f"cluster.collective=nccl is not possible: {why}; give each rank its own GPU "
-            "(fewer ranks_per_node, or more GPUs) or use cluster.collective=auto to average through Gloo")
+            f"cluster.collective=nccl is not possible: {why}; give each rank a whole GPU of its own "
+            "(fewer ranks_per_node, more GPUs, no MIG) or use cluster.collective=auto to average through Gloo")
     return CollectiveChoice("gloo", f"Gloo for the collective: {why}")
 
 
@@ -110,3 +120,25 @@ def spec_prior_anchor(devices: Mapping[int, RankDevice], world_size: int) -> Opt
     if any(not d.is_cuda or d.score is None for d in devices.values()):
         return None
     return min(devices, key=lambda r: (devices[r].score, r))
+
+
+def arch_runs_on(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a torch build whose ``torch.cuda.get_arch_list()`` is ``arch_list`` has kernels for a device of
+    compute ``capability`` (major, minor). A cubin ``sm_XY`` runs on the same major at minor >= Y (``sm_XYa``, an
+    architecture-specific cubin, on X.Y only); PTX ``compute_XY`` is compiled by the driver for any capability
+    >= X.Y. A list with no CUDA entries (a ROCm build, or none reported) cannot be judged: True."""
+    major, minor = int(capability[0]), int(capability[1])
+    judged = False
+    for entry in arch_list:
+        kind, _, num = str(entry).partition("_")
+        digits = "".join(ch for ch in num if ch.isdigit())
+        if kind not in ("sm", "compute") or len(digits) < 2:
+            continue
+        judged = True
+        a_major, a_minor = int(digits[:-1]), int(digits[-1])
+        specific = num[len(digits):] != ""  # sm_90a, sm_100a: that exact architecture only
+        if kind == "compute" and (major, minor) >= (a_major, a_minor):
+            return True
+        if kind == "sm" and major == a_major and (minor == a_minor if specific else minor >= a_minor):
+            return True
+    return not judged
