@@ -27,6 +27,8 @@ def signal_delay_s(time_min: int) -> int:
 
 def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` keywords for ``cluster`` (pure: unit-testable)."""
+    from ..config import slurm_cpus_per_task
+
     s = cluster.slurm
     extra = s.additional_parameters
     if hasattr(extra, "_get_node"):  # an OmegaConf node: plain values for sbatch
@@ -35,7 +37,7 @@ def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
         extra = OmegaConf.to_container(extra, resolve=True)
     params: dict[str, Any] = dict(
         job_name=job_name, nodes=int(cluster.nodes), ntasks_per_node=int(cluster.ranks_per_node),
-        cpus_per_task=int(s.cpus_per_task), time=int(s.time_min), signal_delay_s=signal_delay_s(s.time_min),
+        cpus_per_task=slurm_cpus_per_task(s), time=int(s.time_min), signal_delay_s=signal_delay_s(s.time_min),
         srun_args=[str(a) for a in s.srun_args], setup=[str(c) for c in s.setup],
         additional_parameters={str(k): v for k, v in dict(extra or {}).items()},
     )
@@ -53,9 +55,12 @@ def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
 
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
+NODE_DEVICES_ENV = "FLODL_NODE_DEVICES"
+"""Set by :func:`restore_visible_devices` when it gave each local task one MIG slice: how many slices the node's
+ranks are spread over (rank/data/budget.ranks_sharing_device counts the ranks on this task's slice from it)."""
 
 
-def restore_visible_devices(executor: str, saved: Optional[str], env: MutableMapping[str, str]) -> None:
+def restore_visible_devices(executor: str, saved: Optional[str], env: MutableMapping[str, str], local_rank: int = 0) -> None:
     """Give a local task the GPUs the user selected when launching.
 
     submitit's local executor always sets ``CUDA_VISIBLE_DEVICES`` for its tasks (``0..n-1``
@@ -63,11 +68,21 @@ def restore_visible_devices(executor: str, saved: Optional[str], env: MutableMap
     would train on GPUs 0 and 1, or on none. The launcher records the user's value (``saved``;
     None = unset, all GPUs) and each local task puts it back before anything touches CUDA. On
     SLURM the allocation's own value stands.
+
+    Several MIG UUIDs: CUDA shows a process only the first MIG device of its list, so every rank
+    would train on the first slice. Each task then gets one entry, ``local_rank mod n`` (rank i
+    on slice i mod n), and ``FLODL_NODE_DEVICES=n`` for the data plane's VRAM split.
     """
     if executor != "local":
         return
+    env.pop(NODE_DEVICES_ENV, None)
     if saved is None:
         env.pop(VISIBLE, None)
+        return
+    entries = [e.strip() for e in saved.split(",") if e.strip()]
+    if sum(e.upper().startswith("MIG-") for e in entries) >= 2:
+        env[VISIBLE] = entries[int(local_rank) % len(entries)]
+        env[NODE_DEVICES_ENV] = str(len(entries))
     else:
         env[VISIBLE] = saved
 

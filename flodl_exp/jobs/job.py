@@ -317,7 +317,7 @@ class RunTask(submitit.helpers.Checkpointable):
         attempt = spec.attempt
         add_import_paths(spec)
         cluster = load_cluster(spec.config["cluster"])
-        restore_visible_devices(cluster.executor, spec.cuda_visible_devices, os.environ)
+        restore_visible_devices(cluster.executor, spec.cuda_visible_devices, os.environ, local_rank)
         gloo_interface(cluster, os.environ)
         if cluster.device != "cuda":
             os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -16,6 +16,9 @@ and the pool are sized from what is left.
 """
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Mapping
 from typing import Optional
 
 MIB = 1 << 20
@@ -247,12 +250,43 @@ def sync_reserve_bytes(param_bytes: int, factor: int = SYNC_WORKSPACE_FACTOR) ->
     return max(0, int(factor) * int(param_bytes))
 
 
-def ranks_sharing_device(ranks_per_node: int, device_count: int, local_rank: int) -> int:
-    """Ranks of a node on ``local_rank``'s GPU when rank ``r`` takes ``cuda:(r % device_count)`` (at least 1)."""
+def _listed(value: Optional[str]) -> int:
+    """Entries of a comma-separated list such as ``SLURM_STEP_GPUS`` (0 when unset or empty)."""
+    return len([e for e in (value or "").split(",") if e.strip()])
+
+
+def node_devices(env: Mapping[str, str]) -> int:
+    """GPUs (or MIG slices) the node's tasks are spread over when each task sees one of them; 0 = not known.
+
+    ``FLODL_NODE_DEVICES`` (the local launcher gave each task one MIG slice), else SLURM's per-task binding:
+    ``--gpus-per-task`` (every task its own GPUs: as many as tasks, ``sys.maxsize``) or the step's GPUs
+    (``SLURM_STEP_GPUS``, ``SLURM_JOB_GPUS``) when ``--gpu-bind`` gave each task a part of them."""
+    from ...jobs.executor import NODE_DEVICES_ENV
+
+    if (env.get(NODE_DEVICES_ENV) or "").strip().isdigit():
+        return int(env[NODE_DEVICES_ENV])
+    per_task = (env.get("SLURM_GPUS_PER_TASK") or "").strip()
+    if per_task and per_task.split(":")[-1].isdigit() and int(per_task.split(":")[-1]) > 0:
+        return sys.maxsize
+    return max(_listed(env.get("SLURM_STEP_GPUS")), _listed(env.get("SLURM_JOB_GPUS")))
+
+
+def ranks_sharing_device(ranks_per_node: int, device_count: int, local_rank: int,
+                         env: Optional[Mapping[str, str]] = None) -> int:
+    """Ranks of a node on ``local_rank``'s GPU when rank ``r`` takes ``cuda:(r % device_count)`` (at least 1).
+
+    A task that sees a single GPU under per-task binding (SLURM ``--gpus-per-task``, ``--gpu-bind``, or one MIG
+    slice per local task: :func:`node_devices` of ``env``, default the process's) shares it only with the ranks
+    bound to the same one, ``r % n == local_rank % n`` over the node's ``n`` devices, not with every rank of
+    the node: counting them all split the VRAM budget for nothing."""
     n = max(1, int(ranks_per_node))
     g = int(device_count)
     if g <= 0:
         return 1
+    if g == 1 and n > 1:
+        spread = node_devices(os.environ if env is None else env)
+        if spread > 1:
+            g = min(spread, n)
     mine = int(local_rank) % g
     return max(1, sum(1 for r in range(n) if r % g == mine))
 
