@@ -171,8 +171,11 @@ class SlurmConfig:
     save a bundle, the job requeues and resumes from it (at most 3 time-limit requeues, then FAILED)."""
     mem_gb: Optional[float] = None
     """sbatch ``--mem`` (memory per node), GB; a fraction is passed in MB. Unset = the partition's default."""
-    cpus_per_task: int = 1
-    """sbatch ``--cpus-per-task``: CPU cores allotted to each rank's task."""
+    cpus_per_task: Optional[int] = None
+    """sbatch ``--cpus-per-task``: CPU cores allotted to each rank's task, an integer >= 1. Unset = 6 when the job
+    asks for GPUs (gpus_per_node > 0: a GPU rank runs its main thread, 4 data-reader threads and NCCL's proxy
+    thread, and task 0 the coordinator beside them; one core would starve the GPU), else 1 (a CPU rank trains on
+    one torch thread; the tasks pack onto small nodes). Raise it with more readers (FLODL_DATA_READERS)."""
     gpus_per_node: int = 0
     """sbatch ``--gpus-per-node``; 0 = the flag is left out (some sites refuse it without GRES). With
     mode.backend=nccl on GPUs, a value from 1 to ranks_per_node - 1 is refused: NCCL needs one GPU per rank
@@ -189,6 +192,18 @@ class SlurmConfig:
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
     """Any other sbatch option, name -> value (``_`` becomes ``-``; true = a bare flag), over the ones above:
     ``+cluster.slurm.additional_parameters.signal=USR2@300`` gives ``--signal=USR2@300``."""
+
+
+GPU_TASK_CPUS = 6
+"""``cluster.slurm.cpus_per_task`` when unset on a GPU job: the rank's main thread, the data plane's 4 reader
+threads (rank/data/pipeline.DEFAULT_READERS), one for NCCL's proxy and the coordinator in task 0."""
+
+
+def slurm_cpus_per_task(slurm: Any) -> int:
+    """``--cpus-per-task`` for ``cluster.slurm``: its ``cpus_per_task``, or the default (see the field)."""
+    if slurm.cpus_per_task is not None:
+        return int(slurm.cpus_per_task)
+    return GPU_TASK_CPUS if int(slurm.gpus_per_node) > 0 else 1
 
 
 @dataclass
@@ -654,6 +669,9 @@ def _cluster_rules(cfg: Any) -> List[str]:
         raise _err("cluster.nodes", c.nodes, "an integer >= 1")
     if c.ranks_per_node < 1:
         raise _err("cluster.ranks_per_node", c.ranks_per_node, "an integer >= 1")
+    cpus = c.slurm.cpus_per_task
+    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1):
+        raise _err("cluster.slurm.cpus_per_task", cpus, f"an integer >= 1, or null ({GPU_TASK_CPUS} with GPUs, else 1)")
     if c.executor == "slurm" and c.device != "cpu":
         gpus = int(c.slurm.gpus_per_node)
         if cfg.mode.backend == "nccl" and c.collective != "gloo" and 0 < gpus < c.ranks_per_node:
