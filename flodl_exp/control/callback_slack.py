@@ -6,7 +6,9 @@ for the window drops by ``ceil(slack / its ms per batch)``, and it runs the eval
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
+
+from .epoch_plan import EpochPlan
 
 EWMA_ALPHA = 0.5
 """Weight of the newest eval time (the reference leaves the coefficient unspecified): evals of one model on one
@@ -14,16 +16,21 @@ data split take near-constant time, so a short memory follows a change (a resize
 
 
 class CallbackSlack:
-    def __init__(self, *, enabled: bool, eval_every: int, epochs: int, epoch_fn: bool = False) -> None:
+    def __init__(self, *, enabled: bool, eval_every: int, epochs: Union[int, EpochPlan], epoch_fn: bool = False) -> None:
         self.enabled = enabled
         self.eval_every = int(eval_every)
-        self.epochs = int(epochs)
+        self._plan = EpochPlan.of(epochs)
         self.epoch_fn = epoch_fn
         """``experiment.epoch_fn`` is set: it runs on the callback rank before every epoch (slack covers the ones
         after the first, which start while the cohort is training)."""
         self.ewma: dict[tuple[int, str], float] = {}
         """(rank, callback: eval | epoch_fn) -> smoothed elapsed time (ms) measured on that rank."""
         self._staged: set[int] = set()
+
+    @property
+    def epochs(self) -> int:
+        """The run's epoch count (the shared :class:`EpochPlan`: lowered once by a stop)."""
+        return self._plan.epochs
 
     @property
     def ewma_ms(self) -> dict[int, float]:

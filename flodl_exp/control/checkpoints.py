@@ -24,7 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..protocol import Save, SaveResult
 from .bundle_store import BundleStore
@@ -33,6 +33,7 @@ from .checkpoint_fn import CheckpointFnRole
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
+from .epoch_plan import EpochPlan
 from .intents import Intents
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -43,7 +44,6 @@ class MetaFacts:
     """What every meta records about the run itself (fixed for the run)."""
 
     world_size: int
-    epochs: int
     experiment: str
     guard_kind: str
     batch_size: int
@@ -51,10 +51,11 @@ class MetaFacts:
 
 
 class BundleWriter:
-    def __init__(self, *, stem: str, facts: MetaFacts, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
+    def __init__(self, *, stem: str, facts: MetaFacts, plan: EpochPlan, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
                  outbox: Outbox, obs: Any, store: BundleStore) -> None:
         self.stem = stem
         self.facts = facts
+        self._plan = plan
         self._cohort = cohort
         self._cycle = cycle
         self._dispatch = dispatch
@@ -251,7 +252,7 @@ class BundleWriter:
         elche = self._cycle.elche
         trend = guard.state_dict().get("trend_history") or None
         meta = {
-            "epoch": f.epochs if epoch is None else int(epoch),
+            "epoch": self._plan.epochs if epoch is None else int(epoch),
             **self._cycle.state_for_meta(),
             "world_size_at_save": f.world_size,
             "mode": self._cycle.mode.name,
@@ -319,13 +320,13 @@ class Checkpoints:
     save, resume): exact, and harmless there since those modes never blend.
     """
 
-    def __init__(self, *, every: int, at_epoch: Optional[int], epochs: int, progressive: bool, world_size: int,
+    def __init__(self, *, every: int, at_epoch: Optional[int], epochs: Union[int, EpochPlan], progressive: bool, world_size: int,
                  writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, obs: Any,
                  intents: Intents, fire_reduce: Callable[..., bool],
                  checkpoint_fn: Optional[CheckpointFnRole] = None) -> None:
         self.every = every
         self.at_epoch = at_epoch if progressive else None
-        self.epochs = epochs
+        self._plan = EpochPlan.of(epochs)
         self.progressive = progressive
         self.world_size = world_size
         self._writer = writer
@@ -335,7 +336,7 @@ class Checkpoints:
         self._obs = obs
         self.periodic: Optional[PeriodicBundle] = None
         """Non-progressive: the epoch-boundary bundle in progress."""
-        self.next_periodic: Optional[int] = every if progressive and 0 < every < epochs else None
+        self.next_periodic: Optional[int] = every if progressive and 0 < every < self._plan.epochs else None
         """Progressive: the epoch whose first reduce finish takes the next periodic bundle."""
         self.coverage_bundle: Optional[CoverageBundle] = None
         """A coverage bundle whose pieces are being written (its meta follows)."""
@@ -348,6 +349,11 @@ class Checkpoints:
         """``experiment.checkpoint_fn`` is set: periodic and requested bundles run it (None: not set)."""
         if self.at_epoch is not None:
             dispatch.hold_after(self.at_epoch)
+
+    @property
+    def epochs(self) -> int:
+        """The run's epoch count (the shared :class:`EpochPlan`: lowered once by a stop)."""
+        return self._plan.epochs
 
     @property
     def busy(self) -> bool:

@@ -65,6 +65,7 @@ from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle
 from .deaths import Deaths
 from .dispatch import Dispatcher, Gate
+from .epoch_plan import EpochPlan
 from .epochs import EpochBoundaries
 from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .intents import Intents
@@ -100,6 +101,8 @@ class ControlCore:
                  dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0) -> None:
         w = shape.world_size
         epochs = cfg.experiment.epochs
+        plan = self.plan = EpochPlan(epochs)
+        """The run's epoch count, one object every component reads (control/epoch_plan.py)."""
         self.W, self.shape = w, shape
         self.clock = clock
         self.obs = observer
@@ -119,7 +122,7 @@ class ControlCore:
             relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
             outer=shape.outer)
         self.dispatch = dispatcher(
-            world_size=w, batch_size=cfg.experiment.batch_size, epochs=epochs, mode=self.mode,
+            world_size=w, batch_size=cfg.experiment.batch_size, epochs=plan, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
             partition_ratios=cfg.mode.partition_ratios, scalar_reductions=dict(cfg.scalar_reductions),
             cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=clock)
@@ -127,19 +130,19 @@ class ControlCore:
         self.intents = Intents()
         """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
         self.slack = CallbackSlack(enabled=cfg.eval.callback_slack, eval_every=cfg.eval.every,
-                                   epochs=epochs, epoch_fn=self.epoch_fn)
+                                   epochs=plan, epoch_fn=self.epoch_fn)
         self.store = store
         self.writer = BundleWriter(
             stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
-            outbox=self.outbox, obs=observer, store=store,
-            facts=MetaFacts(world_size=w, epochs=epochs, experiment=cfg.experiment.name,
+            outbox=self.outbox, obs=observer, store=store, plan=plan,
+            facts=MetaFacts(world_size=w, experiment=cfg.experiment.name,
                             guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
                             shuffle_seed=facts.shuffle_seed))
         self.checkpoint_fn = CheckpointFnRole(cohort=self.cohort, outbox=self.outbox, obs=observer,
                                               consensus=self.mode.is_cpu)
         """``experiment.checkpoint_fn``: run with periodic and requested bundles, failing over (control/checkpoint_fn.py)."""
         self.checkpoints = Checkpoints(
-            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=epochs,
+            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=plan,
             progressive=shape.progressive, world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle,
             dispatch=self.dispatch, obs=observer, intents=self.intents, fire_reduce=self.fire_reduce,
             checkpoint_fn=self.checkpoint_fn if cfg.experiment.checkpoint_fn else None)
@@ -157,7 +160,7 @@ class ControlCore:
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
             checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=clock, fire_reduce=self.fire_reduce)
         self.run_end = RunEnd(
-            world_size=w, epochs=epochs, blended=shape.easgd_alpha is not None, mode=self.mode, life=self.life,
+            world_size=w, epochs=plan, blended=shape.easgd_alpha is not None, mode=self.mode, life=self.life,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
             checkpoints=self.checkpoints, checkpoint_fn=self.checkpoint_fn, slack=self.slack, intents=self.intents,
             outbox=self.outbox, obs=observer, enter=self.enter, shutdown=self.shutdown, fire_reduce=self.fire_reduce)
@@ -199,7 +202,7 @@ class ControlCore:
     @property
     def epochs(self) -> int:
         """The run's epoch count (fewer than the config's once a loop asked to stop: RunEnd.stop_early)."""
-        return self.run_end.epochs
+        return self.plan.epochs
 
     # -- resume ---------------------------------------------------------------------
     def restore(self, meta: BundleMeta, guard_kind: str) -> None:

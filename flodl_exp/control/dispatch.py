@@ -21,7 +21,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..mode import Mode
 from ..outer import OuterStep
@@ -43,6 +43,7 @@ from .chunk_pool import (
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .epoch_metrics import EpochAccumulator
+from .epoch_plan import EpochPlan
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -119,12 +120,12 @@ class AggregatedEpoch:
 
 
 class Dispatcher:
-    def __init__(self, *, world_size: int, batch_size: int, epochs: int, mode: Mode, progressive: bool,
+    def __init__(self, *, world_size: int, batch_size: int, epochs: Union[int, EpochPlan], mode: Mode, progressive: bool,
                  max_overshoot: Optional[int], partition_ratios: Optional[list[float]], scalar_reductions: dict[str, str],
                  cohort: Cohort, cycle: AveragingCycle, outbox: Outbox, clock: Callable[[], float]) -> None:
         self.W = world_size
         self.bs = batch_size
-        self.epochs = epochs
+        self._plan = EpochPlan.of(epochs)
         self.mode = mode
         self.progressive = progressive
         self.advise = False
@@ -172,6 +173,11 @@ class Dispatcher:
         """rank -> ExtendPartition chunk ids sent to it, in order (see _extension_in_training)."""
         self._steps = _Steps(cycle, world_size)
         self._ids = itertools.count()
+
+    @property
+    def epochs(self) -> int:
+        """The run's epoch count (the shared :class:`EpochPlan`: lowered once by a stop)."""
+        return self._plan.epochs
 
     def _open(self, e: int) -> EpochAccumulator:
         if e not in self.accs:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..mode import Mode
@@ -24,6 +24,7 @@ from .checkpoints import BundleWriter, Checkpoints
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
+from .epoch_plan import EpochPlan
 from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .ports import CoreObserver
@@ -50,13 +51,13 @@ class EvalState:
 class RunEnd:
     """Evals, intents, the stop rule and the run's end; see the module docstring."""
 
-    def __init__(self, *, world_size: int, epochs: int, blended: bool, mode: Mode, life: Lifecycle, cohort: Cohort,
+    def __init__(self, *, world_size: int, epochs: EpochPlan, blended: bool, mode: Mode, life: Lifecycle, cohort: Cohort,
                  cycle: AveragingCycle, dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints,
                  checkpoint_fn: CheckpointFnRole, slack: CallbackSlack, intents: Intents, outbox: Outbox,
                  obs: CoreObserver, enter: Callable[[Phase], None], shutdown: Callable[[], None],
                  fire_reduce: Callable[..., bool]) -> None:
-        self.epochs = epochs
-        """The run's epoch count: the config's, or fewer once a loop asked to stop (:meth:`stop_early`)."""
+        self._plan = epochs
+        """The run's epoch count, shared with dispatch, slack, checkpoints and the writer (control/epoch_plan.py)."""
         self.evals = EvalState()
         self._w = world_size
         self._blended = blended
@@ -76,6 +77,11 @@ class RunEnd:
         self._enter = enter
         self._shutdown = shutdown
         self._fire_reduce = fire_reduce
+
+    @property
+    def epochs(self) -> int:
+        """The run's epoch count (the shared :class:`EpochPlan`: lowered once by a stop)."""
+        return self._plan.epochs
 
     # -- evals -----------------------------------------------------------------------------
     def send_eval(self, e: int) -> bool:
@@ -160,10 +166,9 @@ class RunEnd:
         if last + 1 >= self.epochs:
             return  # already the last epoch (or a later stop asked for less)
         log.info("rank %d asked to stop (in epoch %d): epoch %d is the last of %d planned", r, asked, last, self.epochs)
-        self.epochs = d.epochs = self._slack.epochs = self._checkpoints.epochs = last + 1
+        self._plan.end_after(last)
         if self._checkpoints.next_periodic is not None and self._checkpoints.next_periodic > last:
             self._checkpoints.next_periodic = None
-        self._writer.facts = replace(self._writer.facts, epochs=last + 1)
         self._obs.set_tags({"stopped_early": f"after epoch {last} (asked by rank {r} in epoch {asked})"})
         self._obs.emit({"event": "stop", "rank": r, "asked_epoch": asked, "last_epoch": last})
 

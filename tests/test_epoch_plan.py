@@ -1,0 +1,30 @@
+"""The run's epoch count is one object (control/epoch_plan.py): a stop lowers it once and every component reads it."""
+from __future__ import annotations
+
+import pytest
+
+from flodl_exp.control.epoch_plan import EpochPlan
+
+
+def test_a_stop_only_lowers_the_plan():
+    p = EpochPlan(10)
+    p.end_after(3)
+    assert p.epochs == 4
+    p.end_after(7)  # a later stop asking for more epochs asks for nothing
+    assert p.epochs == 4
+
+
+def test_a_plan_needs_an_epoch():
+    with pytest.raises(ValueError, match="at least one epoch"):
+        EpochPlan(0)
+
+
+def test_every_component_of_the_core_reads_the_one_plan():
+    from test_control_core import Bare, FakeClock, cfg_of
+
+    core = Bare(cfg_of("cpu_cadence", 2, epochs=6, **{"checkpoint.every": 2}), FakeClock()).core
+    readers = [core.dispatch, core.slack, core.checkpoints, core.run_end]
+    assert all(c.epochs == 6 for c in readers)
+    core.plan.end_after(2)
+    assert core.epochs == 3 and all(c.epochs == 3 for c in readers)
+    assert core.writer._plan is core.plan  # the bundle meta's default epoch is the plan's too
