@@ -414,7 +414,8 @@ class Checkpoints:
         if self.at_epoch is not None and not self.at_epoch_done and reached >= self.at_epoch:
             self.at_epoch_done = True
             self._take(self._writer.stem_for("at_epoch", self.at_epoch), "at_epoch", "checkpoints/at_epoch", self.at_epoch)
-        elif self.next_periodic is not None and reached >= self.next_periodic:
+        elif self.next_periodic is not None and reached >= self.next_periodic and self.next_periodic < self.epochs:
+            # (a stop that lowered the plan below the next periodic epoch leaves it untaken)
             due = self.next_periodic
             nxt = (reached // self.every + 1) * self.every
             self.next_periodic = nxt if nxt < self.epochs else None

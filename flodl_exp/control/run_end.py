@@ -167,8 +167,6 @@ class RunEnd:
             return  # already the last epoch (or a later stop asked for less)
         log.info("rank %d asked to stop (in epoch %d): epoch %d is the last of %d planned", r, asked, last, self.epochs)
         self._plan.end_after(last)
-        if self._checkpoints.next_periodic is not None and self._checkpoints.next_periodic > last:
-            self._checkpoints.next_periodic = None
         self._obs.set_tags({"stopped_early": f"after epoch {last} (asked by rank {r} in epoch {asked})"})
         self._obs.emit({"event": "stop", "rank": r, "asked_epoch": asked, "last_epoch": last})
 
