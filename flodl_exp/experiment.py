@@ -26,6 +26,22 @@ class Experiment:
     epoch_fn: Optional[Callable[[int, nn.Module, dict], Optional[dict]]] = None
     checkpoint_fn: Optional[Callable[[int, nn.Module], None]] = None
     """``experiment.checkpoint_fn``: run with a periodic or requested bundle on its model-piece rank."""
+    amp: Optional[str] = None
+    """``experiment.amp``: the managed step's mixed precision, ``fp16`` (autocast + a GradScaler), ``bf16``
+    (autocast, no scaler needed) or None (float32, as the model is)."""
+
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""``experiment.amp`` values and the autocast dtype each means."""
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s own torch random streams (CPU and CUDA: dropout masks, random augmentation):
+    apart from every other rank's and from ``seed``'s stream, the same at every start of the run."""
+    import numpy as np
+
+    state = np.random.SeedSequence([int(seed) % 2**64, int(rank)]).generate_state(1, dtype=np.uint64)
+    return int(state[0]) % 2**63
 
 
 def _to_container(node: Any) -> Any:
@@ -79,12 +95,16 @@ def _built(key: str, node: Any, make: Callable[[], Any]) -> Any:
         raise ExperimentSetupError(f"experiment.{key}", _target(node), e) from e
 
 
-def build_experiment(exp: Any, *, world_size: int, device: torch.device, seed: int, augment: int = 1) -> Experiment:
+def build_experiment(exp: Any, *, world_size: int, device: torch.device, seed: int, augment: int = 1,
+                     rank: Optional[int] = None) -> Experiment:
     """Instantiate every factory of ``exp`` (an ExperimentConfig node or plain dict).
 
-    The model is created under ``torch.manual_seed(seed)`` so every rank starts
+    The model (and the data sets after it) are created under ``torch.manual_seed(seed)`` so every rank starts
     from the same weights (averaging replicas that started apart wastes the
-    first windows). A factory that fails raises :class:`ExperimentSetupError` (its key, target and cause).
+    first windows). Then, given its ``rank``, the rank's torch CPU and CUDA generators are reseeded with
+    :func:`rank_seed`: replicas that drew one stream would apply the same dropout masks at equal step counts.
+    The data partition does not draw from torch (partition.py seeds its own generator). A factory that fails
+    raises :class:`ExperimentSetupError` (its key, target and cause).
     """
     from hydra.utils import get_method, instantiate
 
@@ -104,8 +124,14 @@ def build_experiment(exp: Any, *, world_size: int, device: torch.device, seed: i
     def method(key: str) -> Any:
         return _built(key, exp[key], lambda: get_method(exp[key])) if exp.get(key) else None
 
-    return Experiment(model, optimizer, lr_factor, train_data, eval_data, method("train_step"), method("eval_fn"),
-                      method("epoch_fn"), method("checkpoint_fn"))
+    amp = exp.get("amp") or None
+    if amp is not None and amp not in AMP_DTYPES:
+        raise ExperimentSetupError("experiment.amp", None, ValueError(f"{amp!r}: fp16, bf16 or unset"))
+    built = Experiment(model, optimizer, lr_factor, train_data, eval_data, method("train_step"), method("eval_fn"),
+                       method("epoch_fn"), method("checkpoint_fn"), amp=amp)
+    if rank is not None:
+        torch.manual_seed(rank_seed(seed, rank))  # seeds every CUDA device too
+    return built
 
 
 def fetch_batch(dataset: Any, sample_ids: Any) -> Any:
@@ -117,12 +143,3 @@ def fetch_batch(dataset: Any, sample_ids: Any) -> Any:
         return tuple(torch.stack([torch.as_tensor(it[k]) for it in items]) for k in range(len(items[0])))
     return torch.stack([torch.as_tensor(it) for it in items])
 
-
-def batch_to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(batch_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: batch_to(v, device) for k, v in batch.items()}
-    return batch

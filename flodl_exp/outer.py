@@ -13,7 +13,10 @@ count or shapes restarts the momentum the same way.
 
 The same class runs once at the coordinator (cpu backend, on each window's parameter frame) or
 replicated on every rank after the all-reduce (nccl backend): identical inputs give identical
-results, so no extra collective is needed. Arithmetic is float32 whatever the parameters' dtype.
+results, so no extra collective is needed (except after a regroup: a collective that failed on some
+ranks and not others can leave the survivors' states apart, so the rank re-syncs it from the group's
+rank 0). Arithmetic is float32 whatever the parameters' dtype. The state is one flat buffer updated in
+place: on a GPU it is allocated once, up front, and a step allocates no parameter-sized tensor.
 """
 from __future__ import annotations
 
@@ -43,77 +46,168 @@ class OuterStep:
     """The first window (or a parameter-count change): a no-op that seeded the momentum at zero."""
 
 
-def _norm(ts: Sequence[torch.Tensor]) -> float:
-    """The L2 norm over several tensors, read back once (one device sync, not one per tensor)."""
-    return _sum_norm([t.float().pow(2).sum() for t in ts])
-
-
-def _sum_norm(squares: Sequence[torch.Tensor]) -> float:
-    if not squares:
-        return 0.0
-    return math.sqrt(float(torch.stack([s.to(squares[0].device) for s in squares]).sum()))
-
-
 class OuterOptimizer:
-    """The outer optimizer's state (``prev`` and the momentum ``v``, float32, one tensor per parameter)."""
+    """The outer optimizer's state: ``prev`` and the momentum ``v``, float32, one tensor per parameter.
+
+    Both live in one flat float32 buffer (``[prev | v | seeded]``), allocated once (:meth:`allocate`, which
+    the nccl rank calls at start-up, before its data plane sizes the device pool) and updated in place: a
+    step allocates no parameter-sized tensor beyond its scratch (its own, kept, or the caller's
+    ``workspace``). ``prev`` and ``momentum`` are views of it (None until the first window seeded them)."""
 
     def __init__(self, spec: OuterSpec) -> None:
         self.spec = spec
         self.prev: Optional[list[torch.Tensor]] = None
         self.momentum: Optional[list[torch.Tensor]] = None
+        self._state: Optional[torch.Tensor] = None
+        """``[prev (n) | momentum (n) | seeded flag (1)]``, float32, on the parameters' device."""
+        self._shapes: tuple[tuple[int, ...], ...] = ()
+        self._scratch: Optional[torch.Tensor] = None
 
-    def _matches(self, params: Sequence[torch.Tensor]) -> bool:
-        prev = self.prev
-        return prev is not None and len(prev) == len(params) and all(
-            tuple(a.shape) == tuple(b.shape) for a, b in zip(prev, params))
+    @property
+    def numel(self) -> int:
+        """Elements of one parameter-sized vector of the state (0 before :meth:`allocate`)."""
+        return sum(math.prod(s) for s in self._shapes)
+
+    def allocate(self, params: Sequence[torch.Tensor], device: Optional[torch.device] = None) -> None:
+        """Create the state's storage for parameters shaped as ``params`` (on their device unless ``device``), unseeded;
+        kept when it fits already. ``avg`` keeps no state."""
+        if not self.spec.stateful:
+            return
+        shapes = tuple(tuple(p.shape) for p in params)
+        dev = device if device is not None else (params[0].device if params else torch.device("cpu"))
+        if self._state is not None and self._shapes == shapes and self._state.device == dev:
+            return
+        self.prev = self.momentum = None
+        self._state = self._scratch = None  # the old storage goes before the new one comes
+        self._shapes = shapes
+        self._state = torch.zeros(2 * self.numel + 1, dtype=torch.float32, device=dev)
+
+    @property
+    def state_buffer(self) -> Optional[torch.Tensor]:
+        """The whole state as one tensor (what a regroup broadcasts so the survivors hold the same); call
+        :meth:`state_changed` after writing into it."""
+        return self._state
+
+    def state_changed(self) -> None:
+        """The state buffer was overwritten (a broadcast): take its seeded flag (one host read)."""
+        if self._state is None:
+            return
+        seeded = bool(self._state[-1].item())
+        self.prev, self.momentum = (self._views(0), self._views(self.numel)) if seeded else (None, None)
+
+    def _views(self, base: int) -> list[torch.Tensor]:
+        assert self._state is not None
+        out, off = [], base
+        for s in self._shapes:
+            k = math.prod(s)
+            out.append(self._state[off:off + k].view(s))
+            off += k
+        return out
+
+    def _work(self, workspace: Optional[torch.Tensor]) -> torch.Tensor:
+        """A float32 scratch of ``numel`` on the state's device: the caller's ``workspace`` when it fits, else ours (kept)."""
+        assert self._state is not None
+        n, dev = self.numel, self._state.device
+        if workspace is not None and workspace.dtype == torch.float32 and workspace.device == dev and workspace.numel() >= n:
+            return workspace[:n]
+        if self._scratch is None:
+            self._scratch = torch.empty(n, dtype=torch.float32, device=dev)
+        return self._scratch
+
+    @torch.no_grad()
+    def _advance(self, consensus: Sequence[torch.Tensor], workspace: Optional[torch.Tensor]) -> OuterStep:
+        """Step the state for this window's ``consensus``, in place: ``prev`` becomes the new global."""
+        shapes = tuple(tuple(t.shape) for t in consensus)
+        if self._state is None or shapes != self._shapes:  # first use, or the model changed: restart
+            self.allocate(consensus, consensus[0].device if consensus else None)
+        assert self._state is not None
+        n = self.numel
+        prev, mom = self._state[:n], self._state[n:2 * n]
+        if self.prev is None:  # the first window: seed prev = consensus, v = 0, adopt the consensus
+            _pack(consensus, prev)
+            mom.zero_()
+            self._state[-1] = 1.0
+            self.prev, self.momentum = self._views(0), self._views(n)
+            return OuterStep(0.0, 0.0, seeded=True)
+        lr, mu = self.spec.lr, self.spec.mu
+        g = self._work(workspace)
+        _pack(consensus, g)
+        g.neg_().add_(prev)  # g = prev - consensus
+        mom.mul_(mu).add_(g)
+        direction = mom if self.spec.kind == "slowmo" else g.add_(mom, alpha=mu)
+        moved = torch.linalg.vector_norm(direction) * lr  # ||new - prev|| = lr ||direction||
+        prev.sub_(direction, alpha=lr)
+        step_norm, momentum_norm = torch.stack([moved, torch.linalg.vector_norm(mom)]).tolist()  # one host read
+        return OuterStep(step_norm, momentum_norm, seeded=False)
 
     @torch.no_grad()
     def step(self, consensus: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Optional[OuterStep]]:
         """The global to adopt for this window's ``consensus`` (parameters, in model order), in the
-        consensus's dtypes and devices. ``avg`` returns the consensus itself and no step record."""
+        consensus's dtypes and devices: new tensors, the caller's to keep. ``avg`` returns the consensus
+        itself and no step record."""
         if not self.spec.stateful:
             return list(consensus), None
-        cons = [t.detach().float() for t in consensus]
-        if not self._matches(cons):  # first window, or the model changed: seed at zero, adopt the consensus
-            self.prev = [t.clone() for t in cons]
-            self.momentum = [torch.zeros_like(t) for t in cons]
-            return list(consensus), OuterStep(0.0, 0.0, seeded=True)
-        assert self.prev is not None and self.momentum is not None
-        lr, mu = self.spec.lr, self.spec.mu
-        new: list[torch.Tensor] = []
-        moved_sq: list[torch.Tensor] = []
-        for i, c in enumerate(cons):
-            prev, v = self.prev[i].to(c.device), self.momentum[i].to(c.device)
-            g = prev - c
-            v.mul_(mu).add_(g)
-            direction = v if self.spec.kind == "slowmo" else g.add_(v, alpha=mu)  # g is not needed after this
-            moved_sq.append(direction.float().pow(2).sum() * (lr * lr))  # ||new - prev|| = lr ||direction||
-            new.append(prev.sub(direction, alpha=lr))
-            self.momentum[i] = v
-        # The returned tensors become the next ``prev`` as they are: callers must not modify them in place.
-        self.prev = new
-        out = [n.to(dtype=c.dtype) for n, c in zip(new, consensus)]
-        return out, OuterStep(_sum_norm(moved_sq), self.momentum_norm(), seeded=False)
+        rec = self._advance(consensus, None)
+        assert self.prev is not None
+        return [p.to(device=c.device, dtype=c.dtype, copy=True) for p, c in zip(self.prev, consensus)], rec
+
+    @torch.no_grad()
+    def apply(self, params: Sequence[torch.Tensor], workspace: Optional[torch.Tensor] = None) -> Optional[OuterStep]:
+        """The nccl rank's step: ``params`` hold the window's consensus and take the new global, in place.
+        ``workspace``: a free float32 buffer of at least the parameter count on their device (the sync's
+        all-reduce buffer), used as the step's scratch. None for ``avg``."""
+        if not self.spec.stateful:
+            return None
+        rec = self._advance([p.detach() for p in params], workspace)
+        if not rec.seeded:
+            assert self.prev is not None
+            for p, v in zip(params, self.prev):
+                p.copy_(v)
+        return rec
 
     def momentum_norm(self) -> float:
-        return _norm(self.momentum or [])
+        if self._state is None or self.prev is None:
+            return 0.0
+        n = self.numel
+        return float(torch.linalg.vector_norm(self._state[n:2 * n]))
 
     # -- the bundle sidecar ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The sidecar's content: ``momentum`` and ``prev``, one CPU tensor per parameter, positional."""
+        """The sidecar's content: ``momentum`` and ``prev``, one CPU tensor per parameter (copies), positional."""
         return {
             "format": SIDECAR_FORMAT,
             "kind": self.spec.kind,
             "lr": self.spec.lr,
             "mu": self.spec.mu,
-            "momentum": [t.detach().to("cpu") for t in self.momentum or []],
-            "prev": [t.detach().to("cpu") for t in self.prev or []],
+            "momentum": [t.detach().to("cpu", copy=True) for t in self.momentum or []],
+            "prev": [t.detach().to("cpu", copy=True) for t in self.prev or []],
         }
 
     def load_state_dict(self, state: dict[str, Any], device: Optional[torch.device] = None) -> None:
-        """Restore a sidecar (the knobs may differ from the saved ones: the run's config wins)."""
-        mom = [t.float().to(device) if device is not None else t.float() for t in state.get("momentum") or []]
-        prev = [t.float().to(device) if device is not None else t.float() for t in state.get("prev") or []]
+        """Restore a sidecar (the knobs may differ from the saved ones: the run's config wins), into the
+        state's storage (allocated for the sidecar's shapes unless it fits)."""
+        mom = list(state.get("momentum") or [])
+        prev = list(state.get("prev") or [])
         if len(mom) != len(prev):
             raise ValueError(f"outer sidecar: {len(mom)} momentum tensors but {len(prev)} prev tensors")
-        self.momentum, self.prev = (mom, prev) if mom else (None, None)
+        if not mom:
+            self.prev = self.momentum = None
+            return
+        dev = device if device is not None else (self._state.device if self._state is not None else torch.device("cpu"))
+        self.allocate(prev, dev)
+        assert self._state is not None
+        n = self.numel
+        with torch.no_grad():
+            _pack(prev, self._state[:n])
+            _pack(mom, self._state[n:2 * n])
+            self._state[-1] = 1.0
+        self.prev, self.momentum = self._views(0), self._views(n)
+
+
+def _pack(ts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``ts`` one after the other into the flat ``out`` (cast to float32): no allocation."""
+    off = 0
+    for t in ts:
+        k = t.numel()
+        out[off:off + k].view(t.shape).copy_(t)
+        off += k

@@ -278,7 +278,7 @@ def _nccl_rank(spec: OuterSpec = SLOWMO, windows: int = 3, reduced: bool = True)
     resets: list[int] = []
     trainer = SimpleNamespace(model=model, optimizer=opt, global_step=0, reset_optimizer_state=lambda: resets.append(1))
     w, sent = rank_control(trainer, outer_spec=spec, outer=OuterOptimizer(spec))
-    w.collective = SimpleNamespace(reduced=reduced)  # type: ignore[assignment]  # the group formed, as far as the step asks
+    w.collective = SimpleNamespace(reduced=reduced, workspace=None)  # type: ignore[assignment]  # the group formed, as far as the step asks
     assert w.outer is not None
     for cons in _windows()[:windows]:
         w.outer.step([cons[0].reshape(2, 1), cons[1].repeat(2)])

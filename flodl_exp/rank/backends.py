@@ -12,19 +12,81 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..averaging import adopt, divergence, flat_params, float_buffers, mass
+from ..averaging import adopt, float_buffers, mass
 from ..protocol import Snapshot, Update
 from ..store_names import group_prefix
 
 log = logging.getLogger(__name__)
+
+TORCH_FLOOR = (2, 6)
+"""The oldest torch a rank runs on: elastic regroup aborts an NCCL group with ``_abort_process_group``
+(torch.distributed, new in 2.6); without it a regroup re-initialises a live default group and fails."""
+
+
+def check_torch_version(version: str) -> Optional[str]:
+    """One line naming the installed torch and the floor when ``version`` is older than :data:`TORCH_FLOOR`, else None.
+
+    ``version`` is ``torch.__version__`` (``2.5.1+cu121``, ``2.6.0a0+git...``); a string that does not start with
+    ``major.minor`` is let through (a private build: the abort path says so itself if it lacks the function)."""
+    m = re.match(r"\s*(\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= TORCH_FLOOR:
+        return None
+    floor = ".".join(map(str, TORCH_FLOOR))
+    return (f"torch {version} is installed but flodl_exp needs torch>={floor} (elastic regroup aborts NCCL groups "
+            f"with torch.distributed's _abort_process_group, new in {floor}): pip install 'torch>={floor}'")
+
+
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_environment(env: MutableMapping[str, str]) -> list[str]:
+    """Set what NCCL must see before its process group is created; returns a line to log for each user setting
+    changed.
+
+    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, whatever was inherited: with 1 (common in DDP guides; sbatch passes the
+      environment on) NCCL's watchdog tears the process down when a collective outlives the group's timeout,
+      instead of our polling path raising :class:`CollectiveTimeout` and regrouping. torch reads this name
+      after its deprecated alias ``NCCL_ASYNC_ERROR_HANDLING``, so setting it wins over both.
+    * ``NCCL_SOCKET_IFNAME`` from ``GLOO_SOCKET_IFNAME`` when unset: the job pins Gloo's interface on multi-node
+      runs (jobs/job.py) and NCCL's bootstrap needs the same routable interface; a user's own value is kept.
+    """
+    notes = []
+    had = env.get(ASYNC_ERROR_HANDLING)
+    if had is not None and had.strip() != "0":
+        notes.append(f"{ASYNC_ERROR_HANDLING}={had} from the environment overridden to 0: a collective that outlives "
+                     "cluster.collective_timeout_s raises in Python and the rank regroups, instead of NCCL's watchdog "
+                     "ending the process")
+    env[ASYNC_ERROR_HANDLING] = "0"
+    if not env.get("NCCL_SOCKET_IFNAME") and env.get("GLOO_SOCKET_IFNAME"):
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"]
+    return notes
+
+
+def _pack(ts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``ts`` one after the other into the flat ``out`` (cast to its dtype): no allocation."""
+    off = 0
+    for t in ts:
+        k = t.numel()
+        out[off:off + k].view_as(t).copy_(t)
+        off += k
+
+
+def _unpack(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+    """The inverse of :func:`_pack`: each of ``ts`` takes its slice of ``flat``."""
+    off = 0
+    for t in ts:
+        k = t.numel()
+        t.copy_(flat[off:off + k].view_as(t))
+        off += k
 
 
 _RETIRED: list[Any] = []
@@ -46,6 +108,16 @@ def retire(*objs: Any) -> None:
             continue
         _RETIRED.append(o)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
+
+
+def _divergence(pre: torch.Tensor, post: torch.Tensor) -> tuple[float, float, float]:
+    """``averaging.divergence`` over the sync's own buffers: no flat copy, one host read. ``post`` (the averaged
+    slice of the all-reduce buffer, free once the replica took it) is overwritten with ``post - pre``."""
+    post_n = torch.linalg.vector_norm(post)
+    pre_n = torch.linalg.vector_norm(pre)
+    delta = torch.linalg.vector_norm(post.sub_(pre))
+    post_f, pre_f, delta_f = torch.stack([post_n, pre_n, delta]).tolist()
+    return (delta_f / post_f if post_f > 1e-10 else 0.0), post_f, pre_f
 
 
 class CollectiveTimeout(RuntimeError):
@@ -107,13 +179,24 @@ class CollectiveBackend:
         if backend == "nccl":
             # Errors and timeouts surface as Python exceptions on our polling path, never as a process abort
             # by the watchdog (torch: use _abort_process_group with async error handling turned off).
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+            for note in nccl_environment(os.environ):
+                log.warning("rank %d: %s", rank, note)
         self.reduced = False
         """The last sync averaged (some rank moved): the outer optimizer steps only then."""
         self.group: Any = None
         """Gloo: this generation's standalone process group (NCCL: the default group, through ``dist``)."""
         self.pending: Any = None
-        """The collective being waited for (retired with its group if the wait ends before it does)."""
+        """The collective being waited for (retired with its group if the wait ends before it does); still set
+        after a wait that failed, so :meth:`close` aborts instead of waiting in ``destroy_process_group``."""
+        self._flat: Optional[torch.Tensor] = None
+        """The sync's all-reduce buffer (float32, parameters then float buffers, on the rank's device), reused by
+        every sync: allocated once by :meth:`prepare`, so a sync allocates nothing and the bytes are live when
+        the data plane sizes its device pool."""
+        self._saved: Optional[torch.Tensor] = None
+        """The replica as it was when the sync began (same layout): the divergence's ``pre`` and what
+        :meth:`restore` puts back after a failed collective."""
+        self._host: Optional[torch.Tensor] = None
+        """Gloo with a CUDA replica: the pinned host copy the collective reduces."""
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
         self.timeout = timedelta(seconds=self.op_timeout_s + self.GROUP_TIMEOUT_MARGIN_S)
         self._init(generation, rank, world_size)
@@ -167,8 +250,8 @@ class CollectiveBackend:
                                         "(cluster.collective_timeout_s)")
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
-        self.pending = None
         work.wait()
+        self.pending = None  # kept when wait() raised: the group holds a failed collective (see close)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         if self.group is not None:
@@ -176,9 +259,48 @@ class CollectiveBackend:
         else:
             self._wait(self.dist.all_reduce(t, async_op=True))
 
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
+        """``t`` from the group's rank ``src`` to every member, in place (waited for as the all_reduce is)."""
+        comm = t if t.device == self.comm_device else t.to(self.comm_device)
+        if self.group is not None:
+            self._wait(self.group.broadcast(comm, src))
+        else:
+            self._wait(self.dist.broadcast(comm, src=src, async_op=True))
+        if comm is not t:
+            t.copy_(comm)
+
+    def prepare(self, model: nn.Module) -> None:
+        """Allocate the sync's buffers for ``model`` (2x its parameter and float-buffer count in float32 on its
+        device, plus a pinned host copy for Gloo with a CUDA replica) unless they fit already. The rank calls it
+        when the group forms, before the first chunk sizes the data plane's device pool."""
+        n = sum(t.numel() for t in list(model.parameters()) + float_buffers(model))
+        if self._flat is not None and self._flat.numel() == n:
+            return
+        self._flat = self._saved = self._host = None  # the old ones go before the new ones come
+        self._flat = torch.empty(n, dtype=torch.float32, device=self.device)
+        self._saved = torch.empty(n, dtype=torch.float32, device=self.device)
+        if self.comm_device != self.device:
+            self._host = torch.empty(n, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+
+    @property
+    def workspace(self) -> Optional[torch.Tensor]:
+        """The all-reduce buffer, free once a sync returned: the outer optimizer's scratch (no allocation)."""
+        return self._flat
+
+    def restore(self, model: nn.Module) -> None:
+        """Put the replica back as it was when the last sync began (after a failed collective)."""
+        if self._saved is not None:
+            with torch.no_grad():
+                _unpack(self._saved, list(model.parameters()) + float_buffers(model))
+
     def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True) -> tuple[Optional[float], Optional[float], Optional[float]]:
         params = [p for p in model.parameters()]
         bufs = float_buffers(model)
+        self.prepare(model)
+        flat, saved = self._flat, self._saved
+        assert flat is not None and saved is not None
+        with torch.no_grad():
+            _pack(params + bufs, saved)  # before anything can fail: restore() puts this back
         m = mass(n, gamma)
         # [mass, mover] in one small collective.
         head = torch.tensor([m, 1.0 if n > 0 else 0.0], dtype=torch.float64, device=self.comm_device)
@@ -188,32 +310,23 @@ class CollectiveBackend:
         if total <= 0:
             return (0.0, None, None) if with_divergence else (None, None, None)
         with torch.no_grad():
-            pre = flat_params(model) if with_divergence else None
             n_params = sum(p.numel() for p in params)
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in params + bufs])
+            flat.copy_(saved)
             flat[:n_params].mul_(m)
             if n <= 0:
                 flat[n_params:].zero_()  # a rank that did not move gives no buffer vote
-            if flat.device != self.comm_device:
-                flat = flat.to(self.comm_device)
-            self._all_reduce(flat)
-            if flat.device != self.device:
-                flat = flat.to(self.device)
+            if self._host is not None:
+                self._host.copy_(flat)  # device -> host, synchronous: Gloo reads it on the host
+                self._all_reduce(self._host)
+                flat.copy_(self._host, non_blocking=self._host.is_pinned())  # stream-ordered before the uses below
+            else:
+                self._all_reduce(flat)
             pflat = flat[:n_params].div_(total)
-            off = 0
-            for p in params:
-                k = p.numel()
-                p.copy_(pflat[off:off + k].view_as(p))
-                off += k
+            _unpack(pflat, params)
             if bufs and movers > 0:
-                bflat = flat[n_params:].div_(movers)
-                off = 0
-                for b in bufs:
-                    k = b.numel()
-                    b.copy_(bflat[off:off + k].view_as(b))
-                    off += k
-            if pre is not None:
-                return divergence(pre, flat_params(model))
+                _unpack(flat[n_params:].div_(movers), bufs)
+            if with_divergence:
+                return _divergence(saved[:n_params], pflat)
         return None, None, None
 
     def abort(self) -> None:
@@ -229,17 +342,23 @@ class CollectiveBackend:
             if pending is not None and not pending.is_completed():
                 retire(group, pending)
             return
+        self.pending = None
+        if not self.dist.is_initialized():
+            return
         try:
-            if self.dist.is_initialized():
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group()
+            from torch.distributed.distributed_c10d import _abort_process_group
+        except ImportError as e:  # torch < 2.6: a regroup would re-initialise the live group and fail; say why
+            raise RuntimeError(check_torch_version(torch.__version__)
+                               or f"torch {torch.__version__} has no torch.distributed _abort_process_group") from e
+        try:
+            _abort_process_group()
         except Exception as e:  # pragma: no cover - teardown best effort
             log.warning("aborting the process group: %s", e)
 
     def close(self) -> None:
-        """Orderly teardown at the end of a healthy run."""
-        if self.group is not None:
+        """Orderly teardown at the end of a healthy run; an abort when a collective failed or is still pending
+        (``destroy_process_group`` would wait for it)."""
+        if self.group is not None or self.pending is not None:
             self.abort()
             return
         try:
@@ -264,12 +383,17 @@ class CoordinatorBackend:
     snapshots: parameters are flattened (and cast to bf16 with ``bf16_wire``) on the GPU,
     copied in one transfer per dtype, and the stream is synchronised once. The snapshot's
     tensors are views of that buffer, valid until the next snapshot (the rank sends each
-    snapshot before it takes another).
+    snapshot before it takes another). The consensus comes back the same way round: packed
+    into a second pinned buffer and sent to the GPU in one transfer (:meth:`inbound`).
     """
 
     def __init__(self, bf16_wire: bool = False) -> None:
         self.bf16_wire = bf16_wire
         self._staging: Optional[torch.Tensor] = None
+        self._inbound: Optional[torch.Tensor] = None
+        """The host buffer a consensus frame is packed into on its way to a CUDA replica (:meth:`inbound`)."""
+        self._inbound_done: Any = None
+        """The CUDA event after the last inbound transfer: the buffer is rewritten only once it completed."""
 
     def snapshot(self, model: nn.Module, n: int) -> Snapshot:
         params = [p.detach() for p in model.parameters()]
@@ -310,10 +434,42 @@ class CoordinatorBackend:
             torch.cuda.current_stream(groups[0][2].device).synchronize()
         return out
 
-    @staticmethod
-    def adopt_update(model: nn.Module, msg: Update, alpha: Optional[float]) -> None:
-        n_p = sum(1 for _ in model.parameters())
+    def adopt_update(self, model: nn.Module, msg: Update, alpha: Optional[float]) -> None:
+        """Load a consensus frame into ``model`` (full overwrite, or the EASGD blend with ``alpha``). A CUDA replica
+        gets it through :meth:`inbound` (one transfer, no sync per tensor); a CPU one as before."""
+        params_ = list(model.parameters())
         n_b = len(float_buffers(model))
-        params = [msg.tensors[f"p{i}"].float() for i in range(n_p)]
+        params = [msg.tensors[f"p{i}"] for i in range(len(params_))]
         bufs = [msg.tensors[f"b{j}"] for j in range(n_b)]
+        if params_ and params_[0].device.type == "cuda":
+            params, bufs = self.inbound(params, bufs, params_[0].device, pin=True)
+        else:
+            params = [t.float() for t in params]
         adopt(model, params, bufs, alpha)
+
+    @torch.no_grad()
+    def inbound(self, params: list[torch.Tensor], bufs: list[torch.Tensor], device: torch.device, *,
+                pin: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A frame's tensors on ``device`` as float32 views of one flat copy: packed into one reused host buffer
+        (pinned for CUDA) and sent in one ``non_blocking`` transfer, instead of one pageable, synchronising copy
+        per tensor. The buffer is written again only once that transfer is done: one event wait at the next
+        adoption (long finished by then, as a rule)."""
+        ts = params + bufs
+        n = sum(t.numel() for t in ts)
+        if self._inbound_done is not None:
+            self._inbound_done.synchronize()
+            self._inbound_done = None
+        if self._inbound is None or self._inbound.numel() < n:
+            self._inbound = None
+            self._inbound = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        host = self._inbound[:n]
+        _pack(ts, host)
+        dev = host.to(device, non_blocking=pin)
+        if device.type == "cuda":
+            self._inbound_done = torch.cuda.Event()
+            self._inbound_done.record(torch.cuda.current_stream(device))
+        views, off = [], 0
+        for t in ts:
+            views.append(dev[off:off + t.numel()].view(t.shape))
+            off += t.numel()
+        return views[:len(params)], views[len(params):]

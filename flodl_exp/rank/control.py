@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..averaging import consensus_state, float_buffers
+from ..averaging import consensus_state
 from ..bundle_meta import Resume
 from ..outer import OuterOptimizer, OuterSpec, OuterStep
 from ..protocol import Batch as BatchReport
@@ -141,6 +141,10 @@ class RankControl:
         """The resume bundle whose optimizer state is not loaded yet: loaded as training starts (:meth:`train`, or
         the cooperative ``w.epochs()``, after ``w.setup`` registered the loop's optimizers)."""
         self._handlers = self._handler_table()
+        if self.outer is not None:
+            # The replicated outer state (2x the parameter bytes) is live from now on, before the data plane sizes
+            # its device pool at the first chunk, so the pool's budget counts it (it used to appear at the first sync).
+            self.outer.allocate(list(trainer.model.parameters()))
 
     # -- resume -------------------------------------------------------------
     def resume_from(self, resume: Optional[Resume]) -> None:
@@ -169,7 +173,10 @@ class RankControl:
             return
         for path in (optim_path(stem, self.rank, primary=False), optim_path(stem, self.rank, primary=True)):
             if os.path.exists(path):
-                self.trainer.optimizer.load_state_dict(torch.load(path, map_location=str(self.device), weights_only=True))
+                # On the host, then load_state_dict moves each moment to its parameter's device, while Adam's
+                # ``step`` stays a CPU tensor (unless fused/capturable): loaded onto the GPU, non-fused Adam would
+                # read it back with .item(), a device sync per parameter per step for the rest of the run.
+                self.trainer.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
                 return
         log.warning("rank %d: the bundle %s holds no optimizer state for this rank: a fresh optimizer", self.rank, stem)
 
@@ -261,17 +268,22 @@ class RankControl:
             self.collective.close()
 
     # -- reading control ----------------------------------------------------
+    COUNT_FREE = (CoordHeartbeat, EvalBroadcast, EpochAggregated, StageAdvisory, SetEpochRole, SetGlobalStep, StartEpoch)
+    """Messages whose handling sends nothing that counts steps: they do not make :meth:`drain` wait for the device."""
+
     def drain(self) -> None:
         """Handle every control message already queued (between batches).
 
-        Every trained step is reported first: a sync ack, a snapshot or a save counts steps, and the
-        coordinator's ledger must have seen each of them as a Batch before that."""
-        if self.unreported and self.inbox.has_waiting():
-            self.report_batches(wait=True)
+        Before a message whose answer counts steps (a sync ack, a snapshot, a save, ...) every trained step is
+        reported: the coordinator's ledger must have seen each of them as a Batch before that. That report
+        waits for the device; the coordinator's 1 Hz heartbeat and other messages in :attr:`COUNT_FREE` do not
+        force it (they used to, draining the GPU about once a second)."""
         while not self.stopping:
             msg = self.inbox.next(block=False, stopping=self.stopping)
             if msg is None:
                 return
+            if self.unreported and not isinstance(msg, self.COUNT_FREE):
+                self.report_batches(wait=True)
             self.handle(msg)
 
     def _serve_while_gated(self) -> bool:
@@ -499,6 +511,7 @@ class RankControl:
             raise RuntimeError(f"rank {self.rank} was told to form a {m.backend} group but has no way to join one")
         with self.doing("collective"):
             self.collective = self._join_group(m, self._poll_during_collective)
+            self.collective.prepare(self.trainer.model)  # the sync's buffers, before the first chunk sizes the pool
         if self.rank == 0:
             log.info("collective backend: %s (%s)", m.backend, m.reason)
 
@@ -538,6 +551,7 @@ class RankControl:
             try:
                 with self.doing("collective"):  # forming a group waits on every member
                     self.collective.rebuild(msg.generation, msg.new_rank, msg.world_size, msg.session)
+                    self._resync_outer()
             except CollectiveInterrupted as e:
                 log.warning("rank %d: regroup to generation %d interrupted: %s", self.rank, msg.generation, e)
                 msg, self.pending_regroup = self.pending_regroup, None
@@ -546,6 +560,18 @@ class RankControl:
                      msg.generation)
             return True
         return False
+
+    def _resync_outer(self) -> None:
+        """Every member of a new group takes the outer optimizer's state of the group's rank 0 (one broadcast). A
+        collective that failed on some ranks and not others leaves the survivors' replicated states apart (some
+        stepped, some restored), and nothing else would ever bring them back together."""
+        if self.outer is None or self.collective is None:
+            return
+        state = self.outer.state_buffer
+        if state is None:  # allocated at start-up; a model without parameters has nothing to agree on
+            return
+        self.collective.broadcast_(state, src=0)
+        self.outer.state_changed()
 
     def _await_regroup(self, deadline_s: float = 60.0) -> bool:
         """After a failed collective: wait for the coordinator's regroup. Only new frames are read; other work
@@ -585,7 +611,6 @@ class RankControl:
         pre: Optional[float] = None
         if self.collective is not None:
             model = self.trainer.model
-            scratch = [t.detach().clone() for t in list(model.parameters()) + float_buffers(model)]
             for attempt in range(32):
                 try:
                     d, post, pre = self.collective.sync(model, n, self.gamma, with_div)
@@ -596,9 +621,7 @@ class RankControl:
                                        "free beside training; lower data_plane.vram_max_usage or the batch size)") from e
                 except Exception as e:  # a peer died mid-collective (or a regroup arrived): restore, regroup, retry
                     self.collective.abort()
-                    with torch.no_grad():
-                        for t, saved in zip(list(model.parameters()) + float_buffers(model), scratch):
-                            t.copy_(saved)
+                    self.collective.restore(model)  # the replica as the sync found it (kept in the sync's buffer)
                     log.warning("rank %d: collective failed (attempt %d): %s", self.rank, attempt + 1, str(e).splitlines()[0])
                     if not self._await_regroup() or self.stopping:
                         if not self.stopping:
@@ -619,14 +642,11 @@ class RankControl:
             return None
         params = list(self.trainer.model.parameters())
         try:
-            new, step = self.outer.step([p.detach() for p in params])
+            step = self.outer.apply(params, workspace=self.collective.workspace)
         except torch.OutOfMemoryError as e:
             raise RuntimeError("out of GPU memory in the outer optimizer step (it keeps the last global and the "
-                               "momentum on the device, 2x the parameter bytes, and needs 2x more while stepping; "
-                               "lower data_plane.vram_max_usage or use outer=avg)") from e
-        with torch.no_grad():
-            for p, t in zip(params, new):
-                p.copy_(t)
+                               "momentum on the device, 2x the parameter bytes; lower data_plane.vram_max_usage "
+                               "or use outer=avg)") from e
         if self.outer_spec.resets_inner:
             self.trainer.reset_optimizer_state()
         return None if step is None or step.seeded else step

@@ -31,7 +31,7 @@ from ..jobs.spec import JobSpec
 from ..outer import OuterOptimizer
 from ..protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError, encode
 from ..store_names import pin_gloo_to_loopback
-from .backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
+from .backends import CollectiveBackend, CoordinatorBackend, check_torch_version, snapshot_nbytes
 from .control import RankControl
 from .fault_inject import parse_fault
 from .inbox import ControlInbox, CoordinatorLost
@@ -158,6 +158,9 @@ class RankWorker:
 
     def __init__(self, spec: JobSpec, rank: int, local_rank: int,
                  rendezvous: dict[str, Any] | Callable[[], dict[str, Any]], owns_process: bool = True) -> None:
+        too_old = check_torch_version(torch.__version__)
+        if too_old:
+            raise RuntimeError(too_old)
         cfg = load_config(spec.config)
         self.owns_process = owns_process
         self.ended = threading.Event()
@@ -177,7 +180,8 @@ class RankWorker:
             torch.set_num_threads(1)
         speeds = cfg.cluster.rank_speeds or [1.0] * self.world_size
         augment = max(1, cfg.data_plane.augment)
-        exp = build_experiment(cfg.experiment, world_size=self.world_size, device=self.device, seed=cfg.seed, augment=augment)
+        exp = build_experiment(cfg.experiment, world_size=self.world_size, device=self.device, seed=cfg.seed, augment=augment,
+                               rank=rank)  # replicas start equal, then each rank draws its own random stream
         self.trainer = RankTrainer(
             exp, device=self.device, world_size=self.world_size, seed=spec.shuffle_seed,
             augment=augment, batch_size=cfg.experiment.batch_size, speed=float(speeds[rank]),
