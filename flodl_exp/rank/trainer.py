@@ -29,6 +29,7 @@ the batches.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from .. import protocol
-from ..experiment import Experiment
+from ..experiment import AMP_DTYPES, Experiment
 from ..partition import make_partition
 from ..scalars import drain_scalars
 
@@ -159,6 +160,25 @@ class OptimizerSet:
             opt.load_state_dict(sd)
 
 
+_ZERO_IS_FRESH: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers whose fresh per-parameter state is all zeros (``step`` included)."""
+
+
+def _reset_in_place(opt: torch.optim.Optimizer) -> bool:
+    """Zero ``opt``'s per-parameter state in place when that is exactly its fresh state; False (nothing done) else."""
+    plain_sgd = type(opt) is torch.optim.SGD and all(float(g.get("dampening", 0.0)) == 0.0 for g in opt.param_groups)
+    if not (type(opt) in _ZERO_IS_FRESH or plain_sgd):
+        return False
+    with torch.no_grad():
+        for state in opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                elif isinstance(value, (int, float)):
+                    state[key] = type(value)(0)
+    return True
+
+
 class RankTrainer:
     """One replica and the per-batch mechanics around the user's train step."""
 
@@ -200,6 +220,12 @@ class RankTrainer:
         """Each param group's own LR, by ``id(group)``, before the linear scaling (so scaling applies once)."""
         self.base_lrs: list[float] = []
         self.use_optimizer(self.optimizer)
+        self.amp_dtype: Optional[torch.dtype] = AMP_DTYPES[exp.amp] if exp.amp else None
+        """The managed step's autocast dtype (``experiment.amp``); None: float32."""
+        self.scaler: Optional[torch.amp.GradScaler] = (torch.amp.GradScaler(device.type) if exp.amp == "fp16"
+                                                       else None)
+        """fp16 only (bf16 has float32's range): the loss is scaled before backward so small gradients do not
+        underflow, unscaled before clipping, and a step with inf/NaN gradients is skipped."""
         self.pipeline = pipeline
         """rank.data.DataPipeline; built lazily (synchronous) when none is attached."""
         self.on_data_wait: Optional[Callable[[], None]] = None
@@ -265,6 +291,7 @@ class RankTrainer:
             raise RuntimeError("a cooperative loop (experiment.loop) has no step the framework can time")
         model_state = copy.deepcopy(self.model.state_dict())
         optim_state = copy.deepcopy(self.optimizer.state_dict())
+        scaler_state = self.scaler.state_dict() if self.scaler is not None else None
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
         step_ms: list[float] = []
@@ -281,6 +308,8 @@ class RankTrainer:
             self.model.load_state_dict(model_state)
             self.optimizer.load_state_dict(optim_state)
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None and scaler_state is not None:
+                self.scaler.load_state_dict(scaler_state)
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
@@ -288,9 +317,19 @@ class RankTrainer:
 
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's per-parameter state (moments, momentum buffers): DiLoCo restarts the
-        inner optimizer from each adopted global. The learning rate and its schedule are kept."""
-        for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
-            opt.state.clear()
+        inner optimizer from each adopted global. The learning rate and its schedule are kept.
+
+        Where a zeroed state is exactly a fresh one (Adam, AdamW; SGD without dampening) it is zeroed in place:
+        the same tensors, keys and devices, so a compiled optimizer step is not recompiled every window and
+        nothing is reallocated; any other optimizer's state is cleared (its own fresh state may not be zeros:
+        Adagrad's initial accumulator, Rprop's step sizes)."""
+        for opt in self.optimizers():
+            if not _reset_in_place(opt):
+                opt.state.clear()
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers the rank trains with (one, or those of an :class:`OptimizerSet`)."""
+        return self.optimizer.optimizers if isinstance(self.optimizer, OptimizerSet) else [self.optimizer]
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -317,11 +356,27 @@ class RankTrainer:
         started = self.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         assert self.exp.train_step is not None, "the managed step needs experiment.train_step"
-        loss = self.exp.train_step(self.model, batch.data)
-        loss.backward()
-        self.clip_grads()
-        self.optimizer.step()
+        with self.autocast():
+            loss = self.exp.train_step(self.model, batch.data)
+        if self.scaler is None:
+            loss.backward()
+            self.clip_grads()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            for opt in self.optimizers():
+                self.scaler.unscale_(opt)  # clipping sees the true gradients
+            self.clip_grads()
+            for opt in self.optimizers():
+                self.scaler.step(opt)  # skipped when the gradients hold inf/NaN
+            self.scaler.update()
         return self.end_step(started, loss)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The user's forward and loss under ``experiment.amp``'s autocast (nothing without it)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def begin_step(self) -> tuple[float, Any]:
         """Open a step's timing (the host clock and, on CUDA, a start event) and set the LR of the
