@@ -76,10 +76,10 @@ def test_each_local_task_gets_its_own_mig_slice():
 
 
 def test_a_gpu_job_asks_for_cores_for_its_threads():
-    from conftest import compose
-
     from flodl_exp.config import GPU_TASK_CPUS, ConfigError, validate
     from flodl_exp.jobs.executor import slurm_parameters
+
+    from conftest import compose
 
     def cpus(*overrides: str) -> int:
         cfg = compose(["cluster=slurm", "mode=cpu_cadence", *overrides])

@@ -1,6 +1,7 @@
 """GPU tests of the rank data plane (flodl_exp/rank/data) on a real CUDA device (issue 13, items 7-10).
 
-Run: ``pytest -q tests/gpu -m gpu`` on a machine with CUDA; everything here skips without one.
+Run: ``bash tests/gpu/check.sh`` (or ``pytest -q tests/gpu -m gpu``) on a machine with CUDA; everything here skips
+without one. Each test's ``timeout`` mark is its time budget (the check prints the time each took against it).
 The device-free parts of the same logic are tested in tests/test_data_plane_gpu_logic.py.
 
 - calibration, prefetch and the device pool (moved from tests/test_data_plane.py);
@@ -99,6 +100,7 @@ def _clean_device():
 
 
 # -- the existing CUDA behaviour -------------------------------------------------------
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("pool_env", [None, "off"])
 def test_cuda_calibration_prefetch_and_device_pool(monkeypatch, pool_env):
     if pool_env:
@@ -132,6 +134,7 @@ def test_cuda_calibration_prefetch_and_device_pool(monkeypatch, pool_env):
 
 
 # -- 7: the budget inequality with the pool installed ------------------------------------------
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("ranks_on_device", [1, 2])
 def test_vram_budget_holds_with_the_pool_installed(monkeypatch, ranks_on_device):
     """max_memory_allocated over the run never exceeds this rank's part of the (faked) device budget.
@@ -201,6 +204,7 @@ def test_vram_budget_holds_with_the_pool_installed(monkeypatch, ranks_on_device)
 
 
 # -- 8: a data set returning CUDA tensors through the RAM tier ------------------------------------
+@pytest.mark.timeout(60)
 def test_cuda_dataset_rows_retained_in_ram_are_exact(monkeypatch):
     dev = torch.device("cuda:0")
     n, bs = 2048, 32
@@ -218,6 +222,7 @@ def test_cuda_dataset_rows_retained_in_ram_are_exact(monkeypatch):
 
 
 # -- 7: an OOM in the pool falls back to synchronous fetch -------------------------------------------
+@pytest.mark.timeout(60)
 def test_injected_pool_oom_falls_back_to_synchronous_fetch(monkeypatch, caplog):
     dev = torch.device("cuda:0")
     n, dim, bs = 20_000, 2048, 64
@@ -270,6 +275,7 @@ def _delayed_pool_writes(m: pytest.MonkeyPatch) -> None:
     m.setattr(stores, "to_device", sleepy)
 
 
+@pytest.mark.timeout(60)
 def test_depth0_read_waits_for_pool_writes_on_the_copy_stream(monkeypatch):
     dev = torch.device("cuda:0")
     ds, pipe = _pooled(dev)
@@ -288,6 +294,7 @@ def test_depth0_read_waits_for_pool_writes_on_the_copy_stream(monkeypatch):
     pipe.close()
 
 
+@pytest.mark.timeout(60)
 def test_reader_read_waits_for_pool_writes_on_the_trainer_stream(monkeypatch):
     dev = torch.device("cuda:0")
     ds, pipe = _pooled(dev)
@@ -308,6 +315,7 @@ def test_reader_read_waits_for_pool_writes_on_the_trainer_stream(monkeypatch):
     pipe.close()
 
 
+@pytest.mark.timeout(30)
 def test_ram_tier_is_not_pinned_on_cuda():
     dev = torch.device("cuda:0")
     ds = Cheap(512, 16)
