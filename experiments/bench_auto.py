@@ -8,7 +8,11 @@ compute-bound CNN) in this process through ``flodl_exp.launch``, interleaved per
 again), all logged to one MLflow experiment (``bench_auto``). Samples/s and the final eval are bench_hetero's
 definitions (training wall from the coordinator's ``started`` event to the last epoch's aggregation). mode=auto
 probes before ``started``; that time is reported on its own (``probe s``: from the last rank's hello to
-``started``) and is also charged to auto in ``auto/best (probe in)``.
+``started``) and is also charged to auto in ``auto/best (probe in)``. ``first batch s`` (``started`` to the first
+trained batch's report: a fixed mode's first steps pay the warm-up that auto's probe already paid) and ``start s``
+(the coordinator's start to ``started``: the ranks' start-up, and auto's probe) say what the two walls leave out.
+For auto, the ``auto_mode`` event's own timing (medians): ``probe`` (the probe sent to the last answer),
+``simulate`` (the last answer to the choice) and ``prepare`` (the simulations' set-up, as the coordinator starts).
 
 Prints and writes ``<out>/auto.md``: per rig, each mode's median samples/s and eval accuracy, the mode auto chose
 (each repetition), auto's samples/s as a fraction of the best fixed mode's, and the eval difference in points.
@@ -44,6 +48,21 @@ def _probe_s(events: list[dict]) -> float:
     joined = [float(e["t"]) for e in events if e.get("event") == "joined" and "t" in e]
     started = next((float(e["t"]) for e in events if e.get("event") == "started" and "t" in e), None)
     return started - max(joined) if joined and started is not None else float("nan")
+
+
+def _first_batch_s(events: list[dict]) -> float:
+    started = next((float(e["t"]) for e in events if e.get("event") == "started" and "t" in e), None)
+    first = next((float(e["t"]) for e in events if e.get("event") == "first_batch" and "t" in e), None)
+    return first - started if first is not None and started is not None else float("nan")
+
+
+def _start_s(events: list[dict]) -> float:
+    return next((float(e["t"]) for e in events if e.get("event") == "started" and "t" in e), float("nan"))
+
+
+def _auto_timing(events: list[dict]) -> dict[str, float]:
+    ev = next((e for e in events if e.get("event") == "auto_mode"), {})
+    return {k: float(ev.get(f"{k}_s", float("nan"))) for k in ("probe", "simulate", "prepare")}
 
 
 def _choice(events: list[dict]) -> Optional[str]:
@@ -88,11 +107,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rec = run_flodl_inprocess(name, [f"mode={m}", *_rig_overrides(speeds)], a)
                 s = summarize(rec, client)
                 s["probe_s"] = _probe_s(rec["events"])
+                s["first_batch_s"] = _first_batch_s(rec["events"])
+                s["start_s"] = _start_s(rec["events"])
                 s["choice"] = _choice(rec["events"])
+                s["auto_timing"] = _auto_timing(rec["events"])
                 rows[m].append(s)
         sps = {m: _median([r["samples_per_s"] for r in rs]) for m, rs in rows.items()}
         acc = {m: _median([r["accuracy"] for r in rs]) for m, rs in rows.items()}
         probe = {m: _median([r["probe_s"] for r in rs]) for m, rs in rows.items()}
+        first = {m: _median([r["first_batch_s"] for r in rs]) for m, rs in rows.items()}
+        start = {m: _median([r["start_s"] for r in rs]) for m, rs in rows.items()}
+        timing = {k: _median([r["auto_timing"][k] for r in rows["auto"]]) for k in ("probe", "simulate", "prepare")}
         best = max(MODES, key=lambda m: sps[m] if sps[m] == sps[m] else -1.0)
         ratio = sps["auto"] / sps[best]
         walls = {m: _median([r["wall_s"] for r in rs]) for m, rs in rows.items()}
@@ -102,12 +127,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         ok = ratio >= TARGET and abs(d_eval) <= EVAL_POINTS
         verdicts.append(ok)
         lines += [f"## rig {rig} (rank_speeds {speeds})", "",
-                  "| mode | samples/s | eval acc | probe s |", "|---|---:|---:|---:|"]
+                  "| mode | samples/s | eval acc | probe s | first batch s | start s |", "|---|---:|---:|---:|---:|---:|"]
         for m in (*MODES, "auto"):
-            lines.append(f"| {m}{' (best fixed)' if m == best else ''} | {sps[m]:.0f} | {acc[m]:.4f} | {probe[m]:.2f} |")
+            lines.append(f"| {m}{' (best fixed)' if m == best else ''} | {sps[m]:.0f} | {acc[m]:.4f} | {probe[m]:.2f} "
+                         f"| {first[m]:.3f} | {start[m]:.2f} |")
         lines += ["", f"auto chose: {chose}; auto/best = **{ratio:.3f}** ({ratio_probe:.3f} with its probe in); eval "
                       f"{d_eval:+.2f} points vs {best}: {'MET' if ok else 'MISSED'} (>= {TARGET}, within "
-                      f"{EVAL_POINTS} point)", ""]
+                      f"{EVAL_POINTS} point)",
+                  f"auto_mode timing (medians): probe {timing['probe']:.3f} s, simulate {timing['simulate']:.3f} s, "
+                  f"prepare {timing['prepare']:.3f} s (at the coordinator's start)", ""]
     load1 = os.getloadavg()
     lines.append(f"Bench wall {time.monotonic() - t0:.0f} s; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end.")
     md = "\n".join(lines) + "\n"

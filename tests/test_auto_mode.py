@@ -14,7 +14,16 @@ from test_trainer import _trainer
 from flodl_exp.config import ConfigError, validate
 from flodl_exp.control.lifecycle import Phase
 from flodl_exp.protocol import Probe, ProbeResult, StartEpoch
-from flodl_exp.simulate.auto import KEEP_MARGIN, PROBE_STEPS, SIM_EPOCHS, candidate_modes, choose, probe_ms, probe_rig
+from flodl_exp.simulate.auto import (
+    KEEP_MARGIN,
+    PROBE_STEPS,
+    SIM_EPOCHS,
+    candidate_modes,
+    choose,
+    prepare,
+    probe_ms,
+    probe_rig,
+)
 from flodl_exp.simulate.from_run import base_config
 from flodl_exp.simulate.topology import MODES
 
@@ -59,6 +68,28 @@ def test_the_configured_mode_is_kept_unless_another_is_clearly_faster():
         assert by[c.mode] == best >= by["cpu_cadence"] * (1 + KEEP_MARGIN)
 
 
+def test_prepared_run_configs_choose_exactly_as_building_them_at_once():
+    """The coordinator prepares every mode's run config as it starts (auto.prepare): the choice on the probed rig is
+    the one choose makes building them itself, number for number."""
+    base = base_config()
+    prep = prepare(MODES, world_size=2, batch_size=32, epochs=3, knobs={"anchor": 8}, base=base)
+    assert set(prep.runs) == set(MODES) and all(not isinstance(r, Exception) for r in prep.runs.values())
+    steps = {0: [50.0] + [4.0] * 5, 1: [80.0] + [12.0] * 5}
+    waits = {0: [0.0] * 6, 1: [0.0] * 6}
+    rig = prep.probed(steps, waits, model_bytes=40_000, samples=1437)
+    same = probe_rig(steps, waits, model_bytes=40_000, samples=1437, batch_size=32, epochs=3, knobs={"anchor": 8},
+                     base=base)
+    assert rig == same
+    a = choose(rig, list(MODES), configured="nccl_sync", max_window=1000, runs=prep.runs)
+    b = choose(same, list(MODES), configured="nccl_sync", max_window=1000)
+    assert a.mode == b.mode and a.reason == b.reason and a.candidates == b.candidates
+    # a mode whose run config could not be built fails the choice where it is simulated, as when built at once
+    broken = prepare(["cpu_cadence"], world_size=2, batch_size=32, epochs=3, knobs={"no_such_knob": 1}, base=base)
+    assert isinstance(broken.runs["cpu_cadence"], Exception)
+    with pytest.raises(type(broken.runs["cpu_cadence"])):
+        choose(rig, ["cpu_cadence"], configured="cpu_cadence", max_window=1000, runs=broken.runs)
+
+
 def test_without_a_process_group_only_the_cpu_modes_are_candidates():
     assert candidate_modes(True) == list(MODES)
     assert candidate_modes(False) == [m for m in MODES if m.startswith("cpu")]
@@ -85,6 +116,8 @@ def test_auto_probes_before_the_first_chunk_and_trains_every_pick_once_in_the_ch
     assert h.sink.tags["auto.choice"] == choice.mode and h.sink.tags["mode"] == choice.mode
     events = [e for e in _events(h) if e.get("event") == "auto_mode"]
     assert len(events) == 1 and len(events[0]["candidates"]) == len(MODES)
+    assert {"probe_s", "simulate_s", "prepare_s", "step_ms"} <= set(events[0])
+    assert events[0]["step_ms"]["1"][1:] == [12.0] * (PROBE_STEPS - 1)
     h.co.start()  # as the connect loop does after the pump that brought the last answer: a no-op now
     plans = h.plans()
     assert sorted(plans) == [0, 1], "the first chunks go out once the mode is chosen"
@@ -104,6 +137,21 @@ def test_a_rank_that_cannot_probe_keeps_the_configured_mode(tmp_path: Path):
     choice = h.co.auto.choice
     assert choice is not None and choice.mode == "cpu_cadence" and "rank 1: RuntimeError: no step" in choice.reason
     assert h.co.core.mode.name == "cpu_cadence" and h.plans()
+
+
+def test_the_simulations_are_prepared_before_the_ranks_join(tmp_path: Path):
+    """The run configs are built as the coordinator starts (the ranks start up meanwhile); a failure to prepare keeps
+    the configured mode, with the reason."""
+    h = Harness(tmp_path, "nccl_cadence", world=2, epochs=2, **{"mode.auto": True})
+    auto = h.co.auto
+    assert auto is not None and auto.prepared is not None and set(auto.prepared.runs) == set(MODES)
+    assert not auto.sent, "nothing is sent before every rank joined"
+    auto.prepared, auto.prepare_error = None, RuntimeError("no config")
+    _join_and_start(h)
+    _answer_probes(h)
+    choice = auto.choice
+    assert choice is not None and choice.mode == "nccl_cadence" and "RuntimeError: no config" in choice.reason
+    assert h.co.core.mode.name == "nccl_cadence" and h.plans()
 
 
 def test_a_run_without_auto_sends_no_probe(tmp_path: Path):

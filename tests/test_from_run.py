@@ -96,6 +96,29 @@ def test_measured_rig_takes_the_runs_steps_data_and_knobs() -> None:
     assert measured_rig(PARAMS, history(), None, base=base(), calibrate=False).samples == 88 * 16
 
 
+def test_a_replayed_run_and_an_auto_probe_build_their_rig_alike() -> None:
+    """from_run.measured_rig and auto.probe_rig share topology.measured_rig_config: the same times, data and knobs
+    give the same ranks, link and data; the link is a copy (the replay fits its fixed cost)."""
+    from flodl_exp.simulate.auto import probe_rig
+    from flodl_exp.simulate.topology import measured_rig_config
+
+    b = base()
+    replay = measured_rig(PARAMS, history(), {"total_picks": 1437}, base=b, calibrate=False)
+    probed = probe_rig({0: [90.0, 9.0, 9.0], 1: [90.0, 27.0, 27.0]}, {0: [5.0, 1.0, 1.0], 1: [5.0, 1.0, 1.0]},
+                       model_bytes=860_000, samples=1437, batch_size=16, epochs=2, knobs={}, base=b,
+                       guard=replay.guard, outer=replay.outer, seed=7)
+    assert [(g.step_ms, g.data_ms) for g in probed.ranks] == [(pytest.approx(g.step_ms), pytest.approx(g.data_ms))
+                                                              for g in replay.ranks]
+    assert (probed.samples, probed.batch_size, probed.chunk_start_ms, probed.link, probed.seed) == \
+        (replay.samples, replay.batch_size, 0.0, replay.link, 7)
+    assert replay.link is not b.link and probed.link is not b.link
+    rig = measured_rig_config(b, "x", [0.0, -1.0], [-2.0, 3.0], samples=10, batch_size=2, epochs=1)
+    assert [(g.step_ms, g.data_ms) for g in rig.ranks] == [(1e-3, 0.0), (1e-3, 3.0)]  # clamped
+    assert (rig.mode, rig.guard, rig.seed, rig.model_mb) == (b.mode, b.guard, b.seed, b.model_mb)  # unset: base's
+    with pytest.raises(ValueError):
+        measured_rig_config(b, "x", [1.0], [], samples=10, batch_size=2, epochs=1)
+
+
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
 def test_the_links_fixed_cost_is_fitted_to_the_measured_sync_ms(mode: str) -> None:
     params = {**PARAMS, "mode.name": mode, "mode.backend": mode.split("_")[0]}

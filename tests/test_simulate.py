@@ -26,6 +26,19 @@ def rig(*speeds: float, epochs: int = 3, **kw: object) -> SimulateConfig:
     return cfg
 
 
+def test_a_run_config_built_beforehand_gives_the_same_run() -> None:
+    from flodl_exp.simulate.topology import run_config
+
+    cfg = rig(1.0, 0.33)
+    run = run_config(cfg, "cpu_async", 2)
+    a, b = simulate(cfg, "cpu_async"), simulate(cfg, "cpu_async", run)
+    assert a.syncs == b.syncs and a.batches == b.batches and a.events == b.events
+    with pytest.raises(ValueError, match="not cpu_cadence on 2"):
+        simulate(cfg, "cpu_cadence", run)
+    with pytest.raises(ValueError, match="not cpu_async on 3"):
+        simulate(rig(1.0, 0.5, 0.25), "cpu_async", run)
+
+
 def test_same_config_same_numbers() -> None:
     cfg = rig(1.0, 0.33, ranks=[RankGroupConfig(speed=1.0, jitter=0.1), RankGroupConfig(speed=0.33, jitter=0.1)])
     a, b = simulate(cfg, "cpu_async"), simulate(cfg, "cpu_async")

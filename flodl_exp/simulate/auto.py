@@ -7,6 +7,10 @@ conf/simulate/config.yaml), :func:`choose` simulates every candidate mode on it 
 predicted throughput among those whose windows stay within ``mode.max_anchor`` batches on every rank (the guard
 watches drift per window: a mode whose windows outgrow the ceiling the fixed modes respect is not offered).
 
+What does not depend on the measurements (each mode's run config: OmegaConf merges and the run's validation, about
+half of a two-epoch simulation's cost; the simulator's imports) is built beforehand by :func:`prepare`, which the
+coordinator calls as it starts, while the ranks start up: after the probe's last answer only the simulations run.
+
 Why before the first chunk and not at a later window boundary: the averaging cycle, ElChe, the dispatcher and
 the bundle rules are built for one policy and backend; switching them under chunks in flight would need every
 invariant (every pick once, resumable bundles, exact coverage) proved for each pair of modes. Chosen before the
@@ -21,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .topology import MODES, RankGroupConfig, SimulateConfig
+from .topology import MODES, SimulateConfig, measured_rig_config, run_config
 
 PROBE_STEPS = 4
 """Steps each rank times; the first is warm-up (allocations, lazy initialisation) and is left out."""
@@ -49,7 +53,9 @@ class AutoChoice:
     reason: str
     candidates: list[Candidate] = field(default_factory=list)
     timing: dict[str, Any] = field(default_factory=dict)
-    """The coordinator's: how long the probe and the simulations took, each rank's probed step times."""
+    """The coordinator's: ``probe_s`` (the probe sent to its last answer), ``simulate_s`` (that answer to the choice),
+    ``prepare_s`` (:func:`prepare`, as the coordinator started: before the probe, not in either), ``step_ms`` (each
+    rank's probed step times)."""
 
     def as_event(self) -> dict[str, Any]:
         return {"event": "auto_mode", "mode": self.mode, "reason": self.reason,
@@ -75,31 +81,58 @@ def probe_rig(step_ms: Mapping[int, Sequence[float]], data_ms: Mapping[int, Sequ
               samples: int, batch_size: int, epochs: int, knobs: Mapping[str, Any], base: SimulateConfig,
               guard: Optional[Any] = None, outer: Optional[Any] = None, seed: int = 42) -> SimulateConfig:
     """The rig the probe measured, for the simulator (``base`` supplies what a probe does not measure: the link)."""
-    cfg = dataclasses.replace(base)
-    cfg.rig = "probed"
-    cfg.ranks = [RankGroupConfig(step_ms=max(probe_ms(step_ms[r]), 1e-3),
-                                 data_ms=max(0.0, statistics.median(list(data_ms.get(r) or [0.0])[1:] or [0.0])))
-                 for r in sorted(step_ms)]
-    cfg.chunk_start_ms = 0.0
-    if model_bytes > 0:
-        cfg.model_mb = model_bytes / 1e6
-    cfg.samples = int(samples)
-    cfg.batch_size = int(batch_size)
-    cfg.epochs = max(1, min(int(epochs), SIM_EPOCHS))
-    cfg.mode = dict(knobs)
-    if guard is not None:
-        cfg.guard = guard
-    if outer is not None:
-        cfg.outer = outer
-    cfg.seed = int(seed)
-    cfg.out = None
+    ranks = sorted(step_ms)
+    cfg = measured_rig_config(
+        base, "probed", [probe_ms(step_ms[r]) for r in ranks],
+        [statistics.median(list(data_ms.get(r) or [0.0])[1:] or [0.0]) for r in ranks],
+        samples=samples, batch_size=batch_size, epochs=max(1, min(int(epochs), SIM_EPOCHS)),
+        model_mb=model_bytes / 1e6 if model_bytes > 0 else None, knobs=knobs, guard=guard, outer=outer, seed=seed)
     cfg.plot = False
     return cfg
 
 
-def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, max_window: float) -> AutoChoice:
+@dataclass
+class Prepared:
+    """What the choice needs that neither the probe nor the hellos tell (:func:`prepare`): the rig's other values
+    and each mode's run config (topology.run_config: OmegaConf merges and the run's validation, most of a short
+    simulation's cost). The coordinator builds it as it starts, while the ranks start up."""
+
+    rig: dict[str, Any]
+    """:func:`probe_rig`'s keyword arguments but the measured ones (step and data ms, model bytes, samples)."""
+    runs: dict[str, Any] = field(default_factory=dict)
+    """mode -> its run config, or the exception building it raised (raised again where :func:`choose` simulates it)."""
+
+    def probed(self, step_ms: Mapping[int, Sequence[float]], data_ms: Mapping[int, Sequence[float]], *,
+               model_bytes: int, samples: int) -> SimulateConfig:
+        """The rig with the probe's measurements and the data's size (the hellos') in."""
+        return probe_rig(step_ms, data_ms, model_bytes=model_bytes, samples=samples, **self.rig)
+
+
+def prepare(modes: Sequence[str], *, world_size: int, batch_size: int, epochs: int, knobs: Mapping[str, Any],
+            base: SimulateConfig, guard: Optional[Any] = None, outer: Optional[Any] = None, seed: int = 42) -> Prepared:
+    """Everything :func:`choose` needs but the measurements (:func:`probe_rig`'s other arguments; a run config for
+    each of ``modes``: the run's world size, batch, epochs, knobs, guard, outer and seed are all in it, the rig's
+    times and data size are not), so that only the simulations themselves follow the probe's last answer. Also
+    imports the engine (a coordinator's first simulation would otherwise pay for it)."""
+    from . import engine, report  # noqa: F401
+
+    out = Prepared(dict(batch_size=batch_size, epochs=epochs, knobs=dict(knobs), base=base, guard=guard, outer=outer,
+                        seed=seed))
+    template = out.probed({r: [1.0] for r in range(world_size)}, {}, model_bytes=0, samples=batch_size)
+    for mode in modes:
+        if mode in MODES:
+            try:
+                out.runs[mode] = run_config(template, mode, world_size)
+            except Exception as e:  # choose raises it where it simulates this mode, as without preparing
+                out.runs[mode] = e
+    return out
+
+
+def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, max_window: float,
+           runs: Optional[Mapping[str, Any]] = None) -> AutoChoice:
     """Simulate every candidate on ``rig``; the best predicted samples/s among those whose windows stay within
-    ``max_window`` batches (``configured`` kept unless beaten by :data:`KEEP_MARGIN`)."""
+    ``max_window`` batches (``configured`` kept unless beaten by :data:`KEEP_MARGIN`). ``runs``: the candidates' run
+    configs built beforehand (:attr:`Prepared.runs`, for the same rig but its measurements)."""
     from .engine import simulate
     from .report import fastest_rank, summarize
 
@@ -110,7 +143,10 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
         if mode not in MODES:
             out.append(Candidate(mode, eligible=False, why="not a mode the simulator runs"))
             continue
-        row = summarize(simulate(rig, mode), fast)
+        run = (runs or {}).get(mode)
+        if isinstance(run, BaseException):
+            raise run
+        row = summarize(simulate(rig, mode, run), fast)
         syncs = float(row["syncs"])
         batches = per_epoch * rig.epochs
         window = max(float(s) for s in row["shares"]) * batches / max(1.0, syncs)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..averaging import mass
+from ..config import Config
 from ..control.channels import Outbox
 from ..control.cohort import Cohort
 from ..control.core import ControlCore, NullObserver
@@ -143,10 +144,15 @@ class _Stats(NullObserver):
 
 
 class Engine:
-    def __init__(self, cfg: SimulateConfig, mode: str, *, check: bool = False) -> None:
+    def __init__(self, cfg: SimulateConfig, mode: str, *, check: bool = False, run: Optional[Config] = None) -> None:
+        """``run``: ``mode``'s run config of ``cfg`` (topology.run_config), built beforehand; unset: built here."""
         steps = rank_steps(cfg)
         w = len(steps)
-        run = run_config(cfg, mode, w)
+        if run is None:
+            run = run_config(cfg, mode, w)
+        elif run.cluster.ranks_per_node != w or f"{run.mode.backend}_{run.mode.policy}" != mode:
+            raise ValueError(f"simulate: the run config given is {run.mode.backend}_{run.mode.policy} on "
+                             f"{run.cluster.ranks_per_node} ranks, not {mode} on {w}")
         self.cfg, self.mode, self.W = cfg, mode, w
         self.gamma = run.mode.gamma
         self.clock = SimClock()
@@ -366,6 +372,6 @@ class Engine:
         self.core.tick()
 
 
-def simulate(cfg: SimulateConfig, mode: str) -> RunStats:
-    """One mode on the declared rig."""
-    return Engine(cfg, mode).run()
+def simulate(cfg: SimulateConfig, mode: str, run: Optional[Config] = None) -> RunStats:
+    """One mode on the declared rig (``run``: its run config, when built beforehand: see :class:`Engine`)."""
+    return Engine(cfg, mode, run=run).run()

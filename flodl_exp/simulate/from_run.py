@@ -38,7 +38,7 @@ import re
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from ..config import GuardConfig, ModeConfig, OuterConfig
-from .topology import MODES, RankGroupConfig, SimulateConfig, _preset
+from .topology import MODES, SimulateConfig, _preset, measured_rig_config
 
 History = Mapping[str, Sequence[tuple[int, float, int]]]
 """metric key -> its points ``(step, value, timestamp_ms)`` as MLflow holds them (step = epoch)."""
@@ -146,40 +146,33 @@ def measured_rig(params: Mapping[str, str], history: History, result: Optional[M
     measured mean sync ms (a few simulations of the run's mode). Raises :class:`NotReplayable`."""
     m = measured(history)
     mode = run_mode(params)
-    cfg = dataclasses.replace(base) if base is not None else SimulateConfig()
-    cfg.link = dataclasses.replace(cfg.link)
     w = int(m["world_size"])
-    cfg.rig = f"measured {param(params, 'cluster.name', 'run')}"
-    cfg.ranks = [RankGroupConfig(step_ms=max(m[f"step_ms.rank{r}"], 1e-3), data_ms=m[f"data_ms.rank{r}"])
-                 for r in range(w)]
-    cfg.chunk_start_ms = 0.0  # the refill wait is in each rank's measured data wait
     batch = param(params, "experiment.batch_size")
     if not isinstance(batch, int) or batch < 1:
         raise NotReplayable(f"the run's experiment.batch_size param is {batch!r}: an integer >= 1 was expected")
-    cfg.batch_size = batch
     picks = (result or {}).get("total_picks")
-    cfg.samples = int(picks) if isinstance(picks, int) and picks > 0 else int(m["samples"] / m["epochs"])
-    cfg.epochs = int(m["epochs"])
-    if model_mb is not None and model_mb > 0:
-        cfg.model_mb = float(model_mb)
+    seed = param(params, "seed")
+    cfg = measured_rig_config(
+        base if base is not None else SimulateConfig(), f"measured {param(params, 'cluster.name', 'run')}",
+        [m[f"step_ms.rank{r}"] for r in range(w)], [m[f"data_ms.rank{r}"] for r in range(w)],
+        samples=int(picks) if isinstance(picks, int) and picks > 0 else int(m["samples"] / m["epochs"]),
+        batch_size=batch, epochs=int(m["epochs"]), model_mb=model_mb, knobs=mode_knobs(params),
+        guard=GuardConfig(**{**dataclasses.asdict(GuardConfig()), **_fields(params, "guard", GuardConfig)}),
+        outer=OuterConfig(**{**dataclasses.asdict(OuterConfig()), **_fields(params, "outer", OuterConfig)}),
+        seed=seed if isinstance(seed, int) else None)
     scheduler = param(params, "experiment.scheduler") or param(params, "experiment.scheduler._target_")
     cfg.lr_schedule = "cosine" if scheduler is not None and "cosine" in str(scheduler).lower() else "none"
     cfg.modes = [mode]
-    cfg.mode = mode_knobs(params)
-    cfg.guard = GuardConfig(**{**dataclasses.asdict(GuardConfig()), **_fields(params, "guard", GuardConfig)})
-    cfg.outer = OuterConfig(**{**dataclasses.asdict(OuterConfig()), **_fields(params, "outer", OuterConfig)})
-    seed = param(params, "seed")
-    if isinstance(seed, int):
-        cfg.seed = seed
-    cfg.out = None
     if calibrate and m["syncs"] > 0 and m["sync_ms"] > 0:
         from .engine import simulate
         from .report import summarize
+        from .topology import run_config
 
+        run = run_config(cfg, mode, w)  # the link is not in it: one for every round
         fixed = 0.0
         for _ in range(CALIBRATION_ROUNDS):
             cfg.link.collective_fixed_ms = fixed
-            miss = m["sync_ms"] - summarize(simulate(cfg, mode), 0)["sync_ms"]
+            miss = m["sync_ms"] - summarize(simulate(cfg, mode, run), 0)["sync_ms"]
             if abs(miss) <= CALIBRATION_TOLERANCE * m["sync_ms"] or (fixed == 0.0 and miss < 0):
                 break
             fixed = max(0.0, fixed + miss)

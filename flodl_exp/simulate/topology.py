@@ -10,7 +10,10 @@ run schema's own dataclasses (``ModeConfig``, ``GuardConfig``, ``OuterConfig``):
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -181,7 +184,12 @@ def rank_steps(cfg: SimulateConfig) -> list[tuple[float, float, float]]:
 
 def _preset(name: str) -> dict[str, Any]:
     """conf/mode/<name>.yaml the package ships (the run's presets); the policy/backend split of the name when
-    the file is not there."""
+    the file is not there. Read once per process (a fresh dict each call)."""
+    return dict(_read_preset(name))
+
+
+@functools.cache
+def _read_preset(name: str) -> dict[str, Any]:
     from ..constants import CONF_DIR
 
     path = os.path.join(CONF_DIR, "mode", f"{name}.yaml")
@@ -191,6 +199,36 @@ def _preset(name: str) -> dict[str, Any]:
         return dict(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
     backend, _, policy = name.partition("_")
     return {"name": name, "policy": policy, "backend": backend, "anchor": 1 if policy == "sync" else 10}
+
+
+def measured_rig_config(base: SimulateConfig, name: str, step_ms: Sequence[float], data_ms: Sequence[float], *,
+                        samples: int, batch_size: int, epochs: int, model_mb: Optional[float] = None,
+                        knobs: Optional[Mapping[str, Any]] = None, guard: Optional[Any] = None,
+                        outer: Optional[Any] = None, seed: Optional[int] = None) -> SimulateConfig:
+    """A rig whose ranks were measured (rank r's step and data-wait ms, in rank order; the first batch's refill in
+    its data wait, so ``chunk_start_ms`` is 0) on ``base`` for what was not (the link, a copy the caller may fit;
+    the divergence; the LR schedule): mode=auto's probe (auto.probe_rig) and a finished run's replay
+    (from_run.measured_rig). ``model_mb``, ``knobs``, ``guard``, ``outer``, ``seed``: base's where None."""
+    if len(step_ms) != len(data_ms):
+        raise ValueError(f"simulate: {len(step_ms)} step times for {len(data_ms)} data waits")
+    cfg = dataclasses.replace(base)
+    cfg.link = dataclasses.replace(base.link)
+    cfg.rig = name
+    cfg.ranks = [RankGroupConfig(step_ms=max(float(s), 1e-3), data_ms=max(0.0, float(d))) for s, d in zip(step_ms, data_ms)]
+    cfg.chunk_start_ms = 0.0
+    cfg.samples, cfg.batch_size, cfg.epochs = int(samples), int(batch_size), int(epochs)
+    if model_mb is not None and model_mb > 0:
+        cfg.model_mb = float(model_mb)
+    if knobs is not None:
+        cfg.mode = dict(knobs)
+    if guard is not None:
+        cfg.guard = guard
+    if outer is not None:
+        cfg.outer = outer
+    if seed is not None:
+        cfg.seed = int(seed)
+    cfg.out = None
+    return cfg
 
 
 def run_config(cfg: SimulateConfig, mode: str, world_size: int) -> Config:
