@@ -66,3 +66,31 @@ def test_a_survivor_with_a_pending_collective_regroups_at_once(master_store):
     assert got[0][0] == got[1][0] == pytest.approx(1.5), got  # the new generation averaged (1 + 2) / 2
     assert got[0][1] < 20, f"leaving the old group and forming the new one took {got[0][1]:.1f}s"
     assert codes == [0, 0], codes
+
+
+def _resyncing(rank: int, port: int, q) -> None:
+    torch.set_num_threads(1)
+    from flodl_exp.outer import OuterOptimizer, OuterSpec
+    from flodl_exp.rank.backends import CollectiveBackend
+
+    outer = OuterOptimizer(OuterSpec("slowmo", lr=1.0, mu=0.9))
+    outer.allocate([torch.zeros(2, 1), torch.zeros(2)])
+    for k in range(2 - rank):  # rank 0 stepped one window more than rank 1 (its collective failed, rank 1's did not)
+        outer.step([torch.full((2, 1), float(k)), torch.full((2,), float(k))])
+    b = CollectiveBackend(host="127.0.0.1", store_port=port, rank=rank, world_size=2, device=torch.device("cpu"),
+                          backend="gloo", op_timeout_s=60, store_timeout_s=60)
+    b.rebuild(1, rank, 2, session="resync")
+    assert outer.state_buffer is not None
+    b.broadcast_(outer.state_buffer, src=0)
+    outer.state_changed()
+    b.close()
+    q.put((rank, [t.tolist() for t in outer.prev or []], outer.momentum_norm()))
+
+
+def test_a_regroup_broadcast_gives_every_survivor_rank_0s_outer_state(master_store):
+    """The survivors' replicated outer states can differ after a partial collective failure: the regroup's
+    broadcast (RankControl._resync_outer) makes them equal again, over a real Gloo group."""
+    results, codes = run_spawned(_resyncing, [(0, master_store.port), (1, master_store.port)], timeout=90)
+    got = {r: (prev, m) for r, prev, m in results}
+    assert got[0] == got[1] and got[0][1] > 0, got
+    assert codes == [0, 0], codes
