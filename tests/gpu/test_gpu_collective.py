@@ -123,7 +123,7 @@ def _silent_peer(rank: int, port: int, backend: str, index: int, q) -> None:
         for p in model.parameters():
             p.fill_(3.0)
     b.sync(model, 2, 1.0)
-    value = float(next(model.parameters()).flatten()[0])
+    value = float(next(model.parameters()).detach().flatten()[0])
     b.close()
     q.put((rank, "timed out", waited, regroup_s, value))
 

@@ -83,7 +83,7 @@ def test_two_cuda_ranks_log_gpu_telemetry_and_resume_from_their_bundle(store):
     args = ["mode=nccl_cadence", "cluster.ranks_per_node=2", "cluster.device=cuda"]
     r = _run(store, *args, "experiment.epochs=2", env=env)
     job, run_id = job_dir_of(r.stdout), run_id_of(r.stdout)
-    mig = any(e.get("device_uuid", "").upper().startswith("MIG-") for e in _joined(job))
+    mig = any((e.get("device_uuid") or "").upper().startswith("MIG-") for e in _joined(job))
     assert _collective(job)["backend"] == ("nccl" if gpus == 2 and not mig else "gloo")
     m = MlflowClient(store["uri"]).get_run(run_id).data.metrics
     assert {"rank0/gpu_util", "rank0/mem_gb", "rank1/mem_gb"} <= set(m), sorted(m)
