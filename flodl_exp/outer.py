@@ -95,6 +95,12 @@ class OuterOptimizer:
         seeded = bool(self._state[-1].item())
         self.prev, self.momentum = (self._views(0), self._views(self.numel)) if seeded else (None, None)
 
+    def forget(self) -> None:
+        """Drop the state (its storage kept): the next window seeds it again, as the first one does."""
+        if self._state is not None:
+            self._state[-1] = 0.0
+        self.prev = self.momentum = None
+
     def _views(self, base: int) -> list[torch.Tensor]:
         assert self._state is not None
         out, off = [], base

@@ -464,7 +464,7 @@ def test_a_regroup_re_syncs_the_outer_state_from_the_groups_rank_0():
         assert root.state_buffer is not None
         t.copy_(root.state_buffer)
 
-    ctl.collective = SimpleNamespace(rebuild=lambda *a: None, broadcast_=broadcast_)  # type: ignore[assignment]
+    ctl.collective = SimpleNamespace(rebuild=lambda *a: None, broadcast_=broadcast_, rank=1)  # type: ignore[assignment]
     ctl.handle(Regroup(generation=1, new_rank=1, world_size=2, ranks=[0, 2], session="s1"))
     assert got == [0] and outer.prev is not None and root.prev is not None
     assert all(torch.equal(a, b) for a, b in zip(outer.prev, root.prev))
@@ -475,9 +475,28 @@ def test_an_unseeded_root_unseeds_the_survivors():
     outer = OuterOptimizer(SLOWMO)
     ctl, _ = _control(SimpleNamespace(model=torch.nn.Linear(1, 2), optimizer=None), outer_spec=SLOWMO, outer=outer)
     outer.step([torch.ones(2, 1), torch.ones(2)])
-    ctl.collective = SimpleNamespace(rebuild=lambda *a: None, broadcast_=lambda t, src=0: t.zero_())  # type: ignore[assignment]
+    ctl.collective = SimpleNamespace(rebuild=lambda *a: None, broadcast_=lambda t, src=0: t.zero_(), rank=1)  # type: ignore[assignment]
     ctl.handle(Regroup(generation=1, new_rank=1, world_size=2, ranks=[0, 2], session="s1"))
     assert outer.prev is None and outer.state_dict()["prev"] == []
+
+
+@pytest.mark.parametrize("new_rank", [0, 1])
+def test_a_failed_re_sync_keeps_the_rank_alive_and_no_half_received_state(new_rank):
+    """A member that dies between the group's forming and the broadcast: the regroup handler does not end the rank
+    (the next collective fails and regroups again); a receiver forgets its state, the sender keeps its own."""
+    outer = OuterOptimizer(SLOWMO)
+    ctl, _ = _control(SimpleNamespace(model=torch.nn.Linear(1, 2), optimizer=None), outer_spec=SLOWMO, outer=outer)
+    outer.step([torch.ones(2, 1), torch.ones(2)])
+    aborted: list[int] = []
+
+    def broadcast_(t: torch.Tensor, src: int = 0) -> None:
+        t[:2] = 7.0  # half received
+        raise RuntimeError("Connection closed by peer")
+
+    ctl.collective = SimpleNamespace(rebuild=lambda *a: None, broadcast_=broadcast_, rank=new_rank,  # type: ignore[assignment]
+                                     abort=lambda: aborted.append(1))
+    ctl.handle(Regroup(generation=1, new_rank=new_rank, world_size=2, ranks=[0, 2], session="s1"))
+    assert aborted == [1] and (outer.prev is None) == (new_rank != 0)
 
 
 def test_batch_to_is_gone():

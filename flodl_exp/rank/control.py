@@ -570,7 +570,20 @@ class RankControl:
         state = self.outer.state_buffer
         if state is None:  # allocated at start-up; a model without parameters has nothing to agree on
             return
-        self.collective.broadcast_(state, src=0)
+        root = self.collective.rank == 0  # the sender's state is only read: kept whatever happens
+        try:
+            self.collective.broadcast_(state, src=0)
+        except CollectiveInterrupted:
+            if not root:
+                self.outer.forget()  # a newer regroup re-syncs it; meanwhile nothing half-received is kept
+            raise
+        except Exception as e:  # a member died meanwhile: the next collective fails and regroups (and re-syncs) again
+            if not root:
+                self.outer.forget()
+            self.collective.abort()
+            log.warning("rank %d: re-syncing the outer optimizer after the regroup failed: %s (its momentum restarts "
+                        "unless the next regroup brings rank 0's)", self.rank, str(e).splitlines()[0] if str(e) else e)
+            return
         self.outer.state_changed()
 
     def _await_regroup(self, deadline_s: float = 60.0) -> bool:
