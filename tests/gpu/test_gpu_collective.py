@@ -4,9 +4,10 @@ identity and there is no peer to lose).
 * Gloo with two processes on one GPU (how ranks sharing a GPU average: CUDA replicas staged through the host),
   and NCCL with two processes on two GPUs (skipped with fewer): the weighted average of two different replicas
   equals the one computed here on the CPU, buffers averaged equally, inside the sync's VRAM reserve;
-* a peer that goes silent: the survivor's collective raises :class:`CollectiveTimeout` in Python at its own
-  deadline (the process lives), the group is aborted without waiting, and a new group (generation 1, alone)
-  forms in the same process and reduces (the elastic regroup of item 1, on NCCL too);
+* a peer that goes silent, or dies: the survivor's collective raises in Python (:class:`CollectiveTimeout` at its
+  own deadline for the silent one), the process lives with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` inherited, the
+  group is aborted without waiting, and a new group (generation 1, alone) forms in the same process and reduces
+  (the elastic regroup of items 1 and 5, on NCCL too);
 * snapshot staging for the wire (cpu backend, bf16): values written to the replica by a kernel still queued
   behind a delay on the stream reach the host as the values computed here, not as what the buffer held;
 * the device a rank reports is the one ``nvidia-smi -L`` (or NVML) lists, and the build has kernels for it.
@@ -34,7 +35,7 @@ SETUPS = [
                  marks=pytest.mark.skipif(not TWO_GPUS, reason="NCCL with two ranks needs two GPUs")),
 ]
 DIM = 256
-SILENT_TIMEOUT_S = 4.0
+PEER_TIMEOUT_S = 4.0
 
 
 def _model(rank: int, dev: torch.device) -> torch.nn.Module:
@@ -95,18 +96,22 @@ def test_two_ranks_average_to_the_weighted_mean_within_the_reserve(master_store,
         assert peak <= 5 * param_bytes + 2**20, "the data plane reserves 5x the parameter bytes for a sync"
 
 
-def _silent_peer(rank: int, port: int, backend: str, index: int, q) -> None:
+def _peer_lost(rank: int, port: int, backend: str, index: int, how: str, q) -> None:
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # inherited, as sbatch passes it on (item 5): must not matter
     torch.set_num_threads(1)
     dev = torch.device("cuda", index)
     torch.cuda.set_device(dev)
     from flodl_exp.rank.backends import CollectiveTimeout
 
     model = _model(0, dev)  # equal replicas: the first sync leaves them as they are
-    b = _backend(rank, port, backend, dev, SILENT_TIMEOUT_S)
+    b = _backend(rank, port, backend, dev, PEER_TIMEOUT_S)
     b.sync(model, 1, 1.0)  # generation 0 works for both
-    if rank == 1:  # alive, but it never joins the next collective (a hung peer), then leaves
-        q.put((rank, "silent", 0.0, 0.0, None))
-        time.sleep(SILENT_TIMEOUT_S + 6)
+    if rank == 1:  # it never joins the next collective: hung (alive, silent), or dead
+        q.put((rank, how, 0.0, 0.0, None))
+        q.close()
+        q.join_thread()
+        if how == "silent":
+            time.sleep(PEER_TIMEOUT_S + 6)
         os._exit(0)
     t0 = time.monotonic()
     try:
@@ -114,7 +119,10 @@ def _silent_peer(rank: int, port: int, backend: str, index: int, q) -> None:
         q.put((rank, "the collective completed without its peer", 0.0, 0.0, None))
         return
     except CollectiveTimeout:
-        waited = time.monotonic() - t0
+        what = "timed out"
+    except Exception as e:  # a dead peer may also fail the collective at once (Gloo: the connection closed)
+        what = f"failed: {type(e).__name__}"
+    waited = time.monotonic() - t0
     b.restore(model)
     t1 = time.monotonic()
     b.rebuild(1, 0, 1, session="alone")  # aborts generation 0 without waiting for its pending collective
@@ -125,19 +133,27 @@ def _silent_peer(rank: int, port: int, backend: str, index: int, q) -> None:
     b.sync(model, 2, 1.0)
     value = float(next(model.parameters()).detach().flatten()[0])
     b.close()
-    q.put((rank, "timed out", waited, regroup_s, value))
+    q.put((rank, what, waited, regroup_s, value))
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["silent", "dead"])
 @pytest.mark.parametrize(("backend", "gpus"), SETUPS)
-def test_a_silent_peer_times_out_in_python_and_the_survivor_regroups(master_store, backend, gpus):
-    got, codes = run_spawned(_silent_peer, [(r, master_store.port, backend, gpus[r]) for r in (0, 1)], timeout=120)
+def test_a_lost_peer_raises_in_python_and_the_survivor_regroups(master_store, backend, gpus, how):
+    """A silent peer: :class:`CollectiveTimeout` at the rank's own deadline. A dead one: that, or the collective's
+    own error. Either way the process lives (TORCH_NCCL_ASYNC_ERROR_HANDLING=1 inherited notwithstanding), the group
+    is aborted without waiting, and the survivor forms generation 1 alone and reduces on the GPU."""
+    got, codes = run_spawned(_peer_lost, [(r, master_store.port, backend, gpus[r], how) for r in (0, 1)], timeout=120)
     r0 = next(g for g in got if g[0] == 0)
     _, what, waited, regroup_s, value = r0
-    assert what == "timed out", r0
-    assert SILENT_TIMEOUT_S * 0.9 <= waited <= SILENT_TIMEOUT_S + 10, f"the deadline fired after {waited:.1f}s"
+    if how == "silent":
+        assert what == "timed out", r0
+        assert PEER_TIMEOUT_S * 0.9 <= waited, f"the deadline fired after {waited:.1f}s"
+    else:
+        assert what == "timed out" or what.startswith("failed"), r0
+    assert waited <= PEER_TIMEOUT_S + 10, f"the survivor learnt of the loss after {waited:.1f}s"
     assert regroup_s < 30, f"aborting and forming the new group took {regroup_s:.1f}s"
-    assert value == pytest.approx(3.0), "the new group (alone) reduced: the process and CUDA survived the timeout"
+    assert value == pytest.approx(3.0), "the new group (alone) reduced: the process and CUDA survived the loss"
     assert codes[0] == 0, codes
 
 
