@@ -107,7 +107,7 @@ def test_ranks_sharing_a_device_split_its_budget():
 @pytest.mark.parametrize("rpn,gpus,local,want", [(2, 1, 0, 2), (2, 2, 1, 1), (3, 2, 0, 2), (3, 2, 1, 1), (4, 0, 0, 1),
                                                  (1, 8, 0, 1)])
 def test_ranks_sharing_device(rpn, gpus, local, want):
-    assert B.ranks_sharing_device(rpn, gpus, local) == want
+    assert B.ranks_sharing_device(rpn, gpus, local, {}) == want  # no per-task binding in the environment
 
 
 def test_activation_peak_does_not_absorb_the_prefetch_window():
