@@ -53,7 +53,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _state["t0"] = time.monotonic()
 
 
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_finish(session: pytest.Session) -> None:
+    items, config = session.items, session.config  # after -k / -m deselection
     budgets = {it.nodeid: _budget(it) for it in items}
     _state["budgets"] = budgets
     total = sum(budgets.values())

@@ -157,6 +157,7 @@ def test_a_lost_peer_raises_in_python_and_the_survivor_regroups(master_store, ba
     assert codes[0] == 0, codes
 
 
+@pytest.mark.timeout(60)
 def test_snapshot_staging_waits_for_the_replica_written_behind_a_delay():
     """The replica's new values are written by a kernel queued behind ~0.3 s of GPU sleep on the current stream;
     the staged host tensors must hold them (bf16 of values computed here on the CPU), not the stale buffer."""
@@ -207,6 +208,7 @@ def _listed_uuids() -> list[str]:
         pynvml.nvmlShutdown()
 
 
+@pytest.mark.timeout(60)
 def test_the_rank_reports_the_device_the_driver_lists():
     from flodl_exp.control.devices import arch_runs_on
     from flodl_exp.rank.worker import device_uuid, pick_device, use_device
