@@ -23,8 +23,10 @@ def test_every_component_of_the_core_reads_the_one_plan():
     from test_control_core import Bare, FakeClock, cfg_of
 
     core = Bare(cfg_of("cpu_cadence", 2, epochs=6, **{"checkpoint.every": 2}), FakeClock()).core
-    readers = [core.dispatch, core.slack, core.checkpoints, core.run_end]
-    assert all(c.epochs == 6 for c in readers)
+    def epochs() -> list[int]:
+        return [core.dispatch.epochs, core.slack.epochs, core.checkpoints.epochs, core.run_end.epochs]
+
+    assert epochs() == [6] * 4
     core.plan.end_after(2)
-    assert core.epochs == 3 and all(c.epochs == 3 for c in readers)
+    assert core.epochs == 3 and epochs() == [3] * 4
     assert core.writer._plan is core.plan  # the bundle meta's default epoch is the plan's too
