@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 if TYPE_CHECKING:
@@ -169,9 +169,12 @@ class MlflowSink:
     RETRY_MIN_S = 0.5
     RETRY_MAX_S = 30.0
 
-    def __init__(self, uri: str, run_id: str, max_records: int = 200_000) -> None:
+    def __init__(self, uri: str, run_id: Union[str, Callable[[], str]], max_records: int = 200_000) -> None:
+        """``run_id``: the run's id, or a function that waits for it (the launcher creates the run after it submits
+        the job): called on the sink's thread before its first delivery, again after a failure; records wait."""
         self.uri = uri
-        self.run_id = run_id
+        self._resolve_run_id: Optional[Callable[[], str]] = None if isinstance(run_id, str) else run_id
+        self.run_id = run_id if isinstance(run_id, str) else ""
         self.max_records = int(max_records)
         self._buf: deque[tuple[str, Any]] = deque()
         self._size = 0
@@ -282,6 +285,8 @@ class MlflowSink:
     def _connect(self) -> Any:
         """The client, with the store opened (MLflow's import and the SQL engine cost seconds the first time):
         done as the sink starts, so it overlaps the ranks' start-up instead of delaying the run's end."""
+        if not self.run_id and self._resolve_run_id is not None:
+            self.run_id = self._resolve_run_id()
         c = client(self.uri)
         if self.uri.startswith("sqlite:"):  # a tracking server that is down would hold this for MLflow's retries
             try:
@@ -363,6 +368,8 @@ class MlflowSink:
         """The loss tag and the terminal status, in a helper thread so a hung store cannot hold close past its budget."""
         def work() -> None:
             try:
+                if not self.run_id and self._resolve_run_id is not None:
+                    self.run_id = self._resolve_run_id()
                 c = client(self.uri)
                 if self.lost:
                     c.set_tag(self.run_id, "tracking_lost_records", str(self.lost))

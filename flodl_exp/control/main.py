@@ -12,6 +12,7 @@ on SLURM ends the run before the cluster's SIGKILL (see preemption.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -76,11 +77,17 @@ def main(argv: list[str]) -> int:
     for path in reversed(spec.import_paths):  # the experiment's modules (the logged model is built here)
         if path not in sys.path:
             sys.path.insert(0, path)
+    from ..tracking import MlflowSink  # (import-light: MLflow is imported by the sink's thread)
+
+    # The sink first: its thread imports MLflow and opens the store (1.5-2 s of CPU) while this one imports torch and
+    # the ranks build their replicas (they join seconds after the coordinator listens), instead of at the run's end,
+    # where a short run's close would wait for it. The launcher creates the MLflow run after submitting the job:
+    # until it publishes the id, the sink keeps records.
+    sink = MlflowSink(spec.tracking_uri, spec.run_id or (lambda: spec.with_run_id().run_id))
 
     from .. import wire
     from ..config import RunShape, load_config
     from ..jobs.rendezvous import incarnation, write_rendezvous
-    from ..tracking import MlflowSink
     from .coordinator import Coordinator
     from .server import RankServer, start_store
 
@@ -95,7 +102,6 @@ def main(argv: list[str]) -> int:
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
-    sink = MlflowSink(spec.tracking_uri, spec.run_id)
     co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if slurm:
@@ -122,6 +128,7 @@ def main(argv: list[str]) -> int:
 def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, server: Any, status: str,
            slurm: bool) -> int:
     """Write result.json, end the MLflow run (terminal status first where SIGKILL may follow), log artifacts."""
+    spec = _with_run_id(spec, sink)
     status = _fail_on_own_bundle(co, status)
     failure = co.life.failure
     result, result_path = _write_result(co, spec, job_dir)
@@ -153,6 +160,23 @@ def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, se
     server.close()
     time.sleep(0.05)
     return 0 if status == "FINISHED" else 1
+
+
+def _with_run_id(spec: JobSpec, sink: Any) -> JobSpec:
+    """The spec with the run id the launcher published (it created the run after submitting the job; by the run's
+    end it is long there): the sink's, else read from the job folder. A launcher that never published it leaves
+    the spec as it is (the sink counts what it could not deliver)."""
+    if spec.run_id:
+        return spec
+    if getattr(sink, "run_id", ""):
+        return dataclasses.replace(spec, run_id=sink.run_id)
+    from ..jobs.spec import RunIdMissing
+
+    try:
+        return spec.with_run_id(10.0)
+    except RunIdMissing as e:
+        log.error("%s", e)
+        return spec
 
 
 def _fail_on_own_bundle(co: Coordinator, status: str) -> str:

@@ -28,6 +28,8 @@ other tasks leave without a result after a preempted stop (exit 0, so
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import os
@@ -219,6 +221,23 @@ def fail_run_if_running(tracking_uri: str, run_id: str, error: str, tags: Option
         log.warning("could not mark the MLflow run FAILED: %s", e)
 
 
+def _fail_run(spec: JobSpec, error: str, tags: Optional[dict[str, Any]] = None) -> None:
+    """:func:`fail_run_if_running` on the spec's run, its id read from the job folder where the submitted spec has
+    none yet (the launcher creates the run after submitting: :meth:`JobSpec.with_run_id`)."""
+    from .spec import RunIdMissing
+
+    try:
+        spec = spec.with_run_id(RUN_ID_FAIL_WAIT_S)
+    except RunIdMissing as e:
+        log.warning("could not mark the MLflow run FAILED: %s", e)
+        return
+    fail_run_if_running(spec.tracking_uri, spec.run_id, error, tags)
+
+
+RUN_ID_FAIL_WAIT_S = 30.0
+"""How long a failing task 0 waits for the launcher's run id before it gives up marking the run FAILED."""
+
+
 class _RunEnded(BaseException):
     """Raised out of the signal handler when the run finished while the signal was handled."""
 
@@ -252,7 +271,7 @@ def _wait_rank0(worker: threading.Thread, coord: subprocess.Popen, spec: JobSpec
     except Exception as e:  # from submitit's USR2 handler: the job is not requeued
         mark = preempt_mark(job_dir, attempt)
         hint = f"; resume with checkpoint.resume_from={mark['stem']}" if mark else ""
-        fail_run_if_running(spec.tracking_uri, spec.run_id,
+        _fail_run(spec,
                             f"time limit / preemption: the job was not requeued ({e}){hint}", {"end_reason": "time_limit"})
         raise
 
@@ -275,14 +294,14 @@ def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: JobSpec, job_di
         if not ended and isinstance(box.get("error"), RankSetupFailed):
             # rank 0 could not set up and the coordinator, still waiting for it, ended without a word: the rank's
             # line is the cause (a coordinator that ended the run itself says why first, below)
-            fail_run_if_running(spec.tracking_uri, spec.run_id, str(box["error"]))
+            _fail_run(spec, str(box["error"]))
             raise box["error"]
         if res is not None and int(res.get("attempt", attempt)) == attempt and res.get("status") in ("FAILED", "KILLED"):
             # The coordinator ended the run itself (it may then die from the cluster's SIGTERM on its way out).
             why = f"the run ended {res['status']}: {res.get('failure')}"
         else:
             why = f"coordinator failed (exit code {rc}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
-            fail_run_if_running(spec.tracking_uri, spec.run_id, why)
+            _fail_run(spec, why)
         if "error" in box:
             raise RuntimeError(f"{why}\nrank 0: {type(box['error']).__name__}: {box['error']}") from box["error"]
         raise RuntimeError(why)
@@ -291,7 +310,7 @@ def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: JobSpec, job_di
     if rc == PREEMPT_EXIT:  # preempted without task 0 asking (a USR1 sent by hand): no requeue
         why = ("the coordinator stopped for preemption but no requeue was asked: "
                f"resume with checkpoint.resume_from={(preempt_mark(job_dir, attempt) or {}).get('stem')}")
-        fail_run_if_running(spec.tracking_uri, spec.run_id, why, {"end_reason": "preempted"})
+        _fail_run(spec, why, {"end_reason": "preempted"})
         raise RuntimeError(why)
     if "out" not in box:  # the coordinator ended the run; rank 0's thread was left in its cleanup
         return {"rank": 0, "left_running": True}
@@ -311,6 +330,12 @@ class RunTask(submitit.helpers.Checkpointable):
     def __call__(self, spec_path: str) -> dict:
         env = submitit.JobEnvironment()
         rank, local_rank = env.global_rank, env.local_rank
+        returned = _leave_fast_after_success(env)
+        out = self._run(spec_path, env, rank, local_rank)
+        returned.append(time.time())
+        return out
+
+    def _run(self, spec_path: str, env: Any, rank: int, local_rank: int) -> dict:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", stream=sys.stderr)
         spec = JobSpec.load(spec_path)
         job_dir = os.path.dirname(os.path.abspath(spec_path))
@@ -386,7 +411,7 @@ class RunTask(submitit.helpers.Checkpointable):
         rc = coord.poll()
         if rc is None:
             coord.kill()
-            fail_run_if_running(spec.tracking_uri, spec.run_id,
+            _fail_run(spec,
                                 f"time limit reached: no preemption bundle after {PREEMPT_WAIT_S:.0f}s",
                                 {"end_reason": "time_limit"})
             return None  # submitit: "Job not requeued because: checkpoint function returned None"
@@ -398,7 +423,7 @@ class RunTask(submitit.helpers.Checkpointable):
         mark = preempt_mark(job_dir, attempt)
         if rc != PREEMPT_EXIT or mark is None:
             log.error("the coordinator ended with exit code %s instead of a preemption bundle", rc)
-            fail_run_if_running(spec.tracking_uri, spec.run_id,
+            _fail_run(spec,
                                 f"time limit / preemption: the coordinator ended with exit code {rc} "
                                 f"instead of a bundle:\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}",
                                 {"end_reason": "time_limit"})
@@ -409,6 +434,7 @@ class RunTask(submitit.helpers.Checkpointable):
         from ..bundle_meta import Resume
         from ..checkpoint import check_pieces, load_meta
         from ..fsio import atomic_json
+        from .spec import RunIdMissing
 
         spec: JobSpec = live["spec"]
         job_dir, attempt = live["job_dir"], live["attempt"]
@@ -421,8 +447,12 @@ class RunTask(submitit.helpers.Checkpointable):
         if bad:  # never requeue onto a bundle that cannot resume
             why = f"time limit / preemption: the bundle {stem} cannot resume: {bad}"
             log.error("%s: not requeued", why)
-            fail_run_if_running(spec.tracking_uri, spec.run_id, why, {"end_reason": "bundle_failed"})
+            _fail_run(spec, why, {"end_reason": "bundle_failed"})
             return None
+        try:  # the next attempt's spec carries the run id (read from the job folder when the submitted one had none)
+            spec = spec.with_run_id(RUN_ID_FAIL_WAIT_S)
+        except RunIdMissing as e:  # the next attempt's coordinator reads it from the job folder in turn
+            log.warning("requeue: %s", e)
         nxt = spec.requeued(Resume(stem=stem, meta=meta))
         path = os.path.join(job_dir, f"spec.attempt{attempt + 1}.json")
         atomic_json(nxt.to_dict(), path, mode=0o600)
@@ -434,6 +464,51 @@ class RunTask(submitit.helpers.Checkpointable):
                 pass
         log.warning("bundle %s written in %.1fs: requeueing as attempt %d", stem, waited_s, attempt + 1)
         return submitit.helpers.DelayedSubmission(RunTask(), path)
+
+
+def _leave_fast_after_success(env: Any) -> list[float]:
+    """In a task process that submitit's entry point runs (``python -m submitit.core._submit``, locally and under
+    srun): once this task's callable returned and submitit pickled its success, the process ends without the
+    interpreter's teardown of torch and the data plane's modules (a second or more on a loaded machine, which the
+    job's end, and so the launcher, waits for). An ``atexit`` hook: it runs after every non-daemon thread ended and
+    leaves with 0, the status submitit itself would return then; any other way out (an error, a requeue, a
+    preempted rank's exit) keeps the normal exit and its status. Returns the list the call appends its return
+    time to."""
+    returned: list[float] = []
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(main_spec, "name", None) != "submitit.core._submit":
+        return returned  # called in-process (tests, a debugger): the caller's interpreter is not ours to end
+    try:
+        result_pickle = str(env.paths.result_pickle)
+    except Exception:
+        return returned
+
+    def leave() -> None:
+        if not returned or not submitit_succeeded(result_pickle, returned[-1]):
+            return
+        logging.shutdown()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(0)
+
+    atexit.register(leave)
+    return returned
+
+
+def submitit_succeeded(result_pickle: str, returned_at: float) -> bool:
+    """submitit pickled ``("success", result)`` for the call that returned at ``returned_at`` (not an earlier
+    attempt's pickle, nor the ``("error", ...)`` it writes when the result's dump fails)."""
+    try:
+        if os.stat(result_pickle).st_mtime < returned_at - 1.0:
+            return False
+        import pickle
+
+        with open(result_pickle, "rb") as fh:
+            outcome = pickle.load(fh)
+    except Exception:
+        return False
+    return isinstance(outcome, tuple) and len(outcome) == 2 and outcome[0] == "success"
 
 
 def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: int,

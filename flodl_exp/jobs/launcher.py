@@ -1,8 +1,10 @@
 """Compose launcher, coordinator and ranks: ``launch(cfg) -> RunHandle``.
 
-The launcher validates the config, creates the MLflow run (params, tags),
-writes the job spec into a fresh job folder and submits one submitit job of
-``world_size`` tasks. The handle mirrors the reference's: ``next_metrics()``,
+The launcher validates the config, writes the job spec into a fresh job folder,
+submits one submitit job of ``world_size`` tasks and then creates the MLflow run
+(params, tags), while the job's processes start: MLflow's import and the run's
+creation are off the job's start-up, and the run's id reaches the job through
+``<job>/run_id.json`` (spec.publish_run_id). The handle mirrors the reference's: ``next_metrics()``,
 ``poll_metrics()``, ``join()`` (the final consensus state) and ``shutdown()``.
 Progress comes from ``events.jsonl``, which the coordinator appends to.
 """
@@ -236,7 +238,7 @@ class RunHandle:
             "epoch": metrics_fn, "eval": eval_result_fn}
         self.prediction: Optional[dict[str, float]] = None
         """Once FINISHED: the simulator's ``predicted/*`` for this run (and ``measured/samples_per_s``), as logged."""
-        self._warm_prediction()
+        self._warming = False
 
     @property
     def job_id(self) -> str:
@@ -301,6 +303,8 @@ class RunHandle:
                     continue
                 self.events.append(ev)
                 self._queue.append(ev)
+                if ev.get("event") == "started":
+                    self._warm_prediction()
                 self._call_back(ev)
 
     def _call_back(self, ev: dict) -> None:
@@ -387,8 +391,8 @@ class RunHandle:
                 self.client().set_tag(self.run_id, "recovered_task_errors", _tail_lines(error, 20)[:5000])
             end_run(self._live_uri, self.run_id, "FINISHED")
             self._ended = True
-            self._start_model_export()
             self._log_prediction(result)
+            self._start_model_export()  # after the prediction: the export's imports (seconds of CPU) do not slow it
             return result
         setup = self._setup_failures(result.get("attempt"))
         reason = result.get("failure") or error or "the job ended without a result"
@@ -405,8 +409,13 @@ class RunHandle:
         return bool(getattr(self.cfg.tracking, "predict", True)) and world_size(self.cfg) >= 2
 
     def _warm_prediction(self) -> None:
-        """Import the simulator (torch, ~2-3 s) in a daemon thread while the run starts, so the prediction at its
-        end (:meth:`_log_prediction`) costs a simulation, not an import. World size 1: nothing to predict."""
+        """Import the simulator (torch, ~2-3 s of CPU) in a daemon thread once the run has started (its ``started``
+        event: every rank joined), so the prediction at its end (:meth:`_log_prediction`) costs a simulation, not an
+        import, and the import does not take CPU from the job's start-up (the tasks' and the coordinator's own
+        imports, the critical path on a small machine). World size 1: nothing to predict."""
+        if self._warming:
+            return
+        self._warming = True
         try:
             if not self._predicts():
                 return
@@ -721,7 +730,7 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str] = None,
            own_sigint: bool = False, metrics_fn: Optional[MetricsFn] = None,
            eval_result_fn: Optional[EvalResultFn] = None) -> RunHandle:
-    """Validate, create the MLflow run, submit the job; returns at once with a RunHandle.
+    """Validate, submit the job, create the MLflow run (while the job starts); returns with a RunHandle.
 
     ``own_sigint``: the caller answers Ctrl-C by cancelling the whole job (:meth:`RunHandle.shutdown`, as the CLI
     does), so a local job's processes start with SIGINT ignored. A terminal's Ctrl-C reaches every process of its
@@ -744,7 +753,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
 
         with _on_sys_path(import_paths):  # it builds the experiment's model to compare shapes
             resume = validate_resume(cfg)
-    from ..tracking import URI_ENV, create_run, redact_uri, resolve_tracking
+    from ..tracking import URI_ENV, redact_uri, resolve_tracking
     from .executor import make_executor
     from .spec import JobSpec
 
@@ -757,9 +766,9 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     uri = redact_uri(full_uri)
     task_env = {URI_ENV: full_uri} if uri != full_uri else {}
     resolved = _redact_config(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)), full_uri)
-    run_id = create_run(full_uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved, _tags(cfg, root), parent_run_id)
     job_root = cfg.run.job_root or os.path.join(root, "outputs", "jobs")
-    job_dir = os.path.join(job_root, f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:8]}-{uuid.uuid4().hex[:4]}")
+    tag = uuid.uuid4().hex  # the folder is made before the run (whose id it carried until the run came after the job)
+    job_dir = os.path.join(job_root, f"{time.strftime('%Y%m%d-%H%M%S')}-{tag[:8]}-{tag[8:12]}")
     os.makedirs(job_root, exist_ok=True)
     _private_dir(job_dir)
     for sub in ("submitit", "checkpoints", "ranks"):
@@ -768,15 +777,22 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     shuffle_seed, adopted = resolve_shuffle_seed(int(cfg.seed), resume.meta if resume is not None else None)
     if adopted:
         print(adopted, file=sys.stderr)
-    spec = JobSpec(config=resolved, run_id=run_id, tracking_uri=uri, job_dir=job_dir,
+    # run_id "": the run is created once the job is submitted (below), and published in <job>/run_id.json
+    spec = JobSpec(config=resolved, run_id="", tracking_uri=uri, job_dir=job_dir,
                    checkpoint_stem=os.path.abspath(stem), shuffle_seed=shuffle_seed, resume=resume,
                    import_paths=tuple(import_paths), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
     spec_path = os.path.join(job_dir, "spec.json")
     _private_write(spec_path, json.dumps(spec.to_dict(), indent=1))
     _private_write(os.path.join(job_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(resolved)))
-    from ..tracking import client
 
-    client(full_uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
+    def new_run(extra: dict[str, str]) -> str:
+        from ..tracking import create_run
+
+        return create_run(full_uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved,
+                          {**_tags(cfg, root), **extra}, parent_run_id)
+
+    # The job first, the MLflow run after: its processes start (interpreters, torch) while this one imports MLflow
+    # and creates the run (~1.5-2.5 s); the coordinator reads the id from <job>/run_id.json when it needs it.
     from .job import run_task
 
     try:
@@ -789,18 +805,33 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         from ..tracking import end_run
 
         err = submit_error(e, cfg.cluster.executor)
+        run_id = new_run({})  # a refused job still leaves its FAILED run, as before
         end_run(full_uri, run_id, "FAILED", error=str(err))
         raise err from e
-    tags = {"job_id": str(job.job_id), "job_dir": job_dir}
+    extra = {"job_id": str(job.job_id), "job_dir": job_dir}
     if resume is not None:
-        tags["resumed_from"] = resume.stem
+        extra["resumed_from"] = resume.stem
     if cfg.cluster.executor == "slurm":
-        tags["slurm_job_id"] = str(job.job_id)
-    from mlflow.entities import RunTag
+        extra["slurm_job_id"] = str(job.job_id)
+    handle = RunHandle(cfg=cfg, run_id="", tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem),
+                       live_uri=full_uri, metrics_fn=metrics_fn, eval_result_fn=eval_result_fn)
+    from .spec import publish_run_id
 
-    client(full_uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-    return RunHandle(cfg=cfg, run_id=run_id, tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem),
-                     live_uri=full_uri, metrics_fn=metrics_fn, eval_result_fn=eval_result_fn)
+    try:
+        run_id = new_run(extra)
+    except BaseException as e:  # no run to log into: the job must not train unrecorded
+        with contextlib.suppress(Exception):
+            publish_run_id(job_dir, error=f"{type(e).__name__}: {e}")
+        handle._ended = True
+        with contextlib.suppress(Exception):
+            handle.shutdown()
+        raise
+    publish_run_id(job_dir, run_id)
+    handle.run_id = run_id
+    from ..tracking import client
+
+    client(full_uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
+    return handle
 
 
 __all__ = ["launch", "RunHandle", "RunFailed", "SubmitFailed", "ConfigError"]

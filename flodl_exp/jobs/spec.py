@@ -12,17 +12,35 @@ launcher always wrote (``attempt`` only once it is not 0).
 No credentials: ``tracking_uri`` and every URI in ``config`` are redacted (``tracking.redact_uri``); the
 tasks find the credentialed URI in their environment (``tracking.URI_ENV``). A spec holding a secret is refused
 when it is built, so none reaches a file.
+
+The MLflow run is created after the job is submitted (launcher.launch: the tasks start while the launcher imports
+MLflow and creates it), so the submitted ``spec.json`` has ``run_id`` ``""``: the launcher publishes the id in
+``<job>/run_id.json`` (:func:`publish_run_id`) as soon as the run exists, and whoever needs it (the coordinator's
+MLflow sink, task 0's failure paths) reads it with :meth:`JobSpec.with_run_id`. A requeue's spec carries it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..bundle_meta import Resume
 from ..json_fields import FieldError, Fields
 from ..tracking import redact_uri
+
+RUN_ID_FILE = "run_id.json"
+"""``<job>/run_id.json``: ``{"run_id": ...}`` once the launcher created the MLflow run, ``{"error": ...}`` when it
+could not (it then cancels the job)."""
+RUN_ID_WAIT_S = 60.0
+"""How long a reader waits for :data:`RUN_ID_FILE` by default (the launcher writes it within seconds of the
+submission, before a local job's processes are up; a SLURM job starts later still)."""
+
+
+class RunIdMissing(RuntimeError):
+    """The launcher did not publish the MLflow run id (it failed to create the run, or died first)."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +50,7 @@ class JobSpec:
     config: dict[str, Any]
     """The resolved config (``OmegaConf.to_container(cfg, resolve=True)``), its URIs redacted."""
     run_id: str
-    """The MLflow run every attempt logs into."""
+    """The MLflow run every attempt logs into; ``""`` until the launcher publishes it (:meth:`with_run_id`)."""
     tracking_uri: str
     """The tracking store, redacted (the credentialed one is in the tasks' environment)."""
     job_dir: str
@@ -61,6 +79,14 @@ class JobSpec:
         """``experiment.loop``: the cooperative tier's loop (None: the managed tier)."""
         loop = (self.config.get("experiment") or {}).get("loop")
         return str(loop) if loop else None
+
+    def with_run_id(self, timeout_s: float = RUN_ID_WAIT_S) -> JobSpec:
+        """This spec with its MLflow run id: itself when it has one, else the id the launcher published in
+        ``<job>/run_id.json``, waited for up to ``timeout_s``. :class:`RunIdMissing` when the launcher said it
+        could not create the run, or did not publish in time."""
+        if self.run_id:
+            return self
+        return dataclasses.replace(self, run_id=wait_run_id(self.job_dir, timeout_s))
 
     def requeued(self, resume: Resume) -> JobSpec:
         """The next attempt's spec: same run and job folder, resuming from ``resume``."""
@@ -108,6 +134,39 @@ class JobSpec:
             return cls.from_dict(raw)
         except FieldError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def publish_run_id(job_dir: str, run_id: Optional[str] = None, error: Optional[str] = None) -> None:
+    """The launcher's side of :data:`RUN_ID_FILE`: the created run's id, or why there is none."""
+    from ..fsio import atomic_json
+
+    atomic_json({"run_id": run_id} if run_id else {"error": str(error or "unknown")},
+                os.path.join(job_dir, RUN_ID_FILE), mode=0o600)
+
+
+def read_run_id(job_dir: str) -> Optional[str]:
+    """The published run id (None: not yet); :class:`RunIdMissing` when the launcher published an error."""
+    try:
+        with open(os.path.join(job_dir, RUN_ID_FILE)) as fh:
+            d = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if isinstance(d, dict) and isinstance(d.get("run_id"), str) and d["run_id"]:
+        return str(d["run_id"])
+    raise RunIdMissing(f"the launcher could not create the MLflow run: {d.get('error') if isinstance(d, dict) else d}")
+
+
+def wait_run_id(job_dir: str, timeout_s: float = RUN_ID_WAIT_S) -> str:
+    """:func:`read_run_id`, polled until it answers or ``timeout_s`` passed (:class:`RunIdMissing`)."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        run_id = read_run_id(job_dir)
+        if run_id:
+            return run_id
+        if time.monotonic() >= deadline:
+            raise RunIdMissing(f"no MLflow run id in {os.path.join(job_dir, RUN_ID_FILE)} after {timeout_s:.0f} s: "
+                               "the launcher did not create the run (see its output)")
+        time.sleep(0.05)
 
 
 def _secret_in(v: Any, where: str) -> Optional[str]:
