@@ -294,6 +294,11 @@ class ExperimentConfig:
     (``w.request_checkpoint()``) bundle on the rank that writes its model piece, right after it does (the model
     is the bundle's state, at the start of epoch ``version``; the cpu backend hands it a copy holding the
     consensus): an export of your own. An error is logged and the next live rank tries; never fatal."""
+    amp: Optional[str] = None
+    """Mixed precision of the managed step: ``fp16`` (autocast to float16 with a GradScaler: the loss is scaled,
+    gradients are unscaled before ``mode.max_grad_norm`` clipping, a step with inf/NaN gradients is skipped),
+    ``bf16`` (autocast to bfloat16, no scaler needed) or null (float32, as the model is). A cooperative loop
+    (``experiment.loop``) does its own."""
     batch_size: int = 32
     """Samples per batch on each rank (one optimizer step per batch); an epoch trains floor(picks / batch_size)
     batches in all (picks = samples x data_plane.augment). An integer >= 1."""
@@ -612,7 +617,16 @@ def _loop_rules(cfg: Any) -> List[str]:
     for key, value in (("experiment.train_step", step), ("experiment.loop", loop)):
         if value is not None and (not isinstance(value, str) or "." not in value):
             raise _err(key, value, "a dotted path module.function")
+    amp = exp.get("amp")
+    if amp is not None and amp not in AMP_MODES:
+        raise _err("experiment.amp", amp, f"one of {', '.join(AMP_MODES)}, or null (float32)")
+    if amp is not None and loop is not None:
+        raise _err("experiment.amp", amp, "null with experiment.loop (a cooperative loop runs its own autocast)")
     return []
+
+
+AMP_MODES = ("fp16", "bf16")
+"""``experiment.amp``'s values (flodl_exp/experiment.AMP_DTYPES maps them to torch dtypes)."""
 
 
 def _mode_kind_rules(cfg: Any) -> List[str]:

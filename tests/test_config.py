@@ -178,6 +178,8 @@ REFUSED = [
     case("batch_size-zero", "experiment.batch_size", "0", "experiment.batch_size=0"),
     case("batch_size-negative", "experiment.batch_size", "-32", "experiment.batch_size=-32"),
     case("epochs-zero", "experiment.epochs", "0", "experiment.epochs=0"),
+    case("amp-unknown", "experiment.amp", "fp32", "experiment.amp=fp32"),
+    case("amp-with-loop", "experiment.amp", "bf16", "experiment=digits_accumulate", "experiment.amp=bf16"),
     # eval.callback_rank: 'fastest' or a rank index < world size
     case("callback_rank-eq-world", "eval.callback_rank", "2", "eval.callback_rank=2"),
     case("callback_rank-above-world", "eval.callback_rank", "7", "eval.callback_rank=7"),
