@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.timeout(90)]  # each is one process, a few steps on one GPU: its budget in the check
 
 DEV = torch.device("cuda", 0)
 DIM = 1024
