@@ -4,8 +4,8 @@
 
 Runs ``python -m flodl_exp experiment=digits_mlp experiment.epochs=1`` (2 local ranks, nccl_cadence) ``--runs``
 times on one MLflow store (the first on a fresh store, the rest on it as it then exists) and times each phase
-from the command's start, by wall clock: the launcher (imports, config, MLflow run, submission) until it prints
-the run id; the coordinator up (its first log line); every rank joined; the process group formed (``started``);
+from the command's start, by wall clock: the launcher (imports, config, the job folder) until it submits the job;
+the run id printed (the launcher creates the MLflow run after the submission, while the job starts); the coordinator up (its first log line); every rank joined; the process group formed (``started``);
 the first trained batch; the last epoch; the final eval; the run's end (result written); the command's exit.
 The coordinator's events carry wall times (``events.jsonl``: ``wall``), so no phase is inferred. The data
 set cache (``FLODL_DATA_CACHE``) is the store's own: the fresh-store run builds it, as a new machine would.
@@ -14,8 +14,12 @@ Then runs ``experiments/ddp_baseline.py`` (2 processes, Gloo, DistributedDataPar
 epochs, no MLflow) the same number of times: process start to its ``started`` barrier (first batch next),
 training, and exit.
 
-Prints one table of medians (seconds from the command's start, and each phase's own length). The machine is
-noisy: quote medians, compare within one sitting.
+``--compare CHECKOUT`` pairs this checkout with another one (before/after a change): their runs and DDP's alternate
+run by run, so the load of a shared machine weighs on both alike.
+
+Prints one table of medians (seconds from the command's start, and each phase's own length), the end-to-end ratio
+to DDP and the first batch's lag behind DDP's, and the load average at the start and the end. The machine is noisy:
+quote medians, compare within one sitting.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 
 PHASES = [
-    ("launcher", "run id printed (imports, config, MLflow run, job submitted)"),
+    ("submitted", "job submitted (imports, config, job folder, submission)"),
+    ("launcher", "run id printed (MLflow imported, run created; the job starts meanwhile)"),
     ("coordinator_up", "coordinator listening"),
     ("ranks_joined", "every rank said hello"),
     ("group_ready", "process group formed, first chunks out"),
@@ -44,6 +49,9 @@ PHASES = [
     ("run_end", "result written (bundle, MLflow run closed after)"),
     ("command_exit", "the command returned"),
 ]
+AFTER = {"coordinator_up": "submitted"}
+"""A phase that does not follow the row above it: its own length is from this one (the run id is printed while the
+job starts, so the coordinator's start-up counts from the submission)."""
 
 
 def _stamp(line: str) -> Optional[float]:
@@ -54,15 +62,15 @@ def _stamp(line: str) -> Optional[float]:
         return None
 
 
-def flodl_run(store: Path, epochs: int) -> dict[str, float]:
-    """One CLI run; each phase's wall time minus the command's start."""
+def flodl_run(store: Path, epochs: int, root: Path = ROOT) -> dict[str, float]:
+    """One CLI run (of the checkout ``root``); each phase's wall time minus the command's start."""
     uri = f"sqlite:///{store / 'mlflow.db'}"
     cmd = [sys.executable, "-u", "-m", "flodl_exp", "experiment=digits_mlp", f"experiment.epochs={epochs}",
            f"tracking.uri={uri}", "tracking.experiment_name=bench_startup", f"run.job_root={store / 'jobs'}",
            "run.progress=plain", f"hydra.run.dir={store / 'hydra'}/${{now:%H-%M-%S-%f}}"]
     env = dict(os.environ, FLODL_DATA_CACHE=str(store / "data_cache"))  # the first run builds it, as on a new machine
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     marks: dict[str, float] = {}
     job: Optional[Path] = None
     assert proc.stdout is not None
@@ -75,6 +83,9 @@ def flodl_run(store: Path, epochs: int) -> dict[str, float]:
     if rc != 0 or job is None:
         raise SystemExit(f"flodl_exp run failed (exit {rc})")
     _wait_model_export(job)
+    submitted = sorted((job / "submitit").glob("*_submitted.pkl"))
+    if submitted:  # submitit's pickle of the submission: written as the launcher submits
+        marks["submitted"] = submitted[0].stat().st_mtime
     for line in (job / "coordinator.log").read_text().splitlines():
         stamp = _stamp(line) if "listening on" in line else None
         if stamp is not None:
@@ -129,7 +140,9 @@ def ddp_run(out: Path, epochs: int) -> dict[str, float]:
             "run_end": wall["end"] - t0, "command_exit": t_exit - t0}
 
 
-def table(flodl: list[dict[str, float]], ddp: list[dict[str, float]], fresh: dict[str, float]) -> str:
+def table(flodl: list[dict[str, float]], ddp: list[dict[str, float]], fresh: dict[str, float],
+          other: Optional[tuple[str, list[dict[str, float]], dict[str, float]]] = None) -> str:
+    """The medians' table; ``other`` = (its name, runs, fresh-store run): a second checkout's columns and lines."""
     def med(rows: list[dict[str, float]], k: str) -> Optional[float]:
         vals = [r[k] for r in rows if k in r]
         return statistics.median(vals) if vals else None
@@ -143,15 +156,34 @@ def table(flodl: list[dict[str, float]], ddp: list[dict[str, float]], fresh: dic
         lengths = []
         for r in rows:
             before = [r[p] for p in keys[:keys.index(k)] if p in r]
+            if k in AFTER and AFTER[k] in r:
+                before = [r[AFTER[k]]]
             if k in r:
                 lengths.append(r[k] - (before[-1] if before else 0.0))
         return statistics.median(lengths) if lengths else None
 
-    lines = ["| phase (until) | flodl_exp s from start | flodl_exp phase s | first run, fresh store | DDP s from start |",
-             "|---|---|---|---|---|"]
+    head = "| phase (until) | flodl_exp s from start | flodl_exp phase s | first run, fresh store |"
+    if other is not None:
+        head += f" {other[0]} s from start | {other[0]} phase s | {other[0]} fresh store |"
+    lines = [head + " DDP s from start |", "|---" * (head.count("|")) + "|"]
     for k, what in PHASES:
-        lines.append(f"| {k}: {what} | {fmt(med(flodl, k))} | {fmt(own(flodl, k))} | {fmt(fresh.get(k))} | {fmt(med(ddp, k))} |")
+        row = f"| {k}: {what} | {fmt(med(flodl, k))} | {fmt(own(flodl, k))} | {fmt(fresh.get(k))} |"
+        if other is not None:
+            row += f" {fmt(med(other[1], k))} | {fmt(own(other[1], k))} | {fmt(other[2].get(k))} |"
+        lines.append(row + f" {fmt(med(ddp, k))} |")
+    lines.append("")
+    for name, rows in [("flodl_exp", flodl), *([other[:2]] if other is not None else [])]:
+        wall, ddp_wall = med(rows, "command_exit"), med(ddp, "command_exit")
+        first, ddp_first = med(rows, "first_batch"), med(ddp, "group_ready")
+        if wall and ddp_wall:
+            lines.append(f"{name}: end to end {wall / ddp_wall:.2f}x DDP's wall (target <= 1.1x)" +
+                         (f"; first batch DDP's + {first - ddp_first:.2f} s (target <= + 1 s)"
+                          if first is not None and ddp_first is not None else ""))
     return "\n".join(lines)
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in avg)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -159,30 +191,53 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="runs per side (medians); flodl_exp runs one more on a fresh store")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "startup"))
+    p.add_argument("--compare", metavar="CHECKOUT", default=None,
+                   help="another checkout of this project (e.g. `git worktree add /tmp/old <commit>`): its runs "
+                        "alternate with this one's and DDP's, run by run, so a shared machine's load drifts over both")
     a = p.parse_args(argv)
     out = Path(a.out)
-    store = out / "store"
-    if store.exists():
-        shutil.rmtree(store)
-    store.mkdir(parents=True)
-    print(f"flodl_exp: {a.runs + 1} runs of {a.epochs} epoch(s) (the first on a fresh store)", flush=True)
-    fresh = flodl_run(store, a.epochs)
-    flodl = []
-    for i in range(a.runs):
-        flodl.append(flodl_run(store, a.epochs))
-        first_batch = flodl[-1].get("first_batch")
-        print(f"  run {i + 1}: {flodl[-1]['command_exit']:.2f} s" + (f", first batch at {first_batch:.2f} s" if first_batch else ""),
-              flush=True)
-    print(f"DDP baseline: {a.runs} runs", flush=True)
+    trees = [("flodl_exp", ROOT, out / "store")]
+    if a.compare:
+        trees.append((f"compare ({Path(a.compare).name})", Path(a.compare).resolve(), out / "store_compare"))
+    for _, _, store in trees:
+        if store.exists():
+            shutil.rmtree(store)
+        store.mkdir(parents=True)
+    load_start = os.getloadavg()
+    print(f"load average at start: {_load(load_start)} ({os.cpu_count()} CPUs)", flush=True)
+    print(f"{' and '.join(name for name, _, _ in trees)}: {a.runs + 1} runs of {a.epochs} epoch(s) each (the first on a "
+          f"fresh store), DDP {a.runs}, alternating", flush=True)
+    fresh = {name: flodl_run(store, a.epochs, root) for name, root, store in trees}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in trees}
     ddp = []
     for i in range(a.runs):
+        for name, root, store in trees:
+            r = flodl_run(store, a.epochs, root)
+            runs[name].append(r)
+            first_batch = r.get("first_batch")
+            print(f"  {name} run {i + 1}: {r['command_exit']:.2f} s" +
+                  (f", first batch at {first_batch:.2f} s" if first_batch else ""), flush=True)
         ddp.append(ddp_run(out / "ddp", a.epochs))
-        print(f"  run {i + 1}: {ddp[-1]['command_exit']:.2f} s", flush=True)
-    text = table(flodl, ddp, fresh)
+        print(f"  DDP run {i + 1}: {ddp[-1]['command_exit']:.2f} s", flush=True)
+    load_end = os.getloadavg()
+    other = (trees[1][0], runs[trees[1][0]], fresh[trees[1][0]]) if a.compare else None
+    text = table(runs["flodl_exp"], ddp, fresh["flodl_exp"], other)
+    if other is not None:  # run i of this checkout beside run i of the other, under the same moment's load
+        pairs = []
+        for k in ("first_batch", "command_exit"):
+            diffs = [x[k] - y[k] for x, y in zip(runs["flodl_exp"], other[1]) if k in x and k in y]
+            if diffs:
+                pairs.append(f"{k} {statistics.median(diffs):+.2f} s ({', '.join(f'{d:+.2f}' for d in diffs)})")
+        text += f"\nflodl_exp minus {other[0]}, run by run (median): " + "; ".join(pairs)
+    text += f"\nload average (1, 5, 15 min): {_load(load_start)} at start, {_load(load_end)} at end"
     print()
     print(text)
     (out / "startup.md").write_text(text + "\n")
-    (out / "startup.json").write_text(json.dumps({"flodl_exp": flodl, "fresh_store": fresh, "ddp": ddp}, indent=1))
+    (out / "startup.json").write_text(json.dumps({"flodl_exp": runs["flodl_exp"], "fresh_store": fresh["flodl_exp"],
+                                                  "ddp": ddp, "load_start": load_start, "load_end": load_end,
+                                                  **({"compare": {"checkout": str(a.compare), "runs": other[1],
+                                                                  "fresh_store": other[2]}} if other else {})},
+                                                 indent=1))
     print(f"\nwritten: {out / 'startup.md'}")
     return 0
 
