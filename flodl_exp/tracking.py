@@ -154,6 +154,18 @@ def end_run(uri: str, run_id: str, status: str, error: Optional[str] = None) -> 
         c.set_terminated(run_id, status=status)
 
 
+def _import_mlflow(uri: str) -> None:
+    """Import what a client of ``uri`` needs without opening the store (an MlflowClient opens it as it is built)."""
+    try:
+        import mlflow.entities
+        import mlflow.tracking
+
+        if uri.startswith(("sqlite:", "postgresql", "mysql", "mssql")):
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    except Exception:  # the client's own construction says what is wrong
+        pass
+
+
 class MlflowSink:
     """Background logger: ``log_metrics``/``set_tags``/``log_artifact`` enqueue, a thread delivers.
 
@@ -286,6 +298,9 @@ class MlflowSink:
         """The client, with the store opened (MLflow's import and the SQL engine cost seconds the first time):
         done as the sink starts, so it overlaps the ranks' start-up instead of delaying the run's end."""
         if not self.run_id and self._resolve_run_id is not None:
+            # MLflow's modules first (the seconds), the wait for the id after, the store opened last: once the id is
+            # published the launcher has created the run, and so a fresh store's tables, which nobody else may race
+            _import_mlflow(self.uri)
             self.run_id = self._resolve_run_id()
         c = client(self.uri)
         if self.uri.startswith("sqlite:"):  # a tracking server that is down would hold this for MLflow's retries

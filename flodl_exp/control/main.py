@@ -77,17 +77,11 @@ def main(argv: list[str]) -> int:
     for path in reversed(spec.import_paths):  # the experiment's modules (the logged model is built here)
         if path not in sys.path:
             sys.path.insert(0, path)
-    from ..tracking import MlflowSink  # (import-light: MLflow is imported by the sink's thread)
-
-    # The sink first: its thread imports MLflow and opens the store (1.5-2 s of CPU) while this one imports torch and
-    # the ranks build their replicas (they join seconds after the coordinator listens), instead of at the run's end,
-    # where a short run's close would wait for it. The launcher creates the MLflow run after submitting the job:
-    # until it publishes the id, the sink keeps records.
-    sink = MlflowSink(spec.tracking_uri, spec.run_id or (lambda: spec.with_run_id().run_id))
 
     from .. import wire
     from ..config import RunShape, load_config
     from ..jobs.rendezvous import incarnation, write_rendezvous
+    from ..tracking import MlflowSink
     from .coordinator import Coordinator
     from .server import RankServer, start_store
 
@@ -102,6 +96,10 @@ def main(argv: list[str]) -> int:
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
+    # The sink's thread imports MLflow and opens the store (1.5-2 s of CPU) while the ranks finish their start-up:
+    # started before this process's own imports it would only slow them (one interpreter, one core at a time). The
+    # launcher creates the MLflow run after submitting the job: until it publishes the id, the sink keeps records.
+    sink = MlflowSink(spec.tracking_uri, spec.run_id or (lambda: spec.with_run_id().run_id))
     co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if slurm:
@@ -128,11 +126,11 @@ def main(argv: list[str]) -> int:
 def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, server: Any, status: str,
            slurm: bool) -> int:
     """Write result.json, end the MLflow run (terminal status first where SIGKILL may follow), log artifacts."""
-    spec = _with_run_id(spec, sink)
     status = _fail_on_own_bundle(co, status)
     failure = co.life.failure
     result, result_path = _write_result(co, spec, job_dir)
     co.events.emit({"event": "end", "status": status, "failure": failure})
+    spec = _with_run_id(spec, sink)  # (the launcher publishes it as the job starts: there long before, but a new store)
     if co.preemption.terminated and status in ("FAILED", "KILLED"):
         # SIGTERM on SLURM: SIGKILL follows within KillWait. The terminal status first, the rest never.
         tags: dict[str, Any] = {"end_reason": co.life.end_reason, "global_step": co.cycle.global_step}
