@@ -361,6 +361,8 @@ class RunHandle:
 
         error: Optional[str] = None
         while not self.done():
+            # the events as they come: the callbacks in time, and the simulator's import once the run started
+            self._read_events()
             time.sleep(0.1)
         path = os.path.join(self.job_dir, "result.json")
         if not self.on_slurm or os.path.exists(path):
