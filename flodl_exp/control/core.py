@@ -72,7 +72,7 @@ from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .meta import LrEventMeta
 from .ports import CoreObserver, NullObserver
-from .preemption import Preemption
+from .preemption import Preemption, kills_on_bad_exit
 from .reduces import Reduces
 from .reports import RankReports
 from .run_end import RunEnd
@@ -158,7 +158,8 @@ class ControlCore:
             attempt=facts.attempt, progressive=shape.progressive, world_size=w, store=store, life=self.life,
             enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.faults.shutdown_with_save,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
-            checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=clock, fire_reduce=self.fire_reduce)
+            checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=clock, fire_reduce=self.fire_reduce,
+            kill_on_bad_exit=kills_on_bad_exit(cfg.cluster))
         self.run_end = RunEnd(
             world_size=w, epochs=plan, blended=shape.easgd_alpha is not None, mode=self.mode, life=self.life,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,

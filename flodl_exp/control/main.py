@@ -102,9 +102,6 @@ def main(argv: list[str]) -> int:
     sink = MlflowSink(spec.tracking_uri, spec.run_id or (lambda: spec.with_run_id().run_id))
     co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
-    if slurm:
-        srun_args = [str(a) for a in cfg.cluster.slurm.srun_args]
-        co.preemption.kill_on_bad_exit = any(a in ("--kill-on-bad-exit", "--kill-on-bad-exit=1", "-K", "-K1") for a in srun_args)
     if os.environ.get("SLURM_JOB_ID"):
         sink.set_tags({"slurm_job_id": os.environ["SLURM_JOB_ID"], "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
                        "slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST", "")})

@@ -67,12 +67,21 @@ class PreemptRequest:
     coverage: list[dict[str, Any]] = field(default_factory=list)
 
 
+KILL_ON_BAD_EXIT_ARGS = ("--kill-on-bad-exit", "--kill-on-bad-exit=1", "-K", "-K1")
+
+
+def kills_on_bad_exit(cluster: Any) -> bool:
+    """A SLURM job whose ``cluster.slurm.srun_args`` make srun end the step when one task exits badly."""
+    return cluster.executor == "slurm" and any(str(a) in KILL_ON_BAD_EXIT_ARGS for a in cluster.slurm.srun_args)
+
+
 class Preemption:
     def __init__(self, *, attempt: int, progressive: bool, world_size: int, store: BundleStore, life: Lifecycle,
                  enter: Callable[[Phase], None], shutdown: Callable[[], None],
                  shutdown_with_save: Callable[[str, str], None], cohort: Cohort, cycle: AveragingCycle,
                  dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints, outbox: Outbox,
-                 obs: Any, clock: Callable[[], float], fire_reduce: Callable[..., bool]) -> None:
+                 obs: Any, clock: Callable[[], float], fire_reduce: Callable[..., bool],
+                 kill_on_bad_exit: bool = False) -> None:
         self.attempt = attempt
         self.progressive = progressive
         self.world_size = world_size
@@ -96,7 +105,7 @@ class Preemption:
         self.terminate_at: Optional[float] = None
         self.terminated = False
         """The SIGTERM path ended the run (no waiting for the ranks: SIGKILL follows)."""
-        self.kill_on_bad_exit = False
+        self.kill_on_bad_exit = kill_on_bad_exit
         """srun --kill-on-bad-exit=1: a dead rank's task exit ends the step, so no recovery is attempted."""
 
     # -- signal handlers (flags only) ------------------------------------

@@ -1,4 +1,5 @@
-"""The run's epoch count is one object (control/epoch_plan.py): a stop lowers it once and every component reads it."""
+"""State the core's components share, built once from the config: the run's epoch count (control/epoch_plan.py: a
+stop lowers it once and every component reads it) and srun's --kill-on-bad-exit (read by the core, not set on it)."""
 from __future__ import annotations
 
 import pytest
@@ -30,3 +31,16 @@ def test_every_component_of_the_core_reads_the_one_plan():
     core.plan.end_after(2)
     assert core.epochs == 3 and epochs() == [3] * 4
     assert core.writer._plan is core.plan  # the bundle meta's default epoch is the plan's too
+
+
+def test_the_core_reads_srun_kill_on_bad_exit_from_the_config():
+    """It used to be set on the built core from control/main.py, so a core rebuilt by mode=auto lost it."""
+    from test_control_core import Bare, FakeClock, cfg_of
+
+    from flodl_exp.control.preemption import kills_on_bad_exit
+
+    plain = cfg_of("cpu_cadence", 2)
+    killing = cfg_of("cpu_cadence", 2, **{"cluster.executor": "slurm", "cluster.slurm.srun_args": ["-K1"]})
+    assert not kills_on_bad_exit(plain.cluster) and kills_on_bad_exit(killing.cluster)
+    assert Bare(killing, FakeClock()).core.preemption.kill_on_bad_exit
+    assert not Bare(plain, FakeClock()).core.preemption.kill_on_bad_exit
