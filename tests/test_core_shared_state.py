@@ -2,6 +2,8 @@
 stop lowers it once and every component reads it) and srun's --kill-on-bad-exit (read by the core, not set on it)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from flodl_exp.control.epoch_plan import EpochPlan
@@ -40,7 +42,8 @@ def test_the_core_reads_srun_kill_on_bad_exit_from_the_config():
     from flodl_exp.control.preemption import kills_on_bad_exit
 
     plain = cfg_of("cpu_cadence", 2)
-    killing = cfg_of("cpu_cadence", 2, **{"cluster.executor": "slurm", "cluster.slurm.srun_args": ["-K1"]})
+    srun: dict[str, Any] = {"cluster.executor": "slurm", "cluster.slurm.srun_args": ["-K1"]}
+    killing = cfg_of("cpu_cadence", 2, **srun)
     assert not kills_on_bad_exit(plain.cluster) and kills_on_bad_exit(killing.cluster)
     assert Bare(killing, FakeClock()).core.preemption.kill_on_bad_exit
     assert not Bare(plain, FakeClock()).core.preemption.kill_on_bad_exit
