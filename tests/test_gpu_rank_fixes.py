@@ -25,10 +25,11 @@ from flodl_exp.experiment import Experiment, build_experiment, rank_seed
 from flodl_exp.outer import OuterOptimizer, OuterSpec
 from flodl_exp.protocol import CoordHeartbeat, EvalResult, ExecuteEval, Regroup, SyncNow, encode
 from flodl_exp.rank import backends
-from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, check_torch_version, nccl_environment
+from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, nccl_environment
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.inbox import ControlInbox
 from flodl_exp.rank.trainer import RankTrainer
+from flodl_exp.torch_version import check_torch_version
 
 SLOWMO = OuterSpec("slowmo", lr=1.0, mu=0.9)
 EXP = {
@@ -63,6 +64,23 @@ def test_a_rank_refuses_to_start_on_an_old_torch(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     with pytest.raises(RuntimeError, match=r"torch 2\.5\.1 is installed but flodl_exp needs torch>=2\.6"):
         RankWorker(None, 0, 0, {})  # type: ignore[arg-type]  # refused before it reads its spec
+
+
+def test_the_launcher_refuses_an_old_torch_before_any_job_starts(monkeypatch, tmp_path):
+    """The installed distribution's version, read without importing torch: one line, nothing submitted."""
+    import importlib.metadata as md
+
+    from conftest import compose
+
+    from flodl_exp.config import ConfigError
+    from flodl_exp.jobs import launcher
+
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: "2.5.1" if name == "torch" else real(name))
+    monkeypatch.setattr("flodl_exp.jobs.executor.make_executor", lambda *a, **k: pytest.fail("a job was submitted"))
+    with pytest.raises(ConfigError, match=r"^torch 2\.5\.1 is installed but flodl_exp needs torch>=2\.6"):
+        launcher.launch(compose([]), root=str(tmp_path))
+    assert not (tmp_path / "outputs").exists()
 
 
 def _nccl_backend(**dist: Any) -> CollectiveBackend:

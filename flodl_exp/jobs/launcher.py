@@ -747,6 +747,11 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         cfg = OmegaConf.structured(cfg)
     for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
         print(f"warning: {w}", file=sys.stderr)
+    from ..torch_version import installed_torch_problem
+
+    old_torch = installed_torch_problem()  # before a job starts ranks that would each refuse it
+    if old_torch:
+        raise ConfigError(old_torch)
     root = os.path.abspath(root or os.getcwd())
     import_paths = experiment_import_paths(root)  # the tasks add them (JobSpec.import_paths); here only the resume check
     resume = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, MutableMapping, Sequence
 from datetime import timedelta
@@ -24,26 +23,9 @@ from torch import nn
 from ..averaging import adopt, float_buffers, mass
 from ..protocol import Snapshot, Update
 from ..store_names import group_prefix
+from ..torch_version import check_torch_version
 
 log = logging.getLogger(__name__)
-
-TORCH_FLOOR = (2, 6)
-"""The oldest torch a rank runs on: elastic regroup aborts an NCCL group with ``_abort_process_group``
-(torch.distributed, new in 2.6); without it a regroup re-initialises a live default group and fails."""
-
-
-def check_torch_version(version: str) -> Optional[str]:
-    """One line naming the installed torch and the floor when ``version`` is older than :data:`TORCH_FLOOR`, else None.
-
-    ``version`` is ``torch.__version__`` (``2.5.1+cu121``, ``2.6.0a0+git...``); a string that does not start with
-    ``major.minor`` is let through (a private build: the abort path says so itself if it lacks the function)."""
-    m = re.match(r"\s*(\d+)\.(\d+)", version)
-    if m is None or (int(m.group(1)), int(m.group(2))) >= TORCH_FLOOR:
-        return None
-    floor = ".".join(map(str, TORCH_FLOOR))
-    return (f"torch {version} is installed but flodl_exp needs torch>={floor} (elastic regroup aborts NCCL groups "
-            f"with torch.distributed's _abort_process_group, new in {floor}): pip install 'torch>={floor}'")
-
 
 ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 

@@ -31,7 +31,8 @@ from ..jobs.spec import JobSpec
 from ..outer import OuterOptimizer
 from ..protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError, encode
 from ..store_names import pin_gloo_to_loopback
-from .backends import CollectiveBackend, CoordinatorBackend, check_torch_version, snapshot_nbytes
+from ..torch_version import check_torch_version
+from .backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
 from .control import RankControl
 from .fault_inject import parse_fault
 from .inbox import ControlInbox, CoordinatorLost
