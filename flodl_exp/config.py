@@ -617,7 +617,7 @@ def _loop_rules(cfg: Any) -> List[str]:
     for key, value in (("experiment.train_step", step), ("experiment.loop", loop)):
         if value is not None and (not isinstance(value, str) or "." not in value):
             raise _err(key, value, "a dotted path module.function")
-    amp = exp.get("amp")
+    amp = getattr(exp, "amp", None)
     if amp is not None and amp not in AMP_MODES:
         raise _err("experiment.amp", amp, f"one of {', '.join(AMP_MODES)}, or null (float32)")
     if amp is not None and loop is not None:
