@@ -17,6 +17,7 @@ from flodl_exp import checkpoint as ck
 from flodl_exp.control.channels import EventLog
 from flodl_exp.control.lifecycle import Phase, Status
 from flodl_exp.control.records import RecordLog, RingLog
+from flodl_exp.events import Epoch
 from flodl_exp.protocol import EvalResult, SaveResult
 
 ENOSPC = f"OSError: [Errno {errno.ENOSPC}] No space left on device"
@@ -169,10 +170,10 @@ def test_event_and_record_logs_survive_a_full_disk(tmp_path, caplog):
     (tmp_path / "events.jsonl").mkdir()  # every append fails with an OSError, as on a full disk
     rec = RecordLog(str(tmp_path / "rl"), 1000)
     os.makedirs(tmp_path / "rl" / "root.log")
-    ev = EventLog(str(tmp_path), rec, lambda: 0.0)
+    log = EventLog(str(tmp_path), rec, lambda: 0.0)
     for i in range(3):
-        ev.emit({"event": "epoch", "epoch": i})
-    assert ev.dropped == 3 and rec.write_errors == 3
+        log.emit(Epoch(epoch=i))
+    assert log.dropped == 3 and rec.write_errors == 3
     ring = RingLog(str(tmp_path / "rl" / "root.log"), 100)
     ring.append({"x": "y" * 3})
     ring.append({"x": "y" * 3})

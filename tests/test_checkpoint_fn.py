@@ -58,7 +58,7 @@ def test_the_role_runs_one_version_on_one_rank_and_settles_on_its_result() -> No
     assert role.on_result(1, CheckpointResult(version=2, elapsed_ms=7.5)) is True
     assert role.settled and role.done == {2: 1}
     assert _records(commands, "log_metrics") == [({"checkpoint_fn/elapsed_ms": 7.5}, 2)]
-    (event,) = [a[0] for a in _records(commands, "emit")]
+    (event,) = [a[0].record() for a in _records(commands, "emit")]
     assert event == {"event": "checkpoint_fn", "version": 2, "rank": 1, "elapsed_ms": 7.5, "error": None}
 
 
@@ -100,7 +100,7 @@ def test_with_no_live_rank_left_the_version_is_given_up_never_failing_anything(c
     assert "given up" in caplog.text
     (tags,) = [a[0] for a in _records(commands, "set_tags") if "checkpoint_fn_failed.v6" in a[0]]
     assert "ValueError: bad" in tags["checkpoint_fn_failed.v6"] and "died" in tags["checkpoint_fn_failed.v6"]
-    gave_up = [a[0] for a in _records(commands, "emit") if a[0].get("gave_up")]
+    gave_up = [a[0].record() for a in _records(commands, "emit") if a[0].gave_up]
     assert gave_up == [{"event": "checkpoint_fn", "version": 6, "rank": None, "error": tags["checkpoint_fn_failed.v6"],
                         "gave_up": True, "tried": [1, 0]}]
 

@@ -295,7 +295,8 @@ def sent(log: list[Command], kind: type) -> list[Any]:
 
 
 def emitted(log: list[Command], event: str) -> list[dict[str, Any]]:
-    return [c.args[0] for c in log if isinstance(c, Record) and c.kind == "emit" and c.args[0].get("event") == event]
+    """The JSON of every event of kind ``event`` the core emitted (what events.jsonl would hold, less the times)."""
+    return [c.args[0].record() for c in log if isinstance(c, Record) and c.kind == "emit" and c.args[0].EVENT == event]
 
 
 # -- the reduce gate -----------------------------------------------------------------------

@@ -8,8 +8,9 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
+from ..events import EventRecord
 from ..protocol import ExtendPartition, Payload, StartEpoch, Update, encode
 from ..wire import Message
 from .cohort import Cohort
@@ -93,8 +94,9 @@ class EventLog:
     def elapsed(self) -> float:
         return self._clock() - self._t0
 
-    def emit(self, event: dict[str, Any]) -> None:
-        event = dict(event, t=round(self.elapsed(), 3), wall=round(time.time(), 3))
+    def emit(self, record: EventRecord) -> None:
+        """One line of ``events.jsonl``: the record's JSON with the run's elapsed ``t`` and the ``wall`` time."""
+        event = dict(record.record(), t=round(self.elapsed(), 3), wall=round(time.time(), 3))
         try:
             with open(self._path, "a") as fh:
                 fh.write(json.dumps(event, default=str) + "\n")

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import events as ev
 from ..protocol import Checkpoint, CheckpointResult
 from .channels import Outbox
 from .cohort import Cohort
@@ -78,8 +79,7 @@ class CheckpointFnRole:
         log.error("checkpoint_fn version %d: no live rank could run it (%s): given up, training goes on",
                   o.version, errors)
         self._obs.set_tags({f"checkpoint_fn_failed.v{o.version}": errors[:5000]})
-        self._obs.emit({"event": "checkpoint_fn", "version": o.version, "rank": None, "error": errors,
-                        "gave_up": True, "tried": list(o.tried)})
+        self._obs.emit(ev.CheckpointFn(version=o.version, rank=None, error=errors, gave_up=True, tried=list(o.tried)))
 
     def on_result(self, r: int, res: CheckpointResult) -> bool:
         """A rank's result; True when it settled the version or moved it to another rank (the caller then checks
@@ -88,8 +88,7 @@ class CheckpointFnRole:
         if o is None or res.version != o.version or r != o.rank:
             log.info("checkpoint_fn: a late result from rank %d for version %d: ignored", r, res.version)
             return False
-        self._obs.emit({"event": "checkpoint_fn", "version": res.version, "rank": r, "elapsed_ms": res.elapsed_ms,
-                        "error": res.error})
+        self._obs.emit(ev.CheckpointFn(version=res.version, rank=r, error=res.error, elapsed_ms=res.elapsed_ms))
         if res.error:
             self._obs.set_tags({"checkpoint_fn_error": f"rank {r}, version {res.version}: {res.error}"[:5000]})
             self._next(f"rank {r}: {res.error}")

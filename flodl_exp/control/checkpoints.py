@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .. import events as ev
 from ..protocol import Save, SaveResult
 from .bundle_store import BundleStore
 from .channels import Outbox
@@ -387,7 +388,7 @@ class Checkpoints:
             ck.written = True
             self._writer.write_meta("periodic", ck.stem, epoch=ck.epoch)
             self._writer.log_bundle(ck.stem, f"checkpoints/epoch{ck.epoch}")
-            self._obs.emit({"event": "checkpoint", "stem": ck.stem, "epoch": ck.epoch})
+            self._obs.emit(ev.Checkpoint(stem=ck.stem, epoch=ck.epoch))
         if not self.fn_settled:
             return False  # training stays held: a failover runs on the same boundary state
         self.periodic = None
@@ -432,7 +433,7 @@ class Checkpoints:
         self._writer.send_saves(stem)
         if reason != "at_epoch":
             self._fire_checkpoint_fn(asked)
-        self._obs.emit({"event": "checkpoint_armed", "stem": stem, "epoch": asked, "reason": reason})
+        self._obs.emit(ev.CheckpointArmed(stem=stem, epoch=asked, reason=reason))
 
     def on_saves_settled(self) -> None:
         """Every piece of the bundle in progress is written: its meta, its artifacts; release the epoch ceiling."""
@@ -443,7 +444,7 @@ class Checkpoints:
             cb.written = True
             self._writer.write_meta(cb.reason, cb.stem, epoch=cb.epoch, coverage_epochs=cb.coverage)
             self._writer.log_bundle(cb.stem, cb.artifact_path)
-            self._obs.emit({"event": "checkpoint", "stem": cb.stem, "epoch": cb.epoch, "reason": cb.reason})
+            self._obs.emit(ev.Checkpoint(stem=cb.stem, epoch=cb.epoch, reason=cb.reason))
         if not self.fn_settled:
             return  # in progress until the checkpoint_fn reported (or was given up): called again then
         self.coverage_bundle = None

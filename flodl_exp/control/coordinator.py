@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from .. import events as ev
 from ..bundle_meta import Resume
 from ..config import RunShape, load_config
 from ..hello import Hello
@@ -109,7 +110,7 @@ class ShellObserver:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.sink.set_tags(tags)
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: ev.EventRecord) -> None:
         self.events.emit(event)
 
     def log_artifact(self, path: str, artifact_path: str) -> None:
@@ -238,7 +239,7 @@ class Coordinator:
             return
         norm = self.core.restore_outer(load_outer_state(stem))
         log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", self.shape.outer.describe(), stem, norm)
-        self.events.emit({"event": "outer_restored", "stem": stem, "momentum_norm": norm})
+        self.events.emit(ev.OuterRestored(stem=stem, momentum_norm=norm))
 
     def _is_local(self, r: int) -> bool:
         return self.records.hosts.get(r) == self._node
@@ -256,7 +257,7 @@ class Coordinator:
         self._apply_spec_prior()
         self.timeline.on_start()
         self.windows.start(self.total_picks)
-        self.events.emit({"event": "started", "world_size": self.W, "epochs": self.epochs})
+        self.events.emit(ev.Started(world_size=self.W, epochs=self.epochs))
         self.core.start(self.total_picks, self.resume.meta.to_dict() if self.resume is not None else None)
 
     def _apply_spec_prior(self) -> None:
@@ -269,7 +270,7 @@ class Coordinator:
             return
         scores = {q: self.devices[q].score for q in sorted(self.devices)}
         log.info("spec prior: rank %d has the lowest device score %s: cold-start anchor", r, scores)
-        self.events.emit({"event": "spec_prior", "anchor_rank": r, "scores": scores})
+        self.events.emit(ev.SpecPrior(anchor_rank=r, scores=scores))
 
     def _form_group(self) -> None:
         """nccl modes: one collective backend for the cohort, chosen from the hellos (devices.py), sent
@@ -282,7 +283,7 @@ class Coordinator:
             raise RunFailure(str(e)) from None
         log.info("collective backend: %s (%s)", choice.backend, choice.reason)
         self.sink.set_tags({"collective": choice.backend})
-        self.events.emit({"event": "collective", "backend": choice.backend, "reason": choice.reason})
+        self.events.emit(ev.Collective(backend=choice.backend, reason=choice.reason))
         self.outbox.broadcast(FormGroup(backend=choice.backend, reason=choice.reason))
 
     # -- main loop ----------------------------------------------------------
@@ -359,13 +360,13 @@ class Coordinator:
     def pump(self, timeout: float) -> None:
         """Handle every queued rank event (waiting up to ``timeout`` for the first)."""
         try:
-            ev = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            self.on_event(ev)
+            self.on_event(item)
             try:
-                ev = self.inbox.get_nowait()
+                item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -384,7 +385,7 @@ class Coordinator:
                           "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
         self.core.tick(now)                                  # 4-11: the core's decisions
         if self.life.phase in TRAINING_PHASES and self.watchdog.check(self.core.global_step, self.stall_state):
-            self.events.emit({"event": "stall", "global_step": self.core.global_step, "dump": self.watchdog.paths[-1]})
+            self.events.emit(ev.Stall(global_step=self.core.global_step, dump=self.watchdog.paths[-1]))
 
     def _beacon(self, now: float) -> None:
         if now - self.last_beacon >= COORD_HEARTBEAT_S:
@@ -414,8 +415,8 @@ class Coordinator:
             self.sink.log_inputs([dict(i) for i in hello.inputs])
         self.total_picks = hello.samples * max(1, self.cfg.data_plane.augment)
         log.info("rank %d joined from %s (%s)", r, hello.host, hello.device)
-        self.events.emit({"event": "joined", "rank": r, "pid": hello.pid, "host": hello.host, "device": hello.device,
-                          "device_uuid": hello.device_uuid})
+        self.events.emit(ev.Joined(rank=r, pid=hello.pid, host=hello.host, device=hello.device,
+                                   device_uuid=hello.device_uuid))
 
     def on_message(self, r: int, msg: Message) -> None:
         try:

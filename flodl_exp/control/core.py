@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .. import events as ev
 from ..bundle_meta import BundleMeta
 from ..config import RunShape
 from ..mode import Mode
@@ -328,7 +329,7 @@ class ControlCore:
     def on_batch(self, r: int, b: Batch) -> None:
         if not self._first_batch_seen:  # the run's first trained batch (start-up ends here: bench_startup)
             self._first_batch_seen = True
-            self.obs.emit({"event": "first_batch", "rank": r})
+            self.obs.emit(ev.FirstBatch(rank=r))
         self.cohort.on_batch(r)
         chunk = self.dispatch.chunks.get(b.chunk)
         self.obs.on_batch(r, b, chunk.epoch if chunk else None, self.cycle.version)
@@ -337,8 +338,7 @@ class ControlCore:
         probe_ms = (self.cycle.seed_from_probe(self.cohort.alive_ranks())
                     if self.cycle.probing and self.cycle.probe_full >= self.cohort.alive_count() else None)
         if probe_ms is not None:  # the first window re-sized by measured speed: the fast ranks get its rest
-            self.obs.emit({"event": "probe", "ms_per_batch": [round(m, 3) for m in probe_ms],
-                           "counts": self.cycle.counts})
+            self.obs.emit(ev.Probe(ms_per_batch=[round(m, 3) for m in probe_ms], counts=self.cycle.counts))
             self.dispatch.after_finish()
 
     # -- the tick: steps 4-11 -------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .. import events as ev
 from .checkpoint_fn import CheckpointFnRole
 from .checkpoints import BundleWriter
 from .dispatch import Dispatcher
@@ -65,11 +66,11 @@ class Deaths:
         or, with none left to do it, lost, which the run says in a metric, a tag and its result."""
         d = self._dispatch
         if d.retrained_picks > retrained_before:
-            self._obs.emit({"event": "retrain", "rank": r, "picks": d.retrained_picks - retrained_before})
+            self._obs.emit(ev.Retrain(rank=r, picks=d.retrained_picks - retrained_before))
         if d.lost_picks > lost_before:
             self._obs.set_tags({"lost_picks": d.lost_picks})
             self._obs.log_metrics({"lost_picks": float(d.lost_picks)}, d.current_epoch())
-            self._obs.emit({"event": "lost_picks", "rank": r, "picks": d.lost_picks - lost_before})
+            self._obs.emit(ev.LostPicks(rank=r, picks=d.lost_picks - lost_before))
 
     def _drop_pending_of(self, r: int) -> None:
         """A rank died while a bundle was being written: its pieces are forfeit; the final eval and the

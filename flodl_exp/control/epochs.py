@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .. import events as ev
 from ..protocol import EpochAggregated
 from .channels import Outbox
 from .checkpoints import Checkpoints
@@ -59,8 +60,8 @@ class EpochBoundaries:
             metrics["anchor"] = float(self._cycle.elche.anchor)
         self._obs.on_epoch_aggregated(e, metrics)
         self._out.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
-        self._obs.emit({"event": "epoch", "epoch": e,
-                        **{k: v for k, v in metrics.items() if not k.startswith("rank") or k.endswith("batch_share")}})
+        self._obs.emit(ev.Epoch(epoch=e, metrics={k: v for k, v in metrics.items()
+                                                  if not k.startswith("rank") or k.endswith("batch_share")}))
         last = e == self._run_end.epochs - 1  # the final eval and bundle answer every intent
         periodic = self._eval_every > 0 and (e + 1) % self._eval_every == 0
         if (self._intents.due("eval", e) or periodic) and not last and self._run_end.send_eval(e):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import events as ev
 from ..mode import Backend
 from ..protocol import Regroup, RequestSession, SessionReady
 from .bundle_store import BundleStore
@@ -120,7 +121,7 @@ class FaultHandler:
         deaths = len(self._cohort.deaths)
         self._obs.set_tags({f"death.rank{r}": death.reason[:4000], "deaths": deaths})
         self._obs.log_metrics({"alive_ranks": len(self._cohort.alive_ranks()), "deaths": deaths}, epoch)
-        self._obs.emit({"event": "rank_dead", "rank": r, "reason": death.reason})
+        self._obs.emit(ev.RankDead(rank=r, reason=death.reason))
         self._write_death_record()
         self._cycle.forget(r)
         return death
@@ -194,7 +195,7 @@ class FaultHandler:
         self.regroup = None
         for q, msg in regroup_plan(survivors, pr.generation, m.session).items():
             self._out.send(q, msg)
-        self._obs.emit({"event": "regroup", "generation": pr.generation, "ranks": survivors, "generator": r})
+        self._obs.emit(ev.Regroup(generation=pr.generation, ranks=survivors, generator=r))
         self._obs.set_tags({"regroups": pr.generation})
         log.warning("regroup generation %d with ranks %s (session from rank %d)", pr.generation, survivors, r)
 
@@ -206,7 +207,7 @@ class FaultHandler:
         stem = self._writer.stem_for("failure")
         self.failure_stem = stem
         self._obs.set_tags({"save_reason": reason})
-        self._obs.emit({"event": "shutdown_with_save", "reason": reason, "stem": stem})
+        self._obs.emit(ev.ShutdownWithSave(reason=reason, stem=stem))
         log.error("ShutdownWithSave (%s): %s", reason, detail)
         self._writer.write_meta(reason, stem, epoch=self._dispatch.current_epoch())
         if not self._cohort.alive_ranks():

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from .. import events as ev
 from ..constants import PREEMPT_EXIT
 from ..fsio import atomic_json
 from ..jobs.spec import JobSpec
@@ -106,8 +107,8 @@ def main(argv: list[str]) -> int:
         sink.set_tags({"slurm_job_id": os.environ["SLURM_JOB_ID"], "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
                        "slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST", "")})
     if spec.attempt and spec.resume is not None:
-        co.events.emit({"event": "resumed", "attempt": spec.attempt, "stem": spec.resume.stem,
-                        "epoch": spec.resume.meta.epoch, "global_step": co.cycle.global_step})
+        co.events.emit(ev.Resumed(attempt=spec.attempt, stem=spec.resume.stem, epoch=spec.resume.meta.epoch,
+                                  global_step=co.cycle.global_step))
     try:
         status = co.run(cfg.cluster.rendezvous_timeout_s).value
     except RunFailure as e:
@@ -126,7 +127,7 @@ def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, se
     status = _fail_on_own_bundle(co, status)
     failure = co.life.failure
     result, result_path = _write_result(co, spec, job_dir)
-    co.events.emit({"event": "end", "status": status, "failure": failure})
+    co.events.emit(ev.End(status=status, failure=failure))
     spec = _with_run_id(spec, sink)  # (the launcher publishes it as the job starts: there long before, but a new store)
     if co.preemption.terminated and status in ("FAILED", "KILLED"):
         # SIGTERM on SLURM: SIGKILL follows within KillWait. The terminal status first, the rest never.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Protocol
 
+from ..events import EventRecord
 from ..protocol import Batch
 from .cycle import Reduce, ReduceOutcome
 
@@ -32,7 +33,7 @@ class CoreObserver(Protocol):
     def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
-    def emit(self, event: dict[str, Any]) -> None: ...
+    def emit(self, event: EventRecord) -> None: ...
     def log_artifact(self, path: str, artifact_path: str) -> None: ...
 
 
@@ -64,7 +65,7 @@ class NullObserver:
     def set_tags(self, tags: dict[str, Any]) -> None:
         pass
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: EventRecord) -> None:
         pass
 
     def log_artifact(self, path: str, artifact_path: str) -> None:

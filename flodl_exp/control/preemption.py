@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import events as ev
 from ..protocol import Shutdown
 from .bundle_store import BundleStore
 from .channels import Outbox
@@ -185,7 +186,7 @@ class Preemption:
         self._life.end(Status.PREEMPTED)
         p.stage = Stage.DONE
         self._obs.set_tags({"preemptions": p.attempt + 1, "preempt_stem": p.stem})
-        self._obs.emit({"event": "preempted", "stem": p.stem, "epoch": p.epoch, "attempt": p.attempt, "global_step": gs})
+        self._obs.emit(ev.Preempted(stem=p.stem, epoch=p.epoch, attempt=p.attempt, global_step=gs))
         log.warning("preemption bundle %s complete (epoch %d, global step %d): stopping for requeue", p.stem, p.epoch, gs)
         self._shutdown()
 
@@ -199,7 +200,7 @@ class Preemption:
         if life.is_(Phase.DRAINING, Phase.FINISHING, Phase.SAVING, Phase.PREEMPTING, Phase.SHUTDOWN, Phase.DONE):
             p.stage = Stage.IGNORED
             log.warning("preemption requested while the run is %s: it ends on its own", life.phase.value)
-            self._obs.emit({"event": "preempt_ignored", "phase": life.phase.value})
+            self._obs.emit(ev.PreemptIgnored(phase=life.phase.value))
             return
         if not life.is_(Phase.TRAINING) or self._checkpoints.busy:
             return  # not started yet, or a bundle is being written: act after it
@@ -213,7 +214,7 @@ class Preemption:
             p.stage = Stage.REDUCE
         log.warning("preemption requested: bundle %s (%s)", p.stem,
                     "coverage at the next reduce" if self.progressive else "after one consensus reduce")
-        self._obs.emit({"event": "preempt_requested", "stem": p.stem, "attempt": p.attempt})
+        self._obs.emit(ev.PreemptRequested(stem=p.stem, attempt=p.attempt))
 
     def _save(self, p: PreemptRequest, *, coverage: bool) -> None:
         p.coverage = self._dispatch.open_coverage() if coverage else []
@@ -254,6 +255,6 @@ class Preemption:
         self.terminated = True
         life.end(status, failure, end_reason=why, overwrite=True)
         log.error("terminated: %s", failure)
-        self._obs.emit({"event": "terminated", "status": status.value, "reason": why})
+        self._obs.emit(ev.Terminated(status=status.value, reason=why))
         self._out.broadcast(Shutdown(reason=failure))
         self._enter(Phase.DONE)  # SIGKILL follows within KillWait: no waiting for the ranks

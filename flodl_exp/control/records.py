@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
+from .. import events as ev
 from ..fsio import atomic_write
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -71,7 +72,7 @@ class OutcomeView(Protocol):
 class EventSink(Protocol):
     """Where events go (:class:`flodl_exp.control.channels.EventLog`)."""
 
-    def emit(self, event: dict[str, Any]) -> None: ...
+    def emit(self, event: ev.EventRecord) -> None: ...
 
 
 class WindowReporter:
@@ -158,7 +159,7 @@ class WindowRecorder:
         rec = {k: v for k, v in rec.items() if v == v}
         gs = cycle.global_step
         self._sink.log_metrics(rec, step=gs)
-        self._events.emit({"event": "window", "step": gs, **{k[len("window/"):]: v for k, v in rec.items()}})
+        self._events.emit(ev.Window(step=gs, values={k[len("window/"):]: v for k, v in rec.items()}))
         for r in range(self.world_size):
             self._records.rank(r, "window", {"step": gs, "steps": n.get(r, 0)})
 

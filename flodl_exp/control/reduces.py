@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Optional
 
+from .. import events as ev
 from ..mode import Backend, Mode
 from ..protocol import Snapshot, SyncAck
 from .channels import Outbox
@@ -120,7 +121,7 @@ class Reduces:
             picks = d.retrain_held(r)
             log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
                         "generation without its share: its %d picks are trained again", r, picks)
-            self._obs.emit({"event": "retrain", "rank": r, "picks": picks, "why": "answer_not_in_consensus"})
+            self._obs.emit(ev.Retrain(rank=r, picks=picks, why="answer_not_in_consensus"))
         elche = self._cycle.elche
         if elche is not None and elche.is_calibrated:
             self._cohort.elect_fastest_once(elche.smoothed_ms)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from .. import events as ev
 from ..protocol import EpochFnResult, Exiting, LoopNotice, RankError, Telemetry
 from .callback_slack import CallbackSlack
 from .cohort import Cohort
@@ -52,8 +53,7 @@ class RankReports:
             self._obs.set_tags({"epoch_fn_error": f.error[:5000]})
         self._obs.log_metrics({"epoch_fn/elapsed_ms": f.elapsed_ms, **{f"epoch_fn/{k}": v for k, v in f.metrics.items()}},
                               f.epoch)
-        self._obs.emit({"event": "epoch_fn", "rank": r, "epoch": f.epoch, "elapsed_ms": f.elapsed_ms,
-                        "error": f.error, **f.metrics})
+        self._obs.emit(ev.EpochFn(rank=r, epoch=f.epoch, elapsed_ms=f.elapsed_ms, error=f.error, metrics=f.metrics))
 
     def on_exiting(self, r: int, x: Exiting) -> None:
         self._cohort.mark_exited(r, {"rank": x.rank, "pid": x.pid, "hash": x.hash, "steps": x.steps,
@@ -68,4 +68,4 @@ class RankReports:
     def on_loop_notice(self, r: int, n: LoopNotice) -> None:
         log.error("%s", n.message)
         self._obs.set_tags({f"loop_warning.rank{r}": n.message[:4000]})
-        self._obs.emit({"event": "loop_stalled", "rank": r, "held_s": n.held_s, "message": n.message})
+        self._obs.emit(ev.LoopStalled(rank=r, held_s=n.held_s, message=n.message))

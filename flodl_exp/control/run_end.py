@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import events as ev
 from ..mode import Mode
 from ..protocol import INTENT_KINDS, EvalBroadcast, EvalResult, ExecuteEval, Intent, Save
 from .callback_slack import CallbackSlack
@@ -110,29 +111,29 @@ class RunEnd:
         due = self._slack.due(e, self._cohort.callback_rank)
         for r, ms in due.items():
             log.info("callback slack: rank %d gets %.0f ms less work in the window of the eval after epoch %s", r, ms, e)
-            self._obs.emit({"event": "callback_slack", "rank": r, "epoch": e, "ms": ms})
+            self._obs.emit(ev.CallbackSlack(rank=r, epoch=e, ms=ms))
         return due
 
     def on_eval(self, r: int, f: EvalResult) -> None:
-        ev = self.evals
+        state = self.evals
         self._obs.on_eval_result(r, f.epoch, f.final)
         if not f.final:
             self._slack.on_elapsed(r, f.elapsed_ms, kind="eval")
-        if not f.final and ev.pending == r:
-            ev.pending = None
+        if not f.final and state.pending == r:
+            state.pending = None
         if f.error:
             log.warning("eval on rank %d failed: %s", r, f.error)
             self._obs.set_tags({"eval_error": f.error})
         metrics = {f"eval/{k}": v for k, v in f.metrics.items()}
         if metrics:
             self._obs.log_metrics(metrics, f.epoch)
-        ev.history.append({"epoch": f.epoch, **metrics})
-        self._obs.emit({"event": "eval", "epoch": f.epoch, "final": f.final, **metrics})
+        state.history.append({"epoch": f.epoch, **metrics})
+        self._obs.emit(ev.Eval(epoch=f.epoch, final=f.final, metrics=metrics))
         if not f.error:  # every rank hears it (a cooperative loop's w.poll_eval())
             self._out.broadcast(EvalBroadcast(epoch=f.epoch, metrics=dict(f.metrics), final=f.final))
         if f.final:
-            ev.final = metrics
-            ev.final_rank = None
+            state.final = metrics
+            state.final_rank = None
             self.maybe_complete()
 
     # -- intents -----------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class RunEnd:
         if i.kind not in INTENT_KINDS:
             log.warning("rank %d asked for %r: not an intent (one of %s): ignored", r, i.kind, ", ".join(INTENT_KINDS))
             return
-        self._obs.emit({"event": "intent", "rank": r, "kind": i.kind, "epoch": i.epoch})
+        self._obs.emit(ev.IntentEvent(rank=r, kind=i.kind, epoch=i.epoch))
         if i.kind == "stop":
             if self._life.phase in TRAINING_PHASES:
                 self.stop_early(r, i.epoch)
@@ -168,7 +169,7 @@ class RunEnd:
         log.info("rank %d asked to stop (in epoch %d): epoch %d is the last of %d planned", r, asked, last, self.epochs)
         self._plan.end_after(last)
         self._obs.set_tags({"stopped_early": f"after epoch {last} (asked by rank {r} in epoch {asked})"})
-        self._obs.emit({"event": "stop", "rank": r, "asked_epoch": asked, "last_epoch": last})
+        self._obs.emit(ev.Stop(rank=r, asked_epoch=asked, last_epoch=last))
 
     # -- the end -----------------------------------------------------------------------------
     def drain_or_finish(self) -> None:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..bundle_meta import resolve_shuffle_seed
 from ..config import ConfigError, RunShape, mode_name, validate, world_size
+from ..events import End, EventRecord
 
 
 class RunFailed(RuntimeError):
@@ -586,12 +587,12 @@ class RunHandle:
         except (OSError, ValueError, KeyError):
             return 0
 
-    def _append_event(self, event: dict) -> None:
+    def _append_event(self, record: EventRecord) -> None:
         """Append one event as the coordinator does (same keys: ``t`` on its clock, from its first event)."""
         path = os.path.join(self.job_dir, "events.jsonl")
         first = next((e for e in self.events if "wall" in e and "t" in e), None)
         now = time.time()
-        event = dict(event, t=round(now - (first["wall"] - first["t"]), 3) if first else 0.0, wall=round(now, 3))
+        event = dict(record.record(), t=round(now - (first["wall"] - first["t"]), 3) if first else 0.0, wall=round(now, 3))
         try:
             with open(path, "rb") as fh:
                 fh.seek(-1, os.SEEK_END)
@@ -616,7 +617,7 @@ class RunHandle:
             print(f"warning: could not write {path}: {e}", file=sys.stderr)
         if not any(e.get("event") == "end" for e in self.events):
             try:
-                self._append_event({"event": "end", "status": "FAILED", "failure": failure})
+                self._append_event(End(status="FAILED", failure=failure))
             except OSError as e:
                 print(f"warning: could not append the end event to events.jsonl: {e}", file=sys.stderr)
         fail_run_if_running(self._live_uri, self.run_id, failure, {"end_reason": HOST_LOST})

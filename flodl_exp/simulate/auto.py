@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import events as ev
 from .topology import MODES, SimulateConfig, measured_rig_config, run_config
 
 PROBE_STEPS = 4
@@ -57,9 +58,9 @@ class AutoChoice:
     ``prepare_s`` (:func:`prepare`, as the coordinator started: before the probe, not in either), ``step_ms`` (each
     rank's probed step times)."""
 
-    def as_event(self) -> dict[str, Any]:
-        return {"event": "auto_mode", "mode": self.mode, "reason": self.reason,
-                "candidates": [dataclasses.asdict(c) for c in self.candidates], **self.timing}
+    def as_event(self) -> ev.AutoMode:
+        return ev.AutoMode(mode=self.mode, reason=self.reason,
+                           candidates=[dataclasses.asdict(c) for c in self.candidates], timing=self.timing)
 
     def tags(self) -> dict[str, str]:
         out = {"auto.choice": self.mode, "auto.reason": self.reason[:4000]}

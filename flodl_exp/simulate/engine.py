@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import events as ev
 from ..averaging import mass
 from ..config import Config
 from ..control.channels import Outbox
@@ -134,13 +135,12 @@ class _Stats(NullObserver):
                            epoch: int) -> None:
         self.stats.syncs.append((self.clock.t, out.sync_ms, out.anchor_after))
 
-    def emit(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "epoch":
-            self.stats.epochs.append({**event, "t": self.clock.t})
+    def emit(self, event: ev.EventRecord) -> None:
+        if isinstance(event, ev.Epoch):
+            self.stats.epochs.append({**event.record(), "t": self.clock.t})
             self.stats.wall_s = self.clock.t
-        elif kind == "probe":
-            self.stats.probe = list(event["ms_per_batch"])
+        elif isinstance(event, ev.Probe):
+            self.stats.probe = list(event.ms_per_batch)
 
 
 class Engine:
@@ -185,7 +185,7 @@ class Engine:
 
     # -- the run ------------------------------------------------------------------
     def run(self) -> RunStats:
-        self.stats.epochs.append({"event": "started", "world_size": self.W, "epochs": self.cfg.epochs, "t": 0.0})
+        self.stats.epochs.append({**ev.Started(world_size=self.W, epochs=self.cfg.epochs).record(), "t": 0.0})
         self.core.start(self.cfg.samples, None)
         self.core.tick()
         handlers: dict[int, Callable[[int, Any], None]] = {RANK_MSG: self._rank_msg, BATCH_END: self._batch_end, COLL_DONE: self._coll_done,
