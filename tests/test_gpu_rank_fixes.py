@@ -70,10 +70,10 @@ def test_the_launcher_refuses_an_old_torch_before_any_job_starts(monkeypatch, tm
     """The installed distribution's version, read without importing torch: one line, nothing submitted."""
     import importlib.metadata as md
 
-    from conftest import compose
-
     from flodl_exp.config import ConfigError
     from flodl_exp.jobs import launcher
+
+    from conftest import compose
 
     real = md.version
     monkeypatch.setattr(md, "version", lambda name: "2.5.1" if name == "torch" else real(name))

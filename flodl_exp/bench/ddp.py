@@ -30,6 +30,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
+from .. import events
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
@@ -111,17 +113,17 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
                                                      rank=rank, shuffle=True, seed=int(a["seed"]), drop_last=True)
     t_origin = a["t_origin"]
 
-    def emit(ev: dict) -> None:
+    def emit(record: events.EventRecord) -> None:  # the coordinator's event-log lines, so one report reads both
         if rank == 0:
             with open(a["events_path"], "a") as fh:
                 now = time.time()
-                fh.write(json.dumps(dict(ev, t=round(now - t_origin, 3), wall=round(now, 3))) + "\n")
+                fh.write(json.dumps(dict(record.record(), t=round(now - t_origin, 3), wall=round(now, 3))) + "\n")
 
     global_step = 0
     if world > 1:
         dist.barrier()
     t_start = time.perf_counter()
-    emit({"event": "started", "world_size": world, "epochs": epochs})
+    emit(events.Started(world_size=world, epochs=epochs))
     t_prev = t_start
     for e in range(epochs):
         sampler.set_epoch(e)
@@ -161,13 +163,13 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
         net = model.module if world > 1 else model
         metrics = exp.eval_fn(net, exp.eval_data, device) if exp.eval_fn and exp.eval_data is not None else {}
         final = {f"eval/{k}": float(v) for k, v in metrics.items()}
-        emit({"event": "eval", "epoch": epochs - 1, "final": True, **final})
+        emit(events.Eval(epoch=epochs - 1, final=True, metrics=final))
         with open(a["result_path"], "w") as fh:
             json.dump({"status": "FINISHED", "world_size": world, "epochs": epochs, "batch_size": bs,
                        "train_wall_s": t_end - t_start, "global_step": global_step, "final_eval": final,
                        "lr_scale": lr_scale, "sleep_basis": a["sleep_basis"], "rank_speeds": a["speeds"],
                        "comm_hook_calls": comm["calls"]}, fh, indent=1)
-        emit({"event": "end", "status": "FINISHED", "failure": None})
+        emit(events.End(status="FINISHED", failure=None))
     if world > 1:
         dist.barrier()
         # Leave at once: every file is written and closed, and tearing the process group down can hang (a gloo
@@ -177,12 +179,12 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
         os._exit(0)
 
 
-def _epoch_event(e: int, allr: list, wall: float, world: int, global_step: int, train_wall: float) -> dict:
+def _epoch_event(e: int, allr: list, wall: float, world: int, global_step: int, train_wall: float) -> events.Epoch:
     rows = [[float(v) for v in x] for x in allr]
     tot_b = sum(x[1] for x in rows) or 1.0
     tot_s = sum(x[2] for x in rows)
     ev: dict[str, Any] = {
-        "event": "epoch", "epoch": e, "loss": sum(x[0] for x in rows) / tot_b, "epoch_time_s": wall,
+        "loss": sum(x[0] for x in rows) / tot_b, "epoch_time_s": wall,
         "samples_per_s": tot_s / wall if wall > 0 else 0.0, "samples": tot_s,
         # every step is one gradient all_reduce (DDP): syncs = steps per rank; solo: none
         "syncs": rows[0][1] if world > 1 else 0.0,
@@ -197,7 +199,7 @@ def _epoch_event(e: int, allr: list, wall: float, world: int, global_step: int, 
         ev[f"rank{r}/step_ms"] = (x[3] + x[5]) / max(x[1], 1.0)
         ev[f"rank{r}/data_starve_ms"] = x[6]
         ev[f"rank{r}/idle_frac"] = max(0.0, 1.0 - busy_s / wall) if wall > 0 else 0.0
-    return ev
+    return events.Epoch(epoch=e, metrics=ev)
 
 
 def _log_mlflow(uri: str, experiment_name: str, artifact_location: Optional[str], run_name: str, params: dict,
