@@ -114,7 +114,11 @@ def test_a_caller_variable_is_restored_after_the_submission(fakes, tmp_path, mon
 def test_the_job_is_submitted_before_the_run_is_created_and_its_id_follows_in_the_job_folder(fakes, tmp_path, monkeypatch):
     order: list[str] = []
     submit = fakes.ex.submit
-    monkeypatch.setattr(fakes.ex, "submit", lambda fn, spec_path: (order.append("submit"), submit(fn, spec_path))[1])
+    def submit_in_order(fn: Any, spec_path: str) -> Any:
+        order.append("submit")
+        return submit(fn, spec_path)
+
+    monkeypatch.setattr(fakes.ex, "submit", submit_in_order)
     seen: dict[str, Any] = {}
 
     def create_run(uri: str, experiment: str, art: Any, name: str, params: Any, tags: dict, parent: Any) -> str:
@@ -166,7 +170,11 @@ def test_a_spec_without_a_run_id_waits_for_the_launchers(tmp_path):
     with pytest.raises(RunIdMissing, match="no MLflow run id"):
         spec.with_run_id(0)
     go = threading.Event()
-    t = threading.Thread(target=lambda: (go.wait(30), publish_run_id(str(tmp_path), "abc")))
+    def publish_when_told() -> None:
+        go.wait(30)
+        publish_run_id(str(tmp_path), "abc")
+
+    t = threading.Thread(target=publish_when_told)
     t.start()
     go.set()
     assert spec.with_run_id(60).run_id == "abc"  # waits for it, however long the publish takes (within the bound)
