@@ -34,3 +34,28 @@ def rank_control(trainer: Any, *, messages: tuple[Payload, ...] | list[Payload] 
         inbox.put(encode(m))
     ctl = RankControl(sent.send, inbox, trainer, rank=rank, world_size=world_size, device=torch.device("cpu"), **kw)
     return ctl, sent
+
+
+DIGITS_MLP = {
+    "name": "t", "model": {"_target_": "flodl_exp.zoo.digits.MLP", "hidden": 16},
+    "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+    "scheduler": None, "train_data": {"_target_": "flodl_exp.zoo.digits.DigitsDataset", "split": "train"},
+    "eval_data": None, "train_step": "flodl_exp.zoo.digits.train_step", "eval_fn": None,
+    "batch_size": 32, "epochs": 1,
+}
+"""A small experiment node (digits, a 16-unit MLP, SGD) for build_experiment in the rank's tests, CPU and GPU."""
+
+
+def spy_clip_norms(monkeypatch: Any) -> list[float]:
+    """Wrap ``torch.nn.utils.clip_grad_norm_`` so each call records the gradients' total norm it was handed (the
+    AMP tests check that clipping sees unscaled gradients); returns the list it appends to."""
+    seen: list[float] = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def clip(params: Any, max_norm: float, *a: Any, **kw: Any) -> Any:
+        ps = list(params)
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps]))))
+        return real(ps, max_norm, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    return seen

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from rank_fakes import DIGITS_MLP, spy_clip_norms
 
 from flodl_exp import experiment as experiment_mod
 from flodl_exp.experiment import Experiment, build_experiment, rank_seed
@@ -32,13 +33,7 @@ from flodl_exp.rank.trainer import RankTrainer
 from flodl_exp.torch_version import check_torch_version
 
 SLOWMO = OuterSpec("slowmo", lr=1.0, mu=0.9)
-EXP = {
-    "name": "t", "model": {"_target_": "flodl_exp.zoo.digits.MLP", "hidden": 16},
-    "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
-    "scheduler": None, "train_data": {"_target_": "flodl_exp.zoo.digits.DigitsDataset", "split": "train"},
-    "eval_data": None, "train_step": "flodl_exp.zoo.digits.train_step", "eval_fn": None,
-    "batch_size": 32, "epochs": 1,
-}
+EXP = DIGITS_MLP
 
 
 def _control(trainer: Any, *, device: str = "cpu", messages: tuple = (), **kw: Any) -> tuple[RankControl, list]:
@@ -336,15 +331,7 @@ def test_an_fp16_step_scales_its_loss_so_small_gradients_do_not_underflow():
 
 
 def test_clipping_sees_unscaled_gradients(monkeypatch):
-    seen: list[float] = []
-    real = torch.nn.utils.clip_grad_norm_
-
-    def clip(params: Any, max_norm: float, *a: Any, **kw: Any) -> Any:
-        ps = list(params)
-        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps]))))
-        return real(ps, max_norm, *a, **kw)
-
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    seen = spy_clip_norms(monkeypatch)
     tr = _amp_trainer("fp16", max_grad_norm=1e9)
     tr.step(_batch()).resolve()
     ref = _Tiny()

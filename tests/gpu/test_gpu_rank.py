@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from rank_fakes import spy_clip_norms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(90)]  # each is one process, a few steps on one GPU: its budget in the check
@@ -192,15 +193,7 @@ def test_each_rank_draws_its_own_cuda_stream_from_equal_replicas():
 
 # ---------------------------------------------------------------- 10: fp16 on CUDA; DiLoCo's reset
 def test_an_fp16_step_goes_through_the_scaler_and_clips_unscaled_gradients(monkeypatch):
-    seen: list[float] = []
-    real = torch.nn.utils.clip_grad_norm_
-
-    def clip(params: Any, max_norm: float, *a: Any, **kw: Any) -> Any:
-        ps = list(params)
-        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps]))))
-        return real(ps, max_norm, *a, **kw)
-
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    seen = spy_clip_norms(monkeypatch)
     tr = _trainer("sgd", amp="fp16", max_grad_norm=1e9)
     assert tr.scaler is not None and tr.scaler.is_enabled()
     batch = _batch()

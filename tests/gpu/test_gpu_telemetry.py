@@ -14,19 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rank_fakes import DIGITS_MLP
 
 from flodl_exp.rank import telemetry as T
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXP = {
-    "name": "t", "model": {"_target_": "flodl_exp.zoo.digits.MLP", "hidden": 16},
-    "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
-    "scheduler": None, "train_data": {"_target_": "flodl_exp.zoo.digits.DigitsDataset", "split": "train"},
-    "eval_data": None, "train_step": "flodl_exp.zoo.digits.train_step", "eval_fn": None,
-    "batch_size": 32, "epochs": 1,
-}
+EXP = DIGITS_MLP
 
 
 @pytest.fixture
