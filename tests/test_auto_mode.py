@@ -103,8 +103,11 @@ def _answer_probes(h: Harness, fast: float = 4.0, slow: float = 12.0, error: str
 
 def test_auto_probes_before_the_first_chunk_and_trains_every_pick_once_in_the_chosen_mode(tmp_path: Path):
     h = Harness(tmp_path, "nccl_cadence", world=2, epochs=3, **{"mode.auto": True})
+    decided: list[bool] = []  # the shell's MLflow sink starts then (control/main.py), not during the choice
+    h.co._when_decided = lambda: decided.append(h.co.auto is not None and h.co.auto.choice is not None)
     sent = _join_and_start(h)
     assert not any(isinstance(p, StartEpoch) for _, p in sent), "no chunk before the probe answered"
+    assert decided == []
     assert h.co.life.is_(Phase.CONNECTING)
     probes = [(r, p) for r, p in sent if isinstance(p, Probe)]
     assert sorted(r for r, _ in probes) == [0, 1] and all(p.steps == PROBE_STEPS for _, p in probes)
@@ -119,6 +122,7 @@ def test_auto_probes_before_the_first_chunk_and_trains_every_pick_once_in_the_ch
     assert {"probe_s", "simulate_s", "prepare_s", "step_ms"} <= set(events[0])
     assert events[0]["step_ms"]["1"][1:] == [12.0] * (PROBE_STEPS - 1)
     h.co.start()  # as the connect loop does after the pump that brought the last answer: a no-op now
+    assert decided == [True], "told once, after the choice"
     plans = h.plans()
     assert sorted(plans) == [0, 1], "the first chunks go out once the mode is chosen"
     assert all(len({(p.epoch, p.offset) for p in ps}) == len(ps) for ps in plans.values()), "a chunk sent twice"

@@ -121,7 +121,11 @@ class Coordinator:
     """The I/O shell around the :class:`~.core.ControlCore` (see the module docstring)."""
 
     def __init__(self, spec: JobSpec, server: Transport, events: queue.Queue[Event], sink: Sink, job_dir: str,
-                 *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
+                 *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0,
+                 when_decided: Callable[[], None] = lambda: None) -> None:
+        """``when_decided``: called once the run's mode is settled (at once, or after mode=auto's choice): the shell
+        starts its MLflow sink's thread then, so the sink's import does not share the interpreter with the choice."""
+        self._when_decided = when_decided
         cfg = load_config(spec.config)
         shape = RunShape.of(cfg)
         self.cfg, self.shape, self.spec = cfg, shape, spec
@@ -253,6 +257,7 @@ class Coordinator:
         the first epoch (or the resumed coverage). mode.auto probes first (the ranks answer, then start again)."""
         if not self.life.is_(Phase.CONNECTING) or not self._apply_auto():
             return  # started already (the probe's last answer started it), or mode=auto is still probing
+        self._when_decided()
         self._form_group()
         self._apply_spec_prior()
         self.timeline.on_start()
