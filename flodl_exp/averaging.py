@@ -42,6 +42,25 @@ def consensus_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[
     return state
 
 
+def pack_into(ts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``ts`` one after the other into the flat ``out`` (cast to its dtype): no allocation. The sync's
+    all-reduce buffer (rank/backends.py) and the outer optimizer's flat state (outer.py) are filled this way."""
+    off = 0
+    for t in ts:
+        k = t.numel()
+        out[off:off + k].view_as(t).copy_(t)
+        off += k
+
+
+def unpack_from(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+    """The inverse of :func:`pack_into`: each of ``ts`` takes its slice of ``flat``."""
+    off = 0
+    for t in ts:
+        k = t.numel()
+        t.copy_(flat[off:off + k].view_as(t))
+        off += k
+
+
 def flat_params(model: nn.Module) -> torch.Tensor:
     """All parameters as one float32 vector (a copy)."""
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])

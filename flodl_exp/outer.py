@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from .averaging import pack_into
 from .config import OUTER_DEFAULTS as DEFAULTS  # noqa: F401  (the spec lives with the config: the launcher needs no torch)
 from .config import OUTERS as OUTER_KINDS  # noqa: F401
 from .config import OuterSpec
@@ -130,14 +131,14 @@ class OuterOptimizer:
         n = self.numel
         prev, mom = self._state[:n], self._state[n:2 * n]
         if self.prev is None:  # the first window: seed prev = consensus, v = 0, adopt the consensus
-            _pack(consensus, prev)
+            pack_into(consensus, prev)
             mom.zero_()
             self._state[-1] = 1.0
             self.prev, self.momentum = self._views(0), self._views(n)
             return OuterStep(0.0, 0.0, seeded=True)
         lr, mu = self.spec.lr, self.spec.mu
         g = self._work(workspace)
-        _pack(consensus, g)
+        pack_into(consensus, g)
         g.neg_().add_(prev)  # g = prev - consensus
         mom.mul_(mu).add_(g)
         direction = mom if self.spec.kind == "slowmo" else g.add_(mom, alpha=mu)
@@ -204,16 +205,7 @@ class OuterOptimizer:
         assert self._state is not None
         n = self.numel
         with torch.no_grad():
-            _pack(prev, self._state[:n])
-            _pack(mom, self._state[n:2 * n])
+            pack_into(prev, self._state[:n])
+            pack_into(mom, self._state[n:2 * n])
             self._state[-1] = 1.0
         self.prev, self.momentum = self._views(0), self._views(n)
-
-
-def _pack(ts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Copy ``ts`` one after the other into the flat ``out`` (cast to float32): no allocation."""
-    off = 0
-    for t in ts:
-        k = t.numel()
-        out[off:off + k].view(t.shape).copy_(t)
-        off += k

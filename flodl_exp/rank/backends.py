@@ -13,14 +13,14 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..averaging import adopt, float_buffers, mass
+from ..averaging import adopt, float_buffers, mass, pack_into, unpack_from
 from ..protocol import Snapshot, Update
 from ..store_names import group_prefix
 from ..torch_version import check_torch_version
@@ -51,24 +51,6 @@ def nccl_environment(env: MutableMapping[str, str]) -> list[str]:
     if not env.get("NCCL_SOCKET_IFNAME") and env.get("GLOO_SOCKET_IFNAME"):
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"]
     return notes
-
-
-def _pack(ts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Copy ``ts`` one after the other into the flat ``out`` (cast to its dtype): no allocation."""
-    off = 0
-    for t in ts:
-        k = t.numel()
-        out[off:off + k].view_as(t).copy_(t)
-        off += k
-
-
-def _unpack(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
-    """The inverse of :func:`_pack`: each of ``ts`` takes its slice of ``flat``."""
-    off = 0
-    for t in ts:
-        k = t.numel()
-        t.copy_(flat[off:off + k].view_as(t))
-        off += k
 
 
 _RETIRED: list[Any] = []
@@ -273,7 +255,7 @@ class CollectiveBackend:
         """Put the replica back as it was when the last sync began (after a failed collective)."""
         if self._saved is not None:
             with torch.no_grad():
-                _unpack(self._saved, list(model.parameters()) + float_buffers(model))
+                unpack_from(self._saved, list(model.parameters()) + float_buffers(model))
 
     def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True) -> tuple[Optional[float], Optional[float], Optional[float]]:
         params = [p for p in model.parameters()]
@@ -282,7 +264,7 @@ class CollectiveBackend:
         flat, saved = self._flat, self._saved
         assert flat is not None and saved is not None
         with torch.no_grad():
-            _pack(params + bufs, saved)  # before anything can fail: restore() puts this back
+            pack_into(params + bufs, saved)  # before anything can fail: restore() puts this back
         m = mass(n, gamma)
         # [mass, mover] in one small collective.
         head = torch.tensor([m, 1.0 if n > 0 else 0.0], dtype=torch.float64, device=self.comm_device)
@@ -304,9 +286,9 @@ class CollectiveBackend:
             else:
                 self._all_reduce(flat)
             pflat = flat[:n_params].div_(total)
-            _unpack(pflat, params)
+            unpack_from(pflat, params)
             if bufs and movers > 0:
-                _unpack(flat[n_params:].div_(movers), bufs)
+                unpack_from(flat[n_params:].div_(movers), bufs)
             if with_divergence:
                 return _divergence(saved[:n_params], pflat)
         return None, None, None
@@ -445,7 +427,7 @@ class CoordinatorBackend:
             self._inbound = None
             self._inbound = torch.empty(n, dtype=torch.float32, pin_memory=pin)
         host = self._inbound[:n]
-        _pack(ts, host)
+        pack_into(ts, host)
         dev = host.to(device, non_blocking=pin)
         if device.type == "cuda":
             self._inbound_done = torch.cuda.Event()
