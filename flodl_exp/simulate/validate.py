@@ -15,7 +15,7 @@ import json
 import os
 import sqlite3
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -63,7 +63,9 @@ def measured(job_dir: str, db: str, run_name: str) -> Optional[dict[str, Any]]:
             "fast_share": share, "step_ms": steps, "data_ms": data, "epochs": len(epochs)}
 
 
-def predict(rig: str, mode: str, m: dict[str, Any]) -> dict[str, Any]:
+def predict(rig: str, mode: str, m: dict[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``mode`` simulated on the rig preset with the run's measured per-rank times (``overrides``: Hydra
+    overrides of the preset, e.g. ``link.collective_fixed_ms=12`` to try another calibration)."""
     from hydra import compose, initialize_config_dir
 
     from .engine import simulate
@@ -71,14 +73,14 @@ def predict(rig: str, mode: str, m: dict[str, Any]) -> dict[str, Any]:
 
     register()
     with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name=f"rig_{rig}"))
+        cfg = OmegaConf.to_object(compose(config_name=f"rig_{rig}", overrides=list(overrides)))
     assert isinstance(cfg, SimulateConfig)
     cfg.ranks = [RankGroupConfig(step_ms=s, data_ms=d) for s, d in zip(m["step_ms"], m["data_ms"])]
     cfg.epochs, cfg.modes = int(m["epochs"]), [mode]
     return summarize(simulate(cfg, mode), 0)
 
 
-def table(runs: str, db: str) -> str:
+def table(runs: str, db: str, overrides: Sequence[str] = ()) -> str:
     lines = ["| rig | mode | step ms (measured, per rank) | samples/s pred / meas (ratio) | syncs pred / meas (ratio) | "
              "mean sync ms pred / meas | fast-rank share pred / meas (ratio) |", "|---|---|---|---|---|---|---|"]
     for d in sorted(glob.glob(os.path.join(runs, "*_*"))):
@@ -88,7 +90,7 @@ def table(runs: str, db: str) -> str:
         m = measured(d, db, f"sim/{name}")
         if m is None or not os.path.exists(os.path.join(CONF, f"rig_{rig}.yaml")):
             continue
-        p = predict(rig, mode, m)
+        p = predict(rig, mode, m, overrides)
 
         def cell(a: float, b: float, spec: str) -> str:
             return f"{format(a, spec)} / {format(b, spec)} ({a / b:.2f})" if b else f"{format(a, spec)} / -"
@@ -104,8 +106,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--runs", required=True, help="folder of <rig>_<mode> job roots (run.job_root of each run)")
     ap.add_argument("--store", required=True, help="the runs' MLflow SQLite file")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Hydra override of every rig preset (repeatable), e.g. --set link.collective_fixed_ms=12")
     a = ap.parse_args(argv)
-    print(table(a.runs, a.store))
+    print(table(a.runs, a.store, a.set))
     return 0
 
 
