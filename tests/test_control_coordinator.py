@@ -808,6 +808,46 @@ def test_a_cold_start_probe_hands_the_fast_rank_the_rest_of_a_window_sized_by_sp
         assert h.co.cycle.steps(0) == 30
 
 
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
+def test_a_fast_rank_does_not_idle_while_the_probe_waits_for_the_slow_rank(tmp_path, mode):
+    """Issue 30 (cold start): the fast rank reaches its count of the first window before the slow rank has timed
+    its probe steps. It is handed more work at once (it used to idle until the probe landed); once the probe
+    sizes the window it trains exactly its share (cadence) and the reduce still waits for the slow rank's count.
+    With no probe coming, the extra work stops after PROBE_EXTRA_WINDOWS windows' worth."""
+    from flodl_exp.control.dispatch import PROBE_EXTRA_WINDOWS
+    from flodl_exp.protocol import Batch
+
+    h = Harness(tmp_path, mode, world=2, epochs=2)
+    plans = h.start(samples=1920)  # 240 batches of 8
+    count = h.co.cycle.counts[0]
+    h.finish_chunk(0, plans[0][0])
+    handed = h.transport.take(StartEpoch, rank=0)
+    assert handed, "the fast rank idled at its count while the probe was open"
+    trained = h.co.cycle.steps(0)
+    biggest = 0
+    for _ in range(40):  # the probe never lands: the extra work is bounded
+        got = h.transport.take(StartEpoch, rank=0) or handed
+        handed = []
+        for _, p in got:
+            biggest = max(biggest, p.size // BATCH)
+            h.finish_chunk(0, p)
+        if not got:
+            break
+    else:
+        raise AssertionError("the fast rank was handed work without end while the probe was open")
+    budget = count + (h.co.dispatch.overshoot.value if mode == "cpu_async" else 0)
+    if mode == "cpu_async":  # an uncalibrated async chunk is not cut at the budget: one chunk per extension
+        assert budget < h.co.cycle.steps(0) <= budget + biggest + PROBE_EXTRA_WINDOWS * max(count, biggest)
+    else:  # a cadence chunk stops at the extended count
+        assert budget < h.co.cycle.steps(0) == budget + PROBE_EXTRA_WINDOWS * count
+    assert h.co.cycle.in_flight is None and trained >= count
+    for ms in (40.0, 15.0, 15.0):  # the slow rank's probe steps (3x slower after its warm-up): counts [30, 10]
+        h.msg(1, Batch(ms=ms, data_ms=0.1, chunk=plans[1][0].chunk, loss=1.0, lr=0.1))
+    assert [e for e in _events(h) if e["event"] == "probe"][0]["counts"] == [30, 10]
+    assert h.co.dispatch._counts() == h.co.cycle.counts_view  # the extra is gone with the probe
+    assert h.co.cycle.in_flight is None, "no reduce before the slow rank ran its count"
+
+
 def _events(h: Harness) -> list[dict[str, Any]]:
     with open(os.path.join(h.job_dir, "events.jsonl")) as fh:
         return [json.loads(line) for line in fh if line.strip()]

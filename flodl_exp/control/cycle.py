@@ -35,7 +35,9 @@ from .meta import LrEventMeta
 log = logging.getLogger("flodl_exp.coordinator")
 
 PROBE_STEPS = 3
-"""Steps each rank is timed before ElChe re-sizes the first window (the first, warm-up, is left out)."""
+"""Steps each rank is timed before ElChe re-sizes the first window (the first PROBE_WARMUP are left out)."""
+PROBE_WARMUP = 1
+"""Leading probe steps left out of the probe's median: warm-up (allocations, lazy initialisation)."""
 
 
 @dataclass
@@ -206,7 +208,7 @@ class AveragingCycle:
         if probe is None or elche is None or not alive or any(len(probe[r]) < PROBE_STEPS for r in alive):
             return None
         self._probe = None
-        ms = {r: statistics.median(probe[r][1:]) for r in alive}
+        ms = {r: statistics.median(probe[r][PROBE_WARMUP:]) for r in alive}
         slowest = max(ms.values())
         per_rank = [ms.get(r, slowest) for r in range(self.world_size)]  # a dead rank weighs as the slowest
         return per_rank if elche.seed_from_probe(per_rank) else None

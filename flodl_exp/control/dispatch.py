@@ -19,7 +19,7 @@ import enum
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -46,6 +46,10 @@ from .epoch_metrics import EpochAccumulator
 from .epoch_plan import EpochPlan
 
 log = logging.getLogger("flodl_exp.coordinator")
+
+PROBE_EXTRA_WINDOWS = 4
+"""How many windows' worth a rank may train past its count while the cold-start probe is still open (the slowest
+rank's probe steps are what it waits for; its start-up may lag the others' by a second on a loaded host)."""
 
 
 class Gate(enum.Enum):
@@ -173,6 +177,8 @@ class Dispatcher:
         """rank -> ExtendPartition chunk ids sent to it, in order (see _extension_in_training)."""
         self._steps = _Steps(cycle, world_size)
         self._ids = itertools.count()
+        self.probe_extra = [0] * world_size
+        """Batches a rank may train past its count while the cold-start probe is open (see :meth:`_counts`)."""
 
     @property
     def epochs(self) -> int:
@@ -434,12 +440,36 @@ class Dispatcher:
         self.final_plans[e] = plan
         return list(plan.alloc) if plan is not None else None
 
+    def _counts(self) -> Sequence[int]:
+        """The counts chunks are sized by: ElChe's, plus :attr:`probe_extra` while the cold-start probe is open."""
+        if not any(self.probe_extra):
+            return self._cycle.counts_view
+        if not self._cycle.probing:
+            self.probe_extra = [0] * self.W
+            return self._cycle.counts_view
+        return [c + x for c, x in zip(self._cycle.counts_view, self.probe_extra)]
+
+    def _extend_while_probing(self, r: int) -> bool:
+        """Issue 30 (cold start): a rank that reached its count before the probe re-sized the first window (the
+        slowest rank has not timed its probe steps yet) trains on instead of idling: one more window's worth, up
+        to :data:`PROBE_EXTRA_WINDOWS` of them. The probe's seed then sets the counts (the fast rank's is larger
+        than what it trained, by the speed ratio the probe waited for); the gate still waits for every rank's
+        count, so the slow ranks' share is not cut. Nothing changes once ElChe is calibrated or has a speed hint."""
+        elche = self._cycle.elche
+        if not self._cycle.probing or elche is None or elche.is_calibrated or elche.has_speed_hint():
+            return False
+        c = self._cycle.counts_view[r]
+        if c <= 0 or self.probe_extra[r] >= PROBE_EXTRA_WINDOWS * c:
+            return False
+        self.probe_extra[r] += c
+        return True
+
     def _chunk_from(self, r: int, e: int) -> bool:
         pool = self.pools[e]
         elche = self._cycle.elche
         assert elche is not None, "progressive dispatch needs ElChe (2+ ranks)"
         nb = compute_chunk_batches(
-            rank=r, rem_batches=pool.remaining() // self.bs, counts=self._cycle.counts_view,
+            rank=r, rem_batches=pool.remaining() // self.bs, counts=self._counts(),
             steps=self._steps, barrier_paced=self.barrier_paced, is_async=self.is_async,
             max_overshoot=self.overshoot.value, calibrated=elche.is_calibrated, has_speed_hint=elche.has_speed_hint(),
             total_samples=self.total, world_size=self.W, batch_size=self.bs, final_alloc=self._final_alloc(e))
@@ -459,8 +489,8 @@ class Dispatcher:
             return
         if self.barrier_paced and self.in_flight(r):
             return
-        b = reduce_budget(r, self._cycle.counts_view, self.is_async, self.overshoot.value)
-        if b > 0 and self._cycle.steps(r) >= b:
+        b = reduce_budget(r, self._counts(), self.is_async, self.overshoot.value)
+        if b > 0 and self._cycle.steps(r) >= b and not self._extend_while_probing(r):
             return
         e = self.rank_epoch[r]
         first_live = self.last_aggregated + 1
