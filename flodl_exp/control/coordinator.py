@@ -122,10 +122,11 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, server: Transport, events: queue.Queue[Event], sink: Sink, job_dir: str,
                  *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0,
-                 when_decided: Callable[[], None] = lambda: None) -> None:
-        """``when_decided``: called once the run's mode is settled (at once, or after mode=auto's choice): the shell
-        starts its MLflow sink's thread then, so the sink's import does not share the interpreter with the choice."""
-        self._when_decided = when_decided
+                 ready_to_probe: Callable[[float], bool] = lambda timeout: True) -> None:
+        """``ready_to_probe(timeout)``: mode=auto sends its probe once this is True (waiting at most ``timeout`` per
+        call, and :data:`~.auto_probe.PROBE_HOLD_S` in all): the shell's MLflow sink has finished importing MLflow,
+        which on a small host would otherwise run beside the probe's timed steps and the choice."""
+        self._ready_to_probe = ready_to_probe
         cfg = load_config(spec.config)
         shape = RunShape.of(cfg)
         self.cfg, self.shape, self.spec = cfg, shape, spec
@@ -217,7 +218,8 @@ class Coordinator:
         if auto is None or auto.choice is not None:
             return True
         if not auto.sent:
-            auto.begin(self.outbox)
+            if auto.may_begin(self._ready_to_probe(0.05)):
+                auto.begin(self.outbox)
             return False
         if not auto.ready():
             return False
@@ -257,7 +259,6 @@ class Coordinator:
         the first epoch (or the resumed coverage). mode.auto probes first (the ranks answer, then start again)."""
         if not self.life.is_(Phase.CONNECTING) or not self._apply_auto():
             return  # started already (the probe's last answer started it), or mode=auto is still probing
-        self._when_decided()
         self._form_group()
         self._apply_spec_prior()
         self.timeline.on_start()
