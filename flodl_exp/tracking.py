@@ -186,8 +186,7 @@ class MlflowSink:
         """``run_id``: the run's id, or a function that waits for it (the launcher creates the run after it submits
         the job): called on the sink's thread before its first delivery, again after a failure; records wait.
         ``start=False``: records are buffered until :meth:`start` (or :meth:`close`) starts the delivery thread, whose
-        first work is importing MLflow and opening the store (about 1.7 s of CPU); :meth:`wait_connected` says when
-        that is over (mode=auto's probe waits for it, so the import neither skews the probe nor slows training)."""
+        first work is importing MLflow (about 1.7 s of CPU)."""
         self.uri = uri
         self._resolve_run_id: Optional[Callable[[], str]] = None if isinstance(run_id, str) else run_id
         self.run_id = run_id if isinstance(run_id, str) else ""
@@ -205,14 +204,8 @@ class MlflowSink:
         self.delivered = 0
         self._last_ts = 0
         self._started = False
-        self._connected = threading.Event()
         if start:
             self.start()
-
-    def wait_connected(self, timeout: float) -> bool:
-        """True once the delivery thread's first connection attempt (MLflow's import, the store opened) is over,
-        whether it succeeded or not; waits at most ``timeout`` seconds for it."""
-        return self._connected.wait(timeout)
 
     def start(self) -> None:
         """Start delivering (once; a no-op after the first call)."""
@@ -335,8 +328,6 @@ class MlflowSink:
             c = self._connect()
         except Exception:
             c = None
-        finally:
-            self._connected.set()
         backoff = self.RETRY_MIN_S
         failing = False
         while True:

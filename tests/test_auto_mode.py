@@ -161,31 +161,6 @@ def test_a_run_without_auto_sends_no_probe(tmp_path: Path):
     assert any(isinstance(p, StartEpoch) for _, p in sent) and not any(isinstance(p, Probe) for _, p in sent)
 
 
-def test_the_probe_waits_for_the_coordinators_process_to_be_ready_but_not_forever(tmp_path: Path):
-    """The shell's MLflow sink imports MLflow as the coordinator starts (~1.7 s of CPU): the probe is held until
-    that is over (else, on 2 cores, it skews the probe's step times and slows the choice), for PROBE_HOLD_S at most."""
-    from flodl_exp.control.auto_probe import PROBE_HOLD_S
-
-    for ready_at in (1.0, None):  # ready after 1 s; never ready
-        h = Harness(tmp_path / str(ready_at), "nccl_cadence", world=2, epochs=3, **{"mode.auto": True})
-        t0 = h.clock()
-        h.co._ready_to_probe = lambda timeout: ready_at is not None and h.clock() - t0 >= ready_at
-        sent = _join_and_start(h)
-        assert not any(isinstance(p, Probe) for _, p in sent), "no probe while the coordinator's process is busy"
-        for _ in range(int(PROBE_HOLD_S * 4) + 2):
-            h.clock.advance(0.25)
-            h.co.start()  # as the connect loop does, every pump
-            sent = h.transport.take(Probe)
-            if sent:
-                break
-        held = h.clock() - t0
-        assert sent and sorted(r for r, _ in sent) == [0, 1]
-        assert held == pytest.approx(1.0 if ready_at else PROBE_HOLD_S, abs=0.26)
-        _answer_probes(h)
-        assert h.co.auto is not None and h.co.auto.choice is not None
-        assert h.co.auto.choice.timing["hold_s"] == pytest.approx(held, abs=0.26)
-
-
 def _join_and_start(h: Harness) -> list[tuple[int, Any]]:
     """Every rank says hello and the coordinator starts (with auto: it probes): what it sent."""
     from flodl_exp.hello import Hello

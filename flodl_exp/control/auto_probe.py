@@ -25,9 +25,6 @@ log = logging.getLogger("flodl_exp.coordinator")
 
 PROBE_TIMEOUT_S = 120.0
 """How long the probe may take before the run starts in the configured mode (a first step may compile)."""
-PROBE_HOLD_S = 5.0
-"""How long the probe waits, once every rank joined, for the coordinator's process to be ready (its MLflow sink's
-import over); then it goes ahead regardless."""
 
 
 class AutoProbe:
@@ -41,23 +38,11 @@ class AutoProbe:
         self.prepared: Optional[Prepared] = None
         self.prepare_error: Optional[Exception] = None
         self.prepare_s = 0.0
-        self.held_since: Optional[float] = None
-        self.hold_s = 0.0
-        """How long the probe waited for the coordinator's process to be ready (:meth:`may_begin`)."""
         self.prepare()
 
     @property
     def configured(self) -> str:
         return f"{self.cfg.mode.backend}_{self.cfg.mode.policy}"
-
-    def may_begin(self, ready: bool) -> bool:
-        """Every rank joined; ``ready``: the coordinator's process is ready too. True once the probe may be sent:
-        when ready, or after :data:`PROBE_HOLD_S` of waiting."""
-        now = self.clock()
-        if self.held_since is None:
-            self.held_since = now
-        self.hold_s = now - self.held_since
-        return ready or self.hold_s >= PROBE_HOLD_S
 
     def begin(self, outbox: Outbox) -> None:
         """Every rank joined: ask each to time :data:`~flodl_exp.simulate.auto.PROBE_STEPS` steps."""
@@ -109,7 +94,7 @@ class AutoProbe:
             self.choice = AutoChoice(self.configured, f"the configured mode: the prediction failed ({type(e).__name__}: {e})")
         started = (self.deadline or answered) - PROBE_TIMEOUT_S
         self.choice.timing = {"probe_s": round(answered - started, 3), "simulate_s": round(self.clock() - answered, 3),
-                              "prepare_s": round(self.prepare_s, 3), "hold_s": round(self.hold_s, 3),
+                              "prepare_s": round(self.prepare_s, 3),
                               "step_ms": {str(r): [round(x, 2) for x in res.step_ms] for r, res in sorted(self.results.items())}}
         return self.choice
 

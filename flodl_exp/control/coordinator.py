@@ -121,12 +121,7 @@ class Coordinator:
     """The I/O shell around the :class:`~.core.ControlCore` (see the module docstring)."""
 
     def __init__(self, spec: JobSpec, server: Transport, events: queue.Queue[Event], sink: Sink, job_dir: str,
-                 *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0,
-                 ready_to_probe: Callable[[float], bool] = lambda timeout: True) -> None:
-        """``ready_to_probe(timeout)``: mode=auto sends its probe once this is True (waiting at most ``timeout`` per
-        call, and :data:`~.auto_probe.PROBE_HOLD_S` in all): the shell's MLflow sink has finished importing MLflow,
-        which on a small host would otherwise run beside the probe's timed steps and the choice."""
-        self._ready_to_probe = ready_to_probe
+                 *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
         cfg = load_config(spec.config)
         shape = RunShape.of(cfg)
         self.cfg, self.shape, self.spec = cfg, shape, spec
@@ -218,8 +213,7 @@ class Coordinator:
         if auto is None or auto.choice is not None:
             return True
         if not auto.sent:
-            if auto.may_begin(self._ready_to_probe(0.05)):
-                auto.begin(self.outbox)
+            auto.begin(self.outbox)
             return False
         if not auto.ready():
             return False

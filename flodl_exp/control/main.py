@@ -100,11 +100,9 @@ def main(argv: list[str]) -> int:
     # The sink's thread imports MLflow and opens the store (1.5-2 s of CPU) while the ranks finish their start-up:
     # started before this process's own imports it would only slow them (one interpreter, one core at a time). The
     # launcher creates the MLflow run after submitting the job: until it publishes the id, the sink keeps records.
-    # mode=auto: the probe waits (boundedly) until that import is over: on 2 cores it would skew the probe's step
-    # times and slow the choice, and started after the choice it would land in the first epochs' training instead
+    # mode=auto too: started after the choice, the import ran in the first epochs instead (measurements.md, auto mode)
     sink = MlflowSink(spec.tracking_uri, spec.run_id or (lambda: spec.with_run_id().run_id))
-    co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected,
-                     ready_to_probe=sink.wait_connected)
+    co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if os.environ.get("SLURM_JOB_ID"):
         sink.set_tags({"slurm_job_id": os.environ["SLURM_JOB_ID"], "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),

@@ -55,8 +55,7 @@ class AutoChoice:
     candidates: list[Candidate] = field(default_factory=list)
     timing: dict[str, Any] = field(default_factory=dict)
     """The coordinator's: ``probe_s`` (the probe sent to its last answer), ``simulate_s`` (that answer to the choice),
-    ``prepare_s`` (:func:`prepare`, as the coordinator started: before the probe, not in either), ``hold_s`` (the
-    wait, once every rank joined, for the coordinator's MLflow import to end before probing), ``step_ms`` (each
+    ``prepare_s`` (:func:`prepare`, as the coordinator started: before the probe, not in either), ``step_ms`` (each
     rank's probed step times)."""
 
     def as_event(self) -> ev.AutoMode:
