@@ -80,8 +80,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="the fixed modes to run beside auto (default all five; the best of these is auto's yardstick)")
     p.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench-auto"))
     a = p.parse_args(argv)
+    modes = tuple(m for m in a.modes.split(",") if m)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        p.error(f"--modes {a.modes!r}: each must be one of {', '.join(MODES)}")
     a.out = os.path.abspath(a.out)
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     a.tracking_uri = f"sqlite:///{a.out}/mlflow.db"
@@ -94,14 +100,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     load0 = os.getloadavg()
     lines = ["# mode=auto vs the fixed modes", "",
-             f"`python experiments/bench_auto.py --rigs {a.rigs} --epochs {a.epochs} --reps {a.reps}`: "
+             f"`python experiments/bench_auto.py --rigs {a.rigs} --epochs {a.epochs} --reps {a.reps} --modes {a.modes}`: "
              f"experiment=digits_wide, {a.epochs} epochs, medians of {a.reps} run(s) per mode, interleaved.", ""]
     verdicts = []
     for rig in a.rigs.split(","):
         speeds = RIGS[rig]
-        rows: dict[str, list[dict[str, Any]]] = {m: [] for m in (*MODES, "auto")}
+        rows: dict[str, list[dict[str, Any]]] = {m: [] for m in (*modes, "auto")}
         for rep in range(a.reps):
-            for m in (*MODES, "auto"):
+            order = (*modes, "auto")
+            k = rep % len(order)  # rotated each rep: no mode always runs first or last in a round
+            for m in order[k:] + order[:k]:
                 name = f"{rig.replace(':', 'to')}-{m}-{rep}"
                 print(f"[bench_auto] {rig} {m} rep {rep}", flush=True)
                 rec = run_flodl_inprocess(name, [f"mode={m}", *_rig_overrides(speeds)], a)
@@ -118,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         first = {m: _median([r["first_batch_s"] for r in rs]) for m, rs in rows.items()}
         start = {m: _median([r["start_s"] for r in rs]) for m, rs in rows.items()}
         timing = {k: _median([r["auto_timing"][k] for r in rows["auto"]]) for k in ("probe", "simulate", "prepare")}
-        best = max(MODES, key=lambda m: sps[m] if sps[m] == sps[m] else -1.0)
+        best = max(modes, key=lambda m: sps[m] if sps[m] == sps[m] else -1.0)
         ratio = sps["auto"] / sps[best]
         walls = {m: _median([r["wall_s"] for r in rs]) for m, rs in rows.items()}
         ratio_probe = (sps["auto"] * walls["auto"] / (walls["auto"] + probe["auto"])) / sps[best]
@@ -128,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         verdicts.append(ok)
         lines += [f"## rig {rig} (rank_speeds {speeds})", "",
                   "| mode | samples/s | eval acc | probe s | first batch s | start s |", "|---|---:|---:|---:|---:|---:|"]
-        for m in (*MODES, "auto"):
+        for m in (*modes, "auto"):
             lines.append(f"| {m}{' (best fixed)' if m == best else ''} | {sps[m]:.0f} | {acc[m]:.4f} | {probe[m]:.2f} "
                          f"| {first[m]:.3f} | {start[m]:.2f} |")
         lines += ["", f"auto chose: {chose}; auto/best = **{ratio:.3f}** ({ratio_probe:.3f} with its probe in); eval "
