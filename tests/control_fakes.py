@@ -166,9 +166,10 @@ class Harness:
         for _ in range(n):
             self.msg(r, Batch(ms=5.0, data_ms=0.1, chunk=chunk, loss=1.0, lr=0.1))
 
-    def finish_chunk(self, r: int, plan: StartEpoch, trained: Optional[int] = None) -> None:
+    def finish_chunk(self, r: int, plan: StartEpoch, trained: Optional[int] = None, sent: int = 0) -> None:
+        """Rank r trains ``plan`` (or ``trained`` batches of it) and reports it; ``sent``: batches already reported."""
         n = plan.size // BATCH if trained is None else trained
-        self.batches(r, plan.chunk, n)
+        self.batches(r, plan.chunk, n - sent)
         self.msg(r, ChunkMetrics(epoch=plan.epoch, chunk=plan.chunk, avg_loss=1.0, batches=n, samples=n * BATCH,
                                  epoch_ms=5.0 * n, share_complete_ms=5.0 * n, compute_only_ms=5.0 * n, data_starve_ms=0.0,
                                  ranges=[[plan.offset, n * BATCH]]))

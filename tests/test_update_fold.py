@@ -57,8 +57,9 @@ def test_an_extension_queued_behind_the_update_stops_the_folding():
 def test_a_cpu_cadence_reduce_sends_each_rank_one_update_carrying_its_next_chunk(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
     plans = h.start(samples=960)  # the first chunks leave most of the epoch in the pool
-    for r in (0, 1):
-        h.finish_chunk(r, plans[r][0])
+    h.batches(1, plans[1][0].chunk, 3)  # rank 1's probe steps land before rank 0 reaches its count (else rank 0
+    h.finish_chunk(0, plans[0][0])      # trains on while the probe is open, and has that chunk out at the reduce)
+    h.finish_chunk(1, plans[1][0], sent=3)
     h.tick()
     assert [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
     h.snapshot(0, plans[0][0].size // BATCH, 1.0)

@@ -163,6 +163,11 @@ class AveragingCycle:
         return self.elche.batch_counts if self.elche is not None else [1] * self.world_size
 
     @property
+    def anchor(self) -> Optional[int]:
+        """ElChe's anchor (the slowest rank's window length); None without ElChe (one rank)."""
+        return self.elche.anchor if self.elche is not None else None
+
+    @property
     def counts_view(self) -> Sequence[int]:
         """:attr:`counts` without the copy, for per-chunk reads (see ElChe.counts_view)."""
         return self.elche.counts_view if self.elche is not None else self._ones

@@ -27,16 +27,11 @@ log = logging.getLogger("flodl_exp.coordinator")
 
 # What the window records read of their neighbours, as Protocols rather than imports: channels.py imports
 # this module for RecordLog, and cycle.py imports channels, so importing either back would close a circle.
-class _Anchored(Protocol):
-    @property
-    def anchor(self) -> int: ...
-
-
 class CycleView(Protocol):
     """The averaging cycle as a window record reads it (:class:`flodl_exp.control.cycle.AveragingCycle`)."""
 
     @property
-    def elche(self) -> Optional[_Anchored]: ...
+    def anchor(self) -> Optional[int]: ...
 
     @property
     def global_step(self) -> int: ...
@@ -148,8 +143,8 @@ class WindowRecorder:
             "window/sync_ms": out.sync_ms if out is not None else 0.0,
             "window/epoch": float(epoch),
         }
-        if cycle.elche is not None:
-            rec["window/anchor"] = float(cycle.elche.anchor)
+        if cycle.anchor is not None:
+            rec["window/anchor"] = float(cycle.anchor)
         d_max = out.d_max if out is not None else None
         if d_max is not None:
             rec["window/divergence"] = d_max
