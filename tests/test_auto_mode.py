@@ -46,7 +46,10 @@ def test_the_choice_is_the_best_predicted_mode_within_the_window_limit():
     rig = _rig(4.0, 12.0)
     c = choose(rig, list(MODES), configured="nccl_sync", max_window=1000)
     ok = [x for x in c.candidates if x.eligible]
-    assert {x.mode for x in c.candidates} == set(MODES) and len(ok) == len(MODES)
+    assert [x.mode for x in c.candidates] == list(MODES)
+    assert {x.mode for x in ok} == set(MODES) - {"cpu_sync"}, "the configured sync mode is simulated, not the other"
+    skipped = next(x for x in c.candidates if x.mode == "cpu_sync")
+    assert skipped.samples_per_s == 0 and skipped.why.startswith("not simulated")
     best = max(ok, key=lambda x: x.samples_per_s)
     assert c.mode == best.mode and c.mode != "nccl_sync", "a 3:1 rig: a mode with windows beats per-step sync"
     assert c.mode in c.reason and "others:" in c.reason
@@ -55,6 +58,7 @@ def test_the_choice_is_the_best_predicted_mode_within_the_window_limit():
     # a window ceiling below what the windowed modes need leaves the per-step modes
     tight = choose(rig, list(MODES), configured="nccl_cadence", max_window=3)
     assert tight.mode.endswith("sync") and any(not x.eligible for x in tight.candidates)
+    assert all(x.samples_per_s > 0 for x in tight.candidates if x.mode.endswith("sync")), "then both are simulated"
 
 
 def test_the_configured_mode_is_kept_unless_another_is_clearly_faster():
