@@ -181,12 +181,9 @@ class MlflowSink:
     RETRY_MIN_S = 0.5
     RETRY_MAX_S = 30.0
 
-    def __init__(self, uri: str, run_id: Union[str, Callable[[], str]], max_records: int = 200_000,
-                 start: bool = True) -> None:
+    def __init__(self, uri: str, run_id: Union[str, Callable[[], str]], max_records: int = 200_000) -> None:
         """``run_id``: the run's id, or a function that waits for it (the launcher creates the run after it submits
-        the job): called on the sink's thread before its first delivery, again after a failure; records wait.
-        ``start=False``: records are buffered until :meth:`start` (or :meth:`close`) starts the delivery thread, whose
-        first work is importing MLflow (about 1.7 s of CPU)."""
+        the job): called on the sink's thread before its first delivery, again after a failure; records wait."""
         self.uri = uri
         self._resolve_run_id: Optional[Callable[[], str]] = None if isinstance(run_id, str) else run_id
         self.run_id = run_id if isinstance(run_id, str) else ""
@@ -203,16 +200,6 @@ class MlflowSink:
         """Records never delivered: dropped from a full buffer, or left when close ran out of time."""
         self.delivered = 0
         self._last_ts = 0
-        self._started = False
-        if start:
-            self.start()
-
-    def start(self) -> None:
-        """Start delivering (once; a no-op after the first call)."""
-        with self._cond:
-            if self._started:
-                return
-            self._started = True
         self._thread.start()
 
     @staticmethod
@@ -376,7 +363,6 @@ class MlflowSink:
         """Deliver everything buffered (retrying, at most ``timeout`` s in all), count what is left in
         :attr:`lost`, then optionally terminate the run with ``status``."""
         deadline = time.monotonic() + timeout
-        self.start()  # a run that ended before its sink was started still delivers what it buffered
         with self._cond:
             self._stop_deadline = deadline
             self._cond.notify_all()

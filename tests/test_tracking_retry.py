@@ -133,20 +133,3 @@ def test_a_full_buffer_drops_the_oldest_and_counts_them(store):
     assert sorted(p.step for p in store.points) == [0, 3, 4, 5]
     assert sink.lost == 2 and store.tags["tracking_lost_records"] == "2"
 
-
-def test_a_sink_started_later_delivers_what_it_buffered_and_close_starts_it(store):
-    """A sink made with start=False delivers nothing before start(), loses nothing after it; close() starts one
-    never started."""
-    sink = MlflowSink("http://h", "r", start=False)
-    sink.log_metrics({"loss": 1.0}, step=0)
-    sink.set_tags({"k": "v"})
-    assert store.calls == 0 and not sink._thread.is_alive()
-    sink.start()
-    sink.start()  # once
-    _wait(lambda: sink.delivered >= 2, 30, "the buffered records")
-    sink.close("FINISHED", timeout=30)
-    assert [p.step for p in store.points] == [0] and store.tags["k"] == "v" and sink.lost == 0
-    never = MlflowSink("http://h", "r", start=False)
-    never.log_metrics({"loss": 2.0}, step=1)
-    never.close("FINISHED", timeout=30)
-    assert sorted(p.step for p in store.points) == [0, 1] and never.lost == 0
