@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import events as ev
+from ..mode import Mode
 from .topology import MODES, SimulateConfig, measured_rig_config, run_config
 
 PROBE_STEPS = 4
@@ -157,9 +158,10 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
     # Per-step averaging is never faster than a mode with windows in the model (a window of one batch is the
     # most it does): the sync modes are simulated only when no windowed mode stays within the window limit, or
     # when one is the configured mode (its prediction decides whether it is kept). They are ~55 % of the events.
-    per_step = [m for m in candidates if m in MODES and m.endswith("_sync") and m != configured]
+    per_step = [m for m in candidates if m in MODES and Mode.from_name(m).is_sync and m != configured]
     out = [simulated(m) for m in candidates if m not in per_step]
-    windowed_ok = any(c.eligible and c.samples_per_s > 0 and not c.mode.endswith("_sync") for c in out)
+    windowed_ok = any(c.eligible and c.samples_per_s > 0 and c.mode in MODES and not Mode.from_name(c.mode).is_sync
+                      for c in out)
     for m in per_step:
         out.append(Candidate(m, eligible=False, why="not simulated: a mode with windows is within the limit, and "
                                                     "per-step averaging is never faster")

@@ -15,7 +15,8 @@ import json
 import os
 import sqlite3
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
