@@ -181,9 +181,13 @@ class MlflowSink:
     RETRY_MIN_S = 0.5
     RETRY_MAX_S = 30.0
 
-    def __init__(self, uri: str, run_id: Union[str, Callable[[], str]], max_records: int = 200_000) -> None:
+    def __init__(self, uri: str, run_id: Union[str, Callable[[], str]], max_records: int = 200_000,
+                 on_progress: Optional[Callable[[MlflowSink], None]] = None) -> None:
         """``run_id``: the run's id, or a function that waits for it (the launcher creates the run after it submits
-        the job): called on the sink's thread before its first delivery, again after a failure; records wait."""
+        the job): called on the sink's thread before its first delivery, again after a failure; records wait.
+        ``on_progress``: called on the sink's thread once the store is open and after each delivery (the sink
+        process answers its coordinator with it: flodl_exp/sink_process.py)."""
+        self._on_progress = on_progress
         self.uri = uri
         self._resolve_run_id: Optional[Callable[[], str]] = None if isinstance(run_id, str) else run_id
         self.run_id = run_id if isinstance(run_id, str) else ""
@@ -315,6 +319,7 @@ class MlflowSink:
             c = self._connect()
         except Exception:
             c = None
+        self._progress()
         backoff = self.RETRY_MIN_S
         failing = False
         while True:
@@ -355,9 +360,17 @@ class MlflowSink:
             with self._cond:
                 self._inflight = 0
                 self.delivered += n
+            self._progress()
             if failing:
                 log.warning("mlflow sink: the store answers again (%d failed deliveries so far)", self.errors)
             failing, backoff = False, self.RETRY_MIN_S
+
+    def _progress(self) -> None:
+        if self._on_progress is not None:
+            try:
+                self._on_progress(self)
+            except Exception:  # a report, never a reason to stop delivering
+                pass
 
     def close(self, status: Optional[str] = None, timeout: float = 60.0) -> None:
         """Deliver everything buffered (retrying, at most ``timeout`` s in all), count what is left in

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     from .. import wire
     from ..config import RunShape, load_config
     from ..jobs.rendezvous import incarnation, write_rendezvous
-    from ..tracking import MlflowSink
+    from ..sink_process import start_sink
     from .coordinator import Coordinator
     from .server import RankServer, start_store
 
@@ -97,11 +97,10 @@ def main(argv: list[str]) -> int:
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
-    # The sink's thread imports MLflow and opens the store (1.5-2 s of CPU) while the ranks finish their start-up:
-    # started before this process's own imports it would only slow them (one interpreter, one core at a time). The
-    # launcher creates the MLflow run after submitting the job: until it publishes the id, the sink keeps records.
-    # mode=auto too: started after the choice, the import ran in the first epochs instead (measurements.md, auto mode)
-    sink = MlflowSink(spec.tracking_uri, spec.run_id or (lambda: spec.with_run_id().run_id))
+    # The sink's own process imports MLflow and opens the store (2-3.5 s of CPU) while the ranks finish their
+    # start-up, never holding this interpreter's GIL (sink_process.py). The launcher creates the MLflow run after
+    # submitting the job: until it publishes the id, the sink keeps records.
+    sink = start_sink(spec.tracking_uri, spec.run_id, spec.job_dir, spec.import_paths)
     co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if os.environ.get("SLURM_JOB_ID"):
