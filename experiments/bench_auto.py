@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from experiments.bench_hetero import run_flodl_inprocess, summarize  # noqa: E402
+from experiments.bench_hetero import _read_json, _read_jsonl, run_flodl_inprocess, summarize  # noqa: E402
 
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
 RIGS: dict[str, list[float]] = {"3:1": [1.0, 0.33], "1:1": [1.0, 1.0], "4:2:1": [1.0, 0.5, 0.25]}
@@ -69,6 +69,32 @@ def _choice(events: list[dict]) -> Optional[str]:
     return next((str(e["mode"]) for e in events if e.get("event") == "auto_mode"), None)
 
 
+def _rec_from_log(out: str, name: str) -> dict[str, Any]:
+    """A finished run of this sitting, found through its log (``MLflow run <id>  job <id>  folder <dir>``)."""
+    with open(os.path.join(out, "logs", f"{name}.log")) as fh:
+        head = fh.read(4096)
+    words = head.split("MLflow run ", 1)[1].split()
+    run_id, job_dir = words[0], words[words.index("folder") + 1]
+    result = _read_json(os.path.join(job_dir, "result.json"))
+    return {"name": name, "kind": "flodl", "rc": 0 if result.get("status") == "FINISHED" else 1, "run_id": run_id,
+            "dir": job_dir, "events": _read_jsonl(os.path.join(job_dir, "events.jsonl")), "result": result,
+            "launch_s": float("nan"), "cmd": []}
+
+
+def _paired(rows: dict[str, list[dict[str, Any]]], best: str) -> tuple[float, float, list[float]]:
+    """auto's samples/s over ``best``'s in the same round, then with auto's probe charged: the medians over the
+    rounds, and each round's (probe in)."""
+    by_rep = {r["rep"]: r for r in rows[best]}
+    plain, charged = [], []
+    for r in rows["auto"]:
+        b = by_rep.get(r["rep"])
+        if b is None or not (b["samples_per_s"] > 0 and r["samples_per_s"] > 0):
+            continue
+        plain.append(r["samples_per_s"] / b["samples_per_s"])
+        charged.append(r["samples_per_s"] * r["wall_s"] / (r["wall_s"] + r["probe_s"]) / b["samples_per_s"])
+    return _median(plain), _median(charged), charged
+
+
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -83,6 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default=",".join(MODES),
                    help="the fixed modes to run beside auto (default all five; the best of these is auto's yardstick)")
     p.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench-auto"))
+    p.add_argument("--from-logs", action="store_true",
+                   help="re-score the sitting already in --out (its logs/ name each run's job folder): nothing runs")
     a = p.parse_args(argv)
     modes = tuple(m for m in a.modes.split(",") if m)
     bad = [m for m in modes if m not in MODES]
@@ -111,9 +139,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             k = rep % len(order)  # rotated each rep: no mode always runs first or last in a round
             for m in order[k:] + order[:k]:
                 name = f"{rig.replace(':', 'to')}-{m}-{rep}"
-                print(f"[bench_auto] {rig} {m} rep {rep}", flush=True)
-                rec = run_flodl_inprocess(name, [f"mode={m}", *_rig_overrides(speeds)], a)
+                if a.from_logs:
+                    rec = _rec_from_log(a.out, name)
+                else:
+                    print(f"[bench_auto] {rig} {m} rep {rep}", flush=True)
+                    rec = run_flodl_inprocess(name, [f"mode={m}", *_rig_overrides(speeds)], a)
                 s = summarize(rec, client)
+                s["rep"] = rep
                 s["probe_s"] = _probe_s(rec["events"])
                 s["first_batch_s"] = _first_batch_s(rec["events"])
                 s["start_s"] = _start_s(rec["events"])
@@ -130,6 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ratio = sps["auto"] / sps[best]
         walls = {m: _median([r["wall_s"] for r in rs]) for m, rs in rows.items()}
         ratio_probe = (sps["auto"] * walls["auto"] / (walls["auto"] + probe["auto"])) / sps[best]
+        paired = _paired(rows, best)
         d_eval = 100 * (acc["auto"] - acc[best])
         chose = ", ".join(str(r["choice"]) for r in rows["auto"])
         ok = ratio >= TARGET and abs(d_eval) <= EVAL_POINTS
@@ -142,6 +175,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines += ["", f"auto chose: {chose}; auto/best = **{ratio:.3f}** ({ratio_probe:.3f} with its probe in); eval "
                       f"{d_eval:+.2f} points vs {best}: {'MET' if ok else 'MISSED'} (>= {TARGET}, within "
                       f"{EVAL_POINTS} point)",
+                  f"paired by round (auto and {best} in the same round of the rotation, so a load that drifts across "
+                  f"the sitting weighs on both): median auto/{best} {paired[0]:.3f}, {paired[1]:.3f} with its probe in "
+                  f"(rounds: {', '.join(f'{x:.2f}' for x in paired[2])})",
                   f"auto_mode timing (medians): probe {timing['probe']:.3f} s, simulate {timing['simulate']:.3f} s, "
                   f"prepare {timing['prepare']:.3f} s (at the coordinator's start)", ""]
     load1 = os.getloadavg()
