@@ -112,8 +112,8 @@ def _wait_model_export(job: Path, limit_s: float = 300.0) -> None:
     """The model export a run leaves in the background (after its command returned) ends before the next run
     starts, so it does not take the next run's CPU: the bench times each run alone, as a user's single run is."""
     log = job / "model_export.log"
-    if not (job / "model_export.json").exists():
-        return
+    if not any((job / name).exists() for name in ("model_export.json", "model_export.json.claimed")):
+        return  # (the export process renames the request as it claims it: a claimed one is still running)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
