@@ -75,13 +75,6 @@ def main(argv: list[str]) -> int:
     signals = _Signals(slurm)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s", stream=sys.stderr)
     job_dir = os.path.dirname(os.path.abspath(spec_path))
-    from ..sink_process import start_sink
-
-    # The sink's own process imports MLflow and opens the store (2-3.5 s of CPU): started first, it does so while
-    # this process imports torch and the ranks start up, and its import never holds this interpreter's GIL
-    # (sink_process.py). The launcher creates the MLflow run after submitting the job: until it publishes the id,
-    # the sink keeps records.
-    sink = start_sink(spec.tracking_uri, spec.run_id, spec.job_dir, spec.import_paths)
     for path in reversed(spec.import_paths):  # the experiment's modules (the logged model is built here)
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -89,6 +82,7 @@ def main(argv: list[str]) -> int:
     from .. import wire
     from ..config import RunShape, load_config
     from ..jobs.rendezvous import incarnation, write_rendezvous
+    from ..sink_process import start_sink
     from .coordinator import Coordinator
     from .server import RankServer, start_store
 
@@ -103,6 +97,11 @@ def main(argv: list[str]) -> int:
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
+    # The sink's own process imports MLflow and opens the store (2-3.5 s of CPU) while the ranks finish their
+    # start-up, never holding this interpreter's GIL (sink_process.py). Started before this process's own imports
+    # it delayed the coordinator's start by ~0.8 s on 2 cores (measurements.md, start-up). The launcher creates
+    # the MLflow run after submitting the job: until it publishes the id, the sink keeps records.
+    sink = start_sink(spec.tracking_uri, spec.run_id, spec.job_dir, spec.import_paths)
     co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if os.environ.get("SLURM_JOB_ID"):
