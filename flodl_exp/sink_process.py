@@ -57,6 +57,7 @@ class ProcessSink:
         self._queue: deque[Optional[tuple[str, Any]]] = deque()  # None: the close message
         self._cond = threading.Condition()
         self._sent = 0  # records the child received
+        self._queued = 0  # records in _queue
         self._closed: Optional[dict[str, Any]] = None  # the child's last answer
         self._close_args: tuple[Optional[str], float] = (None, 60.0)
         self._fallback: Optional[Any] = None  # an in-process MlflowSink once the child is gone
@@ -86,6 +87,19 @@ class ProcessSink:
                 fallback = self._fallback
             else:
                 self._queue.append((kind, payload))
+                self._queued += _count(kind, payload)
+                # bounded as the sink's own buffer is: a child that stopped reading never grows this one past it
+                # (the head may be on its way to the child: the next oldest goes)
+                while self._queued > self.max_records and len(self._queue) > 2 and self._queue[1] is not None:
+                    dropped = self._queue[1]
+                    del self._queue[1]
+                    assert dropped is not None
+                    n = _count(*dropped)
+                    self._queued -= n
+                    if self.lost == 0:
+                        log.warning("mlflow sink process: not reading (%d records queued): dropping the oldest",
+                                    self.max_records)
+                    self.lost += n
                 self._cond.notify_all()
                 return
         fallback._put(kind, payload)
@@ -134,7 +148,10 @@ class ProcessSink:
             self.errors = int(closed.get("errors", self.errors))
             self.delivered = int(closed.get("delivered", self.delivered))
             self.lost += int(closed.get("lost", 0))
-            self._proc.wait(5.0)
+            try:
+                self._proc.wait(5.0)
+            except subprocess.TimeoutExpired:  # it answered: what is left of it is its teardown
+                self._kill()
             return
         if fallback is not None:
             fallback.close(status, timeout=max(1.0, deadline - CLOSE_MARGIN_S - time.monotonic()))
@@ -174,6 +191,7 @@ class ProcessSink:
                 self._queue.popleft()
                 if item is None:
                     break
+                self._queued -= _count(*item)
                 self._sent += _count(*item)
         try:
             stdin.close()
@@ -211,6 +229,7 @@ class ProcessSink:
             lost = max(0, self._sent - self.delivered)
             rest = [item for item in self._queue if item is not None]
             self._queue.clear()
+            self._queued = 0
             log.error("mlflow sink process exited (code %s): %d record(s) it held are lost; the rest go through "
                       "this process", self._proc.returncode, lost)
             self.lost += lost

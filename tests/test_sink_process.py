@@ -88,3 +88,22 @@ def test_a_child_whose_coordinator_is_gone_delivers_what_it_holds_and_exits(tmp_
     c = tracking.client(uri)
     assert sorted(m.step for m in c.get_metric_history(run_id, "loss")) == [0, 1, 2]
     assert c.get_run(run_id).info.status == "RUNNING"  # nobody said how the run ended: the launcher ends it
+
+
+@pytest.mark.e2e  # stops and resumes a real child process
+@pytest.mark.timeout(120)
+def test_a_child_that_stops_reading_never_grows_the_queue_past_its_bound_and_every_record_is_counted(tmp_path):
+    uri, run_id = _run(tmp_path)
+    sink = ProcessSink(uri, run_id, str(tmp_path), max_records=100)
+    os.kill(sink._proc.pid, signal.SIGSTOP)  # the child this test started: its stdin pipe fills, then the queue
+    try:
+        for step in range(3000):
+            sink.log_metrics({"loss": 1.0}, step=step)
+        _wait(lambda: sink.lost > 0, 30, "the queue to reach its bound")
+        with sink._cond:
+            assert sink._queued <= 100
+    finally:
+        os.kill(sink._proc.pid, signal.SIGCONT)
+    sink.close("FINISHED", timeout=60)
+    delivered = len(tracking.client(uri).get_metric_history(run_id, "loss"))
+    assert delivered == sink.delivered and delivered + sink.lost == 3000 and delivered > 0
