@@ -253,6 +253,12 @@ class ClusterConfig:
     (algorithms.md 7.3; 0.2 of 32 ranks = 7). With both set, the lower limit wins."""
     rendezvous_timeout_s: float = 120.0
     """How long ranks wait for rendezvous.json and the coordinator waits for ranks."""
+    report_coalesce_ms: float = 50.0
+    """In the cadence and async modes a rank's per-batch reports may wait this long to travel several to a frame,
+    except the one that completes its count for the window (and every one after it), which goes at once: the
+    coordinator's cost is per frame, and the reduce fires as early as without it (rank/report_pacer.py). Sync modes,
+    ``mode.max_batch_diff`` and the cold-start probe send every report at once. 0 = every report at once; at most
+    1000."""
     host: Optional[str] = None
     """Address the coordinator binds; unset = 127.0.0.1 locally, the node's name on SLURM."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -793,6 +799,8 @@ def _cluster_health_rules(cfg: Any) -> List[str]:
         raise _err("cluster.stall_dump_s", c.stall_dump_s, "a number of seconds > 0 (15 = the reference's debug interval)")
     if not _finite_positive(c.rendezvous_timeout_s):
         raise _err("cluster.rendezvous_timeout_s", c.rendezvous_timeout_s, "a number > 0")
+    if not (math.isfinite(c.report_coalesce_ms) and 0 <= c.report_coalesce_ms <= 1000):
+        raise _err("cluster.report_coalesce_ms", c.report_coalesce_ms, "milliseconds in [0, 1000] (0: every report at once)")
     if c.max_failure is not None and c.max_failure < 1:
         raise _err("cluster.max_failure", c.max_failure, "an integer >= 1 or null")
     if c.max_failure_pct is not None and not (math.isfinite(c.max_failure_pct) and 0 < c.max_failure_pct <= 1):

@@ -98,9 +98,11 @@ class Kind(str, enum.Enum):
     EVAL_BROADCAST = "eval_broadcast"
     CHECKPOINT = "checkpoint"
     PROBE = "probe"
+    REPORT_PACE = "report_pace"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
+    BATCHES = "batches"
     SYNC_ACK = "sync_ack"
     SNAPSHOT = "snapshot"
     METRICS = "metrics"
@@ -254,6 +256,19 @@ class Probe:
 
 
 @dataclass
+class ReportPace:
+    """Cadence and async windows: this rank's Batch reports may travel several to a frame
+    (:class:`Batches`, at most ``cluster.report_coalesce_ms`` late) until its ``flush_at``-th report (counted
+    from its first), the one that completes its count for the window in progress; that one, and every later one,
+    goes at once, so the reduce is triggered as soon as without coalescing. The coordinator sends it when a
+    window's counts are set (flodl_exp/control/report_pace.py); a rank that never got one sends every report
+    at once."""
+
+    KIND: ClassVar[Kind] = Kind.REPORT_PACE
+    flush_at: Count
+
+
+@dataclass
 class Shutdown:
     KIND: ClassVar[Kind] = Kind.SHUTDOWN
     reason: str
@@ -293,6 +308,39 @@ class Batch:
     chunk: Count
     loss: Optional[Reading] = None
     lr: Optional[Reading] = None
+    age_ms: float = 0.0
+    """Set on the reports a :class:`Batches` frame carried (how long they waited on the rank); 0 on a single one."""
+
+
+@dataclass
+class Batches:
+    """Several :class:`Batch` reports in one frame, oldest first, one column per field (see :class:`ReportPace`).
+    ``age_ms``: how long before the frame left each report was taken, so the coordinator's timeline places
+    each batch when it ended, not when the frame came in. Columns of unequal length are refused."""
+
+    KIND: ClassVar[Kind] = Kind.BATCHES
+    ms: list[float]
+    data_ms: list[float]
+    chunk: list[Count]
+    loss: list[Optional[Reading]]
+    lr: list[Optional[Reading]]
+    age_ms: list[float]
+
+    def __post_init__(self) -> None:
+        n = len(self.ms)
+        if not (len(self.data_ms) == len(self.chunk) == len(self.loss) == len(self.lr) == len(self.age_ms) == n):
+            raise ProtocolError(f"batches: columns of unequal length (ms {n}, data_ms {len(self.data_ms)}, chunk "
+                                f"{len(self.chunk)}, loss {len(self.loss)}, lr {len(self.lr)}, age_ms {len(self.age_ms)})")
+
+    def records(self) -> list[Batch]:
+        """The reports one by one (the core books each as a single Batch)."""
+        return [Batch(m, d, c, lo, lr, a) for m, d, c, lo, lr, a
+                in zip(self.ms, self.data_ms, self.chunk, self.loss, self.lr, self.age_ms)]
+
+    @staticmethod
+    def of(reports: list[Batch], ages_ms: list[float]) -> Batches:
+        return Batches([b.ms for b in reports], [b.data_ms for b in reports], [b.chunk for b in reports],
+                       [b.loss for b in reports], [b.lr for b in reports], list(ages_ms))
 
 
 @dataclass
@@ -526,7 +574,7 @@ Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
-    EvalBroadcast, Checkpoint, CheckpointResult, Probe, ProbeResult,
+    EvalBroadcast, Checkpoint, CheckpointResult, Probe, ProbeResult, ReportPace, Batches,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"
@@ -687,18 +735,18 @@ _DECODERS: dict[type, tuple[_Field, ...]] = {cls: _fields_of(cls) for cls in PAY
 def _decode_batch(f: dict[str, Any]) -> Optional[Batch]:
     """The hot message (one per trained batch per rank) without the generic walk; None when anything is
     off the common shape (a missing field, a type to check or convert, a value out of its rules), so the
-    generic path decides and words the error the same way. The rules, inline: ``ms``/``data_ms`` finite
-    floats, ``chunk`` a :data:`Count`, ``loss``/``lr`` any float or None."""
+    generic path decides and words the error the same way. The rules, inline: ``ms``/``data_ms``/``age_ms``
+    finite floats, ``chunk`` a :data:`Count`, ``loss``/``lr`` any float or None."""
     try:
         ms, data_ms, chunk = f["ms"], f["data_ms"], f["chunk"]
     except KeyError:
         return None
-    loss, lr = f.get("loss"), f.get("lr")
-    if (type(ms) is float and type(data_ms) is float and type(chunk) is int
-            and ms - ms == 0.0 and data_ms - data_ms == 0.0  # finite: inf - inf and nan - nan are nan
+    loss, lr, age = f.get("loss"), f.get("lr"), f.get("age_ms", 0.0)
+    if (type(ms) is float and type(data_ms) is float and type(chunk) is int and type(age) is float
+            and ms - ms == 0.0 and data_ms - data_ms == 0.0 and age - age == 0.0  # finite: inf - inf, nan - nan are nan
             and 0 <= chunk <= I64_MAX
             and (loss is None or type(loss) is float) and (lr is None or type(lr) is float)):
-        return Batch(ms, data_ms, chunk, loss, lr)
+        return Batch(ms, data_ms, chunk, loss, lr, age)
     return None
 
 

@@ -339,8 +339,15 @@ def valid_values(hint: typing.Any) -> st.SearchStrategy[typing.Any]:
 
 
 def _payload_strategy(cls: type) -> st.SearchStrategy[typing.Any]:
-    """Valid payloads of ``cls``: every required field, each optional one or not. Built once per class."""
+    """Valid payloads of ``cls``: every required field, each optional one or not. Built once per class.
+    :class:`~flodl_exp.protocol.Batches` holds one invariant the hints do not say: its columns are one length."""
     hints = typing.get_type_hints(cls, include_extras=True)
+    if cls is protocol.Batches:
+        def columns(n: int) -> st.SearchStrategy[typing.Any]:
+            return st.fixed_dictionaries({
+                f.name: st.lists(valid_values(typing.get_args(hints[f.name])[0]), min_size=n, max_size=n)
+                for f in dataclasses.fields(cls)})
+        return st.integers(0, 4).flatmap(columns).map(lambda kw: cls(**kw))
     required: dict[str, st.SearchStrategy[typing.Any]] = {}
     optional: dict[str, st.SearchStrategy[typing.Any]] = {}
     for f in dataclasses.fields(cls):

@@ -80,7 +80,7 @@ class ShellObserver:
         """Set once built (it reads the core's averaging cycle)."""
 
     def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None:
-        self.timeline.on_batch(r, b.ms, b.data_ms, chunk=b.chunk, epoch=epoch, window=window)
+        self.timeline.on_batch(r, b.ms, b.data_ms, chunk=b.chunk, epoch=epoch, window=window, age_ms=b.age_ms)
 
     def on_answer(self, r: int, started: float) -> None:
         self.timeline.on_answer(r, started)

@@ -37,6 +37,7 @@ from ..config import RunShape
 from ..mode import Mode
 from ..protocol import (
     Batch,
+    Batches,
     CheckpointResult,
     ChunkMetrics,
     EpochFnResult,
@@ -75,6 +76,7 @@ from .meta import LrEventMeta
 from .ports import CoreObserver, NullObserver
 from .preemption import Preemption, kills_on_bad_exit
 from .reduces import Reduces
+from .report_pace import ReportPacing, pace_enabled
 from .reports import RankReports
 from .run_end import RunEnd
 from .watchdog import run_state
@@ -186,6 +188,10 @@ class ControlCore:
         self.reports = RankReports(loop_error=str(cfg.cluster.loop_error), cohort=self.cohort, dispatch=self.dispatch,
                                    slack=self.slack, obs=observer, shutdown_with_save=self.faults.shutdown_with_save)
         """Errors, the epoch hook's result, exits, telemetry, loop notices (control/reports.py)."""
+        self.pacing = ReportPacing(
+            enabled=pace_enabled(self.mode, cfg.cluster.report_coalesce_ms, cfg.mode.max_batch_diff, w),
+            world_size=w, cycle=self.cycle, outbox=self.outbox)
+        """Which Batch report of each rank completes its count: the ranks coalesce the others (control/report_pace.py)."""
         self._handlers = self._message_routes()
         self.cycle.slack_source = self.run_end.callback_slack
         self._epoch_role_sent: Optional[int] = None
@@ -326,7 +332,13 @@ class ControlCore:
         return self.reduces.fire(final=final)
 
     # -- rank messages ------------------------------------------------------------------
+    def on_batches(self, r: int, bs: Batches) -> None:
+        """Several reports in one frame (a paced rank: rank/report_pacer.py), booked one by one in order."""
+        for b in bs.records():
+            self.on_batch(r, b)
+
     def on_batch(self, r: int, b: Batch) -> None:
+        self.pacing.on_report(r)
         if not self._first_batch_seen:  # the run's first trained batch (start-up ends here: bench_startup)
             self._first_batch_seen = True
             self.obs.emit(ev.FirstBatch(rank=r))
@@ -366,6 +378,7 @@ class ControlCore:
             if (self.faults.regroup is None and self.cycle.in_flight is None and not self.eval_holds_sync()
                     and not self.reduces.gate_blocked(alive) and self.cycle.should_average(alive, self.dispatch.quiesced)):
                 self.fire_reduce()                            # 8. fire a reduce
+            self.pacing.tick(alive)                           #    the window's counts moved: re-pace the ranks
             self.boundaries.aggregate()                       # 10. aggregate ready epochs
             if self.dispatch.all_aggregated() and self.life.is_(Phase.TRAINING):
                 self.enter(Phase.DRAINING)
@@ -446,7 +459,7 @@ class ControlCore:
     def _message_routes(self) -> dict[type, Callable[[int, Any], None]]:
         """Which component decides on (or records) each rank message (:meth:`on_message`)."""
         return {
-            Batch: self.on_batch, SyncAck: self.reduces.on_ack, Snapshot: self.reduces.on_snapshot,
+            Batch: self.on_batch, Batches: self.on_batches, SyncAck: self.reduces.on_ack, Snapshot: self.reduces.on_snapshot,
             ChunkMetrics: self.dispatch.on_metrics, EvalResult: self.run_end.on_eval, Intent: self.run_end.on_intent,
             SaveResult: self.on_save_result, CheckpointResult: self.on_checkpoint_result,
             SessionReady: self.faults.on_session_ready, RankError: self.reports.on_error,

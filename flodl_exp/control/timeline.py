@@ -162,8 +162,13 @@ class TimelineRecorder:
         for lane in self._lanes:
             lane.last_end = self.t0 if lane.last_end is None else lane.last_end
 
-    def on_batch(self, r: int, ms: float, data_ms: float, *, chunk: int, epoch: Optional[int], window: int) -> None:
+    def on_batch(self, r: int, ms: float, data_ms: float, *, chunk: int, epoch: Optional[int], window: int,
+                 age_ms: float = 0.0) -> None:
+        """One trained batch, ended ``age_ms`` before now (a report that waited on its rank to travel with others:
+        rank/report_pacer.py); an age outside [0, 10 s] is read as 0 (a peer's clock is not trusted further)."""
         t = self._now()
+        if 0.0 < age_ms <= 10_000.0:
+            t -= age_ms / 1e3
         lane = self._lanes[r]
         prev = lane.last_end if lane.last_end is not None else (self.t0 if self.t0 is not None else t)
         ms, data_ms = max(0.0, ms), max(0.0, data_ms)

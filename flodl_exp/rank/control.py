@@ -47,6 +47,7 @@ from ..protocol import (
     Probe,
     ProbeResult,
     Regroup,
+    ReportPace,
     RequestParams,
     RequestSession,
     Save,
@@ -86,13 +87,16 @@ class RankControl:
     (``mode.gamma``). ``outer_spec``/``outer``: the run's outer optimizer, and on the nccl backend its
     replicated state (cpu: it runs at the coordinator, ``outer`` is None). ``cpu``: the snapshot/update
     codec of the cpu backend. ``join_group``: forms the process group a FormGroup names (None: this rank
-    cannot join one). ``fault``: an injected fault (step, kind) from ``FLODL_FAULT_INJECT``."""
+    cannot join one). ``pace``: the coordinator's ReportPace for ``send``'s Batch coalescing
+    (rank/report_pacer.py; None: ignored, every report goes at once). ``fault``: an injected fault (step, kind) from ``FLODL_FAULT_INJECT``."""
 
     def __init__(self, send: Callable[[Payload], None], inbox: ControlInbox, trainer: RankTrainer, *, rank: int,
                  world_size: int, device: torch.device, gamma: float = 1.0, outer_spec: Optional[OuterSpec] = None,
                  outer: Optional[OuterOptimizer] = None, cpu: Optional[CoordinatorBackend] = None,
-                 join_group: Optional[GroupJoiner] = None, fault: Optional[tuple[int, str]] = None) -> None:
+                 join_group: Optional[GroupJoiner] = None, pace: Optional[Callable[[int], None]] = None,
+                 fault: Optional[tuple[int, str]] = None) -> None:
         self.send = send
+        self._pace = pace
         self.inbox = inbox
         self.trainer = trainer
         self.rank = rank
@@ -268,7 +272,8 @@ class RankControl:
             self.collective.close()
 
     # -- reading control ----------------------------------------------------
-    COUNT_FREE = (CoordHeartbeat, EvalBroadcast, EpochAggregated, StageAdvisory, SetEpochRole, SetGlobalStep, StartEpoch)
+    COUNT_FREE = (CoordHeartbeat, EvalBroadcast, EpochAggregated, StageAdvisory, SetEpochRole, SetGlobalStep, StartEpoch,
+                  ReportPace)
     """Messages whose handling sends nothing that counts steps: they do not make :meth:`drain` wait for the device."""
 
     def drain(self) -> None:
@@ -316,7 +321,12 @@ class RankControl:
             StageAdvisory: self._on_stage_advisory,
             Save: self._save, Checkpoint: self._on_checkpoint, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
             RequestSession: self._on_request_session, Evict: self._on_evict, Probe: self._on_probe,
+            ReportPace: self._on_report_pace,
         }
+
+    def _on_report_pace(self, m: ReportPace) -> None:
+        if self._pace is not None:
+            self._pace(m.flush_at)
 
     # -- handlers: work and averaging ---------------------------------------------
     def _on_extend(self, m: ExtendPartition) -> None:

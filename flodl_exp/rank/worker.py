@@ -36,6 +36,7 @@ from .backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
 from .control import RankControl
 from .fault_inject import parse_fault
 from .inbox import ControlInbox, CoordinatorLost
+from .report_pacer import BatchReportPacer
 from .trainer import RankTrainer
 
 log = logging.getLogger("flodl_exp.rank")
@@ -204,10 +205,11 @@ class RankWorker:
         """The cooperative tier: asked every heartbeat whether the user's loop holds a batch too long."""
         self.inbox = ControlInbox(cfg.cluster.heartbeat_timeout_s, rank)
         fault = parse_fault(os.environ.get(FAULT_ENV), rank)
+        self.pacer = BatchReportPacer(self._send_now, cfg.cluster.report_coalesce_ms / 1e3).start()
         self.control = RankControl(
             self.send, self.inbox, self.trainer, rank=rank, world_size=self.world_size, device=self.device,
             gamma=cfg.mode.gamma, outer_spec=shape.outer, outer=outer, cpu=CoordinatorBackend(bf16_wire=cfg.mode.bf16_wire),
-            join_group=self._join_group,
+            join_group=self._join_group, pace=self.pacer.pace,
             fault=fault if fault is not None and fault[0] >= 0 else None)  # "connect" faults fire in the task
         self.control.resume_from(spec.resume)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
@@ -245,7 +247,11 @@ class RankWorker:
         return out
 
     def send(self, payload: Payload) -> None:
-        """One payload to the coordinator (the main thread and the heartbeat thread both send)."""
+        """One payload to the coordinator (the main thread and the heartbeat thread both send), after any Batch
+        reports the pacer holds; Batch reports themselves may wait there (rank/report_pacer.py)."""
+        self.pacer.send(payload)
+
+    def _send_now(self, payload: Payload) -> None:
         self.conn.send(encode(payload))
 
     def _join_group(self, m: FormGroup, poll: Callable[[], None]) -> CollectiveBackend:
@@ -316,6 +322,7 @@ class RankWorker:
         final = Exiting(rank=self.rank, pid=os.getpid(), hash=state_hash(self.trainer.model),
                         steps=self.trainer.step_count, global_step=self.trainer.global_step)
         self.send(final)
+        log.info("rank %d: %d batch reports in %d frames", self.rank, self.pacer.reports, self.pacer.frames)
         return dataclasses.asdict(final)
 
     def report_failure(self, e: BaseException, loop: bool = False) -> None:
@@ -338,6 +345,7 @@ class RankWorker:
     def close(self) -> None:
         self.control.stop()
         self.telemetry.close()
+        self.pacer.close(flush=False)
         self.trainer.close_data()
         self.control.close()
         self.conn.close()

@@ -245,7 +245,8 @@ def run_config(cfg: SimulateConfig, mode: str, world_size: int) -> Config:
     outer = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OuterConfig), cfg.outer))
     assert isinstance(guard, GuardConfig) and isinstance(outer, OuterConfig)
     run = Config(mode=mode_cfg, guard=guard, outer=outer,
-                 cluster=ClusterConfig(ranks_per_node=world_size),
+                 # simulated ranks send every report at once (the per-batch link cost is what the model charges)
+                 cluster=ClusterConfig(ranks_per_node=world_size, report_coalesce_ms=0.0),
                  experiment=ExperimentConfig(name="simulate", model=None, optimizer=None, train_data=None,
                                              train_step="flodl_exp.simulate.no_step", batch_size=cfg.batch_size,
                                              epochs=cfg.epochs),
