@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -114,6 +115,11 @@ def coordinator_entry(argv: list[str]) -> None:
 
 
 # ------------------------------------------------------------------ simulated ranks
+def _sender(conn: Any, encode: Callable[[Any], Any]) -> Callable[[Any], None]:
+    """One simulated rank's raw send (what its pacer sends through)."""
+    return lambda payload: conn.send(encode(payload))
+
+
 CATCH_UP_S = 1.0
 """How late a paced simulated rank may fall (its process descheduled) and still catch up on its schedule."""
 
@@ -162,7 +168,7 @@ class SimProcess:
                           samples=int(rdv["samples"]))
             wire.client_handshake(conn, rdv["token"], hello.to_dict(), timeout=60)
             conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
-            pacer = BatchReportPacer(lambda payload, c=conn: c.send(encode(payload)), coalesce_ms / 1e3)
+            pacer = BatchReportPacer(_sender(conn, encode), coalesce_ms / 1e3)
             sim = SimRank(r, conn, ms=10.0 if r % 4 else 14.0, pacer=pacer)  # a little heterogeneity for ElChe
             self.sims.append(sim)
             self.sel.register(conn.sock, selectors.EVENT_READ, sim)
