@@ -295,3 +295,38 @@ def test_a_real_rank_loop_and_the_pacer_thread_hold_no_report_past_a_chunk() -> 
             seen += 1 if isinstance(x, Batch) else len(x.ms)
         elif isinstance(x, ChunkMetrics):
             assert seen == (x.chunk + 1) * 25, "a chunk's metrics came before its last batch"
+
+
+def test_a_lone_held_report_keeps_its_age_and_a_full_buffer_leaves() -> None:
+    from flodl_exp.rank.report_pacer import MAX_HELD
+
+    clock, out = FakeClock(), list[Payload]()
+    p = BatchReportPacer(out.append, interval_s=10.0, clock=clock)
+    p.pace(10_000)
+    p.send(_b(1))
+    clock.advance(0.03)
+    p.flush()
+    (alone,) = out
+    assert isinstance(alone, Batch) and alone.age_ms == pytest.approx(30.0), "the timeline places it when it ended"
+    out.clear()
+    for i in range(MAX_HELD):
+        p.send(_b(i))
+    assert len(_records(out)) == MAX_HELD and p._held == [], "at most MAX_HELD reports wait, whatever the interval"
+
+
+def test_a_reduce_asked_for_and_a_fault_send_what_the_rank_holds() -> None:
+    """RankControl resets the pace when a reduce is asked for (the old window's pace must not hold the next
+    window's first reports until the new pace comes) and before an injected fault fires (the coordinator has
+    every report first, as without coalescing)."""
+    from flodl_exp.rank.control import RankControl
+
+    out: list[Payload] = []
+    p = BatchReportPacer(out.append, interval_s=10.0, clock=FakeClock())
+    p.pace(100)
+    p.send(_b(1))
+    ctl = RankControl.__new__(RankControl)
+    ctl._pace = p.pace
+    ctl.send_held_reports()
+    assert _records(out) == [1.0] and p.flush_at == 0
+    p.send(_b(2))
+    assert _records(out) == [1.0, 2.0], "until the next pace every report goes at once"

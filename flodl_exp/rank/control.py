@@ -238,6 +238,7 @@ class RankControl:
         self.report_batches(wait=False)
         if self.fault is not None and tr.step_count >= self.fault[0]:
             self.report_batches(wait=True)
+            self.send_held_reports()  # the coordinator has every report before the fault, as without coalescing
             if self.fault[1] in ARMED_KINDS:
                 self.armed_fault = self.fault[1]
                 return
@@ -328,6 +329,13 @@ class RankControl:
         if self._pace is not None:
             self._pace(m.flush_at)
 
+    def send_held_reports(self) -> None:
+        """Send every Batch report the pacer holds, and every later one at once until the coordinator paces the
+        next window: a reduce was asked for (the old window's pace would hold the next window's first reports
+        until its new pace came), or a fault is about to be injected."""
+        if self._pace is not None:
+            self._pace(0)
+
     # -- handlers: work and averaging ---------------------------------------------
     def _on_extend(self, m: ExtendPartition) -> None:
         """Survivors take over a dead rank's remainder: append it to the running chunk of that
@@ -344,6 +352,7 @@ class RankControl:
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
     def _on_request_params(self, m: RequestParams) -> None:
+        self.send_held_reports()
         fire_armed(self.armed_fault, "killsync", self.rank)
         n = self.trainer.steps_since_avg
         self.send(self.cpu.snapshot(self.trainer.model, n))
@@ -453,6 +462,8 @@ class RankControl:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
         from ..checkpoint import save_rank_pieces
 
+        if self.armed_fault is not None:
+            self.send_held_reports()
         fire_armed(self.armed_fault, "killsave", self.rank)
         err = None
         try:
@@ -626,6 +637,7 @@ class RankControl:
             self._sync_collective_now(m)
 
     def _sync_collective_now(self, m: SyncNow) -> None:
+        self.send_held_reports()
         fire_armed(self.armed_fault, "killsync", self.rank)
         with_div = m.divergence
         n = self.trainer.steps_since_avg

@@ -14,12 +14,19 @@ goes at once: coalescing is an optimisation the coordinator opts a rank into, ne
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Optional
 
 from ..protocol import Batch, Batches, Payload
+
+log = logging.getLogger("flodl_exp.rank")
+
+MAX_HELD = 512
+"""Reports held at most: a frame of them stays far under the wire's header cap, whatever the step rate."""
 
 
 class BatchReportPacer:
@@ -52,7 +59,8 @@ class BatchReportPacer:
         with self._lock:
             if isinstance(payload, Batch):
                 self.reports += 1
-                if self.interval_s > 0 and self.reports < self.flush_at and not self._closed:
+                if (self.interval_s > 0 and self.reports < self.flush_at and not self._closed
+                        and len(self._held) < MAX_HELD - 1):
                     if not self._held:
                         self._lock.notify()  # the timer: a new deadline
                     self._held.append(payload)
@@ -93,10 +101,11 @@ class BatchReportPacer:
             return
         self._held, self._held_at = [], []
         self.frames += 1
-        if len(held) == 1:
-            self._send(held[0])
-            return
         now = self._clock()
+        if len(held) == 1:  # a report alone keeps its age (a held one left by the timer or another message)
+            age = max(0.0, (now - at[0]) * 1e3)
+            self._send(dataclasses.replace(held[0], age_ms=age) if age > 0 else held[0])
+            return
         self._send(Batches.of(held, [max(0.0, (now - t) * 1e3) for t in at]))
 
     # -- the flush timer ------------------------------------------------------------
@@ -119,8 +128,9 @@ class BatchReportPacer:
                     continue
                 try:
                     self._flush_locked()
-                except Exception:  # a broken connection: the reader thread reports it, the main thread ends
-                    self._held, self._held_at = [], []
+                except Exception as e:  # a broken connection: the reader thread reports it, the main thread ends
+                    log.warning("batch reports not sent (%s: %s): the connection is gone or broken",
+                                type(e).__name__, e)
                     return
 
     def close(self, flush: bool = True) -> None:
