@@ -303,11 +303,10 @@ class SimProcess:
             for key, _ in self.sel.select(timeout=0 if busy else 0.01):
                 self.read(key.data)
             for sim in self.sims:
-                if sim.pacer._held:
-                    try:
-                        sim.pacer.flush_if_due(now)
-                    except self.wire.WireError:
-                        self.finish(sim)
+                try:
+                    sim.pacer.flush_if_due(now)
+                except self.wire.WireError:
+                    self.finish(sim)
             if now >= next_beat:
                 next_beat = now + 1.0
                 self.beat()

@@ -15,11 +15,19 @@ from test_control_core import AsCoordinator, Bare, Ranks, cfg_of, play, sent
 from flodl_exp.control.report_pace import flush_index, pace_enabled
 from flodl_exp.mode import Mode
 from flodl_exp.protocol import Batch, Batches, ChunkMetrics, Heartbeat, Payload, ReportPace, decode, encode
-from flodl_exp.rank.report_pacer import BatchReportPacer
+from flodl_exp.rank.report_pacer import MAX_HELD, BatchReportPacer
 
 
 def _b(i: int) -> Batch:
     return Batch(ms=float(i), data_ms=0.5, chunk=3, loss=0.25 * i, lr=0.1)
+
+
+def _pacer(interval_s: float, flush_at: int) -> tuple[FakeClock, list[Payload], BatchReportPacer]:
+    """A pacer on a fake clock sending into a list, already paced to hold reports until the ``flush_at``-th."""
+    clock, out = FakeClock(), list[Payload]()
+    p = BatchReportPacer(out.append, interval_s=interval_s, clock=clock)
+    p.pace(flush_at)
+    return clock, out, p
 
 
 def _records(sent_: list[Payload]) -> list[float]:
@@ -43,9 +51,7 @@ def test_without_a_pace_every_report_goes_at_once() -> None:
 
 
 def test_reports_before_the_paced_one_wait_and_leave_with_it_in_one_frame() -> None:
-    clock, out = FakeClock(), list[Payload]()
-    p = BatchReportPacer(out.append, interval_s=10.0, clock=clock)
-    p.pace(4)  # the 4th report completes the count
+    clock, out, p = _pacer(10.0, 4)  # the 4th report completes the count
     for i in range(1, 4):
         p.send(_b(i))
         clock.advance(0.002)
@@ -63,9 +69,7 @@ def test_reports_before_the_paced_one_wait_and_leave_with_it_in_one_frame() -> N
 
 
 def test_any_other_message_sends_the_held_reports_first() -> None:
-    out: list[Payload] = []
-    p = BatchReportPacer(out.append, interval_s=10.0, clock=FakeClock())
-    p.pace(100)
+    _, out, p = _pacer(10.0, 100)
     p.send(_b(1))
     p.send(_b(2))
     hb = Heartbeat(steps=2, state="train")
@@ -74,9 +78,7 @@ def test_any_other_message_sends_the_held_reports_first() -> None:
 
 
 def test_a_held_report_leaves_when_its_interval_is_up() -> None:
-    clock, out = FakeClock(), list[Payload]()
-    p = BatchReportPacer(out.append, interval_s=0.05, clock=clock)
-    p.pace(100)
+    clock, out, p = _pacer(0.05, 100)
     p.send(_b(1))
     clock.advance(0.02)
     p.send(_b(2))
@@ -88,9 +90,7 @@ def test_a_held_report_leaves_when_its_interval_is_up() -> None:
 
 
 def test_a_pace_already_reached_sends_what_is_held() -> None:
-    out: list[Payload] = []
-    p = BatchReportPacer(out.append, interval_s=10.0, clock=FakeClock())
-    p.pace(100)
+    _, out, p = _pacer(10.0, 100)
     for i in range(1, 4):
         p.send(_b(i))
     assert out == []
@@ -99,9 +99,7 @@ def test_a_pace_already_reached_sends_what_is_held() -> None:
 
 
 def test_an_interval_of_zero_turns_coalescing_off() -> None:
-    out: list[Payload] = []
-    p = BatchReportPacer(out.append, interval_s=0.0, clock=FakeClock())
-    p.pace(100)
+    _, out, p = _pacer(0.0, 100)
     p.send(_b(1))
     assert out == [_b(1)]
 
@@ -298,11 +296,7 @@ def test_a_real_rank_loop_and_the_pacer_thread_hold_no_report_past_a_chunk() -> 
 
 
 def test_a_lone_held_report_keeps_its_age_and_a_full_buffer_leaves() -> None:
-    from flodl_exp.rank.report_pacer import MAX_HELD
-
-    clock, out = FakeClock(), list[Payload]()
-    p = BatchReportPacer(out.append, interval_s=10.0, clock=clock)
-    p.pace(10_000)
+    clock, out, p = _pacer(10.0, 10_000)
     p.send(_b(1))
     clock.advance(0.03)
     p.flush()
@@ -320,9 +314,7 @@ def test_a_reduce_asked_for_and_a_fault_send_what_the_rank_holds() -> None:
     every report first, as without coalescing)."""
     from flodl_exp.rank.control import RankControl
 
-    out: list[Payload] = []
-    p = BatchReportPacer(out.append, interval_s=10.0, clock=FakeClock())
-    p.pace(100)
+    _, out, p = _pacer(10.0, 100)
     p.send(_b(1))
     ctl = RankControl.__new__(RankControl)
     ctl._pace = p.pace

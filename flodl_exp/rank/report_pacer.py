@@ -59,16 +59,14 @@ class BatchReportPacer:
         with self._lock:
             if isinstance(payload, Batch):
                 self.reports += 1
-                if (self.interval_s > 0 and self.reports < self.flush_at and not self._closed
-                        and len(self._held) < MAX_HELD - 1):
-                    if not self._held:
-                        self._lock.notify()  # the timer: a new deadline
-                    self._held.append(payload)
-                    self._held_at.append(self._clock())
-                    return
+                hold = (self.interval_s > 0 and self.reports < self.flush_at and not self._closed
+                        and len(self._held) < MAX_HELD - 1)
+                if hold and not self._held:
+                    self._lock.notify()  # the timer: a new deadline
                 self._held.append(payload)
                 self._held_at.append(self._clock())
-                self._flush_locked()
+                if not hold:
+                    self._flush_locked()
                 return
             self._flush_locked()
             self._send(payload)
