@@ -204,6 +204,9 @@ if __name__ == "__main__":
     # for a run whose launcher did not live to start it (its tag model_export is missing or failed)
     import sys
 
+    from .background import yield_to_training
+
+    yield_to_training()  # the export may overlap another run's training (a sweep's next child, a bench rotation)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s model_export %(levelname)s %(message)s")
     target = request_of(sys.argv[1])
     store = store_of(target)

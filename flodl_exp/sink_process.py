@@ -297,6 +297,9 @@ def child_main(argv: Sequence[str]) -> int:
     # or its stdin's end, not a signal, ends this process.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .background import yield_to_training
+
+    yield_to_training()  # before any thread starts: MLflow's import and deliveries take only what the ranks leave idle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mlflow-sink %(levelname)s %(message)s", stream=sys.stderr)
     for path in reversed(args.path):  # the experiment's modules (a logged model is built here)
         if path not in sys.path:

@@ -24,6 +24,7 @@ from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..background import yield_to_training
 from ..bundle_meta import resolve_shuffle_seed
 from ..config import ConfigError, RunShape, mode_name, validate, world_size
 from ..events import End, EventRecord
@@ -426,6 +427,7 @@ class RunHandle:
             return
 
         def work() -> None:
+            yield_to_training()  # the job's ranks train meanwhile: this import takes only what they leave idle
             with contextlib.suppress(Exception):  # the prediction says its own failure later
                 import flodl_exp.simulate.engine  # noqa: F401
 
@@ -440,6 +442,7 @@ class RunHandle:
         box: dict[str, Any] = {}
 
         def work() -> None:
+            yield_to_training()  # a sweep's next child (or another job on this machine) may be training meanwhile
             try:
                 from ..simulate.from_run import log_prediction
 
