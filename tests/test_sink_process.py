@@ -48,6 +48,7 @@ def test_records_reach_the_store_through_the_child_which_waits_for_the_published
         time.sleep(0.05)
     if sys.platform.startswith("linux"):  # side work yields the CPU to training (flodl_exp/background.py)
         assert os.getpriority(os.PRIO_PROCESS, sink._proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)
+        assert os.sched_getscheduler(sink._proc.pid) == os.SCHED_IDLE
     sink.log_metrics({"loss": 1.0}, step=1)
     sink.close("FINISHED", timeout=60)
     assert sink.lost == 0 and sink.run_id == run_id and sink.delivered == 5
