@@ -71,6 +71,7 @@ RUNS: list[tuple[str, str, list[str]]] = [
     ("solo_slow", "flodl", ["mode=nccl_sync", "cluster=local", "cluster.ranks_per_node=1", "cluster.rank_speeds=[0.33]"]),
     ("ddp", "ddp", []),
     ("nccl_sync", "flodl", ["mode=nccl_sync", "cluster=local_hetero"]),
+    ("nccl_sync+lockstep", "flodl", ["mode=nccl_sync", "mode.lockstep_ahead=8", "cluster=local_hetero"]),
     ("nccl_cadence", "flodl", ["mode=nccl_cadence", "cluster=local_hetero"]),
     ("cpu_sync", "flodl", ["mode=cpu_sync", "cluster=local_hetero"]),
     ("cpu_cadence", "flodl", ["mode=cpu_cadence", "cluster=local_hetero"]),
@@ -86,6 +87,7 @@ RUNS_1TO1: list[tuple[str, str, list[str]]] = [
     ("solo_fast", "flodl", ["mode=nccl_sync", "cluster=local", "cluster.ranks_per_node=1", "cluster.rank_speeds=[1.0]"]),
     ("ddp", "ddp", []),
     *[(m, "flodl", [f"mode={m}", *_HOMOGENEOUS]) for m in ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")],
+    ("nccl_sync+lockstep", "flodl", ["mode=nccl_sync", "mode.lockstep_ahead=8", *_HOMOGENEOUS]),
 ]
 # (modes, x DDP samples/s, eval points vs the reference run, that run) per rig
 TARGETS: dict[str, list[tuple[tuple[str, ...], float, float, str]]] = {

@@ -73,6 +73,14 @@ class ModeConfig:
     """Ship cpu-backend snapshots as bfloat16 (half the bytes); cpu backend only."""
     progressive_dispatch: Optional[bool] = None
     """Stream epochs in chunks; unset = on for cadence/async, off for sync."""
+    lockstep_ahead: int = 0
+    """nccl_sync: how many reduces the ranks may run ahead of the coordinator (0: off, a ``sync_now`` per reduce as
+    in the reference). With 8, say, each rank all-reduces after every step on its own, with no round trip to the
+    coordinator, and reports as it goes; the coordinator books each reduce's answers, extends the license while
+    nothing needs the cohort held, and lets it run out (at most this many steps) before a bundle, a preemption or
+    an epoch's end. Every step is averaged (the paced sync averages every ~2 steps: a rank trains on while the
+    sync_now travels), so on the 2-core CPU rig it is the slower of the two (docs/reference/measurements.md, "nccl_sync
+    in lockstep"); it is for a fast all_reduce next to a slow round trip (NCCL on GPUs). Ignored by other modes."""
     lr_scale_ratio: float = 1.0
     """Linear LR scaling: lr x (1 + (W - 1) x ratio); 0 turns it off."""
     max_grad_norm: Optional[float] = None
@@ -766,6 +774,8 @@ def _update_rules(cfg: Any) -> List[str]:
         raise _err("mode.lr_scale_ratio", m.lr_scale_ratio, "a finite number >= 0")
     if m.max_grad_norm is not None and not (m.max_grad_norm > 0):
         raise _err("mode.max_grad_norm", m.max_grad_norm, "a number > 0 or null")
+    if isinstance(m.lockstep_ahead, bool) or not isinstance(m.lockstep_ahead, int) or not (0 <= m.lockstep_ahead <= 1024):
+        raise _err("mode.lockstep_ahead", m.lockstep_ahead, "an integer in [0, 1024] (0: a sync_now per reduce)")
     if m.policy == "async" and m.progressive_dispatch is False:
         raise _err("mode.progressive_dispatch", False, "true or null with policy=async (async streams chunks)")
     return []

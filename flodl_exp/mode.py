@@ -103,6 +103,12 @@ class Mode:
         """ElChe sizes windows of several steps (not sync's one)."""
         return self.policy is not Policy.SYNC
 
+    @property
+    def lockstep_capable(self) -> bool:
+        """nccl_sync: every reduce is one step of every rank, so ranks can all-reduce after each step on their own
+        (``mode.lockstep_ahead``) instead of waiting for the coordinator's ``sync_now``."""
+        return self.backend is Backend.NCCL and self.policy is Policy.SYNC
+
     def folds_updates(self, progressive: bool) -> bool:
         """cpu cadence, progressive: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
         return self.backend is Backend.CPU and self.policy is Policy.CADENCE and progressive

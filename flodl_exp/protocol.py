@@ -99,6 +99,7 @@ class Kind(str, enum.Enum):
     CHECKPOINT = "checkpoint"
     PROBE = "probe"
     REPORT_PACE = "report_pace"
+    LOCKSTEP = "lockstep"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
@@ -269,6 +270,19 @@ class ReportPace:
 
 
 @dataclass
+class Lockstep:
+    """nccl_sync (``mode.lockstep_ahead``): after each trained step, all_reduce at once, without waiting for a
+    ``sync_now``, while this rank's sync count (the reduces it took part in, the next one's version) is below
+    ``until``; each such reduce is acked as a ``sync_now``'s is, with its version. The coordinator only raises
+    ``until``, never above what every rank's chunk has steps left for, and never sends a ``sync_now`` below it,
+    so every rank takes part in the same reduces in the same order. A rank whose chunk ends below ``until``
+    (it trained a step while the last license had run out) takes part in the rest with nothing (n 0)."""
+
+    KIND: ClassVar[Kind] = Kind.LOCKSTEP
+    until: Count
+
+
+@dataclass
 class Shutdown:
     KIND: ClassVar[Kind] = Kind.SHUTDOWN
     reason: str
@@ -358,6 +372,10 @@ class SyncAck:
     """Norm of the outer momentum after this reduce."""
     generation: Count = 0
     """The process group's generation whose all_reduce this rank completed (a regroup redoes it in the next)."""
+    version: Optional[Count] = None
+    """The reduce this answers (its ``sync_now``'s version, or a lockstep reduce's); None: the one in flight."""
+    left: Optional[Count] = None
+    """Steps left in the rank's running chunk after this reduce (lockstep: how far the license may reach)."""
 
 
 @dataclass
@@ -574,7 +592,7 @@ Payload = Union[
     StartEpoch, ExtendPartition, FormGroup, Regroup, SyncNow, RequestParams, Update, SetGlobalStep, Throttle, ExecuteEval,
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
-    EvalBroadcast, Checkpoint, CheckpointResult, Probe, ProbeResult, ReportPace, Batches,
+    EvalBroadcast, Checkpoint, CheckpointResult, Probe, ProbeResult, ReportPace, Batches, Lockstep,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"

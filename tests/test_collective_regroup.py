@@ -94,3 +94,45 @@ def test_a_regroup_broadcast_gives_every_survivor_rank_0s_outer_state(master_sto
     got = {r: (prev, m) for r, prev, m in results}
     assert got[0] == got[1] and got[0][1] > 0, got
     assert codes == [0, 0], codes
+
+
+def _lockstep(rank: int, port: int, q) -> None:
+    torch.set_num_threads(1)
+    from flodl_exp.rank.backends import CollectiveBackend, LockstepMisaligned
+
+    b = CollectiveBackend(host="127.0.0.1", store_port=port, rank=rank, world_size=2, device=torch.device("cpu"),
+                          backend="gloo", op_timeout_s=60, store_timeout_s=60)
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(rank + 1))
+    b.sync(model, 1, 1.0, lockstep_version=4)  # both in reduce 4: averaged
+    aligned = float(next(model.parameters()).flatten()[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(3 * rank + 1))
+    b.sync(model, 1, 1.0, lockstep_version=5 + rank)  # rank 1 one reduce ahead (a regroup's redo paired them)
+    realigned = b.realigned_to
+    averaged = float(next(model.parameters()).flatten()[0])
+    try:
+        b.sync(model, 1, 1.0, lockstep_version=None if rank == 0 else 7)  # one paced, one in lockstep
+        outcome = "paired"
+    except LockstepMisaligned:
+        outcome = "refused"
+    after = float(next(model.parameters()).flatten()[0])
+    b.close()
+    q.put((rank, aligned, realigned, averaged, outcome, after))
+
+
+def test_lockstep_reduces_of_two_versions_realign_and_a_paced_one_is_refused(master_store):
+    """Two ranks whose lockstep counts differ (one completed a reduce the other redid after a regroup) see it in the
+    head, average all the same and learn the furthest version; a paced member beside a lockstep one is refused by
+    every member alike, nothing averaged, so no rank waits in a collective the other never starts."""
+    results, codes = run_spawned(_lockstep, [(0, master_store.port), (1, master_store.port)], timeout=90)
+    got = {r: rest for r, *rest in results}
+    assert got[0][0] == got[1][0] == pytest.approx(1.5)
+    assert got[0][1] == got[1][1] == 6  # the furthest version, on both
+    assert got[0][2] == got[1][2] == pytest.approx(2.5)  # (1 + 4) / 2: averaged all the same
+    assert got[0][3] == got[1][3] == "refused"
+    assert got[0][4] == got[1][4] == pytest.approx(2.5)  # the replica as before the refused reduce
+    assert codes == [0, 0], codes

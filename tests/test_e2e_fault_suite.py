@@ -1,6 +1,8 @@
-"""The fault suite: every mode (the five, and one outer optimizer) against every fault a rank can suffer.
+"""The fault suite: every mode (the five, nccl_sync in lockstep, and one outer optimizer) against every fault a rank
+can suffer.
 
-Faults (3 ranks at speeds 1.0/0.5/0.5, ``experiment=digits_mlp``, 5 epochs; 4 ranks for the double kill):
+Faults (3 ranks at speeds 1.0/0.5/0.5, equal for nccl_sync in lockstep, ``experiment=digits_mlp``, 5 epochs; 4 ranks
+for the double kill):
 
 * ``kill``: rank 2 is SIGKILLed at the start of its first averaging after its 20th batch (mid-epoch, and
   during a reduce: the coordinator waits for its answer, its peers may be inside the collective with it);
@@ -40,6 +42,7 @@ FAULT_TO_END_S = 60.0
 
 MODES = {
     "nccl_sync": ["mode=nccl_sync"],
+    "nccl_sync+lockstep": ["mode=nccl_sync", "mode.lockstep_ahead=8"],
     "nccl_cadence": ["mode=nccl_cadence"],
     "cpu_sync": ["mode=cpu_sync"],
     "cpu_cadence": ["mode=cpu_cadence"],
@@ -47,7 +50,7 @@ MODES = {
     "nccl_cadence+diloco": ["mode=nccl_cadence", "outer=diloco"],
 }
 FAULTS = ("kill", "kill2", "stop", "save_kill")
-IN_MAKE_TEST = {("nccl_sync", "stop"), ("nccl_cadence", "kill2"), ("cpu_sync", "save_kill"), ("cpu_cadence", "kill"),
+IN_MAKE_TEST = {("nccl_sync", "stop"), ("nccl_sync+lockstep", "kill"), ("nccl_cadence", "kill2"), ("cpu_sync", "save_kill"), ("cpu_cadence", "kill"),
                 ("cpu_async", "kill"), ("nccl_cadence+diloco", "save_kill")}
 """The diagonal ``make test`` runs: every mode and every fault once (the Gloo hang behind ``nccl_sync``'s lost
 rank also has its own two-process test in ``make test``: tests/test_collective_regroup.py)."""
@@ -63,6 +66,8 @@ def _cases():
 def _overrides(mode: str, fault: str) -> tuple[list[str], str, list[int]]:
     """Config overrides, the FLODL_FAULT_INJECT spec and the ranks expected to die."""
     ranks, speeds = (4, "[1.0,0.5,0.5,0.5]") if fault == "kill2" else (3, "[1.0,0.5,0.5]")
+    if mode.endswith("+lockstep"):  # equal speeds: a faster rank ends its equal share first, and no license is sized
+        speeds = "[" + ",".join(["1.0"] * ranks) + "]"
     ov = [*MODES[mode], "experiment=digits_mlp", f"experiment.epochs={EPOCHS}", f"cluster.ranks_per_node={ranks}",
           f"cluster.rank_speeds={speeds}", f"cluster.heartbeat_timeout_s={HEARTBEAT_S}", "seed=3"]
     if fault == "kill":
@@ -130,6 +135,8 @@ def test_a_fault_ends_in_a_finished_run_with_every_pick_trained_once(store, mode
     else:
         assert res["global_step"] == expected, row  # every batch in exactly one reduce
     assert res["final_eval"]["eval/accuracy"] >= 0.85, res["final_eval"]
+    if not mode.endswith("+lockstep"):
+        assert res["lockstep_syncs"] == 0
     run = MlflowClient(store["uri"]).get_run(h.run_id)
     assert run.info.status == "FINISHED" and "lost_picks" not in run.data.tags
     if fault == "save_kill":

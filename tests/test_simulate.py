@@ -72,6 +72,17 @@ def test_sync_wall_is_bounded_by_the_slow_rank() -> None:
     assert cadence.wall_s < st.wall_s  # cadence beats the lockstep on a 3:1 rig
 
 
+@pytest.mark.parametrize("speeds", [(1.0, 1.0), (1.0, 1 / 3), (1.0, 0.5, 0.25)])
+def test_nccl_sync_in_lockstep_reduces_every_step_and_trains_every_pick_once(speeds: tuple[float, ...]) -> None:
+    """``mode.lockstep_ahead``: the simulated ranks all-reduce after each step on their own, as rank/control.py does,
+    with the same core booking their answers: one reduce per step, and the same picks trained as the paced run."""
+    paced = simulate(rig(*speeds), "nccl_sync")
+    ahead = simulate(rig(*speeds, mode={"lockstep_ahead": 8}), "nccl_sync")
+    steps = (1437 // 16) // len(speeds) * 3  # each rank's equal share of 3 epochs
+    assert len(ahead.syncs) >= max(0.9 * steps, len(paced.syncs))
+    assert summarize(ahead, 0)["samples"] == summarize(paced, 0)["samples"] == 3 * (1437 // 16) * 16
+
+
 def test_real_books_and_indexed_books_agree() -> None:
     """The coordinator's running books (ChunkBook, a pool's remaining) answer as full scans do, at every
     aggregation check of a simulated run."""

@@ -123,7 +123,7 @@ class ControlCore:
             guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
             relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
-            outer=shape.outer)
+            outer=shape.outer, lockstep_ahead=int(getattr(cfg.mode, "lockstep_ahead", 0) or 0))
         self.dispatch = dispatcher(
             world_size=w, batch_size=cfg.experiment.batch_size, epochs=plan, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
@@ -173,7 +173,8 @@ class ControlCore:
         self.reduces = Reduces(
             mode=self.mode, fold_updates=self.mode.folds_updates(shape.progressive), life=self.life,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, checkpoints=self.checkpoints,
-            outbox=self.outbox, obs=observer, clock=clock, preempt_snapshot=self.preemption.on_reduce_finished)
+            outbox=self.outbox, obs=observer, clock=clock, preempt_snapshot=self.preemption.on_reduce_finished,
+            may_run_ahead=self._may_run_ahead)
         """The one place a reduce fires, and what its finish sets going (control/reduces.py)."""
         self.boundaries = EpochBoundaries(
             eval_every=cfg.eval.every, life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
@@ -266,6 +267,7 @@ class ControlCore:
             "epochs": self.epochs,
             "global_step": self.cycle.global_step,
             "syncs": self.cycle.version,
+            "lockstep_syncs": self.cycle.lockstep_syncs,
             "final_eval": self.evals.final,
             "evals": self.evals.history,
             "finals": {str(r): v for r, v in self.cohort.finals.items()},
@@ -319,6 +321,13 @@ class ControlCore:
         first = 0 if self._epoch_role_sent is None else max(self.dispatch.rank_epoch, default=-1) + 1
         self._epoch_role_sent = r
         self.outbox.broadcast(SetEpochRole(rank=r, from_epoch=first))
+
+    def _may_run_ahead(self) -> bool:
+        """The lockstep license may be extended (control/reduces.py): training with the whole cohort, and nothing
+        that needs it held at a reduce soon (a preemption or termination asked for, a regroup, an eval running)."""
+        return (self.life.is_(Phase.TRAINING) and not self.cohort.deaths and self.faults.regroup is None
+                and self.preemption.request is None and self.preemption.terminate_at is None
+                and not self.eval_holds_sync())
 
     def eval_holds_sync(self) -> bool:
         """nccl: a periodic eval is running on a live rank, so no collective may start yet."""

@@ -124,7 +124,7 @@ class AveragingCycle:
     def __init__(self, *, world_size: int, mode: Mode, gamma: float, alpha: Optional[float],
                  progressive: bool, elche: Optional[ElChe], guard: ConvergenceGuard, meta: Optional[LrEventMeta],
                  relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float],
-                 outer: Optional[OuterSpec] = None) -> None:
+                 outer: Optional[OuterSpec] = None, lockstep_ahead: int = 0) -> None:
         self.world_size = world_size
         self.mode = mode
         self.policy, self.backend = mode.policy, mode.backend
@@ -156,6 +156,17 @@ class AveragingCycle:
         self.probe_full = 0
         """Ranks that have timed PROBE_STEPS steps (the probe is due when every live rank has)."""
         self._ones = [1] * world_size
+        self.lockstep_ahead = lockstep_ahead if mode.lockstep_capable and world_size >= 2 else 0
+        """nccl_sync: how many reduces the ranks may run ahead on their own (``mode.lockstep_ahead``; 0: off)."""
+        self.lockstep_until = 0
+        """The license granted so far (Lockstep): the ranks start every reduce below this version on their own, and
+        the coordinator never sends a sync_now below it."""
+        self._early: dict[int, dict[int, SyncAck]] = {}
+        """Lockstep answers to reduces after the one in flight (version -> rank -> ack), applied as each opens."""
+        self._left: Optional[int] = None
+        """The fewest steps any member's chunk had left at the last finished reduce (None: unknown)."""
+        self.lockstep_syncs = 0
+        """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
 
     # -- state ------------------------------------------------------------
     @property
@@ -218,10 +229,48 @@ class AveragingCycle:
         per_rank = [ms.get(r, slowest) for r in range(self.world_size)]  # a dead rank weighs as the slowest
         return per_rank if elche.seed_from_probe(per_rank) else None
 
-    def on_ack(self, r: int, ack: SyncAck) -> None:
+    def on_ack(self, r: int, ack: SyncAck) -> bool:
+        """Book an answer; True when it answers the reduce in flight (a lockstep answer to a later reduce waits
+        for that one to open; one to a reduce already finished, or that no license covers, is dropped)."""
         red = self.in_flight
+        v = ack.version
+        if v is not None and v != self.version:
+            if self.version < v < self.lockstep_until:
+                self._early.setdefault(v, {})[r] = ack
+            else:
+                log.debug("rank %d answered reduce %d while %d is the current one: dropped", r, v, self.version)
+            return False
         if red is not None and red.backend is Backend.NCCL and r in red.members:
             red.acks[r] = ack
+            return True
+        return False
+
+    def open_lockstep(self, alive: list[int]) -> list[int]:
+        """The ranks start the next reduce on their own (it is below the license): open it here without a sync_now,
+        over the live ranks and any that answered it before dying, with the answers that came early. Returns the
+        ranks whose answers it holds already."""
+        if self.in_flight is not None or self.version >= self.lockstep_until:
+            raise RuntimeError(f"no lockstep reduce to open at version {self.version} (license {self.lockstep_until})")
+        early = self._early.pop(self.version, {})
+        self.lockstep_syncs += 1
+        self.in_flight = Reduce(self.backend, self._clock(), set(alive) | set(early))
+        self.in_flight.acks.update(early)
+        return sorted(early)
+
+    def extend_lockstep(self, allowed: bool) -> Optional[int]:
+        """After a finish: raise the license to ``ahead`` reduces past the current one, within the steps every
+        member's chunk has left, once half of it is used (not every step: a message per rank each time). Returns
+        the new license to broadcast, or None. Not ``allowed`` (a bundle, a preemption, a death, an eval wants the
+        cohort held): the license runs out by itself, at most ``ahead`` steps later."""
+        if not allowed or self.lockstep_ahead <= 0 or not self._left:
+            return None
+        if self.lockstep_until - self.version > self.lockstep_ahead // 2:
+            return None
+        target = self.version + min(self.lockstep_ahead, self._left)
+        if target <= self.lockstep_until:
+            return None
+        self.lockstep_until = target
+        return target
 
     def on_snapshot(self, r: int, snap: Snapshot) -> None:
         red = self.in_flight
@@ -290,6 +339,9 @@ class AveragingCycle:
         never with one in flight: a second would overwrite the first's answers."""
         if self.in_flight is not None:
             raise RuntimeError(f"a reduce is already in flight (version {self.version}): one at a time")
+        if self.version < self.lockstep_until:
+            raise RuntimeError(f"reduce {self.version} is the ranks' own (lockstep license {self.lockstep_until}): "
+                               "a sync_now for it would pair it twice")
         self.in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
         if self.mode.is_nccl:
             self._out.broadcast(SyncNow(version=self.version, divergence=True))
@@ -320,6 +372,8 @@ class AveragingCycle:
             dead_in = [r for r in dead_acked if r not in dead_out]
             live = sorted(set(live) | set(dead_in))
             n = {r: red.acks[r].n for r in live}
+            lefts = [red.acks[r].left for r in live if r in red.acks]
+            self._left = min(lefts) if lefts and all(x is not None for x in lefts) else None  # type: ignore[type-var]
             div: dict[int, Optional[float]] = {r: red.acks[r].d for r in live}
             pre: dict[int, Optional[float]] = {r: red.acks[r].pre for r in live}
             post = next((red.acks[r].post for r in live if red.acks[r].post is not None), None)

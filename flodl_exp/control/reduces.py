@@ -17,7 +17,7 @@ from typing import Optional
 
 from .. import events as ev
 from ..mode import Backend, Mode
-from ..protocol import Snapshot, SyncAck
+from ..protocol import Lockstep, Snapshot, SyncAck
 from .channels import Outbox
 from .checkpoints import Checkpoints
 from .cohort import Cohort
@@ -34,7 +34,8 @@ class Reduces:
 
     def __init__(self, *, mode: Mode, fold_updates: bool, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle,
                  dispatch: Dispatcher, checkpoints: Checkpoints, outbox: Outbox, obs: CoreObserver,
-                 clock: Callable[[], float], preempt_snapshot: Callable[[], bool]) -> None:
+                 clock: Callable[[], float], preempt_snapshot: Callable[[], bool],
+                 may_run_ahead: Callable[[], bool] = lambda: False) -> None:
         self._mode = mode
         self._fold_updates = fold_updates
         """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
@@ -48,6 +49,8 @@ class Reduces:
         self._clock = clock
         self._preempt_snapshot = preempt_snapshot
         """``Preemption.on_reduce_finished``: True when an armed preemption takes the coverage now (no new chunk)."""
+        self._may_run_ahead = may_run_ahead
+        """The core's test that the lockstep license may be extended (nothing needs the cohort held soon)."""
         self._deaths_at_trigger = 0
         self._blocker: Optional[int] = None
 
@@ -87,9 +90,10 @@ class Reduces:
             self._obs.on_answer(r, red.started)
 
     def on_ack(self, r: int, ack: SyncAck) -> None:
-        self._answered(r)
-        self._cycle.on_ack(r, ack)
-        self._dispatch.on_answer(r)
+        red = self._cycle.in_flight
+        if self._cycle.on_ack(r, ack) or (red is not None and ack.version is None):
+            self._answered(r)
+            self._dispatch.on_answer(r)
         self.try_finish()
 
     def on_snapshot(self, r: int, snap: Snapshot) -> None:
@@ -100,18 +104,26 @@ class Reduces:
 
     # -- the finish ------------------------------------------------------------------------
     def try_finish(self) -> None:
+        """Finish the reduce in flight if its answers are in; with a lockstep license, the next one opens at once
+        and may be complete already (the ranks run ahead): finish those too, in order."""
+        for _ in range(1 + self._cycle.lockstep_ahead):  # bounded: a license covers at most that many reduces ahead
+            if not self._finish_one():
+                return
+
+    def _finish_one(self) -> bool:
         red = self._cycle.in_flight
         if red is None:
-            return
+            return False
         if len(self._cohort.deaths) == self._deaths_at_trigger:  # every member alive: all must have answered
             answered = red.acks if red.backend is Backend.NCCL else red.snapshots
             if len(answered) < len(red.members):
-                return
+                return False
         version, t = self._cycle.version, self._clock()
         with self._out.folding_updates(self._fold_updates):
             out = self._cycle.try_finish(self._cohort.alive)
             if out is not None:
                 self._after_reduce(red, out, version, t)
+        return out is not None
 
     def _after_reduce(self, red: Reduce, out: ReduceOutcome, version: int, averaging_from: float) -> None:
         d = self._dispatch
@@ -130,8 +142,26 @@ class Reduces:
         d.on_reduce_finished(out.n, keep_after_answer=self._mode.is_nccl)
         self._obs.on_reduce_finished(red, out, version, averaging_from, d.current_epoch())
         d.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
-        if self._preempt_snapshot():
+        ahead = self._cycle.version < self._cycle.lockstep_until  # the ranks are in the next reduce already
+        if not ahead and self._preempt_snapshot():
             return  # an armed preemption snapshots the coverage now: no new chunk
         if self._life.phase in TRAINING_PHASES:
             self._checkpoints.maybe_coverage_bundle()
         d.after_finish()
+        self._lockstep()
+
+    def _lockstep(self) -> None:
+        """nccl_sync with ``mode.lockstep_ahead``: extend the ranks' license while nothing needs the cohort held, and
+        open the next reduce when it is below the license (the ranks start it on their own, without a sync_now)."""
+        cyc = self._cycle
+        if cyc.lockstep_ahead <= 0:
+            return
+        until = cyc.extend_lockstep(self._may_run_ahead())
+        if until is not None:
+            self._out.broadcast(Lockstep(until=until))
+        if cyc.in_flight is None and cyc.version < cyc.lockstep_until:
+            answered = cyc.open_lockstep(self._cohort.alive_ranks())
+            self._deaths_at_trigger = len(self._cohort.deaths)
+            for r in answered:
+                self._answered(r)
+                self._dispatch.on_answer(r)  # try_finish's loop finishes it if every answer is in already

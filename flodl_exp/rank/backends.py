@@ -84,12 +84,32 @@ def _divergence(pre: torch.Tensor, post: torch.Tensor) -> tuple[float, float, fl
     return (delta_f / post_f if post_f > 1e-10 else 0.0), post_f, pre_f
 
 
+FAST_POLL_S = 2e-4
+"""The longest pause between checks of a pending collective during its first :data:`FAST_POLL_FOR_S`."""
+FAST_POLL_FOR_S = 0.025
+"""How long a pending collective is checked often; after that, every 5 ms (a peer is slower: no CPU burnt)."""
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective waited ``cluster.collective_timeout_s`` for its peers."""
 
 
 class CollectiveInterrupted(RuntimeError):
     """The control channel ended the wait (a regroup or shutdown arrived while a collective was pending)."""
+
+
+class LockstepMisaligned(RuntimeError):
+    """A reduce found some of the group's members in a lockstep reduce (``mode.lockstep_ahead``) and others in a paced
+    one (a sync_now's): they cannot be told apart into one reduce. Every member sees the same head and raises this
+    together. (Members that are all in lockstep but at different versions re-align instead: see ``sync``.)"""
+
+
+def lockstep_aligned(flags: float, version_sum: float, version_sq_sum: float, world_size: int) -> bool:
+    """From the summed head: no member in lockstep, or every member in lockstep at one version (the sum of squares
+    equals the square of the sum over W only when every version is the same). Every member decides alike."""
+    if flags == 0:
+        return True
+    return flags == world_size and version_sum * version_sum == world_size * version_sq_sum
 
 
 class CollectiveBackend:
@@ -147,6 +167,8 @@ class CollectiveBackend:
                 log.warning("rank %d: %s", rank, note)
         self.reduced = False
         """The last sync averaged (some rank moved): the outer optimizer steps only then."""
+        self.realigned_to: Optional[int] = None
+        """The last sync was a lockstep reduce whose members were at different versions: the furthest one."""
         self.group: Any = None
         """Gloo: this generation's standalone process group (NCCL: the default group, through ``dist``)."""
         self.pending: Any = None
@@ -204,24 +226,32 @@ class CollectiveBackend:
 
     def _wait(self, work: Any) -> None:
         """Wait for ``work``, reading control between checks; raises its error, a timeout, or what ``poll`` raises."""
-        deadline = self._clock() + self.op_timeout_s
+        start = self._clock()
+        deadline = start + self.op_timeout_s
         pause = 5e-5
         self.pending = work
         while not work.is_completed():
             self.poll()
-            if self._clock() > deadline:
+            now = self._clock()
+            if now > deadline:
                 raise CollectiveTimeout(f"a collective waited {self.op_timeout_s:.0f}s for its peers "
                                         "(cluster.collective_timeout_s)")
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            # Short checks while the collective may be about to end (a parameter all_reduce takes a few ms: a
+            # 3.2 ms nap after a 3 ms reduce doubled the sync), longer ones once it waits on a slower peer.
+            pause = min(pause * 2, FAST_POLL_S if now - start < FAST_POLL_FOR_S else 0.005)
         work.wait()
         self.pending = None  # kept when wait() raised: the group holds a failed collective (see close)
 
-    def _all_reduce(self, t: torch.Tensor) -> None:
+    def _all_reduce(self, t: torch.Tensor, op: Any = None) -> None:
+        if op is None:
+            op = self.dist.ReduceOp.SUM
         if self.group is not None:
-            self._wait(self.group.allreduce([t]))
+            opts = self.dist.AllreduceOptions()
+            opts.reduceOp = op
+            self._wait(self.group.allreduce([t], opts))
         else:
-            self._wait(self.dist.all_reduce(t, async_op=True))
+            self._wait(self.dist.all_reduce(t, op=op, async_op=True))
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
         """``t`` from the group's rank ``src`` to every member, in place (waited for as the all_reduce is)."""
@@ -257,7 +287,11 @@ class CollectiveBackend:
             with torch.no_grad():
                 unpack_from(self._saved, list(model.parameters()) + float_buffers(model))
 
-    def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    def sync(self, model: nn.Module, n: int, gamma: float, with_divergence: bool = True,
+             lockstep_version: Optional[int] = None) -> tuple[Optional[float], Optional[float], Optional[float]]:
+        """All-reduce the replica (weights ``n^gamma``); the divergence read-out (``d``, ``||post||``, ``||pre||``)
+        when ``with_divergence``. ``lockstep_version``: this reduce's version when the rank started it on its own
+        (a Lockstep license); the members check in the head that they are all in the same reduce."""
         params = [p for p in model.parameters()]
         bufs = float_buffers(model)
         self.prepare(model)
@@ -266,10 +300,24 @@ class CollectiveBackend:
         with torch.no_grad():
             pack_into(params + bufs, saved)  # before anything can fail: restore() puts this back
         m = mass(n, gamma)
-        # [mass, mover] in one small collective.
-        head = torch.tensor([m, 1.0 if n > 0 else 0.0], dtype=torch.float64, device=self.comm_device)
+        # [mass, mover, lockstep flag, version, version^2] in one small collective.
+        v = float(lockstep_version) if lockstep_version is not None else 0.0
+        flag = 1.0 if lockstep_version is not None else 0.0
+        head = torch.tensor([m, 1.0 if n > 0 else 0.0, flag, v * flag, v * v * flag], dtype=torch.float64,
+                            device=self.comm_device)
         self._all_reduce(head)
-        total, movers = float(head[0]), float(head[1])
+        total, movers, flags, v_sum, v_sq = head.tolist()
+        self.realigned_to = None
+        if not lockstep_aligned(flags, v_sum, v_sq, self.world_size):
+            if flags != self.world_size:
+                raise LockstepMisaligned(f"a reduce found {flags:.0f} of its {self.world_size} members in lockstep and "
+                                         "the others paced: set mode.lockstep_ahead=0 to pace every reduce")
+            # Every member in lockstep, at different versions: after a regroup one survivor completed a reduce its
+            # peer had to redo. This all-reduce averages them all the same (each one's steps once); the members
+            # learn the furthest version, and the ones behind answer the reduces they skip with nothing.
+            top = torch.tensor([v], dtype=torch.float64, device=self.comm_device)
+            self._all_reduce(top, op=self.dist.ReduceOp.MAX)
+            self.realigned_to = int(top.item())
         self.reduced = total > 0
         if total <= 0:
             return (0.0, None, None) if with_divergence else (None, None, None)

@@ -43,6 +43,7 @@ from ..protocol import (
     ExecuteEval,
     ExtendPartition,
     FormGroup,
+    Lockstep,
     Payload,
     Probe,
     ProbeResult,
@@ -63,7 +64,7 @@ from ..protocol import (
     Throttle,
     Update,
 )
-from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, snapshot_nbytes
+from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, LockstepMisaligned, snapshot_nbytes
 from .fault_inject import ARMED_KINDS, fire_armed, inject_fault
 from .inbox import ControlInbox
 from .trainer import Batch as BatchData
@@ -137,6 +138,10 @@ class RankControl:
         """cpu backend: the last consensus frame adopted (bundles save it, not the blended replica)."""
         self.collective: Optional[CollectiveBackend] = None
         """nccl modes: formed when the coordinator's FormGroup names the cohort's backend."""
+        self.synced = 0
+        """The reduces this rank took part in so far (the next one's version): a sync_now's version + 1."""
+        self.lockstep_until = 0
+        """nccl_sync: the coordinator's license (Lockstep): all_reduce after each step while :attr:`synced` is below."""
         self.pending_regroup: Optional[Regroup] = None
         """A regroup that ended a pending collective's wait (handled by the retry that follows)."""
         self.armed_fault: Optional[str] = None
@@ -223,6 +228,7 @@ class RankControl:
             # the coordinator would read it as this rank's delivered cost and shrink its share.
             batch.wait_ms = max(0.0, batch.wait_ms - (self.callback_ms - callbacks_before))
             yield batch
+        self._run_out_lockstep()
         self.chunk = None
         self.report_batches(wait=True)
         m = tr.end_epoch(st, plan.chunk)
@@ -241,8 +247,28 @@ class RankControl:
             self.send_held_reports()  # the coordinator has every report before the fault, as without coalescing
             if self.fault[1] in ARMED_KINDS:
                 self.armed_fault = self.fault[1]
+            else:
+                inject_fault(self.fault[1], self.rank, tr.step_count, serve=self._serve_while_gated)
+        if self.synced < self.lockstep_until and self.collective is not None and not self.stopping:
+            self._lockstep_sync()
+
+    def _lockstep_sync(self) -> None:
+        """One reduce of the coordinator's license (Lockstep), right after this rank's step: the report of every
+        trained step goes first (the coordinator's ledger counts it before the answer), then the all_reduce and
+        its ack, as for a sync_now of this version."""
+        self.report_batches(wait=True)
+        self._sync_collective(SyncNow(version=self.synced, divergence=True))
+
+    def _run_out_lockstep(self) -> None:
+        """The chunk ended below the license (steps were trained while no license was out: the coordinator sized it
+        from the steps left when this rank answered, and this rank trained on meanwhile): take part in the rest of
+        its reduces with what is left (n 0 after the first), or the peers would wait in them for this rank. No
+        control is handled between them (an ExtendPartition handled here would join a chunk whose loop is over:
+        its picks never trained); a shutdown or a regroup still ends a collective's wait."""
+        for _ in range(max(0, self.lockstep_until - self.synced)):
+            if self.stopping or self.collective is None or self.synced >= self.lockstep_until:
                 return
-            inject_fault(self.fault[1], self.rank, tr.step_count, serve=self._serve_while_gated)
+            self._lockstep_sync()
 
     def report_batches(self, wait: bool) -> None:
         """Send the Batch reports of trained steps: those whose device work finished (no wait), or all
@@ -274,7 +300,7 @@ class RankControl:
 
     # -- reading control ----------------------------------------------------
     COUNT_FREE = (CoordHeartbeat, EvalBroadcast, EpochAggregated, StageAdvisory, SetEpochRole, SetGlobalStep, StartEpoch,
-                  ReportPace)
+                  ReportPace, Lockstep)
     """Messages whose handling sends nothing that counts steps: they do not make :meth:`drain` wait for the device."""
 
     def drain(self) -> None:
@@ -322,8 +348,13 @@ class RankControl:
             StageAdvisory: self._on_stage_advisory,
             Save: self._save, Checkpoint: self._on_checkpoint, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
             RequestSession: self._on_request_session, Evict: self._on_evict, Probe: self._on_probe,
-            ReportPace: self._on_report_pace,
+            ReportPace: self._on_report_pace, Lockstep: self._on_lockstep,
         }
+
+    def _on_lockstep(self, m: Lockstep) -> None:
+        self.lockstep_until = max(self.lockstep_until, int(m.until))
+        if self.chunk is None:  # the license found this rank between chunks (its share done before it came): its
+            self._run_out_lockstep()  # reduces now, or the peers wait in them for good
 
     def _on_report_pace(self, m: ReportPace) -> None:
         if self._pace is not None:
@@ -644,12 +675,16 @@ class RankControl:
         d: Optional[float] = 0.0
         post: Optional[float] = None
         pre: Optional[float] = None
+        lockstep = m.version < self.lockstep_until
         if self.collective is not None:
             model = self.trainer.model
             for attempt in range(32):
                 try:
-                    d, post, pre = self.collective.sync(model, n, self.gamma, with_div)
+                    d, post, pre = self.collective.sync(model, n, self.gamma, with_div,
+                                                        lockstep_version=m.version if lockstep else None)
                     break
+                except LockstepMisaligned:
+                    raise  # some members paced, some in lockstep: no retry can pair them again
                 except torch.OutOfMemoryError as e:  # this rank's fault, not a dead peer's: say so and end
                     self.collective.abort()
                     raise RuntimeError("out of GPU memory during the sync (it needs about 3x the parameter bytes "
@@ -665,9 +700,29 @@ class RankControl:
         step = self._outer_step()
         self.trainer.steps_since_avg = 0
         self.trainer.step_count += 1
+        self.synced = m.version + 1
+        gen = self.collective.generation if self.collective is not None else 0
         self.send(SyncAck(n=n, d=d, post=post, pre=pre, outer_step=step.step_norm if step else None,
-                          outer_momentum=step.momentum_norm if step else None,
-                          generation=self.collective.generation if self.collective is not None else 0))
+                          outer_momentum=step.momentum_norm if step else None, generation=gen,
+                          version=m.version, left=self._steps_left()))
+        top = self.collective.realigned_to if self.collective is not None and lockstep else None
+        if top is not None and top > m.version:
+            # A peer was further (it had completed reduces this rank redid after a regroup): this all-reduce averaged
+            # them together; the reduces this rank skips are answered with nothing, so every member counts from the
+            # same version on.
+            log.warning("rank %d: lockstep reduce %d met a peer at %d after a regroup: re-aligned", self.rank,
+                        m.version, top)
+            for v in range(m.version + 1, top + 1):
+                self.send(SyncAck(n=0, d=0.0, generation=gen, version=v, left=self._steps_left()))
+            self.synced = top + 1
+
+    def _steps_left(self) -> int:
+        """Steps the running chunk has left (0 between chunks): how far the coordinator may extend a Lockstep."""
+        st = self.chunk
+        if st is None:
+            return 0
+        bs = int(getattr(self.trainer, "batch_size", 0) or 0)
+        return max(0, (len(st.picks) - st.cursor) // bs) if bs > 0 else 0
 
     def _outer_step(self) -> Optional[OuterStep]:
         """nccl: the outer optimizer on the all-reduced parameters, after the divergence read-out. Every

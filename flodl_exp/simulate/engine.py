@@ -49,6 +49,7 @@ from ..protocol import (
     Batch,
     ChunkMetrics,
     ExtendPartition,
+    Lockstep,
     Payload,
     RequestParams,
     SetGlobalStep,
@@ -106,6 +107,10 @@ class SimRank:
     global_step: int = 0
     batches: int = 0
     busy_ms: float = 0.0
+    synced: int = 0
+    """Reduces taken part in (the next one's version), as rank/control.py counts them."""
+    lockstep_until: int = 0
+    """nccl_sync's license (Lockstep): a reduce after every step while :attr:`synced` is below."""
 
 
 @dataclass
@@ -172,9 +177,10 @@ class Engine:
         for r in range(w):
             self.cohort.join(r, 0.0)
         self.alive = self.cohort.alive_ranks()
-        self._coll: Optional[dict[int, tuple[float, int]]] = None
-        """nccl: who entered the armed collective, when, with how many steps (None: none armed)."""
-        self._coll_n: dict[int, int] = {}
+        self._colls: dict[int, dict[int, tuple[float, int]]] = {}
+        """nccl: per reduce (its version), who entered its collective, when, with how many steps."""
+        self._coll_n: dict[int, dict[int, int]] = {}
+        """Per completed collective (version): each member's steps, read as its ack goes out."""
         self._nic_free = 0.0
 
     @property
@@ -211,9 +217,7 @@ class Engine:
 
     # -- coordinator -> rank ------------------------------------------------------
     def _to_rank(self, r: int, p: Payload) -> None:
-        if isinstance(p, SyncNow) and self._coll is None:
-            self._coll = {}
-        elif isinstance(p, RequestParams):
+        if isinstance(p, RequestParams):
             self._nic_free = max(self._nic_free, self.clock.t)
         self.q.after(self.lat, RANK_MSG, r, p)
 
@@ -230,7 +234,9 @@ class Engine:
         elif isinstance(p, ExtendPartition):
             rk.plans.append(StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
         elif isinstance(p, SyncNow):
-            self._enter_collective(rk)
+            self._enter_collective(rk, p.version)
+        elif isinstance(p, Lockstep):
+            rk.lockstep_until = max(rk.lockstep_until, p.until)
         elif isinstance(p, RequestParams):
             self._send_snapshot(rk)
             if p.barrier:
@@ -255,6 +261,9 @@ class Engine:
         rk.state = IDLE
         for _ in range(100_000):  # bounded: each pass ends a chunk, opens one, or starts a batch and returns
             if rk.chunk is not None and rk.chunk[2] >= rk.chunk[1]:
+                if rk.synced < rk.lockstep_until:  # the license's rest, with nothing (rank/control.py's run-out)
+                    self._enter_collective(rk, rk.synced)
+                    return
                 self._end_chunk(rk)
                 continue
             if rk.chunk is None and rk.plans:
@@ -267,6 +276,8 @@ class Engine:
             if rk.chunk is None:
                 if rk.plans:
                     continue
+                if rk.synced < rk.lockstep_until:  # a license that found the rank between chunks: run out now
+                    self._enter_collective(rk, rk.synced)
                 return
             if rk.chunk[1] == 0:
                 continue
@@ -297,6 +308,9 @@ class Engine:
         rk.busy_ms += step + data
         lr = self.lrf(rk.global_step + rk.steps_since_avg)
         self.q.after(self.lat, COORD_MSG, r, Batch(ms=step, data_ms=data, chunk=ch[0].chunk, loss=None, lr=lr))
+        if rk.synced < rk.lockstep_until:  # nccl_sync's license: a reduce right after the step, no sync_now
+            self._enter_collective(rk, rk.synced)
+            return
         rk.state = IDLE
         self._advance(rk)
 
@@ -308,22 +322,27 @@ class Engine:
                          data_starve_ms=data, ranges=[[plan.offset, done * self.bs]] if done else [], loss_batches=0)
         self.q.after(self.lat, COORD_MSG, rk.r, m)
 
-    def _enter_collective(self, rk: SimRank) -> None:
-        coll = self._coll
-        assert coll is not None, "sync_now without a collective armed"
+    def _enter_collective(self, rk: SimRank, version: int) -> None:
+        """The rank waits in reduce ``version``'s collective, which completes once every live rank is in it."""
+        coll = self._colls.setdefault(version, {})
         rk.state = COLLECTIVE
         coll[rk.r] = (self.clock.t, rk.steps_since_avg)
         if len(coll) == len(self.alive):
             t_done = max(t for t, _ in coll.values()) + self.costs.allreduce_s(len(coll))
             for r in coll:
-                self.q.at(t_done, COLL_DONE, r, None)
-            self._coll = None
-            self._coll_n = {r: n for r, (_, n) in coll.items()}
+                self.q.at(t_done, COLL_DONE, r, version)
+            del self._colls[version]
+            self._coll_n[version] = {r: n for r, (_, n) in coll.items()}
 
-    def _coll_done(self, r: int, _: Any) -> None:
+    def _coll_done(self, r: int, version: int) -> None:
         rk = self.ranks[r]
-        n = self._coll_n[r]
-        self.q.after(self.lat, COORD_MSG, r, SyncAck(n=n, d=self._drift(n)))
+        ns = self._coll_n[version]
+        n = ns.pop(r)
+        if not ns:
+            del self._coll_n[version]
+        left = rk.chunk[1] - rk.chunk[2] if rk.chunk is not None else 0
+        self.q.after(self.lat, COORD_MSG, r, SyncAck(n=n, d=self._drift(n), version=version, left=left))
+        rk.synced = version + 1
         rk.steps_since_avg = 0
         rk.state = IDLE
         self._advance(rk)
