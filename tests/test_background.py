@@ -60,5 +60,15 @@ def test_threads_started_by_a_yielding_thread_inherit_its_niceness() -> None:
     assert child == parent and parent[1] == os.SCHED_IDLE
 
 
+@linux_only
+def test_a_thread_sharing_its_interpreter_is_only_made_nicer() -> None:
+    def work() -> tuple[bool, int]:
+        ok = yield_to_training(idle=False)
+        return ok, os.sched_getscheduler(threading.get_native_id())
+
+    ok, policy = _in_thread(work)
+    assert ok and policy != os.SCHED_IDLE
+
+
 def test_no_increment_changes_nothing() -> None:
     assert _in_thread(lambda: yield_to_training(0)) is False

@@ -265,3 +265,49 @@ def test_a_death_mid_license_finishes_its_reduces_with_the_survivors_and_the_run
     assert len(sent(w.log, Lockstep)) == granted  # no license after a death
     assert w.core.life.status.value == "FINISHED"
     assert coverage_is_exact(w.core, 960) and w.core.dispatch.lost_picks == 0
+
+
+def test_a_rank_that_dies_with_answers_to_later_reduces_has_its_steps_counted_once() -> None:
+    """Rank 0 answered two reduces past the one in flight (rank 2's answers held back), then died: its death hands
+    those steps to the survivors (they are in no finished reduce), so its early answers are not booked as well:
+    the run's global step is the no-death run's, every pick trained once."""
+    clock = FakeClock()
+    w = Bare(cfg_of("nccl_sync", 3, epochs=3, **{"mode.lockstep_ahead": 8}), clock)
+    ranks = LockstepRanks(3)
+    cyc = w.core.cycle
+    play(w, ranks, clock, samples=960, max_steps=40_000,
+         until=lambda: cyc.version > 10 and cyc.lockstep_until - cyc.version >= 4)
+    held: list[tuple[int, Payload]] = []
+    pending = ranks.pending
+    for _ in range(5000):  # deliver everything but rank 2's answers until rank 0 has two early answers booked
+        if sum(1 for acks in cyc._early.values() if 0 in acks) >= 2:
+            break
+        msg = pending.popleft() if pending else ranks.next()
+        if msg is None:
+            w.tick()
+            pending.extend(ranks.hear(w.take()))
+        elif msg[0] == 2 and isinstance(msg[1], SyncAck):
+            held.append(msg)
+        else:
+            clock.advance(0.01)
+            w.send(*msg)
+            w.tick()
+            pending.extend(ranks.hear(w.take()))
+    assert sum(1 for acks in cyc._early.values() if 0 in acks) >= 2
+    ranks.dead.add(0)
+    for members in ranks.waiting.values():
+        members.discard(0)
+    w.core.on_death(0, "killed")
+    pending.extendleft(reversed(held))
+    for v in sorted(ranks.waiting):  # the survivors' collective completes without the dead
+        if {1, 2} <= ranks.waiting[v]:
+            for q in sorted(ranks.waiting.pop(v)):
+                rk = ranks.r[q]
+                pending.append((q, SyncAck(n=rk.steps, d=0.0, version=v, left=ranks._left(q))))
+                rk.steps, rk.blocked = 0, False
+                ranks.synced[q] += 1
+    play(w, ranks, clock, samples=960, max_steps=60_000)
+    reference, _ = _run(8, world=3)
+    assert w.core.life.status.value == "FINISHED"
+    assert w.core.outcome()["global_step"] == reference.core.outcome()["global_step"]
+    assert coverage_is_exact(w.core, 960) and w.core.dispatch.lost_picks == 0

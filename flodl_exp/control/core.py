@@ -324,10 +324,11 @@ class ControlCore:
 
     def _may_run_ahead(self) -> bool:
         """The lockstep license may be extended (control/reduces.py): training with the whole cohort, and nothing
-        that needs it held at a reduce soon (a preemption or termination asked for, a regroup, an eval running)."""
+        that needs it held at a reduce soon (a preemption or termination asked for, a regroup, a bundle being
+        written, an eval running)."""
         return (self.life.is_(Phase.TRAINING) and not self.cohort.deaths and self.faults.regroup is None
                 and self.preemption.request is None and self.preemption.terminate_at is None
-                and not self.eval_holds_sync())
+                and not self.checkpoints.busy and not self.eval_holds_sync())
 
     def eval_holds_sync(self) -> bool:
         """nccl: a periodic eval is running on a live rank, so no collective may start yet."""

@@ -88,6 +88,8 @@ class Reduce:
     members: set[int]
     final: bool = False
     """A consensus reduce (end of training, epoch-boundary bundle, preemption): no EASGD blend."""
+    lockstep: bool = False
+    """Opened by the coordinator for the ranks' own reduce (a Lockstep license): its time runs from its first answer."""
     acks: dict[int, SyncAck] = field(default_factory=dict)
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
 
@@ -163,6 +165,8 @@ class AveragingCycle:
         the coordinator never sends a sync_now below it."""
         self._early: dict[int, dict[int, SyncAck]] = {}
         """Lockstep answers to reduces after the one in flight (version -> rank -> ack), applied as each opens."""
+        self._early_t: dict[int, float] = {}
+        """When each of those reduces' first answer came (its start, for sync_ms and the stall ceiling)."""
         self._left: Optional[int] = None
         """The fewest steps any member's chunk had left at the last finished reduce (None: unknown)."""
         self.lockstep_syncs = 0
@@ -237,10 +241,13 @@ class AveragingCycle:
         if v is not None and v != self.version:
             if self.version < v < self.lockstep_until:
                 self._early.setdefault(v, {})[r] = ack
+                self._early_t.setdefault(v, self._clock())
             else:
                 log.debug("rank %d answered reduce %d while %d is the current one: dropped", r, v, self.version)
             return False
         if red is not None and red.backend is Backend.NCCL and r in red.members:
+            if red.lockstep and not red.acks:  # a lockstep reduce's time runs from its first answer, not its opening
+                red.started = self._clock()
             red.acks[r] = ack
             return True
         return False
@@ -252,8 +259,9 @@ class AveragingCycle:
         if self.in_flight is not None or self.version >= self.lockstep_until:
             raise RuntimeError(f"no lockstep reduce to open at version {self.version} (license {self.lockstep_until})")
         early = self._early.pop(self.version, {})
+        started = self._early_t.pop(self.version, self._clock())
         self.lockstep_syncs += 1
-        self.in_flight = Reduce(self.backend, self._clock(), set(alive) | set(early))
+        self.in_flight = Reduce(self.backend, started, set(alive) | set(early), lockstep=True)
         self.in_flight.acks.update(early)
         return sorted(early)
 
@@ -288,8 +296,12 @@ class AveragingCycle:
         return max(0, self.ledger[r].steps - self.acked_steps(r))
 
     def forget(self, r: int) -> None:
-        """A dead rank's unreduced steps never reach the consensus."""
+        """A dead rank's unreduced steps never reach the consensus. Its answers to reduces after the one in flight
+        are dropped too: the death counted their steps as unreduced (its picks go to the survivors), so booking them
+        when their reduce opens would count those steps twice."""
         self.ledger[r].steps = 0
+        for acks in self._early.values():
+            acks.pop(r, None)
 
     # -- the gate -------------------------------------------------------------
     def should_average(self, alive: list[int], quiesced: Callable[[int], bool]) -> bool:

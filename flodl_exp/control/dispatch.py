@@ -47,6 +47,9 @@ from .epoch_plan import EpochPlan
 
 log = logging.getLogger("flodl_exp.coordinator")
 
+AnswerSnapshot = tuple[dict[int, int], int]
+"""A rank's training progress when it answered a reduce: batches per chunk in flight, and its finished chunks."""
+
 PROBE_EXTRA_WINDOWS = 4
 """How many windows' worth a rank may train past its count while the cold-start probe is still open (the slowest
 rank's probe steps are what it waits for; its start-up may lag the others' by a second on a loaded host)."""
@@ -547,10 +550,17 @@ class Dispatcher:
                 return ext
         return chunk
 
-    def on_answer(self, r: int) -> None:
-        """Rank r answered a reduce: what its in-flight chunks trained so far is in that reduce."""
-        self.answered[r] = dict(self.progress[r])
-        self._answered_chunks[r] = len(self.unreduced_chunks[r])
+    def answer_snapshot(self, r: int) -> AnswerSnapshot:
+        """What rank r has trained by now (its chunks' progress, its finished chunks): kept with an answer to a later
+        lockstep reduce, for :meth:`on_answer` when that reduce opens."""
+        return dict(self.progress[r]), len(self.unreduced_chunks[r])
+
+    def on_answer(self, r: int, snapshot: Optional[AnswerSnapshot] = None) -> None:
+        """Rank r answered a reduce: what its in-flight chunks trained so far (or by ``snapshot``, when the answer
+        came before its reduce opened) is in that reduce."""
+        progress, finished = snapshot if snapshot is not None else self.answer_snapshot(r)
+        self.answered[r] = progress
+        self._answered_chunks[r] = finished
 
     def on_reduce_finished(self, members: Iterable[int], *, keep_after_answer: bool = False) -> None:
         """What the members trained up to their answer is in the consensus: the chunks they finished by then are

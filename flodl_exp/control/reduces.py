@@ -22,7 +22,7 @@ from .channels import Outbox
 from .checkpoints import Checkpoints
 from .cohort import Cohort
 from .cycle import AveragingCycle, Reduce, ReduceOutcome
-from .dispatch import Dispatcher
+from .dispatch import AnswerSnapshot, Dispatcher
 from .lifecycle import TRAINING_PHASES, Lifecycle
 from .ports import CoreObserver
 
@@ -53,6 +53,8 @@ class Reduces:
         """The core's test that the lockstep license may be extended (nothing needs the cohort held soon)."""
         self._deaths_at_trigger = 0
         self._blocker: Optional[int] = None
+        self._early_answers: dict[int, dict[int, AnswerSnapshot]] = {}
+        """Per later lockstep reduce (version), each early answerer's training progress when its answer came."""
 
     def fire(self, *, final: bool = False) -> bool:
         """Start a reduce over the live ranks (a consensus one when ``final``); False when one is in flight
@@ -94,6 +96,9 @@ class Reduces:
         if self._cycle.on_ack(r, ack) or (red is not None and ack.version is None):
             self._answered(r)
             self._dispatch.on_answer(r)
+        elif ack.version is not None and self._cycle.version < ack.version < self._cycle.lockstep_until:
+            # an answer to a later lockstep reduce: what the rank had trained by now is what that answer holds
+            self._early_answers.setdefault(ack.version, {})[r] = self._dispatch.answer_snapshot(r)
         self.try_finish()
 
     def on_snapshot(self, r: int, snap: Snapshot) -> None:
@@ -145,7 +150,7 @@ class Reduces:
         ahead = self._cycle.version < self._cycle.lockstep_until  # the ranks are in the next reduce already
         if not ahead and self._preempt_snapshot():
             return  # an armed preemption snapshots the coverage now: no new chunk
-        if self._life.phase in TRAINING_PHASES:
+        if self._life.phase in TRAINING_PHASES and not ahead:  # no bundle of a reduce the ranks are already past
             self._checkpoints.maybe_coverage_bundle()
         d.after_finish()
         self._lockstep()
@@ -160,8 +165,9 @@ class Reduces:
         if until is not None:
             self._out.broadcast(Lockstep(until=until))
         if cyc.in_flight is None and cyc.version < cyc.lockstep_until:
+            snapshots = self._early_answers.pop(cyc.version, {})
             answered = cyc.open_lockstep(self._cohort.alive_ranks())
             self._deaths_at_trigger = len(self._cohort.deaths)
             for r in answered:
                 self._answered(r)
-                self._dispatch.on_answer(r)  # try_finish's loop finishes it if every answer is in already
+                self._dispatch.on_answer(r, snapshots.get(r))  # try_finish's loop finishes it if every answer is in

@@ -427,7 +427,7 @@ class RunHandle:
             return
 
         def work() -> None:
-            yield_to_training()  # the job's ranks train meanwhile: this import takes only what they leave idle
+            yield_to_training(idle=False)  # the job's ranks train meanwhile (nicer only: this interpreter is shared)
             with contextlib.suppress(Exception):  # the prediction says its own failure later
                 import flodl_exp.simulate.engine  # noqa: F401
 
@@ -442,7 +442,7 @@ class RunHandle:
         box: dict[str, Any] = {}
 
         def work() -> None:
-            yield_to_training()  # a sweep's next child (or another job on this machine) may be training meanwhile
+            yield_to_training(idle=False)  # a sweep's next child (or another job) may train meanwhile (nicer only)
             try:
                 from ..simulate.from_run import log_prediction
 
