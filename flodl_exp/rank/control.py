@@ -301,7 +301,9 @@ class RankControl:
     # -- reading control ----------------------------------------------------
     COUNT_FREE = (CoordHeartbeat, EvalBroadcast, EpochAggregated, StageAdvisory, SetEpochRole, SetGlobalStep, StartEpoch,
                   ReportPace, Lockstep)
-    """Messages whose handling sends nothing that counts steps: they do not make :meth:`drain` wait for the device."""
+    """Messages whose handling sends nothing that counts steps: they do not make :meth:`drain` wait for the device.
+    (A Lockstep that finds the rank between chunks runs out its reduces at once: each one reports every trained step
+    itself, waiting for the device, before its answer.)"""
 
     def drain(self) -> None:
         """Handle every control message already queued (between batches).
