@@ -123,7 +123,7 @@ class ControlCore:
             guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
             relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
-            outer=shape.outer, lockstep_ahead=int(getattr(cfg.mode, "lockstep_ahead", 0) or 0))
+            outer=shape.outer, lockstep_ahead=cfg.mode.lockstep_ahead)
         self.dispatch = dispatcher(
             world_size=w, batch_size=cfg.experiment.batch_size, epochs=plan, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,

@@ -239,7 +239,7 @@ class AveragingCycle:
         red = self.in_flight
         v = ack.version
         if v is not None and v != self.version:
-            if self.version < v < self.lockstep_until:
+            if self.answers_ahead(v):
                 self._early.setdefault(v, {})[r] = ack
                 self._early_t.setdefault(v, self._clock())
             else:
@@ -251,6 +251,10 @@ class AveragingCycle:
             red.acks[r] = ack
             return True
         return False
+
+    def answers_ahead(self, version: Optional[int]) -> bool:
+        """An answer to ``version`` is one to a later lockstep reduce (kept until that one opens)."""
+        return version is not None and self.version < version < self.lockstep_until
 
     def open_lockstep(self, alive: list[int]) -> list[int]:
         """The ranks start the next reduce on their own (it is below the license): open it here without a sync_now,

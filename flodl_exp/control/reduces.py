@@ -96,7 +96,7 @@ class Reduces:
         if self._cycle.on_ack(r, ack) or (red is not None and ack.version is None):
             self._answered(r)
             self._dispatch.on_answer(r)
-        elif ack.version is not None and self._cycle.version < ack.version < self._cycle.lockstep_until:
+        elif ack.version is not None and self._cycle.answers_ahead(ack.version):
             # an answer to a later lockstep reduce: what the rank had trained by now is what that answer holds
             self._early_answers.setdefault(ack.version, {})[r] = self._dispatch.answer_snapshot(r)
         self.try_finish()

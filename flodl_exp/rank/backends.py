@@ -244,14 +244,16 @@ class CollectiveBackend:
         self.pending = None  # kept when wait() raised: the group holds a failed collective (see close)
 
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> None:
-        if op is None:
-            op = self.dist.ReduceOp.SUM
+        """Sum ``t`` over the group in place (``op``: another reduction, e.g. ``ReduceOp.MAX``)."""
         if self.group is not None:
+            if op is None:
+                self._wait(self.group.allreduce([t]))
+                return
             opts = self.dist.AllreduceOptions()
             opts.reduceOp = op
             self._wait(self.group.allreduce([t], opts))
         else:
-            self._wait(self.dist.all_reduce(t, op=op, async_op=True))
+            self._wait(self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM if op is None else op, async_op=True))
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
         """``t`` from the group's rank ``src`` to every member, in place (waited for as the all_reduce is)."""
