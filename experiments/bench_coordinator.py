@@ -355,7 +355,10 @@ def compose_config(n: int, batch_size: int, uri: str, coalesce_ms: float = 50.0)
             "mode=cpu_cadence", "experiment=digits_logistic", "experiment.epochs=1",
             f"experiment.batch_size={batch_size}", f"cluster.ranks_per_node={n}", "cluster.device=cpu",
             "eval.every=0", "cluster.heartbeat_timeout_s=60", f"tracking.uri={uri}",
-            f"cluster.report_coalesce_ms={coalesce_ms}"])
+            f"cluster.report_coalesce_ms={coalesce_ms}",
+            # no launcher here to deliver the records: the job's sink process does; no prediction at the run's end
+            # (its simulated control core would count in the coordinator's own timers)
+            "tracking.relay=false", "tracking.predict=false"])
     return dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
 
 

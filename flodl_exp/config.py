@@ -342,6 +342,13 @@ class TrackingConfig:
     """After a FINISHED run of 2+ ranks, log the simulator's prediction for its mode on its measured rig
     (``predicted/samples_per_s``, ``predicted/syncs``, ``predicted/share.rank<r>``, ``predicted/error_pct``) and
     print it in the run summary; the simulator is imported in the background while the run starts."""
+    relay: bool = True
+    """With ``run.wait``: the job writes its MLflow records to ``<job>/records.jsonl`` and the launcher, which imports
+    MLflow anyway, delivers them (the job imports no MLflow; its end waits for no store). Off: the job's own sink
+    process delivers them, as with ``run.wait=false``."""
+    relay_stale_s: float = 30.0
+    """A launcher whose relay has not beaten for this long is taken for gone: the job delivers its records itself
+    from where the relay stopped."""
 
 
 @dataclass
@@ -867,6 +874,8 @@ def _records_rules(cfg: Any) -> List[str]:
         raise _err("dashboard.theme", cfg.dashboard.theme, "one of light, dark, auto")
     if cfg.run.progress not in ("auto", "bar", "plain", "off"):
         raise _err("run.progress", cfg.run.progress, "one of auto, bar, plain, off")
+    if not _finite_positive(cfg.tracking.relay_stale_s):
+        raise _err("tracking.relay_stale_s", cfg.tracking.relay_stale_s, "a number of seconds > 0")
     if cfg.run.timeout_min < 1:
         raise _err("run.timeout_min", cfg.run.timeout_min, "an integer >= 1")
     return []

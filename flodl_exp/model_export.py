@@ -161,6 +161,9 @@ def export_from_request(path: str, uri: str) -> int:
 
     with open(path) as fh:
         req = json.load(fh)
+    if not req.get("run_id"):  # the launcher names the run as it claims the request (the job may not have known it)
+        log.error("%s names no MLflow run (the launcher that claims it names it): nothing exported", path)
+        return 1
     for p in reversed(req.get("import_paths") or []):
         if p not in sys.path:
             sys.path.insert(0, p)

@@ -104,10 +104,10 @@ class ProcessSink:
                 return
         fallback._put(kind, payload)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: Optional[int] = None) -> None:
         # Strictly increasing timestamps, stamped here (when it happened), not when the child delivers them.
-        ts = max(int(time.time() * 1000), self._last_ts + 1)
-        self._last_ts = ts
+        ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)
+        self._last_ts = max(self._last_ts, ts)
         self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:

@@ -226,10 +226,11 @@ class MlflowSink:
                 self.lost += c
             self._cond.notify()
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: Optional[int] = None) -> None:
+        """``timestamp_ms``: the caller's stamp (control/prediction.py keeps the points it stamped)."""
         # Strictly increasing timestamps: the SQL store drops a point equal in (key, step, value, time).
-        ts = max(int(time.time() * 1000), self._last_ts + 1)
-        self._last_ts = ts
+        ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)
+        self._last_ts = max(self._last_ts, ts)
         self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:

@@ -113,3 +113,53 @@ def test_ctrl_c_cancels_a_hung_run_within_seconds(store, tmp_path):
     run = MlflowClient(store["uri"]).get_run(run_id)
     assert run.info.status == "KILLED" and run.data.tags["error"] == "cancelled by the user"
     wait_for(lambda: not any(alive(q) for q in pids), timeout=10, what="every process of the run to end")
+
+
+def test_a_launcher_killed_mid_run_leaves_the_records_to_the_job(store, tmp_path):
+    """The CLI SIGKILLed while its run trains (both ranks held at a gate): its records relay stops beating, the job
+    takes the delivery over (records_journal.py) and the MLflow run still ends FINISHED with every epoch's metrics,
+    the model logged by the job itself (nobody is left to export it)."""
+    gate = tmp_path / "gate"
+    env = dict(os.environ, FLODL_FAULT_INJECT=f"0:1:gate:{gate},1:1:gate:{gate}")
+    args = [*base_overrides(store, "launcher_faults"), "mode=cpu_cadence", "experiment.epochs=2",
+            "tracking.relay_stale_s=2", "tracking.log_model=true"]
+    p = subprocess.Popen([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(p.stdout or []), daemon=True)
+    reader.start()
+    pids: list[int] = []
+    try:
+        wait_for(lambda: any(x.startswith("MLflow run ") for x in out), timeout=START_S, what="the run's folder")
+        head = next(x for x in out if x.startswith("MLflow run "))
+        run_id, controller, job = head.split()[2], int(head.split()[4]), Path(head.split(" folder ", 1)[1].strip())
+        wait_for(lambda: len(_joined(job)) == 2, timeout=START_S, what="both ranks joined")
+        pids = [*_joined(job).values(), json.loads((job / "rendezvous.json").read_text())["pid"], controller]
+        assert not any(e.get("event") == "end" for e in read_events(job)), "the gate should hold the run open"
+        assert (job / "records.jsonl").exists() and (job / "records_relay.json").exists()
+        p.kill()  # the launcher, only: the job goes on
+        p.wait(10)
+        wait_for(lambda: (job / "records_taken.json").exists(), timeout=60, what="the job to take the delivery over")
+    finally:
+        gate.touch()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    try:
+        wait_for(lambda: (job / "result.json").exists(), timeout=START_S, what="the run's result")
+        c = MlflowClient(store["uri"])
+        wait_for(lambda: c.get_run(run_id).info.status != "RUNNING", timeout=120, what="the job to end its run")
+        run = c.get_run(run_id)
+        assert run.info.status == "FINISHED" and read_result(job)["status"] == "FINISHED"
+        assert sorted(m.step for m in c.get_metric_history(run_id, "loss")) == [0, 1]
+        assert "checkpoints" in [a.path for a in c.list_artifacts(run_id)]
+        assert "log_model_error" not in run.data.tags
+        import mlflow
+
+        mlflow.set_tracking_uri(store["uri"])
+        assert mlflow.models.get_model_info(f"runs:/{run_id}/model").signature is not None  # exported by the job
+        assert not (job / "model_export.json").exists()
+    finally:
+        for q in pids:
+            if alive(q):
+                os.kill(q, signal.SIGKILL)

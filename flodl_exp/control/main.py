@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import queue
 import signal
@@ -82,8 +83,10 @@ def main(argv: list[str]) -> int:
     from .. import wire
     from ..config import RunShape, load_config
     from ..jobs.rendezvous import incarnation, write_rendezvous
+    from ..journal_sink import JournalSink, relayed_by_launcher
     from ..sink_process import start_sink
     from .coordinator import Coordinator
+    from .prediction import RecordTap
     from .server import RankServer, start_store
 
     cfg = load_config(spec.config)
@@ -97,11 +100,17 @@ def main(argv: list[str]) -> int:
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
-    # The sink's own process imports MLflow and opens the store (2-3.5 s of CPU) while the ranks finish their
-    # start-up, never holding this interpreter's GIL (sink_process.py). Started before this process's own imports
+    # Without a launcher to deliver the records (run.wait=false, tracking.relay=false), the sink's own process
+    # imports MLflow and opens the store (2-3.5 s of CPU) while the ranks finish their start-up, never holding this
+    # interpreter's GIL (sink_process.py). Started before this process's own imports
     # it delayed the coordinator's start by ~0.8 s on 2 cores (measurements.md, start-up). The launcher creates
     # the MLflow run after submitting the job: until it publishes the id, the sink keeps records.
-    sink = start_sink(spec.tracking_uri, spec.run_id, spec.job_dir, spec.import_paths)
+    if relayed_by_launcher(spec.config):  # the launcher delivers: this job imports no MLflow (records_journal.py)
+        sink: Any = JournalSink(spec.tracking_uri, spec.run_id, spec.job_dir, spec.import_paths,
+                                stale_s=float(cfg.tracking.relay_stale_s))
+    else:
+        sink = start_sink(spec.tracking_uri, spec.run_id, spec.job_dir, spec.import_paths)
+    sink = RecordTap(sink)  # what the run's prediction reads, kept as logged (control/prediction.py)
     co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
     signals.attach(co)
     if os.environ.get("SLURM_JOB_ID"):
@@ -151,6 +160,8 @@ def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, se
     if failure:
         sink.set_tags({"error": failure[:5000]})
     sink.set_tags({"global_step": co.cycle.global_step, "syncs": co.cycle.version})
+    if status == "FINISHED":
+        _predict(spec, cfg, sink, result, result_path)
     _log_run_artifacts(co, spec, cfg, job_dir, sink, status)
     sink.close(status)
     _record_tracking_loss(sink, result, result_path)
@@ -159,15 +170,52 @@ def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, se
     return 0 if status == "FINISHED" else 1
 
 
+def _predict(spec: JobSpec, cfg: Any, sink: Any, result: dict[str, Any], path: str) -> None:
+    """``tracking.predict`` on a finished run of 2+ ranks: ``predicted/*`` logged at its last epoch, and kept in
+    result.json (``prediction``, or ``prediction_error``) for the launcher's summary."""
+    from ..config import world_size
+    from .prediction import RecordTap, predict_finished_run
+
+    if not (cfg.tracking.predict and world_size(cfg) >= 2 and isinstance(sink, RecordTap)):
+        return
+    epochs = [step for step, _, _ in sink.history.get("epoch_time_s", [])]
+    if not epochs:
+        return
+    prediction, why = predict_finished_run(spec.config, sink, result)
+    if prediction is not None:
+        finite = {k: v for k, v in prediction.items() if math.isfinite(v)}
+        sink.log_metrics({k: v for k, v in finite.items() if k.startswith("predicted/")}, step=max(epochs))
+        result["prediction"] = finite
+    else:
+        log.warning("the simulator's prediction (predicted/*) was not made: %s", why)
+        result["prediction_error"] = why
+    try:
+        atomic_json(result, path)
+    except OSError as e:
+        log.warning("could not record the prediction in result.json: %s", e)
+
+
+def _run_label(spec: JobSpec) -> str:
+    """The run in a report's title: its id's first 8 characters, or the job folder's name before the run exists."""
+    return spec.run_id[:8] or os.path.basename(os.path.normpath(spec.job_dir))
+
+
 def _with_run_id(spec: JobSpec, sink: Any) -> JobSpec:
-    """The spec with the run id the launcher published (it created the run after submitting the job; by the run's
-    end it is long there): the sink's, else read from the job folder. A launcher that never published it leaves
-    the spec as it is (the sink counts what it could not deliver)."""
+    """The spec with the run id the launcher published (it created the run after submitting the job): the sink's,
+    else read from the job folder. A launcher that delivers the records itself is not waited for (its run may be
+    created after a short run's end: the model export request then names none, and the export reads it later);
+    one that never published it leaves the spec as it is (the sink counts what it could not deliver)."""
     if spec.run_id:
         return spec
     if getattr(sink, "run_id", ""):
         return dataclasses.replace(spec, run_id=sink.run_id)
-    from ..jobs.spec import RunIdMissing
+    from ..jobs.spec import RunIdMissing, read_run_id
+
+    if getattr(sink, "relayed", False):
+        try:
+            return dataclasses.replace(spec, run_id=read_run_id(spec.job_dir) or "")
+        except RunIdMissing:
+            return spec
 
     try:
         return spec.with_run_id(10.0)
@@ -240,11 +288,12 @@ def _log_run_artifacts(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, s
             if os.path.exists(stem + suffix):
                 sink.log_artifact(stem + suffix, "checkpoints")
         if cfg.tracking.log_model and os.path.exists(stem + ".pt"):
-            if cfg.run.wait:  # the launcher exports it after the run's end, off the run's critical path
+            settle = getattr(sink, "settle_delivery", None)  # a launcher relaying the records is still there
+            if cfg.run.wait and (settle is None or settle()):  # it exports it after the run's end, off the critical path
                 from ..model_export import write_export_request
 
                 write_export_request(job_dir, spec.run_id, stem, dict(spec.config["experiment"]), list(spec.import_paths))
-            else:  # nobody waits on a detached job: the job exports it before it ends
+            else:  # nobody waits (a detached job, a launcher gone): the job exports it before it ends
                 sink.log_model(stem, spec.config["experiment"])
 
 
@@ -253,7 +302,7 @@ def _write_dashboard(co: Coordinator, spec: JobSpec, cfg: Any, sink: Any, timeli
         from ..dashboard import load_events, write_dashboard
 
         epochs, windows, evals = load_events(co.events.path)
-        path = write_dashboard(cfg.dashboard.html, f"flodl_exp {spec.run_id[:8]} {cfg.experiment.name}", epochs, windows,
+        path = write_dashboard(cfg.dashboard.html, f"flodl_exp {_run_label(spec)} {cfg.experiment.name}", epochs, windows,
                                evals, theme=cfg.dashboard.theme,
                                links=[("Timeline", "../timeline/timeline.html")] if timeline else [])
         sink.log_artifact(path, "dashboard")
@@ -268,7 +317,7 @@ def _write_timeline(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, stat
         from ..timeline_report import write_timeline
 
         out = os.path.join(job_dir, "timeline")
-        meta = {"title": f"flodl_exp {spec.run_id[:8]} {cfg.experiment.name} timeline", "run_id": spec.run_id,
+        meta = {"title": f"flodl_exp {_run_label(spec)} {cfg.experiment.name} timeline", "run_id": spec.run_id,
                 "mode": cfg.mode.name, "experiment": cfg.experiment.name, "status": status}
         write_timeline(out, co.timeline, meta)
         return out

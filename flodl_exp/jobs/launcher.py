@@ -24,7 +24,6 @@ from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..background import yield_to_training
 from ..bundle_meta import resolve_shuffle_seed
 from ..config import ConfigError, RunShape, mode_name, validate, world_size
 from ..events import End, EventRecord
@@ -128,8 +127,6 @@ CANCEL_WAIT_S = 20.0
 """SLURM: how long :meth:`RunHandle.shutdown` waits for the scheduler to report the cancelled job ended."""
 KILL_WAIT_S = 5.0
 """Local: how long :meth:`RunHandle.shutdown` waits for the killed processes of the job to be gone."""
-PREDICT_WAIT_S = 20.0
-"""How long :meth:`RunHandle.wait` waits for the simulator's prediction of a FINISHED run (``predicted/*``)."""
 HOST_LOST = "coordinator_host_lost"
 """``end_reason`` of a run whose task 0 (the coordinator's host) ended without a result."""
 
@@ -240,7 +237,9 @@ class RunHandle:
             "epoch": metrics_fn, "eval": eval_result_fn}
         self.prediction: Optional[dict[str, float]] = None
         """Once FINISHED: the simulator's ``predicted/*`` for this run (and ``measured/samples_per_s``), as logged."""
-        self._warming = False
+        self.relay: Optional[Any] = None
+        """The :class:`~flodl_exp.records_relay.RecordsRelay` delivering the job's MLflow records (``tracking.relay``
+        with ``run.wait``), else None (the job delivers them)."""
 
     @property
     def job_id(self) -> str:
@@ -305,8 +304,6 @@ class RunHandle:
                     continue
                 self.events.append(ev)
                 self._queue.append(ev)
-                if ev.get("event") == "started":
-                    self._warm_prediction()
                 self._call_back(ev)
 
     def _call_back(self, ev: dict) -> None:
@@ -378,9 +375,11 @@ class RunHandle:
         except Exception as e:  # FailedJobError / UncompletedJobError carry the task's traceback tail
             error = f"{type(e).__name__}: {e}"
         self._read_events()
+        self._finish_relay()
         if os.path.exists(path):
             with open(path) as fh:
                 self.result = json.load(fh)
+            self._record_relay_loss(path)
         else:
             lost = self._host_task_lost()
             if lost is not None:
@@ -408,58 +407,40 @@ class RunHandle:
         self._ended = True
         raise RunFailed(_tail_lines(reason, 40))
 
+    def _finish_relay(self, timeout: float = 60.0, *, stopped: bool = False) -> None:
+        """The job's records delivered (its journal read to the end), before the run is ended below."""
+        if self.relay is not None:
+            try:
+                self.relay.finish(timeout, stopped=stopped)
+            except Exception as e:  # a report: the run's status is still set below
+                print(f"warning: the job's MLflow records were not all delivered: {type(e).__name__}: {e}",
+                      file=sys.stderr)
+
+    def _record_relay_loss(self, path: str) -> None:
+        """Records the relay could not deliver: counted in result.json, as the job's own sink counts its losses."""
+        lost = int(getattr(self.relay, "lost", 0) or 0)
+        if lost and self.result is not None:
+            from ..fsio import atomic_json
+
+            self.result["tracking_lost_records"] = int(self.result.get("tracking_lost_records", 0) or 0) + lost
+            with contextlib.suppress(OSError):
+                atomic_json(self.result, path)
+
     def _predicts(self) -> bool:
         """``tracking.predict`` is on and the run has ranks to compare (world size 2+)."""
         return bool(getattr(self.cfg.tracking, "predict", True)) and world_size(self.cfg) >= 2
 
-    def _warm_prediction(self) -> None:
-        """Import the simulator (torch, ~2-3 s of CPU) in a daemon thread once the run has started (its ``started``
-        event: every rank joined), so the prediction at its end (:meth:`_log_prediction`) costs a simulation, not an
-        import, and the import does not take CPU from the job's start-up (the tasks' and the coordinator's own
-        imports, the critical path on a small machine). World size 1: nothing to predict."""
-        if self._warming:
-            return
-        self._warming = True
-        try:
-            if not self._predicts():
-                return
-        except Exception:  # a handle on a partial config (tests): no prediction to warm up for
-            return
-
-        def work() -> None:
-            yield_to_training(idle=False)  # the job's ranks train meanwhile (nicer only: this interpreter is shared)
-            with contextlib.suppress(Exception):  # the prediction says its own failure later
-                import flodl_exp.simulate.engine  # noqa: F401
-
-        threading.Thread(target=work, name="flodl-predict-import", daemon=True).start()
-
     def _log_prediction(self, result: dict) -> None:
-        """The simulator's prediction for this run's mode on its measured rig, logged as ``predicted/*`` beside
-        what it measured (flodl_exp/simulate/from_run.py), in a daemon thread given :data:`PREDICT_WAIT_S`. A
-        failure, or a prediction not done in time, is one warning line: never the run's failure."""
+        """The simulator's prediction for this run's mode on its measured rig: the coordinator made it and logged
+        ``predicted/*`` (flodl_exp/control/prediction.py); here it is only read from result.json for the summary.
+        One that failed is one warning line, never the run's failure."""
         if not self._predicts():
             return
-        box: dict[str, Any] = {}
-
-        def work() -> None:
-            yield_to_training(idle=False)  # a sweep's next child (or another job) may train meanwhile (nicer only)
-            try:
-                from ..simulate.from_run import log_prediction
-
-                box["out"] = log_prediction(self.client(), self.run_id, result)
-            except Exception as e:
-                box["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-
-        th = threading.Thread(target=work, name="flodl-predict", daemon=True)
-        th.start()
-        th.join(PREDICT_WAIT_S)
-        if th.is_alive():
-            print(f"warning: the simulator's prediction (predicted/*) was not done within {PREDICT_WAIT_S:.0f} s; "
-                  "not waited for", file=sys.stderr)
-        elif "error" in box:
-            print(f"warning: the simulator's prediction (predicted/*) was not logged: {box['error']}", file=sys.stderr)
-        else:
-            self.prediction = box["out"]
+        pred, why = result.get("prediction"), result.get("prediction_error")
+        if isinstance(pred, dict):
+            self.prediction = {str(k): float(v) for k, v in pred.items()}
+        elif why:
+            print(f"warning: the simulator's prediction (predicted/*) was not logged: {why}", file=sys.stderr)
 
     def _start_model_export(self) -> None:
         """The consensus model's MLflow export (``tracking.log_model``), asked by the coordinator, in a process of
@@ -477,6 +458,12 @@ class RunHandle:
         except FileNotFoundError:
             return
         try:
+            with open(claimed) as fh:
+                req = json.load(fh)
+            if not req.get("run_id"):  # the job asked before this launcher had created the run
+                from ..fsio import atomic_json
+
+                atomic_json({**req, "run_id": self.run_id}, claimed, mode=0o600)
             self.client().set_tag(self.run_id, "model_export", "pending")
             fd = os.open(os.path.join(self.job_dir, EXPORT_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             with os.fdopen(fd, "ab") as out:
@@ -659,6 +646,7 @@ class RunHandle:
                 time.sleep(0.2)
         else:
             self._kill_local()
+        self._finish_relay(10.0)  # what the cancelled job wrote reaches the run before it is marked KILLED
         if self._ended:
             return None
         self._ended = True
@@ -682,6 +670,29 @@ class RunHandle:
         deadline = time.monotonic() + KILL_WAIT_S
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _nicer(fn: Callable[[], str]) -> str:
+    """``fn()`` in a helper thread made nicer (``yield_to_training(idle=False)``), joined: MLflow's import and the
+    run's creation (2-3 s of CPU) overlap the job's start-up, whose processes (interpreters, torch, the first
+    batches) get the cores first. The caller's own thread keeps its priority (it may be a user's program)."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        from ..background import yield_to_training
+
+        yield_to_training(idle=False)
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # handed to the caller as raised
+            box["error"] = e
+
+    th = threading.Thread(target=work, name="flodl-create-run", daemon=True)
+    th.start()
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return str(box["out"])
 
 
 def _tail_lines(text: str, n: int) -> str:
@@ -826,10 +837,16 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         extra["slurm_job_id"] = str(job.job_id)
     handle = RunHandle(cfg=cfg, run_id="", tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem),
                        live_uri=full_uri, metrics_fn=metrics_fn, eval_result_fn=eval_result_fn)
+    from ..journal_sink import relayed_by_launcher
+
+    if relayed_by_launcher(resolved):  # this process delivers the job's records (records_relay.py): its lease now
+        from ..records_relay import RecordsRelay
+
+        handle.relay = RecordsRelay(job_dir, full_uri)
     from .spec import publish_run_id
 
     try:
-        run_id = new_run(extra)
+        run_id = _nicer(lambda: new_run(extra))
     except BaseException as e:  # no run to log into: the job must not train unrecorded
         with contextlib.suppress(Exception):
             publish_run_id(job_dir, error=f"{type(e).__name__}: {e}")
@@ -839,6 +856,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         raise
     publish_run_id(job_dir, run_id)
     handle.run_id = run_id
+    if handle.relay is not None:
+        handle.relay.set_run(run_id)
     from ..tracking import client
 
     client(full_uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")

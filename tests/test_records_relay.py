@@ -1,0 +1,203 @@
+"""The records journal (records_journal.py): the coordinator writes its MLflow records to the job folder and the
+launcher delivers them (records_relay.py) into a real SQLite store; a launcher that stops beating, or stops relaying,
+or a journal that cannot be written, hands the delivery to the job's own sink process, and nothing is lost."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flodl_exp import journal_sink, tracking
+from flodl_exp.jobs.spec import JobSpec, publish_run_id
+from flodl_exp.journal_sink import JournalSink, relayed_by_launcher
+from flodl_exp.records_journal import JOURNAL_FILE, LEASE_FILE, TAKEN_FILE, read_lease, read_lines
+from flodl_exp.records_relay import RecordsRelay
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _run(tmp_path) -> tuple[str, str, str]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = tracking.create_run(uri, "relay", str(tmp_path / "art"), "r", {"a": 1}, {})
+    job = tmp_path / "job"
+    job.mkdir()
+    publish_run_id(str(job), run_id)
+    return uri, run_id, str(job)
+
+
+def _freeze(relay: RecordsRelay) -> None:
+    """The launcher stops (SIGSTOP, a crash): its relay's thread ends without a word in its lease."""
+    relay._stop.set()
+    assert relay._thread is not None
+    relay._thread.join(10)
+
+
+def _losses(uri: str, run_id: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in tracking.client(uri).get_metric_history(run_id, "loss"))
+
+
+def test_only_complete_lines_are_read_and_an_unreadable_one_is_marked(tmp_path):
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b'{"kind": "tags", "payload": {"a": "1"}}\nnot json\n{"kind": "tags", "pay')
+    lines, after = read_lines(str(path), 0)
+    assert [line for _, line in lines] == [{"kind": "tags", "payload": {"a": "1"}}, None]
+    assert after == lines[-1][0] == len(b'{"kind": "tags", "payload": {"a": "1"}}\nnot json\n')
+    assert read_lines(str(path), after) == ([], after)  # the torn last line waits for its newline
+    assert read_lines(str(tmp_path / "missing"), 7) == ([], 7)
+
+
+def test_the_coordinator_relays_only_for_a_waiting_launcher_of_a_spec_that_knows_relays():
+    assert relayed_by_launcher({"run": {"wait": True}, "tracking": {"relay": True}})
+    assert not relayed_by_launcher({"run": {"wait": False}, "tracking": {"relay": True}})
+    assert not relayed_by_launcher({"run": {"wait": True}, "tracking": {"relay": False}})
+    assert not relayed_by_launcher({"run": {"wait": True}, "tracking": {}})  # an older launcher's spec
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_delivers_the_journal_and_the_job_waits_for_no_store(tmp_path):
+    uri, run_id, job = _run(tmp_path)
+    note = os.path.join(job, "note.txt")
+    with open(note, "w") as fh:
+        fh.write("hello")
+    relay = RecordsRelay(job, uri, beat_s=0.05)  # started before the run exists, as the launcher does
+    sink = JournalSink(uri, "", job, stale_s=60.0)
+    sink.log_metrics({"loss": 2.0, "nan_metric": float("nan")}, step=0)
+    sink.set_tags({"auto.choice": "cpu_async"})
+    sink.log_artifact(note, "run")
+    relay.set_run(run_id)
+    _wait(lambda: _losses(uri, run_id) == [(0, 2.0)], 60, "the first record delivered by the relay")
+    sink.log_metrics({"loss": 1.0}, step=1)
+    t0 = time.monotonic()
+    sink.close("FINISHED", timeout=60)
+    assert time.monotonic() - t0 < 2.0 and sink.relayed and sink.lost == 0
+    assert not os.path.exists(os.path.join(job, TAKEN_FILE))
+    relay.finish(60)
+    assert relay.lost == 0 and relay.skipped == 0 and relay.delivered == 5 and not relay.taken
+    c = tracking.client(uri)
+    assert _losses(uri, run_id) == [(0, 2.0), (1, 1.0)]
+    run = c.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["auto.choice"] == "cpu_async"
+    assert [a.path for a in c.list_artifacts(run_id, "run")] == ["run/note.txt"]
+    lease = read_lease(job)
+    assert lease is not None and lease["stopped"] and lease["offset"] == os.path.getsize(os.path.join(job, JOURNAL_FILE))
+
+
+@pytest.mark.timeout(120)
+def test_a_close_status_ends_the_run_once_what_came_before_is_delivered(tmp_path):
+    """A launcher that never calls finish (a user's program that does not wait) still sees its run ended."""
+    uri, run_id, job = _run(tmp_path)
+    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
+    sink = JournalSink(uri, run_id, job, stale_s=60.0)
+    sink.log_metrics({"loss": 3.0}, step=0)
+    sink.close("KILLED")
+    _wait(lambda: tracking.client(uri).get_run(run_id).info.status == "KILLED", 60, "the run KILLED by the relay")
+    assert _losses(uri, run_id) == [(0, 3.0)]
+    relay.finish(30)
+
+
+@pytest.mark.timeout(180)
+def test_a_launcher_that_stops_beating_hands_the_delivery_to_the_job(tmp_path):
+    """No beat for stale_s: the job claims the delivery and its sink process delivers the journal from where the
+    relay stopped, then every record as it comes; the relay, back, delivers nothing more."""
+    uri, run_id, job = _run(tmp_path)
+    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
+    sink = JournalSink(uri, run_id, job, stale_s=1.0)
+    sink.log_metrics({"loss": 3.0}, step=0)
+    _wait(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
+    _wait(lambda: (read_lease(job) or {}).get("offset", 0) > 0, 30, "the lease to carry the delivered offset")
+    _freeze(relay)  # the launcher frozen: no more beats, no more deliveries
+    sink.log_metrics({"loss": 2.0}, step=1)
+    _wait(lambda: not sink.relayed, 60, "the job to take the delivery over")
+    assert json.loads(open(os.path.join(job, TAKEN_FILE)).read())["from_offset"] > 0
+    sink.log_metrics({"loss": 1.0}, step=2)
+    relay.pump()  # the launcher back: it sees the claim and hands nothing on
+    assert relay.taken
+    sink.close("FINISHED", timeout=60)
+    assert sink.lost == 0 and not sink.relayed
+    assert _losses(uri, run_id) == [(0, 3.0), (1, 2.0), (2, 1.0)]  # the delivered prefix was not replayed
+    assert tracking.client(uri).get_run(run_id).info.status == "FINISHED"
+    relay.finish(30)
+    # a requeued attempt finds the claim: its sink delivers from the start, no relay waited for
+    again = JournalSink(uri, run_id, job, stale_s=600.0)
+    assert not again.relayed
+    again.close(None, timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_a_close_without_a_recent_beat_delivers_through_the_job(tmp_path, monkeypatch):
+    """The launcher died between two lease checks: the close sees no beat within CLOSE_FRESH_S and delivers itself."""
+    monkeypatch.setattr(journal_sink, "BEAT_FRESH_S", 0.2)
+    monkeypatch.setattr(journal_sink, "CLOSE_FRESH_S", 0.5)
+    uri, run_id, job = _run(tmp_path)
+    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    _wait(lambda: (read_lease(job) or {}).get("beat", 0) >= 3, 30, "the relay's beats")
+    _freeze(relay)
+    last = (read_lease(job) or {}).get("beat")
+    _wait(lambda: sink._beat == last, 30, "the sink to see the relay's last beat")
+    time.sleep(0.3)  # now that beat is older than BEAT_FRESH_S (the relay is stopped: none comes)
+    sink.log_metrics({"loss": 5.0}, step=0)
+    assert sink.settle_delivery() is False  # the coordinator asks before it writes a model export request
+    sink.close("FINISHED", timeout=60)
+    assert sink.lost == 0 and _losses(uri, run_id) == [(0, 5.0)]
+    assert tracking.client(uri).get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.timeout(180)
+def test_a_relay_that_stops_hands_the_rest_to_the_job_at_once(tmp_path):
+    uri, run_id, job = _run(tmp_path)
+    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    sink.log_metrics({"loss": 3.0}, step=0)
+    _wait(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
+    relay.finish(30, stopped=True)  # a launcher giving up on a job that goes on
+    _wait(lambda: not sink.relayed, 30, "the job to take the delivery over")
+    sink.log_metrics({"loss": 2.0}, step=1)
+    sink.close("FINISHED", timeout=60)
+    assert _losses(uri, run_id) == [(0, 3.0), (1, 2.0)]
+
+
+@pytest.mark.timeout(180)
+def test_a_journal_that_cannot_be_written_hands_its_records_to_the_sink_process(tmp_path):
+    uri, run_id, job = _run(tmp_path)
+    os.mkdir(os.path.join(job, JOURNAL_FILE))  # opening it for appending fails, as a full disk's write would
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    sink.log_metrics({"loss": 4.0}, step=0)
+    _wait(lambda: not sink.relayed, 30, "the job to take the delivery over")
+    sink.log_metrics({"loss": 3.0}, step=1)
+    sink.close("FINISHED", timeout=60)
+    assert sink.lost == 0 and _losses(uri, run_id) == [(0, 4.0), (1, 3.0)]
+
+
+@pytest.mark.timeout(180)
+def test_the_recovery_command_delivers_what_a_killed_launcher_left(tmp_path):
+    uri, run_id, job = _run(tmp_path)
+    spec = JobSpec(config={"seed": 0}, run_id="", tracking_uri=uri, job_dir=job, checkpoint_stem=os.path.join(job, "x"),
+                   shuffle_seed=0)
+    with open(os.path.join(job, "spec.json"), "w") as fh:
+        json.dump(spec.to_dict(), fh)
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    sink._beat_seen = time.monotonic() + 600  # as if a launcher had just beaten (then was SIGKILLed)
+    sink.log_metrics({"loss": 6.0}, step=0)
+    sink.close("FINISHED", timeout=60)
+    assert sink.relayed and _losses(uri, run_id) == []
+    with open(os.path.join(job, LEASE_FILE), "w") as fh:
+        json.dump({"beat": 9, "offset": 0, "stopped": False}, fh)
+    out = subprocess.run([sys.executable, "-m", "flodl_exp.records_relay", job], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "delivered 1 record(s)" in out.stdout
+    assert _losses(uri, run_id) == [(0, 6.0)]
+    assert tracking.client(uri).get_run(run_id).info.status == "FINISHED"
