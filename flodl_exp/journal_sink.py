@@ -60,6 +60,8 @@ class JournalSink:
         self._beat: Any = None
         self._beat_seen = clock()  # the lease gets stale_s from now to show its first beat
         self._lease_read = 0.0
+        self._taking = threading.Lock()  # one takeover at a time (the thread's, close's)
+        _end_torn_line(self.path)
         if taken(job_dir):  # an earlier attempt took the delivery over: this one delivers from the start
             self._sink = self._start_sink()
         self._thread = threading.Thread(target=self._loop, name="journal-sink", daemon=True)
@@ -205,37 +207,53 @@ class JournalSink:
             time.sleep(0.05)
 
     def _take_over(self, why: str) -> None:
-        """The sink process delivers from the launcher's delivered offset on: what is in the journal, then the rest."""
-        with self._cond:
-            if self._sink is not None:
-                return
-        lease = read_lease(self.job_dir) or {}
-        offset = int(lease.get("offset", 0) or 0)
-        claimed = claim(self.job_dir, offset)
-        log.warning("records: %s: the job delivers them itself from byte %d of %s", why, offset, JOURNAL_FILE)
-        sink = self._start_sink()
-        if claimed:
-            while True:
-                batch, offset_after = read_lines(self.path, offset)
-                if not batch:
-                    break
-                for _, line in batch:
-                    if line and "kind" in line:
+        """The sink process delivers from the launcher's delivered offset on: what is in the journal, then the rest.
+        One at a time (a second caller finds it done); never raises (a record may go twice, never nowhere)."""
+        with self._taking:
+            with self._cond:
+                if self._sink is not None:
+                    return
+            lease = read_lease(self.job_dir) or {}
+            offset = int(lease.get("offset", 0) or 0)
+            try:
+                replay = claim(self.job_dir, offset)
+            except OSError as e:  # a full disk: the relay may not see a claim, so replay (duplicates, not losses)
+                log.error("records: could not claim the delivery (%s): replaying anyway", e)
+                replay = True
+            log.warning("records: %s: the job delivers them itself from byte %d of %s", why, offset, JOURNAL_FILE)
+            sink = self._start_sink()
+            if replay:
+                while True:
+                    batch, offset_after = read_lines(self.path, offset)
+                    if not batch:
+                        break
+                    for _, line in batch:
+                        if line and "kind" in line:
+                            sink._put(str(line["kind"]), line["payload"])
+                    offset = offset_after
+            with self._cond:  # held while the rest goes: a record logged meanwhile comes after it, in order
+                self._sink = sink
+                # lines buffered but not yet written: the journal's next write has them too, the sink gets them now
+                for raw in self._lines:
+                    line = json.loads(raw)
+                    if "kind" in line:
                         sink._put(str(line["kind"]), line["payload"])
-                offset = offset_after
-        with self._cond:
-            self._sink = sink
-            rest = list(self._lines)
-        # lines buffered but not yet written: the journal's next write has them too, the sink gets them now
-        for raw in rest:
-            line = json.loads(raw)
-            if "kind" in line:
-                sink._put(str(line["kind"]), line["payload"])
 
     def _start_sink(self) -> Any:
         from .sink_process import start_sink
 
         return start_sink(self.uri, self.run_id, self.job_dir, self.import_paths)
+
+
+def _end_torn_line(path: str) -> None:
+    """A journal whose last line was torn (a coordinator killed mid-write) gets its newline first: the next
+    attempt's first record then starts a line of its own instead of merging into the unreadable fragment."""
+    try:
+        with open(path, "rb+") as fh:
+            if fh.seek(0, os.SEEK_END) and (fh.seek(-1, os.SEEK_END), fh.read(1))[1] != b"\n":
+                fh.write(b"\n")
+    except OSError:  # no journal yet (the common case), or unwritable: the first write says so
+        pass
 
 
 def relayed_by_launcher(config: Mapping[str, Any]) -> bool:

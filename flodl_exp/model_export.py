@@ -161,9 +161,13 @@ def export_from_request(path: str, uri: str) -> int:
 
     with open(path) as fh:
         req = json.load(fh)
-    if not req.get("run_id"):  # the launcher names the run as it claims the request (the job may not have known it)
-        log.error("%s names no MLflow run (the launcher that claims it names it): nothing exported", path)
-        return 1
+    if not req.get("run_id"):  # the launcher names the run as it claims the request; by hand: the job folder's id
+        try:
+            with open(os.path.join(os.path.dirname(os.path.abspath(path)), "run_id.json")) as fh:
+                req["run_id"] = str(json.load(fh)["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.error("%s names no MLflow run and its job folder has no run_id.json: nothing exported", path)
+            return 1
     for p in reversed(req.get("import_paths") or []):
         if p not in sys.path:
             sys.path.insert(0, p)

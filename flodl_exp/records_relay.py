@@ -60,6 +60,8 @@ class RecordsRelay:
         self._sink: Any = None
         self._status: Optional[str] = None  # a close's status not yet applied
         self._status_since = 0.0
+        self._status_at = 0  # where that close line starts: the delivered offset stays before it until it is applied
+        self._lease_final = False  # the stopped lease is written: no beat may follow it
         self._beat = 0
         self._stop = threading.Event()
         self._finished = False
@@ -85,6 +87,8 @@ class RecordsRelay:
                 self.pump()
             except Exception as e:  # a report; the next beat tries again, the lease goes on
                 log.warning("records relay: %s: %s", type(e).__name__, e)
+            if self._stop.is_set():
+                break  # finish() owns the lease from here
             self._write_lease()
 
     def pump(self) -> None:
@@ -101,10 +105,11 @@ class RecordsRelay:
             from .tracking import MlflowSink
 
             self._sink = MlflowSink(self.uri, run_id)
-        while True:
+        while self._sink.pending < self._sink.max_records // 2:  # the journal keeps the rest while the store lags
             lines, after = read_lines(self.path, self._offset)
             if not lines:
                 break
+            start = self._offset
             for end, line in lines:
                 if line is None or not ("kind" in line or "close" in line):
                     self.skipped += 1
@@ -112,12 +117,13 @@ class RecordsRelay:
                 elif "close" in line:
                     status = (line.get("close") or {}).get("status")
                     if status:
-                        self._status, self._status_since = str(status), time.monotonic()
+                        self._status, self._status_since, self._status_at = str(status), time.monotonic(), start
                 else:
                     kind, payload = str(line["kind"]), line["payload"]
                     self._sink._put(kind, payload)
                     self._points += len(payload) if kind in ("metrics", "tags") else 1
                     self._handed.append((self._points, end))
+                start = end
             self._offset = after
         self._settle()
 
@@ -131,6 +137,8 @@ class RecordsRelay:
             self._delivered_offset = self._handed.popleft()[1]
         if not self._handed:
             self._delivered_offset = self._offset
+        if self._status:  # a recovery from this lease must still see the close line
+            self._delivered_offset = min(self._delivered_offset, self._status_at)
         if self._status and (sink.pending == 0 or time.monotonic() - self._status_since > TERMINATE_WAIT_S):
             status, self._status = self._status, None
             from .tracking import client
@@ -146,11 +154,15 @@ class RecordsRelay:
     def _write_lease(self, stopped: bool = False) -> None:
         from .fsio import atomic_bytes
 
-        self._beat += 1
-        body = (f'{{"beat": {self._beat}, "offset": {self._delivered_offset}, "pid": {os.getpid()}, '
-                f'"stopped": {"true" if stopped else "false"}}}')
-        with contextlib.suppress(OSError):  # the job folder gone or full: the coordinator sees no beat, takes over
-            atomic_bytes(body.encode(), os.path.join(self.job_dir, LEASE_FILE), fsync=False)
+        with self._lock:
+            if self._lease_final:
+                return
+            self._lease_final = stopped
+            self._beat += 1
+            body = (f'{{"beat": {self._beat}, "offset": {self._delivered_offset}, "pid": {os.getpid()}, '
+                    f'"stopped": {"true" if stopped else "false"}}}')
+            with contextlib.suppress(OSError):  # the job folder gone or full: the coordinator sees no beat, takes over
+                atomic_bytes(body.encode(), os.path.join(self.job_dir, LEASE_FILE), fsync=False)
 
     # -- the end ----------------------------------------------------------------------------------------------------
 
@@ -160,20 +172,22 @@ class RecordsRelay:
         delivers the rest. Idempotent."""
         if self._finished:
             return
-        self._finished = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        alive = self._thread is not None and self._thread.is_alive()  # stuck on the store: it must not pump twice
         with contextlib.suppress(Exception):
-            if not stopped:
+            if not stopped and not alive:
                 self.pump()
         sink = self._sink
         if sink is not None:
-            sink.close(self._status, timeout=timeout)
+            sink.close(self._status, timeout=timeout)  # (a Ctrl-C in here: shutdown() calls this again)
             self._status = None
             self.lost, self.errors, self.delivered = int(sink.lost), int(sink.errors), int(sink.delivered)
-            self._settle()
+            with contextlib.suppress(Exception):
+                self._settle()
         self._write_lease(stopped=True)
+        self._finished = True
 
 
 def main(argv: list[str]) -> int:

@@ -201,3 +201,84 @@ def test_the_recovery_command_delivers_what_a_killed_launcher_left(tmp_path):
     assert "delivered 1 record(s)" in out.stdout
     assert _losses(uri, run_id) == [(0, 6.0)]
     assert tracking.client(uri).get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.timeout(120)
+def test_a_torn_last_line_of_a_killed_attempt_does_not_swallow_the_next_attempts_first_record(tmp_path):
+    uri, run_id, job = _run(tmp_path)
+    with open(os.path.join(job, JOURNAL_FILE), "wb") as fh:
+        fh.write(b'{"kind": "metrics", "payload": [["loss", 9.0, 1, 0]]}\n{"kind": "tags", "pay')  # killed mid-write
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    sink._beat_seen = time.monotonic() + 600  # a launcher that beats (its relay reads the journal below)
+    sink.log_metrics({"loss": 1.0}, step=1)
+    sink.close(None)
+    lines, _ = read_lines(os.path.join(job, JOURNAL_FILE), 0)
+    assert [line is None for _, line in lines] == [False, True, False, False]  # record, fragment, record, close
+    assert lines[2][1] is not None and lines[2][1]["payload"][0][:2] == ["loss", 1.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_finish_cut_short_by_ctrl_c_is_completed_by_the_next_call(tmp_path):
+    """Ctrl-C while the relay delivers its last records: the launcher's shutdown calls finish again, which
+    delivers them and applies the coordinator's status (the run must not be marked KILLED for it)."""
+    uri, run_id, job = _run(tmp_path)
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    sink._beat_seen = time.monotonic() + 600
+    sink.log_metrics({"loss": 2.0}, step=0)
+    sink.close("FINISHED")
+    relay = RecordsRelay(job, uri, run_id, thread=False)
+    relay.pump()
+    real_close = relay._sink.close
+    calls = []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_close(*a, **k)
+
+    relay._sink.close = interrupted
+    relay._status = "FINISHED"  # the close line's status, not yet applied when Ctrl-C came
+    with pytest.raises(KeyboardInterrupt):
+        relay.finish(30)
+    relay.finish(30)
+    assert _losses(uri, run_id) == [(0, 2.0)]
+    assert tracking.client(uri).get_run(run_id).info.status == "FINISHED"
+    assert read_lease(job)["stopped"]
+
+
+@pytest.mark.timeout(120)
+def test_the_lease_keeps_a_close_line_whose_status_is_not_applied_yet(tmp_path, monkeypatch):
+    """The store refuses the run's end: the lease's offset stays before the close line, so a recovery from it still
+    ends the run."""
+    uri, run_id, job = _run(tmp_path)
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    sink._beat_seen = time.monotonic() + 600
+    sink.log_metrics({"loss": 2.0}, step=0)
+    sink.close("FINISHED")
+    relay = RecordsRelay(job, uri, run_id, thread=False)
+    import flodl_exp.tracking as tr
+
+    real = tr.client
+
+    class Refusing:
+        def __init__(self, c):
+            self.c = c
+
+        def set_terminated(self, *a, **k):
+            raise RuntimeError("store down")
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+    monkeypatch.setattr(tr, "client", lambda u: Refusing(real(u)))
+    with pytest.raises(RuntimeError):
+        for _ in range(600):
+            relay.pump()
+            time.sleep(0.05)
+    size = os.path.getsize(os.path.join(job, JOURNAL_FILE))
+    close_len = len(b'{"close": {"status": "FINISHED"}}\n')
+    assert relay._delivered_offset == size - close_len
+    monkeypatch.setattr(tr, "client", real)
+    relay.finish(30)
+    assert tracking.client(uri).get_run(run_id).info.status == "FINISHED"

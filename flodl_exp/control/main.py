@@ -181,7 +181,12 @@ def _predict(spec: JobSpec, cfg: Any, sink: Any, result: dict[str, Any], path: s
     epochs = [step for step, _, _ in sink.history.get("epoch_time_s", [])]
     if not epochs:
         return
-    prediction, why = predict_finished_run(spec.config, sink, result)
+    prediction: Optional[dict[str, float]]
+    why: Optional[str]
+    if spec.attempt:  # this process saw only its own attempt's records: the replay reads every attempt's
+        prediction, why = None, "a requeued attempt: `python -m flodl_exp.simulate --from-run` replays the whole run"
+    else:
+        prediction, why = predict_finished_run(spec.config, sink, result)
     if prediction is not None:
         finite = {k: v for k, v in prediction.items() if math.isfinite(v)}
         sink.log_metrics({k: v for k, v in finite.items() if k.startswith("predicted/")}, step=max(epochs))

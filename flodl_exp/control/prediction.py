@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import defaultdict
@@ -20,6 +21,11 @@ log = logging.getLogger("flodl_exp.coordinator")
 
 PREDICT_WAIT_S = 20.0
 """How long the run's end gives the prediction (then it goes without one, and says so)."""
+
+THREAD = "flodl-predict"
+
+_KEPT = re.compile(r"^(samples|epoch_time_s|syncs|sync_ms_avg|rank\d+/(batches|compute_only_ms|data_starve_ms))$")
+"""The metric keys a replay reads (simulate/from_run.py RUN_KEYS and RANK_KEYS): the tap keeps only these."""
 
 
 class RecordTap:
@@ -38,7 +44,7 @@ class RecordTap:
         ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)
         self._last_ts = max(self._last_ts, ts)
         for k, v in metrics.items():
-            if v is not None:
+            if v is not None and _KEPT.match(k):
                 self.history[k].append((int(step), float(v), ts))
         self.sink.log_metrics(metrics, step, timestamp_ms=ts)
 
@@ -63,9 +69,18 @@ def predict_finished_run(config: Mapping[str, Any], tap: RecordTap, result: Mapp
         except Exception as e:
             box["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
-    th = threading.Thread(target=work, name="flodl-predict", daemon=True)
+    # the simulated control core logs as the coordinator does ("anchor 10 -> 20"): those lines are held back, by
+    # thread, so the coordinator's own lines (and a late prediction's) still reach its log
+    quiet = _NotThread(THREAD)
+    handlers = list(logging.getLogger().handlers)
+    for h in handlers:
+        h.addFilter(quiet)
+    th = threading.Thread(target=work, name=THREAD, daemon=True)
     th.start()
     th.join(wait_s)
+    if not th.is_alive():
+        for h in handlers:
+            h.removeFilter(quiet)
     if th.is_alive():
         return None, f"not done within {wait_s:.0f} s"
     if "error" in box:
@@ -73,8 +88,17 @@ def predict_finished_run(config: Mapping[str, Any], tap: RecordTap, result: Mapp
     return box["out"], None
 
 
+class _NotThread(logging.Filter):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.thread = name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != self.thread
+
+
 def _predict(config: Mapping[str, Any], tap: RecordTap, result: Mapping[str, Any]) -> dict[str, float]:
-    from ..simulate.from_run import base_config, measured, prediction_metrics, quiet_core
+    from ..simulate.from_run import base_config, measured, prediction_metrics
     from ..tracking import flatten
 
     params = flatten(config)
@@ -85,6 +109,5 @@ def _predict(config: Mapping[str, Any], tap: RecordTap, result: Mapping[str, Any
     stem = result.get("stem")
     model_mb = os.path.getsize(f"{stem}.pt") / 1e6 if isinstance(stem, str) and os.path.isfile(f"{stem}.pt") else None
     history = dict(tap.history)
-    with quiet_core():
-        out = prediction_metrics(params, history, result, base=base_config(), model_mb=model_mb)
+    out = prediction_metrics(params, history, result, base=base_config(), model_mb=model_mb)
     return {**out, "measured/samples_per_s": measured(history)["samples_per_s"]}

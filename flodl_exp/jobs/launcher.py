@@ -672,10 +672,12 @@ class RunHandle:
             time.sleep(0.05)
 
 
-def _nicer(fn: Callable[[], str]) -> str:
+def _nicer(fn: Callable[[], str], late: Callable[[str], object]) -> str:
     """``fn()`` in a helper thread made nicer (``yield_to_training(idle=False)``), joined: MLflow's import and the
     run's creation (2-3 s of CPU) overlap the job's start-up, whose processes (interpreters, torch, the first
-    batches) get the cores first. The caller's own thread keeps its priority (it may be a user's program)."""
+    batches) get the cores first. The caller's own thread keeps its priority (it may be a user's program).
+    Interrupted (Ctrl-C) while it runs: it is given :data:`KILL_WAIT_S` more, and a run it created then is handed to
+    ``late`` (which ends it), so no run is left RUNNING behind a cancelled launch."""
     box: dict[str, Any] = {}
 
     def work() -> None:
@@ -689,10 +691,23 @@ def _nicer(fn: Callable[[], str]) -> str:
 
     th = threading.Thread(target=work, name="flodl-create-run", daemon=True)
     th.start()
-    th.join()
+    try:
+        th.join()
+    except BaseException:
+        th.join(KILL_WAIT_S)
+        if "out" in box:
+            with contextlib.suppress(Exception):
+                late(str(box["out"]))
+        raise
     if "error" in box:
         raise box["error"]
     return str(box["out"])
+
+
+def _end_run(uri: str, run_id: str, status: str, error: str) -> None:
+    from ..tracking import end_run
+
+    end_run(uri, run_id, status, error=error)
 
 
 def _tail_lines(text: str, n: int) -> str:
@@ -846,7 +861,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     from .spec import publish_run_id
 
     try:
-        run_id = _nicer(lambda: new_run(extra))
+        run_id = _nicer(lambda: new_run(extra), late=lambda rid: _end_run(full_uri, rid, "KILLED", "cancelled by the user"))
     except BaseException as e:  # no run to log into: the job must not train unrecorded
         with contextlib.suppress(Exception):
             publish_run_id(job_dir, error=f"{type(e).__name__}: {e}")
