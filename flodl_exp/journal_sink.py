@@ -20,6 +20,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from .records_journal import JOURNAL_FILE, claim, close_line, read_lease, read_lines, record_line, taken
+from .tracking import RecordSurface
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ CLOSE_FRESH_S = 3.0
 """At close, without a fresh beat, how long a new one is waited for: else the job delivers its records itself."""
 
 
-class JournalSink:
+class JournalSink(RecordSurface):
     """Records to ``<job>/records.jsonl`` for the launcher's relay; see the module's doc."""
 
     def __init__(self, uri: str, run_id: str, job_dir: str, import_paths: Sequence[str] = (), *,
@@ -78,25 +79,6 @@ class JournalSink:
             sink = self._sink
         if sink is not None:
             sink._put(kind, payload)
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: Optional[int] = None) -> None:
-        # stamped when it happened, strictly increasing (or the caller's stamp: control/prediction.py)
-        ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)
-        self._last_ts = max(self._last_ts, ts)
-        self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._put("tags", {k: str(v) for k, v in tags.items()})
-
-    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
-        self._put("artifact", (path, artifact_path))
-
-    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
-        if inputs:
-            self._put("inputs", list(inputs))
-
-    def log_model(self, stem: str, experiment: Mapping[str, Any]) -> None:
-        self._put("model", (stem, dict(experiment)))
 
     @property
     def pending(self) -> int:

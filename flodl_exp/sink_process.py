@@ -26,6 +26,8 @@ import time
 from collections import deque
 from typing import Any, Mapping, Optional, Sequence
 
+from .tracking import RecordSurface
+
 log = logging.getLogger(__name__)
 
 ORPHAN_CLOSE_S = 30.0
@@ -39,7 +41,7 @@ def _count(kind: str, payload: Any) -> int:
     return len(payload) if kind in ("metrics", "tags") else 1
 
 
-class ProcessSink:
+class ProcessSink(RecordSurface):
     """MLflow records delivered by a child process (``python -m flodl_exp.sink_process``); see the module's doc."""
 
     def __init__(self, uri: str, run_id: str, job_dir: str, import_paths: Sequence[str] = (),
@@ -103,25 +105,6 @@ class ProcessSink:
                 self._cond.notify_all()
                 return
         fallback._put(kind, payload)
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: Optional[int] = None) -> None:
-        # Strictly increasing timestamps, stamped here (when it happened), not when the child delivers them.
-        ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)
-        self._last_ts = max(self._last_ts, ts)
-        self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._put("tags", {k: str(v) for k, v in tags.items()})
-
-    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
-        self._put("artifact", (path, artifact_path))
-
-    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
-        if inputs:
-            self._put("inputs", list(inputs))
-
-    def log_model(self, stem: str, experiment: Mapping[str, Any]) -> None:
-        self._put("model", (stem, dict(experiment)))
 
     @property
     def pending(self) -> int:

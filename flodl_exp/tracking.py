@@ -166,7 +166,40 @@ def _import_mlflow(uri: str) -> None:
         pass
 
 
-class MlflowSink:
+class RecordSurface:
+    """What the coordinator calls on every sink (MlflowSink, sink_process.ProcessSink, journal_sink.JournalSink):
+    each call becomes one ``_put(kind, payload)`` record, stamped here, so all three carry the same records.
+    Metric points get strictly increasing timestamps in ms (the SQL store drops a point equal in key, step, value
+    and time), stamped when logged, not when delivered; ``timestamp_ms`` is the caller's own stamp
+    (control/prediction.py keeps the points it stamped)."""
+
+    _last_ts = 0
+
+    def _put(self, kind: str, payload: Any) -> None:
+        raise NotImplementedError
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: Optional[int] = None) -> None:
+        ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)
+        self._last_ts = max(self._last_ts, ts)
+        self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self._put("tags", {k: str(v) for k, v in tags.items()})
+
+    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
+        self._put("artifact", (path, artifact_path))
+
+    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
+        """The run's data sets (:func:`flodl_exp.model_export.dataset_input` dicts) as MLflow inputs."""
+        if inputs:
+            self._put("inputs", list(inputs))
+
+    def log_model(self, stem: str, experiment: Mapping[str, Any]) -> None:
+        """The bundle ``stem``'s consensus model as an MLflow model (built from the ``experiment`` config)."""
+        self._put("model", (stem, dict(experiment)))
+
+
+class MlflowSink(RecordSurface):
     """Background logger: ``log_metrics``/``set_tags``/``log_artifact`` enqueue, a thread delivers.
 
     Never blocks training and never loses a record silently: a delivery that fails (a SQLite lock
@@ -225,28 +258,6 @@ class MlflowSink:
                     log.warning("mlflow sink: buffer full (%d records): dropping the oldest", self.max_records)
                 self.lost += c
             self._cond.notify()
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: Optional[int] = None) -> None:
-        """``timestamp_ms``: the caller's stamp (control/prediction.py keeps the points it stamped)."""
-        # Strictly increasing timestamps: the SQL store drops a point equal in (key, step, value, time).
-        ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)
-        self._last_ts = max(self._last_ts, ts)
-        self._put("metrics", [(k, float(v), ts, int(step)) for k, v in metrics.items() if v is not None])
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._put("tags", {k: str(v) for k, v in tags.items()})
-
-    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
-        self._put("artifact", (path, artifact_path))
-
-    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
-        """The run's data sets (:func:`flodl_exp.model_export.dataset_input` dicts) as MLflow inputs."""
-        if inputs:
-            self._put("inputs", list(inputs))
-
-    def log_model(self, stem: str, experiment: Mapping[str, Any]) -> None:
-        """The bundle ``stem``'s consensus model as an MLflow model (built from the ``experiment`` config)."""
-        self._put("model", (stem, dict(experiment)))
 
     @property
     def pending(self) -> int:

@@ -30,6 +30,18 @@ def _ppid(pid: int) -> int:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 
+def _held_cli_run(out: list[str]) -> tuple[str, Path, list[int]]:
+    """A CLI run's id, job folder and processes (ranks, coordinator, submitit's controller), from the lines it
+    printed, once both ranks joined; the run must be held open (a gate)."""
+    wait_for(lambda: any(x.startswith("MLflow run ") for x in out), timeout=START_S, what="the run's folder")
+    head = next(x for x in out if x.startswith("MLflow run "))
+    run_id, controller, job = head.split()[2], int(head.split()[4]), Path(head.split(" folder ", 1)[1].strip())
+    wait_for(lambda: len(_joined(job)) == 2, timeout=START_S, what="both ranks joined")
+    pids = [*_joined(job).values(), json.loads((job / "rendezvous.json").read_text())["pid"], controller]
+    assert not any(e.get("event") == "end" for e in read_events(job)), "the gate should hold the run open"
+    return run_id, job, pids
+
+
 def test_losing_the_coordinators_host_task_fails_the_run_in_one_line(store, tmp_path, monkeypatch):
     """Task 0 SIGKILLed: its coordinator dies with it and nobody writes the run's end. The launcher says so in one
     line, and leaves result.json, an end event and a FAILED MLflow run as any other failure does."""
@@ -85,12 +97,7 @@ def test_ctrl_c_cancels_a_hung_run_within_seconds(store, tmp_path):
     for t in readers:
         t.start()
     try:
-        wait_for(lambda: any(x.startswith("MLflow run ") for x in out), timeout=START_S, what="the run's folder")
-        head = next(x for x in out if x.startswith("MLflow run "))
-        run_id, controller, job = head.split()[2], int(head.split()[4]), Path(head.split(" folder ", 1)[1].strip())
-        wait_for(lambda: len(_joined(job)) == 2, timeout=START_S, what="both ranks joined")
-        pids = [*_joined(job).values(), json.loads((job / "rendezvous.json").read_text())["pid"], controller]
-        assert not any(e.get("event") == "end" for e in read_events(job)), "the gate should hold the run open"
+        run_id, job, pids = _held_cli_run(out)
         t0 = time.monotonic()
         os.killpg(p.pid, signal.SIGINT)
         try:
@@ -130,12 +137,7 @@ def test_a_launcher_killed_mid_run_leaves_the_records_to_the_job(store, tmp_path
     reader.start()
     pids: list[int] = []
     try:
-        wait_for(lambda: any(x.startswith("MLflow run ") for x in out), timeout=START_S, what="the run's folder")
-        head = next(x for x in out if x.startswith("MLflow run "))
-        run_id, controller, job = head.split()[2], int(head.split()[4]), Path(head.split(" folder ", 1)[1].strip())
-        wait_for(lambda: len(_joined(job)) == 2, timeout=START_S, what="both ranks joined")
-        pids = [*_joined(job).values(), json.loads((job / "rendezvous.json").read_text())["pid"], controller]
-        assert not any(e.get("event") == "end" for e in read_events(job)), "the gate should hold the run open"
+        run_id, job, pids = _held_cli_run(out)
         assert (job / "records.jsonl").exists() and (job / "records_relay.json").exists()
         p.kill()  # the launcher, only: the job goes on
         p.wait(10)

@@ -17,15 +17,9 @@ from flodl_exp.journal_sink import JournalSink, relayed_by_launcher
 from flodl_exp.records_journal import JOURNAL_FILE, LEASE_FILE, TAKEN_FILE, read_lease, read_lines
 from flodl_exp.records_relay import RecordsRelay
 
+from conftest import wait_for
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _run(tmp_path) -> tuple[str, str, str]:
@@ -77,7 +71,7 @@ def test_the_launcher_delivers_the_journal_and_the_job_waits_for_no_store(tmp_pa
     sink.set_tags({"auto.choice": "cpu_async"})
     sink.log_artifact(note, "run")
     relay.set_run(run_id)
-    _wait(lambda: _losses(uri, run_id) == [(0, 2.0)], 60, "the first record delivered by the relay")
+    wait_for(lambda: _losses(uri, run_id) == [(0, 2.0)], 60, "the first record delivered by the relay")
     sink.log_metrics({"loss": 1.0}, step=1)
     t0 = time.monotonic()
     sink.close("FINISHED", timeout=60)
@@ -102,7 +96,7 @@ def test_a_close_status_ends_the_run_once_what_came_before_is_delivered(tmp_path
     sink = JournalSink(uri, run_id, job, stale_s=60.0)
     sink.log_metrics({"loss": 3.0}, step=0)
     sink.close("KILLED")
-    _wait(lambda: tracking.client(uri).get_run(run_id).info.status == "KILLED", 60, "the run KILLED by the relay")
+    wait_for(lambda: tracking.client(uri).get_run(run_id).info.status == "KILLED", 60, "the run KILLED by the relay")
     assert _losses(uri, run_id) == [(0, 3.0)]
     relay.finish(30)
 
@@ -115,11 +109,11 @@ def test_a_launcher_that_stops_beating_hands_the_delivery_to_the_job(tmp_path):
     relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
     sink = JournalSink(uri, run_id, job, stale_s=1.0)
     sink.log_metrics({"loss": 3.0}, step=0)
-    _wait(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
-    _wait(lambda: (read_lease(job) or {}).get("offset", 0) > 0, 30, "the lease to carry the delivered offset")
+    wait_for(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
+    wait_for(lambda: (read_lease(job) or {}).get("offset", 0) > 0, 30, "the lease to carry the delivered offset")
     _freeze(relay)  # the launcher frozen: no more beats, no more deliveries
     sink.log_metrics({"loss": 2.0}, step=1)
-    _wait(lambda: not sink.relayed, 60, "the job to take the delivery over")
+    wait_for(lambda: not sink.relayed, 60, "the job to take the delivery over")
     assert json.loads(open(os.path.join(job, TAKEN_FILE)).read())["from_offset"] > 0
     sink.log_metrics({"loss": 1.0}, step=2)
     relay.pump()  # the launcher back: it sees the claim and hands nothing on
@@ -143,10 +137,10 @@ def test_a_close_without_a_recent_beat_delivers_through_the_job(tmp_path, monkey
     uri, run_id, job = _run(tmp_path)
     relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
     sink = JournalSink(uri, run_id, job, stale_s=600.0)
-    _wait(lambda: (read_lease(job) or {}).get("beat", 0) >= 3, 30, "the relay's beats")
+    wait_for(lambda: (read_lease(job) or {}).get("beat", 0) >= 3, 30, "the relay's beats")
     _freeze(relay)
     last = (read_lease(job) or {}).get("beat")
-    _wait(lambda: sink._beat == last, 30, "the sink to see the relay's last beat")
+    wait_for(lambda: sink._beat == last, 30, "the sink to see the relay's last beat")
     time.sleep(0.3)  # now that beat is older than BEAT_FRESH_S (the relay is stopped: none comes)
     sink.log_metrics({"loss": 5.0}, step=0)
     assert sink.settle_delivery() is False  # the coordinator asks before it writes a model export request
@@ -161,9 +155,9 @@ def test_a_relay_that_stops_hands_the_rest_to_the_job_at_once(tmp_path):
     relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
     sink = JournalSink(uri, run_id, job, stale_s=600.0)
     sink.log_metrics({"loss": 3.0}, step=0)
-    _wait(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
+    wait_for(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
     relay.finish(30, stopped=True)  # a launcher giving up on a job that goes on
-    _wait(lambda: not sink.relayed, 30, "the job to take the delivery over")
+    wait_for(lambda: not sink.relayed, 30, "the job to take the delivery over")
     sink.log_metrics({"loss": 2.0}, step=1)
     sink.close("FINISHED", timeout=60)
     assert _losses(uri, run_id) == [(0, 3.0), (1, 2.0)]
@@ -175,7 +169,7 @@ def test_a_journal_that_cannot_be_written_hands_its_records_to_the_sink_process(
     os.mkdir(os.path.join(job, JOURNAL_FILE))  # opening it for appending fails, as a full disk's write would
     sink = JournalSink(uri, run_id, job, stale_s=600.0)
     sink.log_metrics({"loss": 4.0}, step=0)
-    _wait(lambda: not sink.relayed, 30, "the job to take the delivery over")
+    wait_for(lambda: not sink.relayed, 30, "the job to take the delivery over")
     sink.log_metrics({"loss": 3.0}, step=1)
     sink.close("FINISHED", timeout=60)
     assert sink.lost == 0 and _losses(uri, run_id) == [(0, 4.0), (1, 3.0)]
