@@ -9,6 +9,7 @@ under ``outputs/mlartifacts``.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import subprocess
@@ -166,7 +167,7 @@ def _import_mlflow(uri: str) -> None:
         pass
 
 
-class RecordSurface:
+class RecordSurface(abc.ABC):
     """What the coordinator calls on every sink (MlflowSink, sink_process.ProcessSink, journal_sink.JournalSink):
     each call becomes one ``_put(kind, payload)`` record, stamped here, so all three carry the same records.
     Metric points get strictly increasing timestamps in ms (the SQL store drops a point equal in key, step, value
@@ -175,8 +176,9 @@ class RecordSurface:
 
     _last_ts = 0
 
+    @abc.abstractmethod
     def _put(self, kind: str, payload: Any) -> None:
-        raise NotImplementedError
+        """Take one record (``kind``: metrics, tags, artifact, inputs, model) toward the store."""
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: Optional[int] = None) -> None:
         ts = max(int(time.time() * 1000), self._last_ts + 1) if timestamp_ms is None else int(timestamp_ms)

@@ -31,6 +31,12 @@ def _run(tmp_path) -> tuple[str, str, str]:
     return uri, run_id, str(job)
 
 
+def _relayed(tmp_path, stale_s: float) -> tuple[str, str, str, RecordsRelay, JournalSink]:
+    """A run with a launcher's relay beating (every 0.05 s) and the job's journal sink watching it."""
+    uri, run_id, job = _run(tmp_path)
+    return uri, run_id, job, RecordsRelay(job, uri, run_id, beat_s=0.05), JournalSink(uri, run_id, job, stale_s=stale_s)
+
+
 def _freeze(relay: RecordsRelay) -> None:
     """The launcher stops (SIGSTOP, a crash): its relay's thread ends without a word in its lease."""
     relay._stop.set()
@@ -91,9 +97,7 @@ def test_the_launcher_delivers_the_journal_and_the_job_waits_for_no_store(tmp_pa
 @pytest.mark.timeout(120)
 def test_a_close_status_ends_the_run_once_what_came_before_is_delivered(tmp_path):
     """A launcher that never calls finish (a user's program that does not wait) still sees its run ended."""
-    uri, run_id, job = _run(tmp_path)
-    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
-    sink = JournalSink(uri, run_id, job, stale_s=60.0)
+    uri, run_id, job, relay, sink = _relayed(tmp_path, stale_s=60.0)
     sink.log_metrics({"loss": 3.0}, step=0)
     sink.close("KILLED")
     wait_for(lambda: tracking.client(uri).get_run(run_id).info.status == "KILLED", 60, "the run KILLED by the relay")
@@ -105,9 +109,7 @@ def test_a_close_status_ends_the_run_once_what_came_before_is_delivered(tmp_path
 def test_a_launcher_that_stops_beating_hands_the_delivery_to_the_job(tmp_path):
     """No beat for stale_s: the job claims the delivery and its sink process delivers the journal from where the
     relay stopped, then every record as it comes; the relay, back, delivers nothing more."""
-    uri, run_id, job = _run(tmp_path)
-    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
-    sink = JournalSink(uri, run_id, job, stale_s=1.0)
+    uri, run_id, job, relay, sink = _relayed(tmp_path, stale_s=1.0)
     sink.log_metrics({"loss": 3.0}, step=0)
     wait_for(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
     wait_for(lambda: (read_lease(job) or {}).get("offset", 0) > 0, 30, "the lease to carry the delivered offset")
@@ -134,9 +136,7 @@ def test_a_close_without_a_recent_beat_delivers_through_the_job(tmp_path, monkey
     """The launcher died between two lease checks: the close sees no beat within CLOSE_FRESH_S and delivers itself."""
     monkeypatch.setattr(journal_sink, "BEAT_FRESH_S", 0.2)
     monkeypatch.setattr(journal_sink, "CLOSE_FRESH_S", 0.5)
-    uri, run_id, job = _run(tmp_path)
-    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
-    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    uri, run_id, job, relay, sink = _relayed(tmp_path, stale_s=600.0)
     wait_for(lambda: (read_lease(job) or {}).get("beat", 0) >= 3, 30, "the relay's beats")
     _freeze(relay)
     last = (read_lease(job) or {}).get("beat")
@@ -151,9 +151,7 @@ def test_a_close_without_a_recent_beat_delivers_through_the_job(tmp_path, monkey
 
 @pytest.mark.timeout(180)
 def test_a_relay_that_stops_hands_the_rest_to_the_job_at_once(tmp_path):
-    uri, run_id, job = _run(tmp_path)
-    relay = RecordsRelay(job, uri, run_id, beat_s=0.05)
-    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    uri, run_id, job, relay, sink = _relayed(tmp_path, stale_s=600.0)
     sink.log_metrics({"loss": 3.0}, step=0)
     wait_for(lambda: _losses(uri, run_id) == [(0, 3.0)], 60, "the relay's delivery")
     relay.finish(30, stopped=True)  # a launcher giving up on a job that goes on
