@@ -4,8 +4,8 @@ The module fixture runs tests/slurm/up.sh (installs the Debian packages when mis
 root) and tests/slurm/down.sh at teardown (FLODL_SLURM_KEEP=1 leaves it up). The cluster has
 4 CPUs on this 2-core box, so two 2-rank jobs run at once and a third queues. Order matters
 (pytest runs a module top to bottom): the detached runs are submitted first, on an idle
-cluster (the CLI's return time is measured), and keep it busy while the foreground run queues
-behind them; the time-limit test runs once they are done (its timing is tight); the last
+cluster (the CLI's return time is measured), and keep it busy (the sweep's jobs held at a gate)
+until the foreground run has been seen queued behind them; the time-limit test runs once they are done (its timing is tight); the last
 test checks that the detached runs ended on their own.
 
 The first tests need no cluster: they check how the config maps onto sbatch.
@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of, slurm_cluster_up
+from conftest import ROOT, base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of, slurm_cluster_up
 
 slurm = pytest.mark.slurm
 
@@ -118,6 +119,11 @@ def _job_id(out: str) -> str:
     raise AssertionError(f"no job id in output:\n{out}")
 
 
+def _sweep_gate(store: dict) -> Path:
+    """The gate the detached sweep's jobs wait at (rank 0, first batch) until the foreground run has queued."""
+    return Path(store["dir"]) / "detached_sweep.gate"
+
+
 def _ok(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
 
@@ -153,8 +159,12 @@ def test_detached_submission_returns_at_once(cluster, store):
 
     sweep = _overrides(store, "mode=cpu_cadence", "experiment=digits_mlp", "experiment.epochs=3", "run.wait=false")
     sweep = [a for a in sweep if not a.startswith("hydra.run.dir")]
+    # The sweep's jobs hold their CPUs at a gate of their own until the foreground run has been seen queued
+    # behind them (test_cluster_slurm_run_finishes_with_the_job_id_in_mlflow opens it): on a fast machine they
+    # would otherwise end before that run is submitted, and it would never queue.
     t0 = time.monotonic()
-    r = run_cli(["-m", *sweep, f"hydra.sweep.dir={store['dir']}/sweep", "seed=1,2"], timeout=90)
+    r = run_cli(["-m", *sweep, f"hydra.sweep.dir={store['dir']}/sweep", "seed=1,2"], timeout=90,
+                env={"FLODL_FAULT_INJECT": f"0:1:gate:{_sweep_gate(store)}"})
     dt = time.monotonic() - t0
     _ok(r)
     ids = [(line.split()[2], line.split("  job ", 1)[1].split()[0]) for line in r.stdout.splitlines() if line.startswith("MLflow run ")]
@@ -169,13 +179,34 @@ def test_detached_submission_returns_at_once(cluster, store):
 @pytest.mark.timeout(240)
 def test_cluster_slurm_run_finishes_with_the_job_id_in_mlflow(cluster, store):
     """The DONE command: 2 ranks as 2 SLURM tasks, queued behind the detached jobs, then trained."""
+    args = _overrides(store, "cluster.ranks_per_node=2", "mode=cpu_cadence", "experiment=digits_mlp",
+                      "cluster.slurm.mem_gb=1")
     t0 = time.monotonic()
-    r = run_cli(_overrides(store, "cluster.ranks_per_node=2", "mode=cpu_cadence", "experiment=digits_mlp",
-                           "cluster.slurm.mem_gb=1"), timeout=230)
-    _ok(r)
+    p = subprocess.Popen([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=s, buf=buf: buf.extend(s), daemon=True)
+               for s, buf in ((p.stdout, out), (p.stderr, err))]
+    for t in readers:
+        t.start()
+    try:  # the gated sweep jobs hold the 4 CPUs: the run queues behind them, then they are let go
+        _wait_for(lambda: any("queued (PENDING" in x for x in out) or p.poll() is not None, 120,
+                  "the run to be seen queued behind the held sweep jobs")
+    finally:
+        _sweep_gate(store).touch()
+    try:
+        rc = p.wait(timeout=200)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    for t in readers:
+        t.join(10)
+    stdout, stderr = "".join(out), "".join(err)
+    assert rc == 0, f"exit {rc}\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}"
     print(f"\n[test_e2e_slurm] cluster=slurm run: {time.monotonic() - t0:.1f}s", file=sys.stderr)
-    run_id, job_id, job = run_id_of(r.stdout), _job_id(r.stdout), job_dir_of(r.stdout)
-    assert "queued (PENDING" in r.stdout  # the detached jobs hold the 4 CPUs
+    run_id, job_id, job = run_id_of(stdout), _job_id(stdout), job_dir_of(stdout)
+    assert "queued (PENDING" in stdout
     run = MlflowClient(store["uri"]).get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["eval/accuracy"] >= 0.90
@@ -279,6 +310,7 @@ def test_time_limit_requeues_and_resumes_into_the_same_run(cluster, store):
 @pytest.mark.timeout(240)
 def test_detached_runs_end_finished_on_their_own(cluster, store):
     assert cluster["detached"], "test_detached_submission_returns_at_once did not submit"
+    _sweep_gate(store).touch()  # already open unless the foreground run's test was deselected
     c = MlflowClient(store["uri"])
     for run_id, job_id in cluster["detached"]:
         _wait_for(lambda run_id=run_id: c.get_run(run_id).info.status != "RUNNING", 200, f"run {run_id} (job {job_id}) to end", every=1.0)
