@@ -60,6 +60,7 @@ def coordinator_entry(argv: list[str]) -> None:
     from flodl_exp.control.coordinator import Coordinator
     from flodl_exp.control.core import ControlCore
     from flodl_exp.control.cycle import AveragingCycle
+    from flodl_exp.control.reduces import Reduces
 
     clock, mono = time.perf_counter, time.monotonic
     st: dict[str, Any] = {"batches": 0, "events": 0, "t_first": None, "t_last": None, "triggers": [], "finishes": []}
@@ -100,11 +101,32 @@ def coordinator_entry(argv: list[str]) -> None:
         st["triggers"].append([self.version, mono(), final])
         trigger(self, members, final=final)
 
+    on_snapshot = AveragingCycle.on_snapshot
+    finish_one = Reduces._finish_one
+
+    def timed_snapshot(self: AveragingCycle, r: int, snap: Any) -> None:
+        on_snapshot(self, r, snap)
+        t = mono()
+        snaps = st.setdefault("snaps", {}).setdefault(str(self.version), [t, t])
+        snaps[1] = t
+
+    def timed_finish_one(self: Reduces) -> bool:
+        c0 = time.thread_time()
+        done = finish_one(self)
+        if done:
+            st.setdefault("flushed", []).append(mono())  # the folded updates are sent as the block closes
+            st.setdefault("finish_cpu", []).append(time.thread_time() - c0)  # the main thread's own CPU
+        return done
+
     Coordinator.on_event = timed_event  # type: ignore[method-assign]
+    AveragingCycle.on_snapshot = timed_snapshot  # type: ignore[method-assign]
+    Reduces._finish_one = timed_finish_one  # type: ignore[method-assign]
     Coordinator.tick = timed_tick  # type: ignore[method-assign]
     ControlCore.on_batch = counted_batch  # type: ignore[method-assign]
     AveragingCycle.trigger = timed_trigger  # type: ignore[method-assign]
     AveragingCycle.try_finish = timed_finish  # type: ignore[method-assign]
+    if os.environ.get("BENCH_SWITCH"):
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
     code = cmain.main(argv)
     st["turns"] = sorted(turns)
     with open(os.environ[STATS_ENV], "w") as fh:
@@ -552,16 +574,47 @@ def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples
                               - min((s.get("t_go", 0.0) for s in sims), default=0.0))),
         "reduce_ms": statistics.median([(f - t) * 1e3 for (_, t, _), (_, f) in zip(stats.get("triggers", []),
                                                                               stats.get("finishes", []))] or [float("nan")]),
+        **_reduce_phases(stats),
         "span_s": span,
         "wall_s": wall,
     }
+
+
+def _median_or_nan(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _reduce_phases(stats: dict[str, Any]) -> dict[str, float]:
+    """Medians over the run's reduces of where a reduce's time goes (ms): the trigger to the first snapshot
+    handled (the requests out and the first answer back), the first to the last snapshot (the answers arriving
+    through the reader thread), the last snapshot to the averaging's end (``average``), and from there to the
+    updates sent (``flush``: the next chunks planned, the folded updates encoded and written); ``finish cpu``: the
+    main thread's own CPU time from the last snapshot to the updates sent (the wall time less what the reader
+    thread and the other processes took from it: the figure a change of the coordinator's own work moves on a
+    busy machine)."""
+    snaps = stats.get("snaps", {})
+    first, rest, avg, flush = [], [], [], []
+    for (v, t, _), (_, f), fl in zip(stats.get("triggers", []), stats.get("finishes", []), stats.get("flushed", [])):
+        s = snaps.get(str(v))
+        if s is None:
+            continue
+        first.append((s[0] - t) * 1e3)
+        rest.append((s[1] - s[0]) * 1e3)
+        avg.append((f - s[1]) * 1e3)
+        flush.append((fl - f) * 1e3)
+    med = _median_or_nan
+    return {"first_snap_ms": med(first), "snaps_ms": med(rest), "average_ms": med(avg), "flush_ms": med(flush),
+            "finish_cpu_ms": med([c * 1e3 for c in stats.get("finish_cpu", [])])}
 
 
 COLUMNS = [("n", "N", "{:d}"), ("batch_per_s", "batch/s", "{:,.0f}"), ("turn_p50_ms", "turn p50 ms", "{:.2f}"),
            ("turn_p99_ms", "turn p99 ms", "{:.2f}"), ("trig_p50_ms", "trig p50 ms", "{:.1f}"),
            ("trig_p99_ms", "trig p99 ms", "{:.1f}"), ("cpu_pct", "cpu %", "{:.0f}"),
            ("cpu_us_per_batch", "cpu us/batch", "{:.0f}"), ("rss_mb", "rss MB", "{:.0f}"),
-           ("reduces", "reduces", "{:d}"), ("absorbed", "batches", "{:d}")]
+           ("reduces", "reduces", "{:d}"), ("reduce_ms", "reduce ms", "{:.0f}"),
+           ("first_snap_ms", "1st snap ms", "{:.0f}"), ("snaps_ms", "snaps ms", "{:.0f}"),
+           ("average_ms", "average ms", "{:.0f}"), ("flush_ms", "flush ms", "{:.0f}"),
+           ("finish_cpu_ms", "finish cpu ms", "{:.0f}"), ("absorbed", "batches", "{:d}")]
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
