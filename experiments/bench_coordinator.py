@@ -51,6 +51,44 @@ STATS_ENV = "FLODL_BENCH_STATS"
 TURN_SAMPLES = 400_000
 
 
+def _time_reduce_phases(st: dict[str, Any]) -> Any:
+    """Timers on a reduce's phases (see :func:`_reduce_phases`): the first and last snapshot handled, the updates
+    sent and the main thread's CPU for the finish. ``$BENCH_FINISH_PROFILE=<file>``: cProfile the finishes
+    (a developer's look at the main thread's share; returns the profiler, dumped at the end)."""
+    from flodl_exp.control.cycle import AveragingCycle
+    from flodl_exp.control.reduces import Reduces
+
+    mono = time.monotonic
+    on_snapshot, finish_one = AveragingCycle.on_snapshot, Reduces._finish_one
+    finish_prof = None
+    if os.environ.get("BENCH_FINISH_PROFILE"):
+        import cProfile
+
+        finish_prof = cProfile.Profile()
+
+    def timed_snapshot(self: AveragingCycle, r: int, snap: Any) -> None:
+        on_snapshot(self, r, snap)
+        t = mono()
+        snaps = st.setdefault("snaps", {}).setdefault(str(self.version), [t, t])
+        snaps[1] = t
+
+    def timed_finish_one(self: Reduces) -> bool:
+        c0 = time.thread_time()
+        if finish_prof is not None:
+            finish_prof.enable()
+        done = finish_one(self)
+        if finish_prof is not None:
+            finish_prof.disable()
+        if done:
+            st.setdefault("flushed", []).append(mono())  # the folded updates are sent as the block closes
+            st.setdefault("finish_cpu", []).append(time.thread_time() - c0)  # the main thread's own CPU
+        return done
+
+    AveragingCycle.on_snapshot = timed_snapshot  # type: ignore[method-assign]
+    Reduces._finish_one = timed_finish_one  # type: ignore[method-assign]
+    return finish_prof
+
+
 # ------------------------------------------------------------------ the coordinator, timed
 def coordinator_entry(argv: list[str]) -> None:
     """``--coordinator <spec.json> <host>``: flodl_exp.control.main with timers on the loop (writes $FLODL_BENCH_STATS)."""
@@ -60,7 +98,6 @@ def coordinator_entry(argv: list[str]) -> None:
     from flodl_exp.control.coordinator import Coordinator
     from flodl_exp.control.core import ControlCore
     from flodl_exp.control.cycle import AveragingCycle
-    from flodl_exp.control.reduces import Reduces
 
     clock, mono = time.perf_counter, time.monotonic
     st: dict[str, Any] = {"batches": 0, "events": 0, "t_first": None, "t_last": None, "triggers": [], "finishes": []}
@@ -101,33 +138,15 @@ def coordinator_entry(argv: list[str]) -> None:
         st["triggers"].append([self.version, mono(), final])
         trigger(self, members, final=final)
 
-    on_snapshot = AveragingCycle.on_snapshot
-    finish_one = Reduces._finish_one
-
-    def timed_snapshot(self: AveragingCycle, r: int, snap: Any) -> None:
-        on_snapshot(self, r, snap)
-        t = mono()
-        snaps = st.setdefault("snaps", {}).setdefault(str(self.version), [t, t])
-        snaps[1] = t
-
-    def timed_finish_one(self: Reduces) -> bool:
-        c0 = time.thread_time()
-        done = finish_one(self)
-        if done:
-            st.setdefault("flushed", []).append(mono())  # the folded updates are sent as the block closes
-            st.setdefault("finish_cpu", []).append(time.thread_time() - c0)  # the main thread's own CPU
-        return done
-
     Coordinator.on_event = timed_event  # type: ignore[method-assign]
-    AveragingCycle.on_snapshot = timed_snapshot  # type: ignore[method-assign]
-    Reduces._finish_one = timed_finish_one  # type: ignore[method-assign]
     Coordinator.tick = timed_tick  # type: ignore[method-assign]
     ControlCore.on_batch = counted_batch  # type: ignore[method-assign]
     AveragingCycle.trigger = timed_trigger  # type: ignore[method-assign]
     AveragingCycle.try_finish = timed_finish  # type: ignore[method-assign]
-    if os.environ.get("BENCH_SWITCH"):
-        sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
+    finish_prof = _time_reduce_phases(st)
     code = cmain.main(argv)
+    if finish_prof is not None:
+        finish_prof.dump_stats(os.environ["BENCH_FINISH_PROFILE"])
     st["turns"] = sorted(turns)
     with open(os.environ[STATS_ENV], "w") as fh:
         json.dump(st, fh)
@@ -575,9 +594,19 @@ def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples
         "reduce_ms": statistics.median([(f - t) * 1e3 for (_, t, _), (_, f) in zip(stats.get("triggers", []),
                                                                               stats.get("finishes", []))] or [float("nan")]),
         **_reduce_phases(stats),
+        "asked_ms": _asked_ms(stats, sims),
         "span_s": span,
         "wall_s": wall,
     }
+
+
+def _asked_ms(stats: dict[str, Any], sims: list[dict[str, Any]]) -> float:
+    """Median over the reduces of the trigger to the last rank receiving its snapshot request (ms)."""
+    asked: dict[int, float] = {}
+    for s in sims:
+        for v, t in s.get("rp", []):
+            asked[int(v)] = max(asked.get(int(v), 0.0), float(t))
+    return _median_or_nan([(asked[int(v)] - t) * 1e3 for v, t, _ in stats.get("triggers", []) if int(v) in asked])
 
 
 def _median_or_nan(xs: list[float]) -> float:
@@ -585,7 +614,9 @@ def _median_or_nan(xs: list[float]) -> float:
 
 
 def _reduce_phases(stats: dict[str, Any]) -> dict[str, float]:
-    """Medians over the run's reduces of where a reduce's time goes (ms): the trigger to the first snapshot
+    """Medians over the run's reduces of where a reduce's time goes (ms): ``to sent``, the trigger to the last
+    update sent (``reduce ms`` stops at the averaging's end); ``asked`` (:func:`_asked_ms`), the trigger to the
+    last rank holding its snapshot request; the trigger to the first snapshot
     handled (the requests out and the first answer back), the first to the last snapshot (the answers arriving
     through the reader thread), the last snapshot to the averaging's end (``average``), and from there to the
     updates sent (``flush``: the next chunks planned, the folded updates encoded and written); ``finish cpu``: the
@@ -593,8 +624,9 @@ def _reduce_phases(stats: dict[str, Any]) -> dict[str, float]:
     thread and the other processes took from it: the figure a change of the coordinator's own work moves on a
     busy machine)."""
     snaps = stats.get("snaps", {})
-    first, rest, avg, flush = [], [], [], []
+    first, rest, avg, flush, whole = [], [], [], [], []
     for (v, t, _), (_, f), fl in zip(stats.get("triggers", []), stats.get("finishes", []), stats.get("flushed", [])):
+        whole.append((fl - t) * 1e3)
         s = snaps.get(str(v))
         if s is None:
             continue
@@ -603,7 +635,7 @@ def _reduce_phases(stats: dict[str, Any]) -> dict[str, float]:
         avg.append((f - s[1]) * 1e3)
         flush.append((fl - f) * 1e3)
     med = _median_or_nan
-    return {"first_snap_ms": med(first), "snaps_ms": med(rest), "average_ms": med(avg), "flush_ms": med(flush),
+    return {"reduce_sent_ms": med(whole), "first_snap_ms": med(first), "snaps_ms": med(rest), "average_ms": med(avg), "flush_ms": med(flush),
             "finish_cpu_ms": med([c * 1e3 for c in stats.get("finish_cpu", [])])}
 
 
@@ -611,7 +643,8 @@ COLUMNS = [("n", "N", "{:d}"), ("batch_per_s", "batch/s", "{:,.0f}"), ("turn_p50
            ("turn_p99_ms", "turn p99 ms", "{:.2f}"), ("trig_p50_ms", "trig p50 ms", "{:.1f}"),
            ("trig_p99_ms", "trig p99 ms", "{:.1f}"), ("cpu_pct", "cpu %", "{:.0f}"),
            ("cpu_us_per_batch", "cpu us/batch", "{:.0f}"), ("rss_mb", "rss MB", "{:.0f}"),
-           ("reduces", "reduces", "{:d}"), ("reduce_ms", "reduce ms", "{:.0f}"),
+           ("reduces", "reduces", "{:d}"), ("reduce_ms", "reduce ms", "{:.0f}"), ("reduce_sent_ms", "to sent ms", "{:.0f}"),
+           ("asked_ms", "asked ms", "{:.0f}"),
            ("first_snap_ms", "1st snap ms", "{:.0f}"), ("snaps_ms", "snaps ms", "{:.0f}"),
            ("average_ms", "average ms", "{:.0f}"), ("flush_ms", "flush ms", "{:.0f}"),
            ("finish_cpu_ms", "finish cpu ms", "{:.0f}"), ("absorbed", "batches", "{:d}")]

@@ -509,6 +509,7 @@ class StageAdvisory:
     KIND: ClassVar[Kind] = Kind.STAGE_ADVISORY
     segments: list[Annotated[list[Count], Len(3)]] = field(default_factory=list)
     counts: list[Count] = field(default_factory=list)
+    """ElChe's schedule, when it changed since this rank's last advisory; empty: unchanged (latest wins)."""
 
 
 @dataclass

@@ -121,11 +121,57 @@ class SendStalled(WireError):
     """The peer accepted no byte of a frame for ``send_stall_timeout`` seconds (it stopped reading)."""
 
 
+@dataclass(frozen=True, eq=False)  # identity: the raw views are not hashable
+class TensorPart:
+    """The encoded tensor half of a frame: the header's ``tensors`` descriptors (JSON) and the raw views.
+
+    One part serves every frame that carries the same tensors: the cpu backend sends one consensus to a
+    thousand ranks, and building the views and descriptors per rank was a fifth of that fan-out's encoding
+    (:meth:`Message.sharing`). The views alias the tensors' memory, as :func:`encode_buffers`'s do."""
+
+    descs_json: str
+    raws: tuple[memoryview, ...]
+    payload_len: int
+
+    @staticmethod
+    def of(tensors: dict[str, torch.Tensor]) -> TensorPart:
+        descs: list[dict[str, Any]] = []
+        raws: list[memoryview] = []
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                raise WireError(f"tensor {name!r}: need a str name and a dense torch.Tensor")
+            dname = _DTYPE_NAMES.get(t.dtype)
+            if dname is None:
+                raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported on the wire")
+            flat = t.detach().cpu().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().data  # bf16/bool ride as bytes
+            descs.append({"name": name, "dtype": dname, "shape": list(t.shape), "nbytes": raw.nbytes})
+            raws.append(raw)
+        descs_json = json.dumps(descs, separators=(",", ":"), ensure_ascii=False)
+        return TensorPart(descs_json, tuple(raws), sum(d["nbytes"] for d in descs))
+
+
+_NO_TENSORS = TensorPart("[]", (), 0)
+
+
 @dataclass
 class Message:
     kind: str
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensor_part: TensorPart | None = field(default=None, repr=False, compare=False)
+    """``tensors`` encoded already (:meth:`sharing`); None: :func:`encode_buffers` encodes them."""
+
+    def sharing(self, parts: dict[int, TensorPart]) -> Message:
+        """This message with its tensors' encoding taken from ``parts`` (by the tensors dict's identity), made
+        and kept there on first use. ``parts`` must live no longer than the tensors stay unchanged: a batch
+        of sends of one consensus, not a cache across reduces."""
+        if self.tensors and self.tensor_part is None:
+            part = parts.get(id(self.tensors))
+            if part is None:
+                part = parts[id(self.tensors)] = TensorPart.of(self.tensors)
+            self.tensor_part = part
+        return self
 
 
 # ---------------------------------------------------------------- encode / decode
@@ -138,27 +184,15 @@ def encode_buffers(msg: Message) -> list[bytes | memoryview]:
         raise WireError(f"kind must be a non-empty str, got {msg.kind!r}")
     if not isinstance(msg.fields, dict):
         raise WireError("fields must be a dict")
-    descs: list[dict[str, Any]] = []
-    raws: list[memoryview] = []
-    for name, t in msg.tensors.items():
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            raise WireError(f"tensor {name!r}: need a str name and a dense torch.Tensor")
-        dname = _DTYPE_NAMES.get(t.dtype)
-        if dname is None:
-            raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported on the wire")
-        flat = t.detach().cpu().contiguous().reshape(-1)
-        raw = flat.view(torch.uint8).numpy().data  # bf16/bool ride as bytes
-        descs.append({"name": name, "dtype": dname, "shape": list(t.shape), "nbytes": raw.nbytes})
-        raws.append(raw)
-    try:
-        header = json.dumps({"kind": msg.kind, "fields": msg.fields, "tensors": descs},
-                            separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    part = msg.tensor_part if msg.tensor_part is not None else TensorPart.of(msg.tensors) if msg.tensors else _NO_TENSORS
+    try:  # {"kind":..,"fields":..} with the descriptors spliced in: the same bytes as one dumps of all three
+        head = json.dumps({"kind": msg.kind, "fields": msg.fields}, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise WireError(f"fields are not JSON-serialisable: {e}") from None
-    payload_len = sum(d["nbytes"] for d in descs)
-    if len(header) > MAX_HEADER_BYTES or payload_len > _U32_MAX:
+    header = f'{head[:-1]},"tensors":{part.descs_json}}}'.encode()
+    if len(header) > MAX_HEADER_BYTES or part.payload_len > _U32_MAX:
         raise FrameTooLarge(f"{msg.kind!r}: header over {MAX_HEADER_BYTES} bytes or payload over the u32 length field")
-    return [PREFIX.pack(MAGIC, len(header), payload_len) + header, *raws]
+    return [PREFIX.pack(MAGIC, len(header), part.payload_len) + header, *part.raws]
 
 
 def encode(msg: Message) -> bytes:

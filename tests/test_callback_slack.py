@@ -2,6 +2,7 @@
 the callback rank's count so its peers do not wait for it at that window's reduce."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -44,6 +45,9 @@ class _Outbox:
 
     def broadcast(self, msg):
         pass
+
+    def sharing_tensors(self):
+        return contextlib.nullcontext()
 
 
 MS = (10.0, 30.0)

@@ -1,6 +1,7 @@
 """Outer optimizers (algorithms.md 11.1): each update rule by hand on small tensors, on both backends."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -142,6 +143,9 @@ class _Outbox:
 
     def broadcast(self, msg: object) -> None:
         self.sent.append((-1, msg))
+
+    def sharing_tensors(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 def _cycle(spec: OuterSpec) -> tuple[AveragingCycle, _Outbox]:

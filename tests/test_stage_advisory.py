@@ -72,6 +72,26 @@ def test_the_coordinator_advises_each_rank_at_epoch_start_this_epoch_and_the_nex
     assert not [p for _, p in off.transport.take() if isinstance(p, StageAdvisory)]
 
 
+def test_the_schedule_rides_an_advisory_only_when_it_changed_since_the_ranks_last_one(tmp_path):
+    """W counts to each of W ranks at every reduce was O(W^2) a round at a thousand ranks: the counts go to a rank
+    when they changed since its last advisory (empty: unchanged)."""
+    h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
+    for r in range(2):
+        h.co.on_event(("join", r, Hello(rank=r, samples=960, host="h", pid=100 + r)))
+    h.co.start()
+    first = {r: p for r, p in h.transport.take() if isinstance(p, StageAdvisory)}
+    counts = list(h.co.core.cycle.counts)
+    assert sorted(first) == [0, 1] and all(a.counts == counts for a in first.values())
+    d = h.co.core.dispatch
+    d.send_advisories()
+    again = [p for _, p in h.transport.take() if isinstance(p, StageAdvisory)]
+    assert len(again) == 2 and all(a.counts == [] and a.segments for a in again), "unchanged: not sent again"
+    h.co.core.cycle.elche.counts_view[1] += 3  # type: ignore[union-attr,index]  # a new schedule
+    d.send_advisories()
+    changed = [p for _, p in h.transport.take() if isinstance(p, StageAdvisory)]
+    assert [a.counts for a in changed] == [[counts[0], counts[1] + 3]] * 2
+
+
 def test_an_advisory_names_at_most_eight_peers_the_largest_residues() -> None:
     """At a thousand ranks an advisory naming every peer was O(W) each, O(W^2) a round: it names the
     ADVISORY_DONORS largest residues (what take_chunk steals from first); up to 9 ranks, every peer as before."""

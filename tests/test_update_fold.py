@@ -42,6 +42,31 @@ def test_the_outbox_folds_the_first_chunk_into_the_held_update_and_keeps_the_ord
     assert isinstance(t.sent[-1][1], StartEpoch)
 
 
+def test_the_held_updates_of_one_consensus_share_one_encoding_of_it():
+    """At a thousand ranks the flush sends one consensus a thousand times: its tensors are encoded once."""
+    msgs: list[tuple[int, Message]] = []
+
+    class _Raw:
+        def send(self, r: int, msg: Message) -> bool:
+            msgs.append((r, msg))
+            return True
+
+    out = Outbox(_Raw(), SimpleNamespace(alive_ranks=lambda: [0, 1, 2]))  # type: ignore[arg-type]
+    consensus = {"p0": torch.arange(6.0)}
+    with out.folding_updates():
+        for r in range(3):
+            out.send(r, Update(n=r + 1, tensors=consensus))
+        out.send(1, StartEpoch(epoch=1, offset=64, size=32, chunk=9))
+    assert [r for r, _ in msgs] == [0, 1, 2]
+    parts = {id(m.tensor_part) for _, m in msgs}
+    assert len(parts) == 1 and None not in {m.tensor_part for _, m in msgs}
+    got = [decode(m) for _, m in msgs]
+    assert [u.n for u in got] == [1, 2, 3] and got[1].next_plan == [1, 64, 32, 9]  # type: ignore[union-attr]
+    assert all(torch.equal(u.tensors["p0"], consensus["p0"]) for u in got)  # type: ignore[union-attr]
+    out.send(0, Update(n=1, tensors=consensus))  # outside a block: encoded on its own
+    assert msgs[-1][1].tensor_part is None
+
+
 def test_an_extension_queued_behind_the_update_stops_the_folding():
     t = _Transport()
     out = Outbox(t, SimpleNamespace(alive_ranks=lambda: [0]))  # type: ignore[arg-type]

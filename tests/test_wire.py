@@ -109,6 +109,24 @@ def test_frame_layout_matches_spec():
     assert frame[12 + hl:] == torch.arange(3, dtype=torch.int32).numpy().tobytes()
 
 
+def test_one_consensus_to_many_ranks_shares_its_tensor_encoding():
+    """The cpu backend's fan-out: frames of one tensors dict share one TensorPart and are the bytes a frame
+    encoded on its own would be (the descriptors spliced into the header, in the same key order)."""
+    tensors = {"p0": torch.randn(3, 2), "b0": torch.arange(4), "e": torch.zeros(0)}
+    parts: dict[int, wire.TensorPart] = {}
+    shared = [Message("update", {"n": n, "plan": [0, n, "é"]}, tensors).sharing(parts) for n in range(3)]
+    assert len(parts) == 1 and shared[0].tensor_part is shared[2].tensor_part
+    for n, msg in enumerate(shared):
+        alone = Message("update", {"n": n, "plan": [0, n, "é"]}, tensors)
+        assert alone.tensor_part is None and encode(msg) == encode(alone)
+        out = decode(encode(msg), MiB)
+        assert out.fields["n"] == n and torch.equal(out.tensors["p0"], tensors["p0"])
+    other = Message("update", {}, {"p0": torch.ones(1)}).sharing(parts)
+    assert len(parts) == 2 and other.tensor_part is not shared[0].tensor_part
+    assert Message("beat", {"x": 1}).sharing(parts).tensor_part is None and len(parts) == 2  # no tensors, no part
+    assert json.loads(encode(Message("beat", {"x": 1}))[12:])["tensors"] == []
+
+
 def test_encode_rejects_bad_messages():
     for msg in (Message(""), Message("x", {"f": object()}), Message("x", fields=[1]),  # type: ignore[arg-type]
                 Message("x", {}, {"c": torch.zeros(2, dtype=torch.complex64)}),

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Protocol
 
 from ..events import EventRecord
 from ..protocol import ExtendPartition, Payload, StartEpoch, Update, encode
-from ..wire import Message
+from ..wire import Message, TensorPart
 from .cohort import Cohort
 from .records import RecordLog
 
@@ -26,12 +26,31 @@ class Outbox:
         self._transport = transport
         self._cohort = cohort
         self._held: Optional[dict[int, list[Payload]]] = None
+        self._parts: Optional[dict[int, TensorPart]] = None
+
+    def _encode(self, payload: Payload) -> Message:
+        msg = encode(payload)
+        return msg.sharing(self._parts) if self._parts is not None else msg
+
+    @contextlib.contextmanager
+    def sharing_tensors(self) -> Iterator[None]:
+        """Within the block, the messages that carry one tensors dict (the cpu backend's consensus, to every
+        rank) share one encoding of it (:class:`~flodl_exp.wire.TensorPart`): the tensors must not change
+        inside the block."""
+        if self._parts is not None:
+            yield
+            return
+        self._parts = {}
+        try:
+            yield
+        finally:
+            self._parts = None
 
     def send(self, r: int, payload: Payload) -> bool:
         held = self._held
         if held is not None and (r in held or isinstance(payload, Update)):
             return self._hold(held, r, payload)
-        return self._transport.send(r, encode(payload))
+        return self._transport.send(r, self._encode(payload))
 
     def broadcast(self, payload: Payload) -> None:
         msg = encode(payload)
@@ -70,9 +89,10 @@ class Outbox:
             yield
         finally:
             held, self._held = self._held, None
-            for r, queue in held.items():
-                for p in queue:
-                    self._transport.send(r, encode(p))
+            with self.sharing_tensors():  # the held updates carry one consensus: encoded once for all
+                for r, queue in held.items():
+                    for p in queue:
+                        self._transport.send(r, self._encode(p))
 
 
 class EventLog:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 
 @dataclass
@@ -66,6 +66,11 @@ class Cohort:
 
     def exited(self, r: int) -> bool:
         return self._exited[r]
+
+    @property
+    def alive_mask(self) -> Sequence[bool]:
+        """Rank -> alive, without a copy (per-chunk reads at a thousand ranks); read it, never keep or change it."""
+        return self._alive
 
     def alive_ranks(self) -> list[int]:
         """The live ranks, ascending (a fresh list; the one it copies is rebuilt only on a join or a death,

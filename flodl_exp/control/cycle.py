@@ -441,9 +441,10 @@ class AveragingCycle:
         tensors = {f"p{i}": t for i, t in enumerate(avg_p)}
         tensors.update({f"b{j}": t for j, t in enumerate(avg_b)})
         post = divs[0][1]  # ||consensus||, the same for every rank
-        for r, (d, _, pre_n) in zip(ranks, divs):
-            div[r], pre[r] = d, pre_n
-            self._out.send(r, Update(n=n[r], alpha=alpha, tensors=tensors))
+        with self._out.sharing_tensors():  # one encoding of the consensus for every rank
+            for r, (d, _, pre_n) in zip(ranks, divs):
+                div[r], pre[r] = d, pre_n
+                self._out.send(r, Update(n=n[r], alpha=alpha, tensors=tensors))
         return n, div, pre, post, outer
 
     def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],

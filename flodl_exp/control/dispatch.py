@@ -137,6 +137,10 @@ class Dispatcher:
         self.progressive = progressive
         self.advise = False
         """Send staging advisories (``data_plane.stage_advisories``, progressive modes only)."""
+        self._advised_counts: tuple[int, ...] = ()
+        self._advised_version = 0
+        """Bumped when the schedule the advisories carry changes; ``_advised_to[r]``: the one rank r has."""
+        self._advised_to = [-1] * self.W
         self.barrier_paced = mode.barrier_paced
         self.is_async = mode.is_async
         self.partition_ratios = partition_ratios
@@ -420,28 +424,35 @@ class Dispatcher:
         if not open_pools:
             return
         e = open_pools[0]
-        counts = list(self._cycle.counts)
-        alive = [self._cohort.alive(r) for r in range(self.W)]
+        counts = self._cycle.counts
+        alive = self._cohort.alive_mask
         layouts = [(e, self.pools[e])]
         if e + 1 < self.epochs:
             layouts.append((e + 1, self.pools.get(e + 1) or ChunkPool(e + 1, self.total, self.bs, counts)))
         donors = [advisory_donors(pool, alive) for _, pool in layouts]
+        # The schedule rides along when it changed since the rank's last advisory (empty: unchanged, latest
+        # wins): W counts to each of W ranks every reduce was O(W^2) bytes to encode and send, for a value
+        # that settles after the first windows.
+        if tuple(counts) != self._advised_counts:
+            self._advised_counts, self._advised_version = tuple(counts), self._advised_version + 1
         for r in self._cohort.alive_ranks():
             segs = [[ep, off, size] for (ep, pool), d in zip(layouts, donors)
                     for off, size in stage_advisory(pool, r, counts, alive, d)]
             if segs:
-                self._out.send(r, StageAdvisory(segments=segs, counts=counts))
+                fresh = self._advised_to[r] != self._advised_version
+                self._advised_to[r] = self._advised_version
+                self._out.send(r, StageAdvisory(segments=segs, counts=counts if fresh else []))
 
     # -- progressive chunks ---------------------------------------------
-    def _final_alloc(self, e: int) -> Optional[list[int]]:
+    def _final_alloc(self, e: int) -> Optional[tuple[int, ...]]:
         if not self.barrier_paced:  # final-window plans pin barrier-paced epochs only (no O(W) list per chunk)
             return None
         pool = self.pools[e]
         plan = refresh_final_window_plan(
-            self.final_plans.get(e), epoch=e, rem=pool.remaining() // self.bs, counts=self._cycle.counts,
-            alive=[self._cohort.alive(r) for r in range(self.W)], barrier_paced=self.barrier_paced)
+            self.final_plans.get(e), epoch=e, rem=pool.remaining() // self.bs, counts=self._cycle.counts_view,
+            alive=self._cohort.alive_mask, barrier_paced=self.barrier_paced)
         self.final_plans[e] = plan
-        return list(plan.alloc) if plan is not None else None
+        return plan.alloc if plan is not None else None
 
     def _counts(self) -> Sequence[int]:
         """The counts chunks are sized by: ElChe's, plus :attr:`probe_extra` while the cold-start probe is open."""
