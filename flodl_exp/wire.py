@@ -152,6 +152,8 @@ class TensorPart:
 
 
 _NO_TENSORS = TensorPart("[]", (), 0)
+SharedParts = dict[int, tuple[dict[str, torch.Tensor], TensorPart]]
+"""id(tensors dict) -> (the dict, its encoding): what :meth:`Message.sharing` reads and fills."""
 
 
 @dataclass
@@ -162,15 +164,16 @@ class Message:
     tensor_part: TensorPart | None = field(default=None, repr=False, compare=False)
     """``tensors`` encoded already (:meth:`sharing`); None: :func:`encode_buffers` encodes them."""
 
-    def sharing(self, parts: dict[int, TensorPart]) -> Message:
+    def sharing(self, parts: SharedParts) -> Message:
         """This message with its tensors' encoding taken from ``parts`` (by the tensors dict's identity), made
-        and kept there on first use. ``parts`` must live no longer than the tensors stay unchanged: a batch
-        of sends of one consensus, not a cache across reduces."""
+        and kept there on first use. ``parts`` holds each dict too, so no other dict can take its id while
+        ``parts`` lives; it must live no longer than the tensors stay unchanged: a batch of sends of one
+        consensus, not a cache across reduces."""
         if self.tensors and self.tensor_part is None:
-            part = parts.get(id(self.tensors))
-            if part is None:
-                part = parts[id(self.tensors)] = TensorPart.of(self.tensors)
-            self.tensor_part = part
+            known = parts.get(id(self.tensors))
+            if known is None:
+                known = parts[id(self.tensors)] = (self.tensors, TensorPart.of(self.tensors))
+            self.tensor_part = known[1]
         return self
 
 

@@ -113,7 +113,7 @@ def test_one_consensus_to_many_ranks_shares_its_tensor_encoding():
     """The cpu backend's fan-out: frames of one tensors dict share one TensorPart and are the bytes a frame
     encoded on its own would be (the descriptors spliced into the header, in the same key order)."""
     tensors = {"p0": torch.randn(3, 2), "b0": torch.arange(4), "e": torch.zeros(0)}
-    parts: dict[int, wire.TensorPart] = {}
+    parts: wire.SharedParts = {}
     shared = [Message("update", {"n": n, "plan": [0, n, "é"]}, tensors).sharing(parts) for n in range(3)]
     assert len(parts) == 1 and shared[0].tensor_part is shared[2].tensor_part
     for n, msg in enumerate(shared):

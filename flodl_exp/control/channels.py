@@ -12,7 +12,7 @@ from typing import Callable, Optional, Protocol
 
 from ..events import EventRecord
 from ..protocol import ExtendPartition, Payload, StartEpoch, Update, encode
-from ..wire import Message, TensorPart
+from ..wire import Message, SharedParts
 from .cohort import Cohort
 from .records import RecordLog
 
@@ -26,7 +26,7 @@ class Outbox:
         self._transport = transport
         self._cohort = cohort
         self._held: Optional[dict[int, list[Payload]]] = None
-        self._parts: Optional[dict[int, TensorPart]] = None
+        self._parts: Optional[SharedParts] = None
 
     def _encode(self, payload: Payload) -> Message:
         msg = encode(payload)

@@ -394,7 +394,7 @@ ADVISORY_DONORS = 8
 """Peers whose residue tails an advisory names: the largest residues, the ones ``take_chunk`` steals from."""
 
 
-def advisory_donors(pool: ChunkPool, alive: list[bool], k: int = ADVISORY_DONORS) -> list[int]:
+def advisory_donors(pool: ChunkPool, alive: Sequence[bool], k: int = ADVISORY_DONORS) -> list[int]:
     """The ``k + 1`` live ranks with the largest residue (ties: the highest rank, as ``take_chunk``), in rank
     order: computed once per advisory round, so a round is O(W), not O(W^2), at a thousand ranks."""
     live = [r for r in range(pool.world_size) if alive[r] and pool.residue(r) > 0]
@@ -403,7 +403,7 @@ def advisory_donors(pool: ChunkPool, alive: list[bool], k: int = ADVISORY_DONORS
     return live
 
 
-def stage_advisory(pool: ChunkPool, rank: int, counts: list[int], alive: list[bool],
+def stage_advisory(pool: ChunkPool, rank: int, counts: Sequence[int], alive: Sequence[bool],
                    donors: Optional[list[int]] = None) -> list[Range]:
     """The picks ``rank`` is likely to be handed from ``pool``, most likely first: the unassigned rest of its
     own span, then the tail of the other live ranks' residue (``max(counts[o], 1)`` batches, capped at the
