@@ -22,7 +22,10 @@ Measured per run, then the median over ``--reps`` runs:
 * ``cpu%`` (of one core) and peak ``rss``: from ``/proc/<pid>/stat`` and ``/statm`` of the coordinator
   over its busy span; ``cpu us/batch``: the coordinator's CPU time over that span per timing message
   (everything it did: reduces, plans, beacons included), a figure that holds on a shared machine where
-  ``batch/s`` is bound by who else runs (1e6 / it = the batches one core could absorb).
+  ``batch/s`` is bound by who else runs (1e6 / it = the batches one core could absorb);
+* a reduce's phases (medians over the run's reduces, :func:`_reduce_phases`): ``reduce ms`` (the trigger to the
+  averaging's end), ``to sent ms`` (to the last update sent: what a rank waits), ``asked``, the first and the
+  other snapshots, ``average``, ``flush`` and the main thread's ``finish cpu``.
 
 Loopback only. ``RLIMIT_NOFILE`` is raised to its hard limit (each rank is one descriptor on each side).
 Every process started here is ended by its pid; every loop is bounded in time.
@@ -563,6 +566,7 @@ def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples
         before = [x for x in last.get(int(v), []) if x <= t]
         if before:
             trig_ms.append((t - max(before)) * 1e3)
+    trig_each = [round(x, 1) for x in trig_ms]  # in reduce order: the p99 of a run's few reduces is its worst one
     trig_ms.sort()
     busy = [x for x in samples if t0 is not None and t1 is not None and t0 <= x[0] <= t1]
     cpu = (100.0 * (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0])
@@ -585,6 +589,7 @@ def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples
         "turn_p99_ms": _pct(turns, 0.99) * 1e3,
         "trig_p50_ms": _pct(trig_ms, 0.50),
         "trig_p99_ms": _pct(trig_ms, 0.99),
+        "trig_each_ms": trig_each,
         "cpu_pct": cpu,
         "rss_mb": max((x[2] for x in samples), default=0) / 2**20,
         "cpu_us_per_batch": (cpu / 100 * span * 1e6 / stats["batches"]) if stats.get("batches") else float("nan"),
