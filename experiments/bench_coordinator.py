@@ -226,7 +226,12 @@ class SimProcess:
     def on_message(self, sim: SimRank, msg: Any) -> None:
         from flodl_exp import protocol as p
 
-        m = p.decode(msg)
+        for part in p.unbundle(msg):  # a bundle frame holds several messages, in order
+            self.on_payload(sim, p.decode(part))
+
+    def on_payload(self, sim: SimRank, m: Any) -> None:
+        from flodl_exp import protocol as p
+
         out = self.out
         if isinstance(m, (p.StartEpoch, p.ExtendPartition)):
             sim.plans.append((m.epoch, m.offset, m.size, m.chunk))

@@ -613,6 +613,39 @@ def encode(p: Any) -> Message:
     return Message(p.KIND.value, fields, tensors)
 
 
+BUNDLE = "bundle"
+"""The kind of a frame holding several coordinator -> rank messages (:func:`bundle`); not a payload of its own."""
+
+
+def bundle(payloads: list[Any]) -> Message:
+    """Several messages to one rank in one frame, in order, as :func:`unbundle` gives them back: a cpu reduce's
+    update and what follows it to that rank (its global step, its staging advisory, its report pace) cost one
+    JSON header, one MAC and one send instead of three or four (at 1,024 ranks, most of the reduce's fan-out).
+    Only the first may carry tensors (the update's consensus)."""
+    msgs = [encode(p) for p in payloads]
+    if not msgs or any(m.tensors for m in msgs[1:]):
+        raise ValueError("a bundle holds one or more messages, and only its first may carry tensors")
+    return Message(BUNDLE, {"parts": [{"kind": m.kind, "fields": m.fields} for m in msgs]}, msgs[0].tensors)
+
+
+def unbundle(msg: Message) -> list[Message]:
+    """The messages of a :func:`bundle` frame, in order (the frame's tensors go to the first); any other frame
+    as itself. Raises ProtocolError for a bundle of the wrong shape (nested, empty, a part not a kind and
+    fields); each part then decodes, or fails to, as a frame of its own would."""
+    if msg.kind != BUNDLE:
+        return [msg]
+    parts = msg.fields.get("parts") if type(msg.fields) is dict else None
+    if type(parts) is not list or not parts:
+        raise ProtocolError(f"bundle.parts: must be a non-empty list, got {show(parts)}")
+    out: list[Message] = []
+    for i, part in enumerate(parts):
+        if type(part) is not dict or type(part.get("kind")) is not str or type(part.get("fields")) is not dict \
+                or part["kind"] == BUNDLE:
+            raise ProtocolError(f"bundle.parts[{i}]: must be {{kind: a message kind, fields: an object}}, got {show(part)}")
+        out.append(Message(part["kind"], part["fields"], msg.tensors if i == 0 else {}))
+    return out
+
+
 class _Bad(Exception):
     """A value a rule refuses; ``path`` (``[3]``, ``['loss']``) is built as it unwinds out of containers,
     so the common case (nothing wrong) formats no string."""

@@ -32,6 +32,7 @@ from flodl_exp.protocol import (
     Update,
     decode,
     encode,
+    unbundle,
 )
 from flodl_exp.wire import Message
 
@@ -56,14 +57,18 @@ class FakeTransport:
         """What was sent, with each chunk folded into an Update also listed as a StartEpoch after it."""
         self.raw: list[tuple[int, Payload]] = []
         """What was sent, as sent (cleared by take too)."""
+        self.frames: list[tuple[int, str]] = []
+        """(rank, kind) of every frame (a bundle is one; never cleared)."""
 
     def send(self, rank: int, msg: Message) -> bool:
-        p = decode(msg)
-        assert p is not None, msg.kind
-        self.raw.append((rank, p))
-        self.sent.append((rank, p))
-        if isinstance(p, Update) and p.next_plan is not None:  # cpu cadence folds a chunk in: seen as one more
-            self.sent.append((rank, StartEpoch(*p.next_plan)))
+        self.frames.append((rank, msg.kind))
+        for part in unbundle(msg):  # a bundle frame: its messages, in order, as the rank's inbox reads them
+            p = decode(part)
+            assert p is not None, part.kind
+            self.raw.append((rank, p))
+            self.sent.append((rank, p))
+            if isinstance(p, Update) and p.next_plan is not None:  # cpu cadence folds a chunk in: seen as one more
+                self.sent.append((rank, StartEpoch(*p.next_plan)))
         return True
 
     def take(self, kind: Optional[type] = None, rank: Optional[int] = None) -> list[tuple[int, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +79,27 @@ def test_every_payload_round_trips_through_a_frame(kind):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         else:
             assert a == b, f.name
+
+
+def test_a_bundle_holds_several_messages_and_refuses_what_it_cannot_hold():
+    from flodl_exp.protocol import BUNDLE, ProtocolError, SetGlobalStep, StartEpoch, Update, bundle, decode, unbundle
+
+    t = {"p0": torch.ones(2)}
+    frame = wire.decode(wire.encode(bundle([Update(n=1, tensors=t), SetGlobalStep(global_step=3)])), 1 << 20)
+    assert frame.kind == BUNDLE and decode(frame) is None, "not a payload: old ranks ignore it as an unknown kind"
+    first, second = (decode(m) for m in unbundle(frame))
+    assert isinstance(first, Update) and torch.equal(first.tensors["p0"], t["p0"]) and second == SetGlobalStep(global_step=3)
+    one = encode(StartEpoch(epoch=0, offset=0, size=8, chunk=1))
+    assert unbundle(one) == [one]
+    with pytest.raises(ValueError):
+        bundle([SetGlobalStep(global_step=3), Update(n=1, tensors=t)])  # tensors only on the first
+    with pytest.raises(ValueError):
+        bundle([])
+    bad: tuple[dict[str, Any], ...] = ({}, {"parts": []}, {"parts": "x"}, {"parts": [1]}, {"parts": [{"kind": "x"}]},
+                                      {"parts": [{"kind": BUNDLE, "fields": {}}]}, {"parts": [{"kind": 3, "fields": {}}]})
+    for fields in bad:
+        with pytest.raises(ProtocolError, match="bundle"):
+            unbundle(wire.Message(BUNDLE, fields))
 
 
 def test_one_payload_per_kind():

@@ -75,6 +75,27 @@ def test_the_inbox_hands_out_deferred_work_first_and_drops_what_it_cannot_read()
     assert not inbox.has_waiting() and inbox.next(block=False, stopping=False) is None
 
 
+def test_a_bundle_frame_hands_out_its_messages_in_order_before_the_next_frame():
+    """The cpu reduce's flush sends a rank's update and what follows it in one frame (protocol.bundle)."""
+    from flodl_exp.protocol import SetGlobalStep, StageAdvisory, Update, bundle
+
+    inbox = ControlInbox(coord_timeout=30.0)
+    consensus = {"p0": torch.arange(3.0)}
+    frame = bundle([Update(n=2, tensors=consensus, next_plan=[1, 0, 8, 4]), SetGlobalStep(global_step=9),
+                    StageAdvisory(segments=[[1, 8, 8]], counts=[])])
+    frame.fields["parts"].insert(2, {"kind": "start_epoch", "fields": {"epoch": -1}})  # a malformed part: dropped
+    inbox.put(frame)
+    inbox.put(encode(Shutdown(reason="done")))
+    assert inbox.has_waiting()
+    got = [inbox.next(block=False, stopping=False) for _ in range(4)]
+    upd = got[0]
+    assert isinstance(upd, Update) and upd.n == 2 and torch.equal(upd.tensors["p0"], consensus["p0"])
+    assert got[1:] == [SetGlobalStep(global_step=9), StageAdvisory(segments=[[1, 8, 8]], counts=[]),
+                       Shutdown(reason="done")]
+    inbox.put(Message(kind="bundle", fields={"parts": [{"kind": "bundle", "fields": {}}]}))  # nested: dropped whole
+    assert inbox.next(block=False, stopping=False) is None and not inbox.has_waiting()
+
+
 def test_a_silent_or_lost_coordinator_ends_the_rank_unless_it_is_stopping():
     now = [0.0]
     inbox = ControlInbox(coord_timeout=10.0, clock=lambda: now[0])

@@ -10,16 +10,28 @@ from control_fakes import BATCH, Harness
 from rank_fakes import rank_control
 
 from flodl_exp.control.channels import Outbox
-from flodl_exp.protocol import ExtendPartition, Payload, RequestParams, Save, SetGlobalStep, StartEpoch, Update, decode
+from flodl_exp.protocol import (
+    ExtendPartition,
+    Payload,
+    RequestParams,
+    Save,
+    SetGlobalStep,
+    StartEpoch,
+    Update,
+    decode,
+    unbundle,
+)
 from flodl_exp.wire import Message
 
 
 class _Transport:
     def __init__(self) -> None:
         self.sent: list[tuple[int, Optional[Payload]]] = []
+        self.frames: list[int] = []
 
     def send(self, r: int, msg: Message) -> bool:
-        self.sent.append((r, decode(msg)))
+        self.frames.append(r)
+        self.sent.extend((r, decode(m)) for m in unbundle(msg))
         return True
 
 
@@ -35,6 +47,7 @@ def test_the_outbox_folds_the_first_chunk_into_the_held_update_and_keeps_the_ord
         assert [r for r, _ in t.sent] == [1], "rank 0's messages wait behind its update"
     kinds = [(r, type(p).__name__) for r, p in t.sent]
     assert kinds == [(1, "SetGlobalStep"), (0, "Update"), (0, "SetGlobalStep"), (0, "Save"), (0, "StartEpoch")]
+    assert t.frames == [1, 0], "rank 0's update and what follows it: one frame (a bundle)"
     upd, last = t.sent[1][1], t.sent[-1][1]
     assert isinstance(upd, Update) and upd.next_plan == [1, 64, 32, 9]
     assert isinstance(last, StartEpoch) and last.chunk == 10

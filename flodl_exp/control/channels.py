@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Callable, Optional, Protocol
 
 from ..events import EventRecord
-from ..protocol import ExtendPartition, Payload, StartEpoch, Update, encode
+from ..protocol import ExtendPartition, Payload, StartEpoch, Update, bundle, encode
 from ..wire import Message, SharedParts
 from .cohort import Cohort
 from .records import RecordLog
@@ -60,6 +60,15 @@ class Outbox:
             else:
                 self._transport.send(r, msg)
 
+    def _send_queue(self, r: int, queue: list[Payload]) -> None:
+        """A rank's held messages, in order: in one frame (protocol.bundle) when only the first carries tensors."""
+        if len(queue) > 1 and not any(getattr(p, "tensors", None) for p in queue[1:]):
+            msg = bundle(queue)
+            self._transport.send(r, msg.sharing(self._parts) if self._parts is not None else msg)
+            return
+        for p in queue:
+            self._transport.send(r, self._encode(p))
+
     @staticmethod
     def _hold(held: dict[int, list[Payload]], r: int, payload: Payload) -> bool:
         queue = held.setdefault(r, [])
@@ -91,8 +100,7 @@ class Outbox:
             held, self._held = self._held, None
             with self.sharing_tensors():  # the held updates carry one consensus: encoded once for all
                 for r, queue in held.items():
-                    for p in queue:
-                        self._transport.send(r, self._encode(p))
+                    self._send_queue(r, queue)
 
 
 class EventLog:

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from ..protocol import Payload, ProtocolError, decode
+from ..protocol import Payload, ProtocolError, decode, unbundle
 from ..wire import Message
 
 log = logging.getLogger("flodl_exp.rank")
@@ -37,6 +37,8 @@ class ControlInbox:
         self.frames: queue.Queue[Message | BaseException] = frames if frames is not None else queue.Queue()
         self.deferred: deque[Payload] = deque()
         """Payloads read while a collective waited, handled once it is over (in order, before newer frames)."""
+        self.unpacked: deque[Payload] = deque()
+        """The rest of a bundle frame's messages (protocol.bundle), read before the next frame."""
         self._clock = clock
         self.last_coord = clock()
         """When the last frame arrived."""
@@ -50,7 +52,7 @@ class ControlInbox:
 
     def has_waiting(self) -> bool:
         """Something is queued for the main thread (a deferred payload or an unread frame)."""
-        return bool(self.deferred) or not self.frames.empty()
+        return bool(self.deferred) or bool(self.unpacked) or not self.frames.empty()
 
     def next(self, block: bool, stopping: bool) -> Optional[Payload]:
         """The next payload to handle: a deferred one first, else a frame (:meth:`read`)."""
@@ -64,6 +66,8 @@ class ControlInbox:
 
         Raises :class:`CoordinatorLost` when the connection broke while the rank still runs, or when nothing
         arrived for ``coord_timeout``."""
+        if self.unpacked:
+            return self.unpacked.popleft()
         try:
             item = self.frames.get(timeout=0.5) if block else self.frames.get_nowait()
         except queue.Empty:
@@ -76,10 +80,21 @@ class ControlInbox:
             raise CoordinatorLost(f"coordinator connection lost: {item}") from item
         self.last_coord = self._clock()
         try:
-            payload = decode(item)
+            parts = unbundle(item)
         except ProtocolError as e:
-            log.warning("rank %d: malformed %s from the coordinator dropped: %s", self.rank, item.kind, e)
+            log.warning("rank %d: malformed bundle from the coordinator dropped: %s", self.rank, e)
+            return None
+        payloads = [p for p in map(self._decode, parts) if p is not None]
+        self.unpacked.extend(payloads[1:])
+        return payloads[0] if payloads else None
+
+    def _decode(self, msg: Message) -> Optional[Payload]:
+        """One message's payload; None (logged) when it is malformed or of a kind this version does not know."""
+        try:
+            payload = decode(msg)
+        except ProtocolError as e:
+            log.warning("rank %d: malformed %s from the coordinator dropped: %s", self.rank, msg.kind, e)
             return None
         if payload is None:
-            log.warning("rank %d: unknown control message %r ignored", self.rank, item.kind)
+            log.warning("rank %d: unknown control message %r ignored", self.rank, msg.kind)
         return payload
