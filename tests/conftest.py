@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +63,28 @@ def run_cli(args: list[str], timeout: float = 240, env: dict | None = None) -> s
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=e)
+
+
+class CliProcess:
+    """The CLI in a process of its own, its stdout and stderr read into lists as lines come: a test waits for a
+    line (the run's folder, "queued"), acts (opens a gate, sends a signal), then waits for the exit."""
+
+    def __init__(self, args: list[str], env: dict | None = None, **popen: Any) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, **popen)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=lambda s=s, buf=buf: buf.extend(s), daemon=True)
+                         for s, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    def output(self, timeout: float = 10.0) -> tuple[str, str]:
+        """stdout and stderr whole, once the process has exited (its pipes closed)."""
+        for t in self._readers:
+            t.join(timeout)
+        return "".join(self.out), "".join(self.err)
 
 
 def job_dir_of(out: str) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, alive, base_overrides, launch_run, read_events, read_result, wait_for
+from conftest import ROOT, CliProcess, alive, base_overrides, launch_run, read_events, read_result, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -87,15 +87,8 @@ def test_ctrl_c_cancels_a_hung_run_within_seconds(store, tmp_path):
     args = [*base_overrides(store, "launcher_faults"), "mode=cpu_cadence", "experiment.epochs=3"]
     # SIGINT's default disposition in the launcher, as in a terminal: a suite started in the background of a
     # non-interactive shell (`make test &`) runs with SIGINT ignored, which its children would inherit
-    p = subprocess.Popen([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda s=s, buf=buf: buf.extend(s), daemon=True)
-               for s, buf in ((p.stdout, out), (p.stderr, err))]
-    for t in readers:
-        t.start()
+    cli = CliProcess(args, env, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p, out, err = cli.proc, cli.out, cli.err
     try:
         run_id, job, pids = _held_cli_run(out)
         t0 = time.monotonic()
@@ -110,9 +103,7 @@ def test_ctrl_c_cancels_a_hung_run_within_seconds(store, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
-    for t in readers:
-        t.join(5)
-    stderr = "".join(err)
+    stderr = cli.output(5)[1]
     assert rc == 130, (rc, stderr[-3000:])
     said = [x for x in stderr.splitlines() if "interrupted" in x]
     assert len(said) == 1 and "KILLED" in said[0] and "Traceback" not in stderr, stderr[-3000:]

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of, slurm_cluster_up
+from conftest import CliProcess, base_overrides, compose, job_dir_of, read_events, read_result, run_cli, run_id_of, slurm_cluster_up
 
 slurm = pytest.mark.slurm
 
@@ -182,27 +181,18 @@ def test_cluster_slurm_run_finishes_with_the_job_id_in_mlflow(cluster, store):
     args = _overrides(store, "cluster.ranks_per_node=2", "mode=cpu_cadence", "experiment=digits_mlp",
                       "cluster.slurm.mem_gb=1")
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "flodl_exp", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda s=s, buf=buf: buf.extend(s), daemon=True)
-               for s, buf in ((p.stdout, out), (p.stderr, err))]
-    for t in readers:
-        t.start()
+    cli = CliProcess(args)
     try:  # the gated sweep jobs hold the 4 CPUs: the run queues behind them, then they are let go
-        _wait_for(lambda: any("queued (PENDING" in x for x in out) or p.poll() is not None, 120,
+        _wait_for(lambda: any("queued (PENDING" in x for x in cli.out) or cli.proc.poll() is not None, 120,
                   "the run to be seen queued behind the held sweep jobs")
     finally:
         _sweep_gate(store).touch()
     try:
-        rc = p.wait(timeout=200)
+        rc = cli.proc.wait(timeout=200)
     except subprocess.TimeoutExpired:
-        p.kill()
-        rc = p.wait()
-    for t in readers:
-        t.join(10)
-    stdout, stderr = "".join(out), "".join(err)
+        cli.proc.kill()
+        rc = cli.proc.wait()
+    stdout, stderr = cli.output()
     assert rc == 0, f"exit {rc}\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}"
     print(f"\n[test_e2e_slurm] cluster=slurm run: {time.monotonic() - t0:.1f}s", file=sys.stderr)
     run_id, job_id, job = run_id_of(stdout), _job_id(stdout), job_dir_of(stdout)
