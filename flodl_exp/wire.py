@@ -190,9 +190,9 @@ def encode_buffers(msg: Message) -> list[bytes | memoryview]:
     part = msg.tensor_part if msg.tensor_part is not None else TensorPart.of(msg.tensors) if msg.tensors else _NO_TENSORS
     try:  # {"kind":..,"fields":..} with the descriptors spliced in: the same bytes as one dumps of all three
         head = json.dumps({"kind": msg.kind, "fields": msg.fields}, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError) as e:
+        header = f'{head[:-1]},"tensors":{part.descs_json}}}'.encode()  # a lone surrogate fails here
+    except (TypeError, ValueError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
         raise WireError(f"fields are not JSON-serialisable: {e}") from None
-    header = f'{head[:-1]},"tensors":{part.descs_json}}}'.encode()
     if len(header) > MAX_HEADER_BYTES or part.payload_len > _U32_MAX:
         raise FrameTooLarge(f"{msg.kind!r}: header over {MAX_HEADER_BYTES} bytes or payload over the u32 length field")
     return [PREFIX.pack(MAGIC, len(header), part.payload_len) + header, *part.raws]

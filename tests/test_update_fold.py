@@ -80,6 +80,26 @@ def test_the_held_updates_of_one_consensus_share_one_encoding_of_it():
     assert msgs[-1][1].tensor_part is None
 
 
+def test_a_bundle_that_does_not_go_is_sent_again_message_by_message():
+    """A bundle refused by the send (its header over the wire's cap, say) must not take the update with it."""
+    t = _Transport()
+    refused: list[str] = []
+
+    def send(r: int, msg: Message) -> bool:
+        if msg.kind == "bundle":
+            refused.append(msg.kind)
+            return False
+        return _Transport.send(t, r, msg)
+
+    t.send = send  # type: ignore[method-assign]
+    out = Outbox(t, SimpleNamespace(alive_ranks=lambda: [0]))  # type: ignore[arg-type]
+    with out.folding_updates():
+        out.send(0, Update(n=3, tensors={"p0": torch.zeros(2)}))
+        out.send(0, SetGlobalStep(global_step=7))
+    assert refused == ["bundle"]
+    assert [type(p).__name__ for _, p in t.sent] == ["Update", "SetGlobalStep"]
+
+
 def test_an_extension_queued_behind_the_update_stops_the_folding():
     t = _Transport()
     out = Outbox(t, SimpleNamespace(alive_ranks=lambda: [0]))  # type: ignore[arg-type]

@@ -127,6 +127,13 @@ def test_one_consensus_to_many_ranks_shares_its_tensor_encoding():
     assert json.loads(encode(Message("beat", {"x": 1}))[12:])["tensors"] == []
 
 
+def test_a_lone_surrogate_is_a_wire_error():
+    with pytest.raises(WireError):
+        encode(Message("x", {"path": "a\udcff"}))
+    with pytest.raises(WireError):
+        encode(Message("x", {}, {"t\udcff": torch.zeros(1)}))
+
+
 def test_encode_rejects_bad_messages():
     for msg in (Message(""), Message("x", {"f": object()}), Message("x", fields=[1]),  # type: ignore[arg-type]
                 Message("x", {}, {"c": torch.zeros(2, dtype=torch.complex64)}),

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Protocol
 
 from ..events import EventRecord
 from ..protocol import ExtendPartition, Payload, StartEpoch, Update, bundle, encode
-from ..wire import Message, SharedParts
+from ..wire import Message, SharedParts, WireError
 from .cohort import Cohort
 from .records import RecordLog
 
@@ -29,8 +29,17 @@ class Outbox:
         self._parts: Optional[SharedParts] = None
 
     def _encode(self, payload: Payload) -> Message:
-        msg = encode(payload)
-        return msg.sharing(self._parts) if self._parts is not None else msg
+        return self._shared(encode(payload))
+
+    def _shared(self, msg: Message) -> Message:
+        """``msg`` with its tensors' encoding shared within :meth:`sharing_tensors`; a tensor the wire refuses is
+        left to the send, which logs it and fails that one message (as it did before the sharing)."""
+        if self._parts is None:
+            return msg
+        try:
+            return msg.sharing(self._parts)
+        except WireError:
+            return msg
 
     @contextlib.contextmanager
     def sharing_tensors(self) -> Iterator[None]:
@@ -61,11 +70,12 @@ class Outbox:
                 self._transport.send(r, msg)
 
     def _send_queue(self, r: int, queue: list[Payload]) -> None:
-        """A rank's held messages, in order: in one frame (protocol.bundle) when only the first carries tensors."""
+        """A rank's held messages, in order: in one frame (protocol.bundle) when only the first carries tensors.
+        A bundle that does not go (a header over the wire's cap, a tensor it refuses) is sent again message by
+        message, so one bad message never takes the update with it; a rank gone fails those sends at once."""
         if len(queue) > 1 and not any(getattr(p, "tensors", None) for p in queue[1:]):
-            msg = bundle(queue)
-            self._transport.send(r, msg.sharing(self._parts) if self._parts is not None else msg)
-            return
+            if self._transport.send(r, self._shared(bundle(queue))):
+                return
         for p in queue:
             self._transport.send(r, self._encode(p))
 

@@ -258,6 +258,7 @@ class Dispatcher:
         it died. Whether they are in the consensus is known only when that reduce finishes (the survivors may
         complete the collective it completed, or redo it in a regrouped generation without it): until then their
         picks are held, then released (:meth:`release_held`) or retrained (:meth:`retrain_held`)."""
+        self._advised_to[r] = -1  # a process that comes back as rank r has seen no schedule yet
         back = unreduced_batches * self.bs  # samples to take back, most recent first
         hold = acked_batches * self.bs  # the next ones back: held until the reduce finishes
         survivors = self._cohort.alive_ranks()
