@@ -51,7 +51,7 @@ class ControlInbox:
         self.deferred.append(payload)
 
     def has_waiting(self) -> bool:
-        """Something is queued for the main thread (a deferred payload or an unread frame)."""
+        """Something is queued for the main thread (a deferred payload, the rest of a bundle, an unread frame)."""
         return bool(self.deferred) or bool(self.unpacked) or not self.frames.empty()
 
     def next(self, block: bool, stopping: bool) -> Optional[Payload]:
