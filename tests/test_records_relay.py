@@ -44,6 +44,17 @@ def _freeze(relay: RecordsRelay) -> None:
     relay._thread.join(10)
 
 
+def _finished_journal(tmp_path) -> tuple[str, str, str, RecordsRelay]:
+    """A job that logged one loss (2.0 at step 0) and closed FINISHED with a launcher beating (so the job left the
+    delivery to it), and a relay without its thread that has delivered nothing yet."""
+    uri, run_id, job = _run(tmp_path)
+    sink = JournalSink(uri, run_id, job, stale_s=600.0)
+    sink._beat_seen = time.monotonic() + 600
+    sink.log_metrics({"loss": 2.0}, step=0)
+    sink.close("FINISHED")
+    return uri, run_id, job, RecordsRelay(job, uri, run_id, thread=False)
+
+
 def _losses(uri: str, run_id: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in tracking.client(uri).get_metric_history(run_id, "loss"))
 
@@ -213,12 +224,7 @@ def test_a_torn_last_line_of_a_killed_attempt_does_not_swallow_the_next_attempts
 def test_a_finish_cut_short_by_ctrl_c_is_completed_by_the_next_call(tmp_path):
     """Ctrl-C while the relay delivers its last records: the launcher's shutdown calls finish again, which
     delivers them and applies the coordinator's status (the run must not be marked KILLED for it)."""
-    uri, run_id, job = _run(tmp_path)
-    sink = JournalSink(uri, run_id, job, stale_s=600.0)
-    sink._beat_seen = time.monotonic() + 600
-    sink.log_metrics({"loss": 2.0}, step=0)
-    sink.close("FINISHED")
-    relay = RecordsRelay(job, uri, run_id, thread=False)
+    uri, run_id, job, relay = _finished_journal(tmp_path)
     relay.pump()
     real_close = relay._sink.close
     calls = []
@@ -243,12 +249,7 @@ def test_a_finish_cut_short_by_ctrl_c_is_completed_by_the_next_call(tmp_path):
 def test_the_lease_keeps_a_close_line_whose_status_is_not_applied_yet(tmp_path, monkeypatch):
     """The store refuses the run's end: the lease's offset stays before the close line, so a recovery from it still
     ends the run."""
-    uri, run_id, job = _run(tmp_path)
-    sink = JournalSink(uri, run_id, job, stale_s=600.0)
-    sink._beat_seen = time.monotonic() + 600
-    sink.log_metrics({"loss": 2.0}, step=0)
-    sink.close("FINISHED")
-    relay = RecordsRelay(job, uri, run_id, thread=False)
+    uri, run_id, job, relay = _finished_journal(tmp_path)
     import flodl_exp.tracking as tr
 
     real = tr.client
