@@ -138,9 +138,8 @@ class Dispatcher:
         self.advise = False
         """Send staging advisories (``data_plane.stage_advisories``, progressive modes only)."""
         self._advised_counts: tuple[int, ...] = ()
-        self._advised_version = 0
-        """Bumped when the schedule the advisories carry changes; ``_advised_to[r]``: the one rank r has."""
-        self._advised_to = [-1] * self.W
+        """The schedule the advisories carry; ``_advised_to[r]``: the one rank r has (the same object, or None)."""
+        self._advised_to: list[Optional[tuple[int, ...]]] = [None] * self.W
         self.barrier_paced = mode.barrier_paced
         self.is_async = mode.is_async
         self.partition_ratios = partition_ratios
@@ -258,7 +257,7 @@ class Dispatcher:
         it died. Whether they are in the consensus is known only when that reduce finishes (the survivors may
         complete the collective it completed, or redo it in a regrouped generation without it): until then their
         picks are held, then released (:meth:`release_held`) or retrained (:meth:`retrain_held`)."""
-        self._advised_to[r] = -1  # a process that comes back as rank r has seen no schedule yet
+        self._advised_to[r] = None  # a process that comes back as rank r has seen no schedule yet
         back = unreduced_batches * self.bs  # samples to take back, most recent first
         hold = acked_batches * self.bs  # the next ones back: held until the reduce finishes
         survivors = self._cohort.alive_ranks()
@@ -435,13 +434,13 @@ class Dispatcher:
         # wins): W counts to each of W ranks every reduce was O(W^2) bytes to encode and send, for a value
         # that settles after the first windows.
         if tuple(counts) != self._advised_counts:
-            self._advised_counts, self._advised_version = tuple(counts), self._advised_version + 1
+            self._advised_counts = tuple(counts)
         for r in self._cohort.alive_ranks():
             segs = [[ep, off, size] for (ep, pool), d in zip(layouts, donors)
                     for off, size in stage_advisory(pool, r, counts, alive, d)]
             if segs:
-                fresh = self._advised_to[r] != self._advised_version
-                self._advised_to[r] = self._advised_version
+                fresh = self._advised_to[r] is not self._advised_counts
+                self._advised_to[r] = self._advised_counts
                 self._out.send(r, StageAdvisory(segments=segs, counts=counts if fresh else []))
 
     # -- progressive chunks ---------------------------------------------
