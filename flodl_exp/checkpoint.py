@@ -8,22 +8,25 @@ into place, so a crash mid-write never leaves a torn bundle. Loading uses
 The meta is written last and lists the pieces the ranks reported written (``pieces``); a bundle
 whose save failed gets no meta. Resuming checks every listed piece (:func:`check_pieces`). Pieces
 get the permissions the user's umask gives a new file (``0666 & ~umask``), like ``open()`` would.
-The writes themselves are :mod:`flodl_exp.fsio`'s; only the torch one lives here.
+The writes themselves are :mod:`flodl_exp.fsio`'s; only the torch one lives here. Torch is imported by the
+functions that save or load tensors only: the coordinator of the nccl backend names, lists and removes
+pieces and writes metas, and never imports it.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, cast
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from .bundle_meta import META_SCHEMA_VERSION as META_SCHEMA_VERSION  # re-exported
 from .bundle_meta import BundleMeta, Resume
 from .fsio import atomic_json, atomic_write
 from .fsio import atomic_text as atomic_text  # re-exported; new code imports both from flodl_exp.fsio (no torch)
 from .json_fields import FieldError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 def model_path(stem: str) -> str:
@@ -48,6 +51,8 @@ BUNDLE_SUFFIXES = (".pt", ".optim.pt", ".outer.pt", ".meta.json")
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
+    import torch
+
     atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
@@ -141,11 +146,15 @@ def load_meta(stem: str) -> BundleMeta:
 
 
 def load_model_state(stem: str, map_location: Optional[str] = "cpu") -> dict[str, torch.Tensor]:
+    import torch
+
     return torch.load(model_path(stem), map_location=map_location, weights_only=True)
 
 
 def load_outer_state(stem: str) -> dict[str, Any]:
     """The outer optimizer's sidecar (tensors and plain values only: weights_only)."""
+    import torch
+
     return cast(dict[str, Any], torch.load(outer_path(stem), map_location="cpu", weights_only=True))
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -31,20 +30,9 @@ from .averaging import pack_into
 from .config import OUTER_DEFAULTS as DEFAULTS  # noqa: F401  (the spec lives with the config: the launcher needs no torch)
 from .config import OUTERS as OUTER_KINDS  # noqa: F401
 from .config import OuterSpec
+from .outer_step import OuterStep
 
 SIDECAR_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class OuterStep:
-    """What one outer step did, for the metrics."""
-
-    step_norm: float
-    """||prev - new||: the change the window made to the global model (0 on a seeding window)."""
-    momentum_norm: float
-    """||v|| after the step."""
-    seeded: bool
-    """The first window (or a parameter-count change): a no-op that seeded the momentum at zero."""
 
 
 class OuterOptimizer:

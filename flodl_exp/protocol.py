@@ -37,12 +37,17 @@ import enum
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, ClassVar, Optional, Union
-
-import torch
+from typing import TYPE_CHECKING, Annotated, Any, Callable, ClassVar, Optional, Union
 
 from .json_fields import show
 from .wire import Message, WireError
+
+if TYPE_CHECKING:
+    import torch
+
+    Tensors = dict[str, torch.Tensor]
+else:  # the payloads' hints are read at import (_DECODERS); torch loads with a message's first tensor (wire.dtypes)
+    Tensors = dict[str, Any]
 
 
 class ProtocolError(WireError):
@@ -193,7 +198,7 @@ class Update:
     n: Count
     alpha: Optional[float] = None
     skip: bool = False
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: Tensors = field(default_factory=dict)
     next_plan: Optional[Annotated[list[Count], Len(4)]] = None
     """cpu cadence: the rank's next chunk ``[epoch, offset, size, chunk]`` folded in (a StartEpoch saved)."""
 
@@ -384,7 +389,7 @@ class Snapshot:
 
     KIND: ClassVar[Kind] = Kind.SNAPSHOT
     n: Count
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: Tensors = field(default_factory=dict)
 
 
 @dataclass
@@ -603,7 +608,7 @@ assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"
 def encode(p: Any) -> Message:
     """The message for payload ``p`` (tensors travel raw, everything else as JSON fields)."""
     fields: dict[str, Any] = {}
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: Tensors = {}
     for f in dataclasses.fields(p):
         v = getattr(p, f.name)
         if f.name == "tensors":

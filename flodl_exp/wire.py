@@ -15,6 +15,9 @@ Why it looks like this:
   data only (JSON plus raw bytes), and every header field is validated before
   it is used. Tensors are rebuilt with ``torch.frombuffer`` from an allow-listed
   dtype, so a hostile frame can at worst raise :class:`WireError`.
+* Torch loads with the first tensor (:func:`dtypes`): a header is validated with the
+  stdlib alone, so a process that only passes control messages (the coordinator of
+  the nccl backend, the launcher) never pays torch's import (seconds of CPU at start-up).
 * The ceiling is checked from the 12-byte prefix before the body is read or
   allocated, so a bogus or hostile length can never make us allocate much.
   Within the ceiling, a frame's buffers grow as its bytes arrive, never to what the
@@ -53,6 +56,7 @@ Why it looks like this:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -66,9 +70,10 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeAlias
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"FDL1"
 MAGIC_AUTH = b"FDLA"  # a session frame: MAC trailer after the payload
@@ -87,12 +92,26 @@ RECV_STEP = 2**20
 arrived, not with the length the prefix claims (see :func:`recv_allocation_bound`)."""
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-    "uint8": torch.uint8, "bool": torch.bool,
+ITEMSIZES: dict[str, int] = {
+    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1,
 }
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+"""The dtypes allowed on the wire (torch's names) and their element sizes: what a header is checked against
+before torch is needed."""
+
+
+@functools.cache
+def dtypes() -> dict[str, torch.dtype]:
+    """The allowed dtypes by name (imports torch on the first call)."""
+    import torch
+
+    return {name: getattr(torch, name) for name in ITEMSIZES}
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in dtypes().items()}
+
+
 _HEADER_KEYS = {"kind", "fields", "tensors"}
 _DESC_KEYS = {"name", "dtype", "shape", "nbytes"}
 
@@ -135,12 +154,15 @@ class TensorPart:
 
     @staticmethod
     def of(tensors: dict[str, torch.Tensor]) -> TensorPart:
+        import torch
+
         descs: list[dict[str, Any]] = []
         raws: list[memoryview] = []
+        names = _dtype_names()
         for name, t in tensors.items():
             if not isinstance(name, str) or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                 raise WireError(f"tensor {name!r}: need a str name and a dense torch.Tensor")
-            dname = _DTYPE_NAMES.get(t.dtype)
+            dname = names.get(t.dtype)
             if dname is None:
                 raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported on the wire")
             flat = t.detach().cpu().contiguous().reshape(-1)
@@ -152,7 +174,7 @@ class TensorPart:
 
 
 _NO_TENSORS = TensorPart("[]", (), 0)
-SharedParts = dict[int, tuple[dict[str, torch.Tensor], TensorPart]]
+SharedParts: TypeAlias = "dict[int, tuple[dict[str, torch.Tensor], TensorPart]]"
 """id(tensors dict) -> (the dict, its encoding): what :meth:`Message.sharing` reads and fills."""
 
 
@@ -219,7 +241,8 @@ def _parse_prefix(prefix: bytes | bytearray, max_frame_bytes: int, magic_expecte
     return header_len, payload_len
 
 
-_Spec = tuple[str, torch.dtype, list[int], int]
+_Spec = tuple[str, str, list[int], int]
+"""A checked tensor descriptor: name, dtype name, shape, bytes."""
 
 
 def _is_int(v: Any) -> bool:
@@ -252,17 +275,17 @@ def _parse_header(raw: bytes | bytearray, payload_len: int) -> tuple[str, dict[s
         name, dname, shape, nbytes = d["name"], d["dtype"], d["shape"], d["nbytes"]
         if not isinstance(name, str) or name in names:
             raise WireError(f"bad or duplicate tensor name {name!r:.100}")
-        dtype = DTYPES.get(dname) if isinstance(dname, str) else None
-        if dtype is None:
+        itemsize = ITEMSIZES.get(dname) if isinstance(dname, str) else None
+        if itemsize is None:
             raise WireError(f"tensor {name!r}: dtype {dname!r:.50} is not allowed")
         if (not isinstance(shape, list) or len(shape) > _MAX_NDIM
                 or not all(_is_int(s) and 0 <= s <= _MAX_DIM for s in shape)):
             raise WireError(f"tensor {name!r}: bad shape {shape!r:.200}")
-        if not _is_int(nbytes) or nbytes != math.prod(shape) * dtype.itemsize:
+        if not _is_int(nbytes) or nbytes != math.prod(shape) * itemsize:
             raise WireError(f"tensor {name!r}: nbytes {nbytes!r:.50} does not match {dname}{shape}")
         names.add(name)
         total += nbytes
-        specs.append((name, dtype, shape, nbytes))
+        specs.append((name, dname, shape, nbytes))
     if total != payload_len:
         raise WireError(f"tensors declare {total} bytes but payload_len is {payload_len}")
     return kind, fields, specs
@@ -270,9 +293,15 @@ def _parse_header(raw: bytes | bytearray, payload_len: int) -> tuple[str, dict[s
 
 def _build_tensors(specs: list[_Spec], payload: bytearray) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    if not specs:
+        return out
+    import torch
+
+    by_name = dtypes()
     off = 0
     try:
-        for name, dtype, shape, nbytes in specs:
+        for name, dname, shape, nbytes in specs:
+            dtype = by_name[dname]
             if nbytes == 0:
                 out[name] = torch.empty(shape, dtype=dtype)
                 continue

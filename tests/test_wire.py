@@ -74,7 +74,7 @@ def pair():
 
 
 # ------------------------------------------------------------------ round trips
-@pytest.mark.parametrize("dtype", list(wire.DTYPES.values()), ids=list(wire.DTYPES))
+@pytest.mark.parametrize("dtype", list(wire.dtypes().values()), ids=list(wire.dtypes()))
 def test_round_trip_every_dtype(dtype):
     tensors = {"mat": sample(dtype, (3, 5)), "scalar": sample(dtype, ()),
                "empty": sample(dtype, (0,)), "empty2d": sample(dtype, (4, 0)),
@@ -89,6 +89,11 @@ def test_round_trip_every_dtype(dtype):
         assert got.is_contiguous()
     out.tensors["mat"].zero_()  # owns writable memory
     assert out.tensors["scalar"].dim() == 0
+
+
+def test_the_torch_free_header_check_knows_each_dtypes_size():
+    # a header is checked against ITEMSIZES without torch (wire.dtypes loads it with the first tensor)
+    assert {name: dt.itemsize for name, dt in wire.dtypes().items()} == wire.ITEMSIZES
 
 
 def test_fields_nested_json_and_grad_tensor():

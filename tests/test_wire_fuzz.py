@@ -61,7 +61,7 @@ json_fields = st.dictionaries(keys, json_values, max_size=4)
 def tensors(draw: st.DrawFn) -> torch.Tensor:
     """A small tensor of any wire dtype; its bytes come from a drawn seed (drawing them byte by byte costs
     more than the rest of a message), so NaN payloads, subnormals and odd bools all occur."""
-    dtype = draw(st.sampled_from(list(wire.DTYPES.values())))
+    dtype = draw(st.sampled_from(list(wire.dtypes().values())))
     shape = draw(st.lists(st.integers(0, 4), max_size=3))
     n = math.prod(shape)
     if n == 0:

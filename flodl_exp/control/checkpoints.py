@@ -111,13 +111,13 @@ class BundleWriter:
         names = [optim_path(stem, r, primary)]
         if model:
             names.insert(0, model_path(stem))
-            if self._cycle.mode.is_nccl and self._cycle.outer.spec.stateful:
+            if self._cycle.mode.is_nccl and self._cycle.outer_spec.stateful:
                 names.insert(1, outer_path(stem))  # the outer optimizer is replicated on the ranks
         return [os.path.basename(n) for n in names]
 
     def _write_outer_sidecar(self, stem: str) -> None:
         """cpu backend: the outer optimizer's state lives here, so its sidecar is written here."""
-        if not self._cycle.mode.is_cpu or not self._cycle.outer.spec.stateful:
+        if not self._cycle.mode.is_cpu or not self._cycle.outer_spec.stateful:
             return
         try:
             name = self._store.save_outer(self._cycle.outer.state_dict(), stem)

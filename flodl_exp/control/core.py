@@ -227,15 +227,15 @@ class ControlCore:
     def restore_outer(self, state: dict[str, Any]) -> Optional[float]:
         """cpu backend: the outer optimizer's momentum from a bundle's sidecar; its norm (None when this
         mode keeps none here: the nccl ranks hold theirs, ``outer=avg`` has none)."""
-        outer = self.cycle.outer
-        if not self.mode.is_cpu or not outer.spec.stateful:
+        if not self.mode.is_cpu or not self.cycle.outer_spec.stateful:
             return None
+        outer = self.cycle.outer
         outer.load_state_dict(state)
         return outer.momentum_norm()
 
     @property
     def wants_outer_state(self) -> bool:
-        return self.mode.is_cpu and self.cycle.outer.spec.stateful
+        return self.mode.is_cpu and self.cycle.outer_spec.stateful
 
     def seed_anchor(self, r: int) -> bool:
         """A cold-start anchor from the hellos (the slowest device's rank), unless a speed hint, partition

@@ -18,19 +18,20 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import torch
-
-from ..averaging import divergence, weighted_average
+from ..config import OuterSpec
 from ..mode import Backend, Mode
-from ..outer import OuterOptimizer, OuterSpec, OuterStep
+from ..outer_step import OuterStep
 from ..protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
 from .actions import STABLE, ConvergenceAction
 from .channels import Outbox
 from .elche import ElChe, WindowReport
 from .guards import ConvergenceGuard, DivergenceReport
 from .meta import LrEventMeta
+
+if TYPE_CHECKING:
+    from ..outer import OuterOptimizer
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -150,8 +151,8 @@ class AveragingCycle:
         self.window_t0 = clock()
         self.slack_source: Callable[[], dict[int, float]] = dict
         """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
-        self.outer = OuterOptimizer(outer or OuterSpec())
-        """cpu backend: the outer optimizer runs here, once per window (nccl: replicated on the ranks)."""
+        self.outer_spec = outer or OuterSpec()
+        self._outer: Optional[OuterOptimizer] = None
         self._probe: Optional[list[list[float]]] = (
             [[] for _ in range(world_size)] if elche is not None and mode.window_grows else None)
         """Compute ms of each rank's first steps, until the cold-start probe has been taken (then None)."""
@@ -173,6 +174,16 @@ class AveragingCycle:
         """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
 
     # -- state ------------------------------------------------------------
+    @property
+    def outer(self) -> OuterOptimizer:
+        """cpu backend: the outer optimizer, run here once per window (nccl: replicated on the ranks). Made on
+        first use: it holds torch tensors, and the nccl backend's coordinator never imports torch."""
+        if self._outer is None:
+            from ..outer import OuterOptimizer
+
+            self._outer = OuterOptimizer(self.outer_spec)
+        return self._outer
+
     @property
     def counts(self) -> list[int]:
         return self.elche.batch_counts if self.elche is not None else [1] * self.world_size
@@ -408,6 +419,10 @@ class AveragingCycle:
     def _average_cpu(self, red: Reduce, ranks: list[int]) -> tuple[dict[int, int], dict[int, Optional[float]],
                                                                    dict[int, Optional[float]], Optional[float],
                                                                    Optional[OuterStep]]:
+        import torch  # here only: the nccl backend's coordinator averages nothing and never imports torch
+
+        from ..averaging import divergence, weighted_average
+
         snaps = [red.snapshots[r] for r in ranks]
         n = {r: s.n for r, s in zip(ranks, snaps)}
         div: dict[int, Optional[float]] = {}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..mode import Mode
-from ..outer import OuterStep
+from ..outer_step import OuterStep
 from ..partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
 from ..protocol import ChunkMetrics, ExtendPartition, StageAdvisory, StartEpoch, Telemetry
 from .actions import ConvergenceAction

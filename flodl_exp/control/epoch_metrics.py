@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..outer import OuterStep
+from ..outer_step import OuterStep
 from ..protocol import ChunkMetrics
 
 

@@ -29,7 +29,8 @@ import torch
 
 from ..averaging import consensus_state
 from ..bundle_meta import Resume
-from ..outer import OuterOptimizer, OuterSpec, OuterStep
+from ..outer import OuterOptimizer, OuterSpec
+from ..outer_step import OuterStep
 from ..protocol import Batch as BatchReport
 from ..protocol import (
     Checkpoint,

@@ -35,10 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import torch
-
 from .. import events as ev
-from ..averaging import mass
 from ..config import Config
 from ..control.channels import Outbox
 from ..control.cohort import Cohort
@@ -350,6 +347,8 @@ class Engine:
     def _send_snapshot(self, rk: SimRank) -> None:
         start = max(self.clock.t + self.lat, self._nic_free)
         self._nic_free = start + self.costs.nic_s()
+        import torch  # the cpu backend's snapshots only: an nccl mode's simulation (the coordinator's prediction) needs none
+
         snap = Snapshot(n=rk.steps_since_avg, tensors={"p0": torch.tensor([1.0, 0.0])})
         self.q.at(self._nic_free, COORD_MSG, rk.r, snap)
 
@@ -374,6 +373,8 @@ class Engine:
     def _coord_finish(self, r: int, p: Snapshot) -> None:
         """The last snapshot of a cpu reduce, once averaged and scattered: set the snapshots' values so the
         real average reads the modelled drift, then hand it to the core."""
+        from ..averaging import mass
+
         red = self.cycle.in_flight
         assert red is not None
         snaps = {**red.snapshots, r: p}
