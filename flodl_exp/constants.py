@@ -21,8 +21,8 @@ JOB_DIR_ENV = "FLODL_JOB_DIR"
 """Set in every rank's process to the job folder (a rank's working directory is the one it was launched from)."""
 LOST_GRACE_S = 10.0
 """After the coordinator's connection breaks (or it exits), a rank's main thread has this long to end before
-the process is ended without it: it may sit in a call that reads no control (a TCPStore connect to the dead
-coordinator's store retries for minutes)."""
+the process is ended without it: it may sit in a call that reads no control (a TCPStore connect to a store
+gone with task 0 retries for minutes)."""
 
 # The Hydra config the package ships: flodl_exp/conf, a link to the repository's top-level conf/ in a checkout (one
 # source of truth), real files in an installed wheel (the build copies them through the link as package data).

@@ -1,7 +1,7 @@
 """Names and interfaces for the torch.distributed rendezvous, shared by the coordinator and the ranks.
 
-The TCPStore has no authentication of its own: the coordinator binds it to its own
-address only (control/server.py, ``start_store``), and the process groups' key
+The TCPStore has no authentication of its own: task 0 binds it to the coordinator's
+address only (jobs/collective_store.py), and the process groups' key
 prefixes are derived from the job token here, so a process without the token cannot
 predict (and so cannot pre-seed or overwrite) a group's rendezvous keys.
 """

@@ -149,7 +149,7 @@ def test_cancel_leaves_no_process(store, tmp_path, monkeypatch):
     # so the cancel always lands mid-run however fast the machine is. The gate is opened only after the cancel.
     gate = tmp_path / "gate"
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:1:gate:{gate},1:1:gate:{gate}")
-    h = _launch(store, "mode=cpu_cadence", "experiment.epochs=3")
+    h = _launch(store, "mode=nccl_cadence", "experiment.epochs=3")
     from pathlib import Path
 
     job = Path(h.job_dir)
@@ -158,6 +158,10 @@ def test_cancel_leaves_no_process(store, tmp_path, monkeypatch):
         _wait_for(lambda: any(e.get("event") == "started" for e in read_events(job)), what="run start")
         pids = pids_of(job)
         assert len(pids) == 3
+        # the collective's store is task 0's: the coordinator of a collective mode never loads torch
+        coordinator = json.loads((job / "rendezvous.json").read_text())["pid"]
+        assert not _maps_libtorch(coordinator), "the nccl coordinator imported torch"
+        assert any(_maps_libtorch(p) for p in pids if p != coordinator), "a rank without torch: the check sees nothing"
         assert not any(e.get("event") in ("epoch", "end") for e in read_events(job)), "the gate should hold epoch 0 open"
         h.shutdown()
         _wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what="every process to exit after cancel")
@@ -165,6 +169,11 @@ def test_cancel_leaves_no_process(store, tmp_path, monkeypatch):
         assert MlflowClient(store["uri"]).get_run(h.run_id).info.status == "KILLED"
     finally:
         gate.touch()  # never leave a rank waiting on the gate (it would give up on its own after its bound)
+
+
+def _maps_libtorch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as fh:
+        return "libtorch" in fh.read()
 
 
 def test_run_handle_streams_metrics_and_joins_the_consensus(store):

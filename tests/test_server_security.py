@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from flodl_exp import wire
-from flodl_exp.control.server import MAX_HANDSHAKES, RankServer, start_store
+from flodl_exp.control.server import MAX_HANDSHAKES, RankServer
 from flodl_exp.hello import Hello
+from flodl_exp.jobs.collective_store import start_store
 from flodl_exp.protocol import CoordHeartbeat, RankError, encode
 from flodl_exp.store_names import group_prefix, is_loopback_host, loopback_ifname, pin_gloo_to_loopback
 from flodl_exp.wire import Message
@@ -81,8 +82,8 @@ def _listeners(port: int) -> list[str]:
     return out
 
 
-def test_store_listens_on_the_coordinator_address_only():
-    handle = start_store(HOST, 2)
+def test_store_listens_on_the_coordinator_address_only():  # hosted by task 0, on the coordinator's host
+    handle = start_store(HOST)
     try:
         assert _listeners(handle.port) == [HOST]  # torch alone listened on every interface (*:port)
         dup = socket.socket(fileno=os.dup(handle.fd))

@@ -1,8 +1,9 @@
-"""Coordinator process entry: ``python -m flodl_exp.control.main <spec.json> <host>``.
+"""Coordinator process entry: ``python -m flodl_exp.control.main <spec.json> <host> [<store port>]``.
 
-Started by task 0 of the job. Binds the rank server (and, for the collective
-backend, the TCPStore), writes rendezvous.json, runs the event loop, logs to
-MLflow, and writes ``result.json``. Exit status 0 = FINISHED, 3 = PREEMPTED
+Started by task 0 of the job. Binds the rank server, writes rendezvous.json (with
+the port of the collective backend's TCPStore, which task 0 hosts:
+jobs/collective_store.py), runs the event loop, logs to MLflow, and writes
+``result.json``. In the nccl modes it never imports torch. Exit status 0 = FINISHED, 3 = PREEMPTED
 (bundle written for a requeue, MLflow run left RUNNING), 1 = anything else.
 
 Signals: ``SIGUSR1`` = save a bundle and stop for requeue (sent by task 0 on
@@ -71,6 +72,7 @@ class _Signals:
 
 def main(argv: list[str]) -> int:
     spec_path, host = argv[1], argv[2]
+    store_port = int(argv[3]) if len(argv) > 3 else None
     spec = JobSpec.load(spec_path)
     slurm = spec.config["cluster"]["executor"] == "slurm"
     signals = _Signals(slurm)
@@ -87,7 +89,7 @@ def main(argv: list[str]) -> int:
     from ..sink_process import start_sink
     from .coordinator import Coordinator
     from .prediction import RecordTap
-    from .server import RankServer, start_store
+    from .server import RankServer
 
     cfg = load_config(spec.config)
     shape = RunShape.of(cfg)
@@ -96,8 +98,7 @@ def main(argv: list[str]) -> int:
     events: queue.Queue[tuple[Any, ...]] = queue.Queue()
     # a rank that accepts no byte for this long is dead: it never holds the event loop past half the heartbeat timeout
     server = RankServer(host, token, w, events, send_stall_timeout=max(2.0, min(10.0, cfg.cluster.heartbeat_timeout_s / 2)))
-    store = start_store(host, w) if shape.mode.is_nccl and w > 1 else None
-    write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store.port if store else None,
+    write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store_port,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
     # Without a launcher to deliver the records (run.wait=false, tracking.relay=false), the sink's own process

@@ -46,8 +46,7 @@ import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from .. import wire
 from ..hello import Hello, HelloError
@@ -313,41 +312,4 @@ class RankServer:
             self._sel.close()
         except (OSError, ValueError):
             pass
-
-
-@dataclass
-class StoreHandle:
-    """The coordinator's TCPStore and the address its listening socket is bound to."""
-
-    store: Any
-    host: str
-    port: int
-    fd: int = field(repr=False)
-    """The listening socket's descriptor (owned and closed by the store)."""
-
-
-def start_store(host: str, world_size: int) -> StoreHandle:
-    """The torch.distributed TCPStore the collective backend rendezvouses on (hosted here,
-    so a dead rank never takes the store with it).
-
-    torch would listen on every interface (``host`` names the server only for clients),
-    so the listening socket is made here, bound to ``host`` only, and handed over with
-    ``master_listen_fd``; the store owns (and closes) it from then on. The store itself has
-    no authentication: the process groups' key prefixes come from the job token
-    (store_names.group_prefix).
-    """
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    sock = wire.listen(host, 0)
-    port = sock.getsockname()[1]
-    try:
-        store = dist.TCPStore(host, port, world_size=None, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60), master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    fd = sock.detach()  # the store closes the descriptor with itself: never close it from here too
-    return StoreHandle(store, host, port, fd)
 

@@ -46,6 +46,7 @@ import submitit
 
 from ..config import ClusterConfig, load_cluster
 from ..constants import COORDINATOR_LOG, FAULT_ENV, JOB_DIR_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK, RANK_ENV
+from .collective_store import bind_store_socket, needs_store, serve_store
 from .executor import restore_visible_devices
 from .spec import JobSpec
 
@@ -175,10 +176,11 @@ def gloo_interface(cluster: Any, env: Any, hostname: Optional[str] = None) -> Op
     return ifname
 
 
-def spawn_coordinator(spec_path: str, host: str) -> subprocess.Popen:
+def spawn_coordinator(spec_path: str, host: str, store_port: Optional[int] = None) -> subprocess.Popen:
     job_dir = os.path.dirname(os.path.abspath(spec_path))
     log_fh = open(os.path.join(job_dir, COORDINATOR_LOG), "ab")
-    return subprocess.Popen([sys.executable, "-m", "flodl_exp.control.main", spec_path, host],
+    store_arg = [] if store_port is None else [str(store_port)]
+    return subprocess.Popen([sys.executable, "-m", "flodl_exp.control.main", spec_path, host, *store_arg],
                             stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
 
 
@@ -260,8 +262,8 @@ def _wait_rank0(worker: threading.Thread, coord: subprocess.Popen, spec: JobSpec
             if coord_gone_at is None and coord.poll() is not None:
                 coord_gone_at = time.monotonic()
             if coord_gone_at is not None and time.monotonic() - coord_gone_at > LOST_GRACE_S:
-                # rank 0 sits in a call that reads no control (a store connect to the dead
-                # coordinator): end the task without it, as the other ranks' readers do
+                # rank 0 sits in a call that reads no control (a collective or a store wait on peers
+                # that went with the coordinator): end the task without it, as the other ranks' readers do
                 log.error("rank 0 did not stop within %.0fs of the coordinator's end: leaving it", LOST_GRACE_S)
                 break
     except _RunEnded:
@@ -361,7 +363,9 @@ class RunTask(submitit.helpers.Checkpointable):
 
     def _task0(self, spec_path: str, spec: JobSpec, cluster: ClusterConfig, local_rank: int, job_dir: str,
                attempt: int) -> dict:
-        coord = spawn_coordinator(spec_path, coordinator_host(cluster))
+        host = coordinator_host(cluster)
+        store_sock = bind_store_socket(host) if needs_store(spec.config, cluster) else None
+        coord = spawn_coordinator(spec_path, host, store_sock.getsockname()[1] if store_sock is not None else None)
         box: dict[str, Any] = {}
 
         def coord_dead() -> Optional[str]:
@@ -371,6 +375,8 @@ class RunTask(submitit.helpers.Checkpointable):
 
         def rank0() -> None:
             try:
+                if store_sock is not None:  # torch.distributed loads here, as rank 0's torch would
+                    box["store"] = serve_store(store_sock)  # kept until the task returns
                 box["out"] = _run_rank(spec, 0, local_rank, job_dir, attempt, coord_dead)
             except BaseException as e:  # handed to the main thread
                 box["error"] = e

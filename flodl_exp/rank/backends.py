@@ -1,8 +1,8 @@
 """Averaging backends, rank side.
 
 * :class:`CollectiveBackend` (``backend=nccl``): weighted in-place all_reduce
-  over a torch.distributed process group formed through the coordinator's
-  TCPStore; NCCL or Gloo as the coordinator chose for the whole cohort.
+  over a torch.distributed process group formed through the job's TCPStore
+  (task 0 hosts it); NCCL or Gloo as the coordinator chose for the whole cohort.
 * :class:`CoordinatorBackend` (``backend=cpu``): the rank ships a snapshot to
   the coordinator and adopts the consensus it sends back (full overwrite, or
   the EASGD blend on cpu_async).
