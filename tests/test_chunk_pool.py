@@ -359,7 +359,7 @@ def test_refresh_final_window_plan_pins_until_counts_or_epoch_change():
     kw: dict[str, Any] = dict(counts=[4, 2], alive=[True, True], barrier_paced=True)
     assert refresh_final_window_plan(None, epoch=0, rem=8, **kw) is None  # >= 6+2
     p = refresh_final_window_plan(None, epoch=0, rem=7, **kw)
-    assert p == FinalWindowPlan(0, (4, 3), (4, 2))
+    assert p == FinalWindowPlan(0, (4, 3), (4, 2), (True, True))
     assert refresh_final_window_plan(p, epoch=0, rem=3, **kw) is p  # pinned
     p2 = refresh_final_window_plan(p, epoch=0, rem=3, counts=[3, 3],
                                    alive=[True, True], barrier_paced=True)
@@ -369,6 +369,17 @@ def test_refresh_final_window_plan_pins_until_counts_or_epoch_change():
     assert refresh_final_window_plan(p, epoch=0, rem=0, **kw) is None
     assert refresh_final_window_plan(None, epoch=0, rem=3, counts=[4, 2],
                                      alive=[True, True], barrier_paced=False) is None
+
+
+def test_a_death_replans_the_final_window_for_the_survivors():
+    # Pinned with rank 2's share; rank 2 dies (counts unchanged) and its picks come back to the pool: the plan
+    # is made again, every remaining batch allotted to a live rank. Kept, it allotted the survivors nothing.
+    counts = [2, 3, 4]
+    p = refresh_final_window_plan(None, epoch=0, rem=4, counts=counts, alive=[True, True, True], barrier_paced=True)
+    assert p is not None and p.alloc[2] > 0
+    q = refresh_final_window_plan(p, epoch=0, rem=7, counts=counts, alive=[True, True, False], barrier_paced=True)
+    assert q is not p and q is not None
+    assert q.alloc[2] == 0 and sum(q.alloc) == 7
 
 
 # -- compute_chunk_batches (§5.3) -----------------------------------------------

@@ -367,13 +367,20 @@ class FinalWindowPlan:
     epoch: int
     alloc: tuple[int, ...]
     pinned_counts: tuple[int, ...]
+    pinned_alive: tuple[bool, ...] = ()
+    """The live ranks the plan was made for: a death re-plans (see :func:`refresh_final_window_plan`)."""
 
 
 def refresh_final_window_plan(prev: FinalWindowPlan | None, *, epoch: int, rem: int,
                               counts: Sequence[int], alive: Sequence[bool],
                               barrier_paced: bool) -> FinalWindowPlan | None:
     """§5.5 pinning: a plan exists only when barrier-paced and
-    ``0 < rem < Σ alive counts + W``; kept while epoch and counts are unchanged.
+    ``0 < rem < Σ alive counts + W``; kept while epoch, counts and the live ranks are unchanged.
+
+    The reference pins on the epoch and the counts only. A death leaves the counts as they were but gives the
+    dead rank's share back to the pool: a plan kept then holds the dead rank's slot and none for the returned
+    picks, every survivor is allotted 0, and the epoch never ends (found by a fault fuzz of the control core,
+    tests/test_fault_fuzz.py: two deaths in a 4-rank cpu_cadence run left 10 batches of epoch 0 to nobody).
 
     Called for every chunk handed out, so every rank of a reduce's next round: no Python-level loop over the
     world here (``compress``/``tuple`` run in C), or a round costs O(W^2) interpreted steps (a quarter of a
@@ -383,10 +390,10 @@ def refresh_final_window_plan(prev: FinalWindowPlan | None, *, epoch: int, rem: 
     total = sum(itertools.compress(counts, alive))
     if total == 0 or rem >= total + len(counts):
         return None
-    pinned = tuple(counts)
-    if prev is not None and prev.epoch == epoch and prev.pinned_counts == pinned:
+    pinned, live = tuple(counts), tuple(alive)
+    if prev is not None and prev.epoch == epoch and prev.pinned_counts == pinned and prev.pinned_alive == live:
         return prev
-    return FinalWindowPlan(epoch, tuple(final_window_alloc(rem, list(counts), list(alive))), pinned)
+    return FinalWindowPlan(epoch, tuple(final_window_alloc(rem, list(counts), list(alive))), pinned, live)
 
 
 # -- staging advisories (§5.10) ------------------------------------------------
