@@ -47,81 +47,105 @@ DEATH_KINDS = ("between_batches", "between_batches", "at_request", "after_answer
 
 def play(seed: int, mode: str, tmp: Path) -> Optional[str]:
     """One seeded run; None when it ended as it must, else what went wrong."""
-    rng = random.Random(seed)
-    tmp.mkdir(parents=True, exist_ok=True)
-    h = Harness(tmp, mode, world=WORLD, epochs=EPOCHS)
-    speeds = [rng.choice([1, 1, 2, 3, 4]) for _ in range(WORLD)]  # batches a tick, at most
-    death_ticks = sorted(rng.sample(range(2, 70), 2))  # a run lasts ~75 ticks
-    kinds = [rng.choice(DEATH_KINDS) for _ in range(2)]
-    victims = rng.sample(range(1, WORLD), 2)
-    chunks: dict[int, deque[list[int]]] = {r: deque() for r in range(WORLD)}  # [epoch, offset, batches, id, done]
-    held = [False] * WORLD
-    armed: dict[int, str] = {}
-    dead: set[int] = set()
+    return _FuzzRun(seed, mode, tmp).run()
 
-    def die(r: int) -> None:
-        dead.add(r)
-        h.co.on_event(("closed", r, "closed"))
 
-    todo: list[tuple[int, Any]] = [(r, p) for r, ps in h.start(samples=SAMPLES).items() for p in ps]
-    for t in range(TICKS):
-        h.clock.advance(0.01)
-        while death_ticks and t >= death_ticks[0]:
-            death_ticks.pop(0)
-            victim, kind = victims.pop(0), kinds.pop(0)
+class _FuzzRun:
+    """The ranks' side: each takes its chunks in order, trains up to its speed a tick (jittered), obeys a
+    Throttle or a barrier request until the next Update, and answers every reduce; a victim dies when armed."""
+
+    def __init__(self, seed: int, mode: str, tmp: Path) -> None:
+        self.rng = rng = random.Random(seed)
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.h = Harness(tmp, mode, world=WORLD, epochs=EPOCHS)
+        self.speeds = [rng.choice([1, 1, 2, 3, 4]) for _ in range(WORLD)]  # batches a tick, at most
+        self.death_ticks = sorted(rng.sample(range(2, 70), 2))  # a run lasts ~75 ticks
+        self.kinds = [rng.choice(DEATH_KINDS) for _ in range(2)]
+        self.victims = rng.sample(range(1, WORLD), 2)
+        self.chunks: dict[int, deque[list[int]]] = {r: deque() for r in range(WORLD)}  # [epoch, offset, batches, id, done]
+        self.held = [False] * WORLD
+        self.armed: dict[int, str] = {}
+        self.dead: set[int] = set()
+
+    def run(self) -> Optional[str]:
+        h = self.h
+        todo: list[tuple[int, Any]] = [(r, p) for r, ps in h.start(samples=SAMPLES).items() for p in ps]
+        for t in range(TICKS):
+            h.clock.advance(0.01)
+            todo += self._deaths_due(t)
+            for r, p in todo:
+                if r not in self.dead:
+                    self._deliver(r, p)
+            if h.co.life.status is not Status.RUNNING:
+                return _check_end(h)
+            for r in range(WORLD):
+                if r not in self.dead:
+                    h.msg(r, Heartbeat())
+                    self._train(r, self.rng.randint(0, self.speeds[r]))
+            h.tick()
+            todo = h.transport.take()
+        return f"no end after {TICKS} ticks (deaths {sorted(self.dead)}): {h.co.stall_state()}"
+
+    def _die(self, r: int) -> None:
+        self.dead.add(r)
+        self.h.co.on_event(("closed", r, "closed"))
+
+    def _deaths_due(self, t: int) -> list[tuple[int, Any]]:
+        sent: list[tuple[int, Any]] = []
+        while self.death_ticks and t >= self.death_ticks[0]:
+            self.death_ticks.pop(0)
+            victim, kind = self.victims.pop(0), self.kinds.pop(0)
             if kind == "between_batches":
-                die(victim)
-                todo += h.transport.take()
+                self._die(victim)
+                sent += self.h.transport.take()
             else:
-                armed[victim] = kind
-        for r, p in todo:
-            if r in dead:
-                continue
-            if isinstance(p, (StartEpoch, ExtendPartition)):
-                chunks[r].append([p.epoch, p.offset, p.size // BATCH, p.chunk, 0])
-            elif isinstance(p, Throttle):
-                held[r] = True
-            elif isinstance(p, (RequestParams, SyncNow)):
-                if armed.get(r) == "at_request":
-                    die(r)
-                    continue
-                if isinstance(p, RequestParams):
-                    h.snapshot(r, h.co.cycle.steps(r), float(r))
-                    held[r] = held[r] or p.barrier
-                else:
-                    h.msg(r, SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
-                if armed.get(r) == "after_answer":
-                    die(r)
-            elif isinstance(p, RequestSession):
-                h.msg(r, SessionReady(generation=p.generation, session=f"s{p.generation}"))
-            elif isinstance(p, Update):
-                held[r] = False
-            elif isinstance(p, ExecuteEval):
-                h.msg(r, EvalResult(epoch=p.epoch, metrics={"accuracy": 0.5}, final=p.final))
-            elif isinstance(p, Save):
-                h.msg(r, SaveResult(stem=p.stem))
-            elif isinstance(p, Shutdown):
-                h.msg(r, Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=h.co.cycle.global_step))
-        if h.co.life.status is not Status.RUNNING:
-            return _check_end(h)
-        for r in range(WORLD):
-            if r in dead:
-                continue
-            h.msg(r, Heartbeat())
-            n = rng.randint(0, speeds[r])
-            while n > 0 and chunks[r] and not held[r]:
-                c = chunks[r][0]
-                h.msg(r, Batch(ms=10.0 / speeds[r], data_ms=0.1, chunk=c[3], loss=1.0, lr=0.1))
-                c[4] += 1
-                n -= 1
-                if c[4] == c[2]:
-                    chunks[r].popleft()
-                    h.msg(r, ChunkMetrics(epoch=c[0], chunk=c[3], avg_loss=1.0, batches=c[2], samples=c[2] * BATCH,
-                                          epoch_ms=1.0, share_complete_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0,
-                                          ranges=[[c[1], c[2] * BATCH]]))
-        h.tick()
-        todo = h.transport.take()
-    return f"no end after {TICKS} ticks (deaths {sorted(dead)}): {h.co.stall_state()}"
+                self.armed[victim] = kind
+        return sent
+
+    def _deliver(self, r: int, p: Any) -> None:
+        h = self.h
+        if isinstance(p, (StartEpoch, ExtendPartition)):
+            self.chunks[r].append([p.epoch, p.offset, p.size // BATCH, p.chunk, 0])
+        elif isinstance(p, Throttle):
+            self.held[r] = True
+        elif isinstance(p, (RequestParams, SyncNow)):
+            self._answer_reduce(r, p)
+        elif isinstance(p, RequestSession):
+            h.msg(r, SessionReady(generation=p.generation, session=f"s{p.generation}"))
+        elif isinstance(p, Update):
+            self.held[r] = False
+        elif isinstance(p, ExecuteEval):
+            h.msg(r, EvalResult(epoch=p.epoch, metrics={"accuracy": 0.5}, final=p.final))
+        elif isinstance(p, Save):
+            h.msg(r, SaveResult(stem=p.stem))
+        elif isinstance(p, Shutdown):
+            h.msg(r, Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=h.co.cycle.global_step))
+
+    def _answer_reduce(self, r: int, p: Any) -> None:
+        h = self.h
+        if self.armed.get(r) == "at_request":
+            self._die(r)
+            return
+        if isinstance(p, RequestParams):
+            h.snapshot(r, h.co.cycle.steps(r), float(r))
+            self.held[r] = self.held[r] or p.barrier
+        else:
+            h.msg(r, SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+        if self.armed.get(r) == "after_answer":
+            self._die(r)
+
+    def _train(self, r: int, n: int) -> None:
+        h, q = self.h, self.chunks[r]
+        while n > 0 and q and not self.held[r]:
+            c = q[0]
+            h.msg(r, Batch(ms=10.0 / self.speeds[r], data_ms=0.1, chunk=c[3], loss=1.0, lr=0.1))
+            c[4] += 1
+            n -= 1
+            if c[4] == c[2]:
+                q.popleft()
+                h.msg(r, ChunkMetrics(epoch=c[0], chunk=c[3], avg_loss=1.0, batches=c[2], samples=c[2] * BATCH,
+                                      epoch_ms=1.0, share_complete_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0,
+                                      ranges=[[c[1], c[2] * BATCH]]))
 
 
 def _check_end(h: Harness) -> Optional[str]:
