@@ -43,21 +43,23 @@ SEEDS = 25
 """Seeds per mode in make test (about 0.15 s each); the campaign that found the hang ran 1,000-2,000 per mode."""
 WORLD, EPOCHS, SAMPLES, TICKS = 4, 5, 960, 4000
 DEATH_KINDS = ("between_batches", "between_batches", "at_request", "after_answer")
+"""How a victim dies; "at_save" (on a bundle's Save, before writing) is for runs with periodic bundles."""
 
 
-def play(seed: int, mode: str, tmp: Path) -> Optional[str]:
-    """One seeded run; None when it ended as it must, else what went wrong."""
-    return _FuzzRun(seed, mode, tmp).run()
+def play(seed: int, mode: str, tmp: Path, **overrides: Any) -> Optional[str]:
+    """One seeded run (``overrides``: config keys, e.g. periodic bundles); None when it ended as it must, else what
+    went wrong."""
+    return _FuzzRun(seed, mode, tmp, **overrides).run()
 
 
 class _FuzzRun:
     """The ranks' side: each takes its chunks in order, trains up to its speed a tick (jittered), obeys a
     Throttle or a barrier request until the next Update, and answers every reduce; a victim dies when armed."""
 
-    def __init__(self, seed: int, mode: str, tmp: Path) -> None:
+    def __init__(self, seed: int, mode: str, tmp: Path, **overrides: Any) -> None:
         self.rng = rng = random.Random(seed)
         tmp.mkdir(parents=True, exist_ok=True)
-        self.h = Harness(tmp, mode, world=WORLD, epochs=EPOCHS)
+        self.h = Harness(tmp, mode, world=WORLD, epochs=EPOCHS, **overrides)
         self.speeds = [rng.choice([1, 1, 2, 3, 4]) for _ in range(WORLD)]  # batches a tick, at most
         self.death_ticks = sorted(rng.sample(range(2, 70), 2))  # a run lasts ~75 ticks
         self.kinds = [rng.choice(DEATH_KINDS) for _ in range(2)]
@@ -117,6 +119,9 @@ class _FuzzRun:
         elif isinstance(p, ExecuteEval):
             h.msg(r, EvalResult(epoch=p.epoch, metrics={"accuracy": 0.5}, final=p.final))
         elif isinstance(p, Save):
+            if self.armed.get(r) == "at_save":
+                self._die(r)
+                return
             h.msg(r, SaveResult(stem=p.stem))
         elif isinstance(p, Shutdown):
             h.msg(r, Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=h.co.cycle.global_step))

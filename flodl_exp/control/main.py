@@ -20,6 +20,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -101,6 +102,10 @@ def main(argv: list[str]) -> int:
     write_rendezvous(job_dir, {"host": host, "port": server.port, "store_port": store_port,
                                "token": token, "pid": os.getpid(), "incarnation": incarnation(spec.attempt)})
     log.info("listening on %s:%d (world size %d)", host, server.port, w)
+    if not shape.mode.is_nccl or cfg.mode.auto:
+        # The cpu backend averages tensors, and mode=auto simulates the cpu modes: torch loads now, beside the
+        # ranks' start-up, not on the first snapshot (read thread) or the choice while every rank waits.
+        threading.Thread(target=_load_torch, name="load-torch", daemon=True).start()
     # Without a launcher to deliver the records (run.wait=false, tracking.relay=false), the sink's own process
     # imports MLflow and opens the store (2-3.5 s of CPU) while the ranks finish their start-up, never holding this
     # interpreter's GIL (sink_process.py). Started before this process's own imports
@@ -130,6 +135,15 @@ def main(argv: list[str]) -> int:
         co.fail(f"coordinator crashed: {type(e).__name__}: {e}")
         status = "FAILED"
     return _close(co, spec, cfg, job_dir, sink, server, status, slurm)
+
+
+def _load_torch() -> None:
+    try:
+        import torch  # noqa: F401
+
+        from .. import averaging  # noqa: F401
+    except Exception as e:  # the first tensor tries again, and says why there
+        log.warning("torch did not load ahead of the first reduce: %s", e)
 
 
 def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, server: Any, status: str,

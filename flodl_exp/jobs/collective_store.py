@@ -36,10 +36,10 @@ class StoreHandle:
 
 
 def needs_store(config: Mapping[str, Any], cluster: ClusterConfig) -> bool:
-    """The run's ranks form a process group (a collective backend, two ranks or more; ``mode=auto`` falls back
-    to one, so it counts)."""
+    """The run's ranks may form a process group: two ranks or more, and a collective backend configured or
+    ``mode=auto`` (its choice may land on one whatever its fallback, and so may a resumed choice)."""
     mode = config["mode"]
-    return cluster_size(cluster) > 1 and Mode.parse(mode["policy"], mode["backend"]).is_nccl
+    return cluster_size(cluster) > 1 and (bool(mode.get("auto")) or Mode.parse(mode["policy"], mode["backend"]).is_nccl)
 
 
 def bind_store_socket(host: str) -> socket.socket:

@@ -376,7 +376,10 @@ class RunTask(submitit.helpers.Checkpointable):
         def rank0() -> None:
             try:
                 if store_sock is not None:  # torch.distributed loads here, as rank 0's torch would
-                    box["store"] = serve_store(store_sock)  # kept until the task returns
+                    try:
+                        box["store"] = serve_store(store_sock)  # kept until the task returns
+                    except Exception as e:  # rank 0's setup failed: its death record ends the run at once, naming it
+                        raise _setup_failed(spec, 0, job_dir, attempt, e) from e
                 box["out"] = _run_rank(spec, 0, local_rank, job_dir, attempt, coord_dead)
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
