@@ -16,31 +16,12 @@ from typing import Any, Optional
 import pytest
 from control_fakes import BATCH, Harness
 
+from flodl_exp import protocol
 from flodl_exp.control.lifecycle import Status
-from flodl_exp.protocol import (
-    Batch,
-    ChunkMetrics,
-    EvalResult,
-    ExecuteEval,
-    Exiting,
-    ExtendPartition,
-    Heartbeat,
-    RequestParams,
-    RequestSession,
-    Save,
-    SaveResult,
-    SessionReady,
-    Shutdown,
-    StartEpoch,
-    SyncAck,
-    SyncNow,
-    Throttle,
-    Update,
-)
 
 MODES = ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
 SEEDS = 25
-"""Seeds per mode in make test (about 0.15 s each); the campaign that found the hang ran 1,000-2,000 per mode."""
+"""Seeds per mode in make test (about 0.15 s each); the campaigns behind it ran 300-1,500 a mode."""
 WORLD, EPOCHS, SAMPLES, TICKS = 4, 5, 960, 4000
 DEATH_KINDS = ("between_batches", "between_batches", "at_request", "after_answer")
 """How a victim dies; "at_save" (on a bundle's Save, before writing) is for runs with periodic bundles."""
@@ -82,7 +63,7 @@ class _FuzzRun:
                 return _check_end(h)
             for r in range(WORLD):
                 if r not in self.dead:
-                    h.msg(r, Heartbeat())
+                    h.msg(r, protocol.Heartbeat())
                     self._train(r, self.rng.randint(0, self.speeds[r]))
             h.tick()
             todo = h.transport.take()
@@ -106,36 +87,36 @@ class _FuzzRun:
 
     def _deliver(self, r: int, p: Any) -> None:
         h = self.h
-        if isinstance(p, (StartEpoch, ExtendPartition)):
+        if isinstance(p, (protocol.StartEpoch, protocol.ExtendPartition)):
             self.chunks[r].append([p.epoch, p.offset, p.size // BATCH, p.chunk, 0])
-        elif isinstance(p, Throttle):
+        elif isinstance(p, protocol.Throttle):
             self.held[r] = True
-        elif isinstance(p, (RequestParams, SyncNow)):
+        elif isinstance(p, (protocol.RequestParams, protocol.SyncNow)):
             self._answer_reduce(r, p)
-        elif isinstance(p, RequestSession):
-            h.msg(r, SessionReady(generation=p.generation, session=f"s{p.generation}"))
-        elif isinstance(p, Update):
+        elif isinstance(p, protocol.RequestSession):
+            h.msg(r, protocol.SessionReady(generation=p.generation, session=f"s{p.generation}"))
+        elif isinstance(p, protocol.Update):
             self.held[r] = False
-        elif isinstance(p, ExecuteEval):
-            h.msg(r, EvalResult(epoch=p.epoch, metrics={"accuracy": 0.5}, final=p.final))
-        elif isinstance(p, Save):
+        elif isinstance(p, protocol.ExecuteEval):
+            h.msg(r, protocol.EvalResult(epoch=p.epoch, metrics={"accuracy": 0.5}, final=p.final))
+        elif isinstance(p, protocol.Save):
             if self.armed.get(r) == "at_save":
                 self._die(r)
                 return
-            h.msg(r, SaveResult(stem=p.stem))
-        elif isinstance(p, Shutdown):
-            h.msg(r, Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=h.co.cycle.global_step))
+            h.msg(r, protocol.SaveResult(stem=p.stem))
+        elif isinstance(p, protocol.Shutdown):
+            h.msg(r, protocol.Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=h.co.cycle.global_step))
 
     def _answer_reduce(self, r: int, p: Any) -> None:
         h = self.h
         if self.armed.get(r) == "at_request":
             self._die(r)
             return
-        if isinstance(p, RequestParams):
+        if isinstance(p, protocol.RequestParams):
             h.snapshot(r, h.co.cycle.steps(r), float(r))
             self.held[r] = self.held[r] or p.barrier
         else:
-            h.msg(r, SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+            h.msg(r, protocol.SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
         if self.armed.get(r) == "after_answer":
             self._die(r)
 
@@ -143,12 +124,12 @@ class _FuzzRun:
         h, q = self.h, self.chunks[r]
         while n > 0 and q and not self.held[r]:
             c = q[0]
-            h.msg(r, Batch(ms=10.0 / self.speeds[r], data_ms=0.1, chunk=c[3], loss=1.0, lr=0.1))
+            h.msg(r, protocol.Batch(ms=10.0 / self.speeds[r], data_ms=0.1, chunk=c[3], loss=1.0, lr=0.1))
             c[4] += 1
             n -= 1
             if c[4] == c[2]:
                 q.popleft()
-                h.msg(r, ChunkMetrics(epoch=c[0], chunk=c[3], avg_loss=1.0, batches=c[2], samples=c[2] * BATCH,
+                h.msg(r, protocol.ChunkMetrics(epoch=c[0], chunk=c[3], avg_loss=1.0, batches=c[2], samples=c[2] * BATCH,
                                       epoch_ms=1.0, share_complete_ms=1.0, compute_only_ms=1.0, data_starve_ms=0.0,
                                       ranges=[[c[1], c[2] * BATCH]]))
 
