@@ -1011,7 +1011,7 @@ def test_the_references_gate_wedges_on_a_throttled_rank_short_of_its_count(tmp_p
     both held below their counts with a chunk in flight (not quiesced), the gate shut for good."""
     from flodl_exp.control.cycle import AveragingCycle
 
-    def reference_gate(self: AveragingCycle, alive: list[int], quiesced: Any) -> bool:
+    def reference_gate(self: AveragingCycle, alive: list[int], quiesced: Any, working: Any = None) -> bool:
         if self.world_size < 2 or self.in_flight is not None:
             return False
         any_mover = False

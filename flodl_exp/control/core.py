@@ -386,7 +386,8 @@ class ControlCore:
             alive = self.cohort.alive_ranks()
             self.cycle.throttle(alive, self.dispatch.in_flight)  # 5. max_batch_diff
             if (self.faults.regroup is None and self.cycle.in_flight is None and not self.eval_holds_sync()
-                    and not self.reduces.gate_blocked(alive) and self.cycle.should_average(alive, self.dispatch.quiesced)):
+                    and not self.reduces.gate_blocked(alive) and self.cycle.should_average(alive, self.dispatch.quiesced,
+                                                                                     self.dispatch.in_flight)):
                 self.fire_reduce()                            # 8. fire a reduce
             self.pacing.tick(alive)                           #    the window's counts moved: re-pace the ranks
             self.boundaries.aggregate()                       # 10. aggregate ready epochs
