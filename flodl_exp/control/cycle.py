@@ -328,7 +328,7 @@ class AveragingCycle:
         any_mover = False
         counts = self.counts
         sync = self.mode.is_sync
-        held = any(self.ledger[r].throttled for r in alive)
+        held = self.max_batch_diff is not None and any(self.ledger[r].throttled for r in alive)  # throttles need it
         for r in alive:
             s = self.ledger[r].steps
             if s > 0:
