@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from import_audit import ImportAudit
 from mlflow.tracking import MlflowClient
 from test_ui_browser import announce, chromium  # noqa: F401  (the fixture: installs Chromium or skips)
 
@@ -33,14 +34,26 @@ TOLERANCE = 0.05
 @pytest.fixture(scope="module")
 def timeline_run(store, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("timeline_run")
+    audit = ImportAudit(d / "import_audit", "torch._dynamo")
     r = run_cli([*base_overrides(store, "timeline"), "tracking.predict=true", "mode=cpu_async", "cluster=local_hetero", "experiment=digits_mlp",
-                 f"experiment.epochs={EPOCHS}", f"dashboard.html={d}/dashboard.html"])
+                 f"experiment.epochs={EPOCHS}", f"dashboard.html={d}/dashboard.html"], env=audit.env())
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     run_id = run_id_of(r.stdout)
     c = MlflowClient(store["uri"])
     local = c.download_artifacts(run_id, "timeline", str(d / "artifacts"))
     return {"run_id": run_id, "job": job_dir_of(r.stdout), "client": c, "dir": d, "artifacts": local,
-            "stdout": r.stdout, "uri": store["uri"]}
+            "stdout": r.stdout, "uri": store["uri"], "audit": audit}
+
+
+def test_no_rank_imports_torch_dynamo(timeline_run):
+    """Issue 30, item 1: the ranks' optimizers import no ``torch._dynamo`` (1.3-1.8 s of CPU a rank before its
+    first batch) unless something compiles (flodl_exp/rank/lazy_dynamo.py); the run trained, built, stepped, saved
+    and evaluated with it never loaded. (The model's export, after the run, loads it: torch.export compiles.)"""
+    audit = timeline_run["audit"]
+    tasks = audit.started("submitit.core._submit")  # submitit's task processes: the ranks
+    assert len(tasks) == RANKS, f"the import hook ran in {len(tasks)} task processes, {RANKS} expected"
+    for pid in tasks:
+        assert audit.imported(pid) is None, f"task {pid} imported torch._dynamo:\n{audit.imported(pid)}"
 
 
 def test_the_run_logs_the_simulators_prediction_and_replays(timeline_run):

@@ -540,6 +540,9 @@ def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: 
     def rdv() -> dict:  # the rank builds its replica and data set first, while the coordinator starts
         return wait_rendezvous(job_dir, timeout, coord_dead, attempt=attempt, since=since)
 
+    from ..rank.lazy_dynamo import defer_optimizer_dynamo
+
+    defer_optimizer_dynamo()  # the optimizers import no torch._dynamo (1.3-1.8 s of CPU a rank) unless something compiles
     loop = spec.experiment_loop
     if loop:  # the cooperative tier: the user's loop drives the rank (rank/cooperative.py)
         from hydra.utils import get_method
