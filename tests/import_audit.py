@@ -17,9 +17,15 @@ _HOOK = textwrap.dedent('''
     with open(os.path.join(_DIR, f"started.{{os.getpid()}}.json"), "w") as _f:
         json.dump(_ARGV, _f)
 
+    def _importing():  # an import statement, not importlib.util.find_spec's look-up that imports nothing
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_name != "_find_and_load":
+            f = f.f_back
+        return f is not None
+
     class _Watch:
         def find_spec(self, name, path=None, target=None):
-            if name == _WATCH:
+            if name == _WATCH and _importing():
                 with open(os.path.join(_DIR, f"imported.{{os.getpid()}}.txt"), "w") as f:
                     f.write(" ".join(_ARGV) + "\\n")
                     traceback.print_stack(file=f)
@@ -50,4 +56,8 @@ class ImportAudit:
     def imported(self, pid: int) -> str | None:
         """Where process ``pid`` first imported the watched module (a stack), or None."""
         p = self.folder / f"imported.{pid}.txt"
-        return p.read_text() if p.exists() else None
+        if not p.exists():
+            return None
+        text = p.read_text()
+        started = json.loads((self.folder / f"started.{pid}.json").read_text())
+        return text if text.split("\n", 1)[0] == " ".join(started) else None  # not a reused pid's

@@ -22,6 +22,11 @@ _SCRIPT = textwrap.dedent("""
     os.environ[ENV] = "0"
     assert defer_optimizer_dynamo() == 0, "turned off by its environment variable"
     del os.environ[ENV]
+    from torch.optim import optimizer as optimizer_module
+    moved = optimizer_module._use_grad_for_differentiable
+    del optimizer_module._use_grad_for_differentiable
+    assert defer_optimizer_dynamo() == 0, "a torch whose internals moved keeps its own code, and the rank runs"
+    optimizer_module._use_grad_for_differentiable = moved
     changed = defer_optimizer_dynamo()
     assert defer_optimizer_dynamo() == 0, "a second call changes nothing"
     OPTIMIZERS = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)), (torch.optim.Adam, dict(lr=1e-2)),
@@ -66,7 +71,20 @@ _SCRIPT = textwrap.dedent("""
     model(torch.randn(5, 4)).sum().backward()
     compiled_step()
     report["compiled_step_trained"] = not torch.equal(before, model.weight.detach())
-    report["cache_now"] = type(getattr(zero_grad, "__dynamo_disable")).__name__
+    # torch's own wrappers again: the step places its two graph breaks, every cached stand-in is gone
+    breaks = []
+    graph_break = torch._dynamo.graph_break
+    torch._dynamo.graph_break = lambda *a, **k: breaks.append(1) or graph_break(*a, **k)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    torch._dynamo.graph_break = graph_break
+    report["graph_breaks_per_step"] = len(breaks)
+    opt.load_state_dict(opt.state_dict())
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    opt.zero_grad()
+    report["caches_now"] = sorted({type(getattr(getattr(torch.optim.Optimizer, n).__wrapped__, "__dynamo_disable",
+                                                None)).__name__
+                                   for n in ("add_param_group", "zero_grad", "state_dict", "load_state_dict")})
     print(json.dumps(report))
 """)
 
@@ -79,5 +97,23 @@ def test_optimizers_train_without_dynamo_and_hand_back_to_torch_once_it_loads():
     assert report["dynamo_after_training"] is False, report
     assert report["same_on_torchs_path"] is True, report
     assert report["compiled_step_trained"] is True, report
-    assert report["cache_eager"] == "_EagerUntilDynamo" and report["cache_now"] != "_EagerUntilDynamo", report
+    assert report["cache_eager"] == "_EagerUntilDynamo", report
+    assert report["graph_breaks_per_step"] == 2, report
+    assert "_EagerUntilDynamo" not in report["caches_now"] and "NoneType" not in report["caches_now"], report
 
+
+
+def test_a_wrapper_whose_body_differs_from_the_known_one_is_left_alone():
+    from flodl_exp.rank.lazy_dynamo import _DISABLE_SHAPE, _USE_GRAD_SHAPE, _known
+
+    def use_grad_for_differentiable(func):  # a future torch reading a default the eager path would not read
+        def _use_grad(*args, **kwargs):
+            import torch._dynamo
+
+            differentiable = args[0].defaults.get("differentiable", False)
+            torch._dynamo.graph_break()
+            return func(*args, **kwargs) if differentiable is not None else None
+        return _use_grad
+
+    assert not _known(use_grad_for_differentiable(print).__code__, _USE_GRAD_SHAPE)
+    assert not _known(use_grad_for_differentiable(print).__code__, _DISABLE_SHAPE)

@@ -29,10 +29,24 @@ ENV = "FLODL_DEFER_DYNAMO"
 _DYNAMO = "torch._dynamo"
 _CACHE_ATTR = "__dynamo_disable"  # the attribute torch._disable_dynamo caches its wrapper under, on the function
 _MARK = "__flodl_eager_step__"
+# The shapes this module knows (torch 2.4-2.13): the closure's free variables and every global or attribute name
+# the wrapper's body reads. A torch whose wrapper reads anything else does something this module would not copy.
+_DISABLE_SHAPE = (("fn", "recursive"), {"getattr", "torch._dynamo", "_dynamo", "disable", _CACHE_ATTR})
+_USE_GRAD_SHAPE = (("func",), {"torch._dynamo", "cast", "Optimizer", "is_grad_enabled", "set_grad_enabled",
+                               "defaults", "_dynamo", "graph_break"})
 
 
 def dynamo_loaded() -> bool:
     return _DYNAMO in sys.modules
+
+
+def _known(code: Any, shape: tuple[tuple[str, ...], set[str]]) -> bool:
+    freevars, names = shape
+    return code.co_freevars == freevars and set(code.co_names) <= names
+
+
+def _cell(wrapper: Any, name: str) -> Any:
+    return wrapper.__closure__[wrapper.__code__.co_freevars.index(name)].cell_contents
 
 
 class _EagerUntilDynamo:
@@ -46,19 +60,21 @@ class _EagerUntilDynamo:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not dynamo_loaded():
             return self.fn(*args, **kwargs)
-        if getattr(self.fn, _CACHE_ATTR, None) is self:
-            delattr(self.fn, _CACHE_ATTR)
+        cached = self.fn.__dict__
+        if cached.get(_CACHE_ATTR) is self:
+            cached.pop(_CACHE_ATTR, None)  # two threads may get here at once: the second finds it gone
         return self.torch_wrapper(*args, **kwargs)
 
 
 def _eager_step(use_grad: Callable[..., Any], func: Callable[..., Any]) -> Callable[..., Any]:
     """``_use_grad_for_differentiable(func)`` without its dynamo import: the same grad mode around ``func``
-    (the optimizer's ``defaults["differentiable"]``); torch's ``use_grad`` wrapper itself once dynamo is loaded."""
+    (the optimizer's ``defaults["differentiable"]``); torch's ``use_grad`` wrapper itself once dynamo is loaded
+    (``is_compiling`` first: dynamo folds it to a constant, so a compiled step never traces the module check)."""
     import torch
 
     @functools.wraps(func)
     def step(*args: Any, **kwargs: Any) -> Any:
-        if dynamo_loaded():
+        if torch.compiler.is_compiling() or dynamo_loaded():
             return use_grad(*args, **kwargs)
         prev = torch.is_grad_enabled()
         try:
@@ -86,28 +102,37 @@ def _optimizer_classes() -> Iterator[type]:
 
 def defer_optimizer_dynamo() -> int:
     """Give the optimizers' dynamo wrappers their eager path (see the module's docstring). Idempotent; does nothing
-    once dynamo is loaded or with ``FLODL_DEFER_DYNAMO=0``. Returns how many wrappers it changed."""
+    once dynamo is loaded or with ``FLODL_DEFER_DYNAMO=0``. Returns how many wrappers it changed. Only optimizer
+    classes defined when it runs are changed (torch's own, imported with ``torch.optim``); one defined later keeps
+    torch's wrappers. Never raises: a torch it does not recognise keeps its own code (and its import)."""
     if os.environ.get(ENV, "1") == "0" or dynamo_loaded():
         return 0
+    try:
+        return _defer()
+    except Exception:  # a torch whose internals moved: the saving is lost, the rank is not
+        return 0
+
+
+def _defer() -> int:
     import torch
     from torch.optim import optimizer as optimizer_module
 
     disable_code = torch._disable_dynamo(lambda: None).__code__
     use_grad_code = optimizer_module._use_grad_for_differentiable(lambda: None).__code__
-    if _CACHE_ATTR not in disable_code.co_consts:
-        return 0  # a torch that caches its wrapper elsewhere: leave it as it is
+    disable_ok, use_grad_ok = _known(disable_code, _DISABLE_SHAPE), _known(use_grad_code, _USE_GRAD_SHAPE)
     changed = 0
     for cls in _optimizer_classes():
         for name, attr in list(vars(cls).items()):
             code = getattr(attr, "__code__", None)
-            inner = getattr(attr, "__wrapped__", None)
-            if code is None or inner is None:
+            if code is None:
                 continue
-            if code is disable_code and getattr(inner, _CACHE_ATTR, None) is None:
-                setattr(inner, _CACHE_ATTR, _EagerUntilDynamo(inner, attr))
-                changed += 1
-            elif code is use_grad_code and not getattr(attr, "hooked", False):
+            if code is disable_code and disable_ok:
+                fn = _cell(attr, "fn")
+                if getattr(fn, _CACHE_ATTR, None) is None:
+                    setattr(fn, _CACHE_ATTR, _EagerUntilDynamo(fn, attr))
+                    changed += 1
+            elif code is use_grad_code and use_grad_ok and not getattr(attr, "hooked", False):
                 # not yet wrapped by the profiler hook (which the class's first instance adds around it)
-                setattr(cls, name, _eager_step(attr, inner))
+                setattr(cls, name, _eager_step(attr, _cell(attr, "func")))
                 changed += 1
     return changed
