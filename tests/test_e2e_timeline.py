@@ -53,7 +53,8 @@ def test_no_rank_imports_torch_dynamo(timeline_run):
     tasks = audit.started("submitit.core._submit")  # submitit's task processes: the ranks
     assert len(tasks) == RANKS, f"the import hook ran in {len(tasks)} task processes, {RANKS} expected"
     for pid in tasks:
-        assert audit.imported(pid) is None, f"task {pid} imported torch._dynamo:\n{audit.imported(pid)}"
+        where = audit.imported(pid)
+        assert where is None, f"task {pid} imported torch._dynamo:\n{where}"
 
 
 def test_the_run_logs_the_simulators_prediction_and_replays(timeline_run):

@@ -102,7 +102,6 @@ def test_optimizers_train_without_dynamo_and_hand_back_to_torch_once_it_loads():
     assert "_EagerUntilDynamo" not in report["caches_now"] and "NoneType" not in report["caches_now"], report
 
 
-
 def test_a_wrapper_whose_body_differs_from_the_known_one_is_left_alone():
     from flodl_exp.rank.lazy_dynamo import _DISABLE_SHAPE, _USE_GRAD_SHAPE, _known
 

@@ -14,8 +14,8 @@ the eager path is exactly what torch runs in eager mode: the same function under
 moment anything loads dynamo (the user's ``torch.compile``, ``torch.export``), every wrapper hands back to torch's
 own code on its next call, so compiled code sees torch's behaviour unchanged.
 
-It recognises torch's wrappers by their code objects and changes nothing it does not recognise, so a torch whose
-internals differ only loses the saving. ``FLODL_DEFER_DYNAMO=0`` turns it off.
+It recognises torch's wrappers by their code objects, closure variables and the names they read, and changes nothing
+it does not recognise, so a torch whose internals differ only loses the saving. ``FLODL_DEFER_DYNAMO=0`` turns it off.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from typing import Any
 ENV = "FLODL_DEFER_DYNAMO"
 _DYNAMO = "torch._dynamo"
 _CACHE_ATTR = "__dynamo_disable"  # the attribute torch._disable_dynamo caches its wrapper under, on the function
-_MARK = "__flodl_eager_step__"
 # The shapes this module knows (torch 2.4-2.13): the closure's free variables and every global or attribute name
 # the wrapper's body reads. A torch whose wrapper reads anything else does something this module would not copy.
 _DISABLE_SHAPE = (("fn", "recursive"), {"getattr", "torch._dynamo", "_dynamo", "disable", _CACHE_ATTR})
@@ -83,7 +82,6 @@ def _eager_step(use_grad: Callable[..., Any], func: Callable[..., Any]) -> Calla
         finally:
             torch.set_grad_enabled(prev)
 
-    setattr(step, _MARK, True)
     return step
 
 
