@@ -40,12 +40,21 @@ class TinyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class OddNet(TinyNet):
+    """Resolves (the launcher's pre-flight lets it through) but cannot be built: a rank's setup fails."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        if hidden % 2:
+            raise ValueError(f"hidden must be even, got {hidden}")
+        super().__init__(hidden)
 '''
 
 EXPERIMENT = '''\
 # @package experiment
 name: {name}
-model: {{_target_: my_model.{cls}, hidden: 16}}
+model: {{_target_: my_model.{cls}, hidden: {hidden}}}
 optimizer: {{_target_: torch.optim.Adam, _partial_: true, lr: 0.003}}
 scheduler: null
 train_data: {{_target_: flodl_exp.zoo.digits.DigitsDataset, split: train}}
@@ -92,12 +101,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The user's own project: a model module and two experiment presets (one of them broken) under its conf/."""
+    """The user's own project: a model module and three experiment presets (two of them broken) under its conf/."""
     proj = tmp_path_factory.mktemp("my_project")
     (proj / "my_model.py").write_text(MODEL)
     (proj / "conf" / "experiment").mkdir(parents=True)
-    (proj / "conf" / "experiment" / "my_task.yaml").write_text(EXPERIMENT.format(name="my_task", cls="TinyNet"))
-    (proj / "conf" / "experiment" / "broken.yaml").write_text(EXPERIMENT.format(name="broken", cls="Missing"))
+    (proj / "conf" / "experiment" / "my_task.yaml").write_text(EXPERIMENT.format(name="my_task", cls="TinyNet", hidden=16))
+    (proj / "conf" / "experiment" / "broken.yaml").write_text(EXPERIMENT.format(name="broken", cls="OddNet", hidden=15))
+    (proj / "conf" / "experiment" / "typo.yaml").write_text(EXPERIMENT.format(name="typo", cls="Nett", hidden=16))
     return proj
 
 
@@ -154,13 +164,25 @@ def test_the_zoo_runs_from_the_wheel_in_any_folder(installed: Path, project: Pat
     assert "status      FINISHED" in res.stdout
 
 
+def test_the_preflight_refuses_a_wrong_target_from_the_wheel(installed: Path, project: Path) -> None:
+    """The pre-flight finds modules through the installed package as through the checkout: one line, exit 2, no job."""
+    jobs = sorted((project / "outputs" / "jobs").glob("*")) if (project / "outputs" / "jobs").exists() else []
+    res = _run(installed, project, "--config-dir", "./conf", "experiment=typo", timeout=120)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stderr.strip().splitlines() == [
+        "config error: experiment.model._target_='my_model.Nett' cannot be resolved: module 'my_model' has no attribute 'Nett'"]
+    after = sorted((project / "outputs" / "jobs").glob("*")) if (project / "outputs" / "jobs").exists() else []
+    assert after == jobs
+
+
 def test_a_rank_that_cannot_set_up_says_why_in_one_line(installed: Path, project: Path) -> None:
     res = _run(installed, project, "--config-dir", "./conf", "experiment=broken", "run.progress=off")
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert err[-2:-1] == ["run failed:"], res.stderr[-3000:]
     line = err[-1]
-    assert "could not set up: experiment.model: cannot build 'my_model.Missing'" in line, line
+    assert ("could not set up: experiment.model: cannot build 'my_model.OddNet': ValueError: hidden must be even, "
+            "got 15") in line, line
     assert line.startswith("rank ") and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "bundle      none written" in res.stdout
     status = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("status")]

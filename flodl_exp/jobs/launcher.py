@@ -30,7 +30,13 @@ from ..events import End, EventRecord
 
 
 class RunFailed(RuntimeError):
-    """The run ended FAILED (or was cancelled); the message carries the reason."""
+    """The run ended FAILED (or was cancelled); the message carries the reason in full (the coordinator's text, the
+    task's traceback), ``headline`` its first cause in one line (the rank, the user's exception and own frame, the
+    traceback file: flodl_exp/failure_cause.py), which is what the CLI prints unless ``run.verbose``."""
+
+    def __init__(self, message: str, headline: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.headline = headline or next((ln.strip() for ln in message.splitlines() if ln.strip()), message)
 
 
 class SubmitFailed(RuntimeError):
@@ -405,7 +411,20 @@ class RunHandle:
             reason = f"{reason}\n{error}"
         end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
-        raise RunFailed(_tail_lines(reason, 40))
+        raise RunFailed(_tail_lines(reason, 40), headline="; ".join(setup) if setup else self._headline(result, error))
+
+    def _headline(self, result: dict, error: Optional[str]) -> str:
+        """The failed run's first cause in one line: the rank the coordinator blamed first, told by its own death
+        record (the user's exception and innermost frame, the traceback file) or, when it left none (killed), by
+        the coordinator's first line; without a coordinator's word, the task's error line."""
+        from ..constants import COORDINATOR_LOG
+        from ..failure_cause import headline
+        from .rendezvous import read_death_records
+
+        attempt = result.get("attempt")
+        records = read_death_records(self.job_dir, world_size(self.cfg), None if attempt is None else int(attempt))
+        return headline(result.get("failure"), result.get("deaths") or [], records, error or "",
+                        os.path.join(self.job_dir, COORDINATOR_LOG))
 
     def _finish_relay(self, timeout: float = 60.0, *, stopped: bool = False) -> None:
         """The job's records delivered (its journal read to the end), before the run is ended below."""
@@ -500,7 +519,8 @@ class RunHandle:
             if attempt is not None and str(rec.get("incarnation")) != incarnation(int(attempt)):
                 continue
             if rec.get("phase") == "setup":
-                lines.append(f"rank {rank} could not set up: {rec.get('error')} "
+                where = f" at {rec['user_frame']}" if rec.get("user_frame") else ""  # the user's own frame
+                lines.append(f"rank {rank} could not set up: {rec.get('error')}{where} "
                              f"(full traceback: {setup_error_path(self.job_dir, rank)})")
         for path in sorted(glob.glob(os.path.join(self.job_dir, "ranks", "setup_error.r*.txt"))):
             try:
@@ -783,7 +803,11 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     if old_torch:
         raise ConfigError(old_torch)
     root = os.path.abspath(root or os.getcwd())
-    import_paths = experiment_import_paths(root)  # the tasks add them (JobSpec.import_paths); here only the resume check
+    import_paths = experiment_import_paths(root)  # the tasks add them (JobSpec.import_paths); here the checks below
+    from ..preflight import preflight
+
+    # every _target_ and function path resolves as the tasks will resolve it: before any folder, run or process
+    preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0])
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from ..checkpoint import validate_resume
