@@ -151,6 +151,26 @@ def _follow_bar(handle: RunHandle, queue: _QueueWatch, epochs: int) -> None:
             time.sleep(0.2)
 
 
+PREDICTION_MIN_WALL_S = 5.0
+"""The summary compares the simulator's prediction with the run only over at least this much training wall (the
+first epoch's start to the last one's end). Shorter runs are dominated by what the simulator does not model (the
+first batches' warm-up, the first chunk's hand-out) and were off by +80 % to +170 %: a line that teaches users to
+distrust the simulator behind ``mode=auto``. MLflow gets both figures on every run (``predicted/*``,
+``measured/*``)."""
+
+
+def prediction_line(pred: Optional[dict[str, float]]) -> Optional[str]:
+    """The summary's ``predicted`` line, or None where the measurement means little (a short training wall, or a
+    prediction without the measured wall it is compared over)."""
+    if not pred:
+        return None
+    wall = pred.get("measured/wall_s")
+    if wall is None or not wall >= PREDICTION_MIN_WALL_S:
+        return None
+    return (f"  predicted   {pred['predicted/samples_per_s']:.0f} samples/s on the measured rig; measured "
+            f"{pred['measured/samples_per_s']:.0f} over {wall:.1f}s of training ({pred['predicted/error_pct']:+.1f}%)")
+
+
 def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Optional[str] = None) -> str:
     uri = handle.tracking_uri
     lines = ["", "flodl_exp run summary", f"  run id      {handle.run_id}", f"  job folder  {handle.job_dir}"]
@@ -179,10 +199,9 @@ def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Opt
     if export is not None:
         lines.append(f"  model       exporting to MLflow in the background (pid {export.pid}; tag model_export; "
                      f"log {os.path.join(handle.job_dir, 'model_export.log')})")
-    pred = getattr(handle, "prediction", None)
-    if pred:  # the simulator's prediction for this mode on the rig the run measured (predicted/* in MLflow)
-        lines.append(f"  predicted   {pred['predicted/samples_per_s']:.0f} samples/s on the measured rig; measured "
-                     f"{pred['measured/samples_per_s']:.0f} ({pred['predicted/error_pct']:+.1f}%)")
+    line = prediction_line(getattr(handle, "prediction", None))
+    if line:
+        lines.append(line)
     lines.append(f"  wall time   {wall_s:.1f}s")
     lines.append(f"  status      {'FAILED: ' + error.splitlines()[0] if error else 'FINISHED'}")
     lines.append(f"  MLflow UI   mlflow ui --host 127.0.0.1 --backend-store-uri {uri}")

@@ -60,6 +60,7 @@ def test_no_rank_imports_torch_dynamo(timeline_run):
 def test_the_run_logs_the_simulators_prediction_and_replays(timeline_run):
     """Issue 31, items 2 and 3 on this run: ``predicted/*`` beside what it measured (step = the last epoch), the
     summary line, and ``python -m flodl_exp.simulate --from-run`` on it."""
+    from flodl_exp.progress import prediction_line
     from flodl_exp.simulate.from_run import RANK_KEYS, RUN_KEYS, measured, read_history
 
     c, run_id = timeline_run["client"], timeline_run["run_id"]
@@ -74,8 +75,14 @@ def test_the_run_logs_the_simulators_prediction_and_replays(timeline_run):
     hist = read_history(c, run_id, [*RUN_KEYS, *(f"rank{r}/{x}" for r in range(RANKS) for x in RANK_KEYS)])
     meas = measured(hist)["samples_per_s"]
     assert pred["error_pct"] == pytest.approx(100 * (meas - pred["samples_per_s"]) / pred["samples_per_s"], rel=1e-6)
-    assert f"predicted   {pred['samples_per_s']:.0f} samples/s on the measured rig; measured {meas:.0f}" \
-        in timeline_run["stdout"]
+    seen = {k: metrics[f"measured/{k}"] for k in ("samples_per_s", "wall_s")}  # logged on every run, shown or not
+    assert seen["samples_per_s"] == pytest.approx(meas, rel=1e-6) and seen["wall_s"] > 0
+    line = prediction_line({**{f"predicted/{k}": v for k, v in pred.items()},
+                            **{f"measured/{k}": v for k, v in seen.items()}})
+    if line is None:  # a short training wall: the summary says nothing of the prediction
+        assert "predicted   " not in timeline_run["stdout"]
+    else:
+        assert line in timeline_run["stdout"]
 
     out = timeline_run["dir"] / "replay"
     r = subprocess.run([sys.executable, "-m", "flodl_exp.simulate", "--from-run", run_id,

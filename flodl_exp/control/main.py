@@ -186,7 +186,8 @@ def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, se
 
 
 def _predict(spec: JobSpec, cfg: Any, sink: Any, result: dict[str, Any], path: str) -> None:
-    """``tracking.predict`` on a finished run of 2+ ranks: ``predicted/*`` logged at its last epoch, and kept in
+    """``tracking.predict`` on a finished run of 2+ ranks: ``predicted/*`` and the ``measured/*`` they are compared
+    with logged at its last epoch, and kept in
     result.json (``prediction``, or ``prediction_error``) for the launcher's summary."""
     from ..config import world_size
     from .prediction import RecordTap, predict_finished_run
@@ -204,7 +205,8 @@ def _predict(spec: JobSpec, cfg: Any, sink: Any, result: dict[str, Any], path: s
         prediction, why = predict_finished_run(spec.config, sink, result)
     if prediction is not None:
         finite = {k: v for k, v in prediction.items() if math.isfinite(v)}
-        sink.log_metrics({k: v for k, v in finite.items() if k.startswith("predicted/")}, step=max(epochs))
+        logged = {k: v for k, v in finite.items() if k.startswith(("predicted/", "measured/"))}  # both, always
+        sink.log_metrics(logged, step=max(epochs))
         result["prediction"] = finite
     else:
         log.warning("the simulator's prediction (predicted/*) was not made: %s", why)

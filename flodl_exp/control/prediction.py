@@ -59,7 +59,7 @@ class RecordTap:
 def predict_finished_run(config: Mapping[str, Any], tap: RecordTap, result: Mapping[str, Any],
                          wait_s: float = PREDICT_WAIT_S) -> tuple[Optional[dict[str, float]], Optional[str]]:
     """``(prediction, None)``: ``predicted/*`` for the run's own mode on its measured rig plus
-    ``measured/samples_per_s``; ``(None, why)`` when it failed or took longer than ``wait_s`` (a daemon thread:
+    ``measured/samples_per_s`` and ``measured/wall_s`` (the training wall it is over); ``(None, why)`` when it failed or took longer than ``wait_s`` (a daemon thread:
     the process's exit ends it)."""
     box: dict[str, Any] = {}
 
@@ -110,4 +110,5 @@ def _predict(config: Mapping[str, Any], tap: RecordTap, result: Mapping[str, Any
     model_mb = os.path.getsize(f"{stem}.pt") / 1e6 if isinstance(stem, str) and os.path.isfile(f"{stem}.pt") else None
     history = dict(tap.history)
     out = prediction_metrics(params, history, result, base=base_config(), model_mb=model_mb)
-    return {**out, "measured/samples_per_s": measured(history)["samples_per_s"]}
+    seen = measured(history)  # the basis of predicted/error_pct: samples over the first epoch's start to the last's end
+    return {**out, "measured/samples_per_s": seen["samples_per_s"], "measured/wall_s": seen["wall_s"]}
