@@ -154,8 +154,9 @@ def _follow_bar(handle: RunHandle, queue: _QueueWatch, epochs: int) -> None:
 PREDICTION_MIN_WALL_S = 5.0
 """The summary compares the simulator's prediction with the run only over at least this much training wall (the
 first epoch's start to the last one's end). Shorter runs are dominated by what the simulator does not model (the
-first batches' warm-up, the first chunk's hand-out) and were off by +80 % to +170 %: a line that teaches users to
-distrust the simulator behind ``mode=auto``. MLflow gets both figures on every run (``predicted/*``,
+first batches' warm-up, the first chunk's hand-out): ``digits_mlp``'s 0.1-1.6 s of training were off by +3 % to
++88 % (``digits_wide`` over 3.8 s and 11.6 s: +3.0 % and -8.9 %), a line that taught users to distrust the
+simulator behind ``mode=auto``. MLflow gets both figures on every run (``predicted/*``,
 ``measured/*``)."""
 
 
