@@ -58,6 +58,9 @@ def _fmt_other(ev: dict) -> Optional[str]:
         return f"resumed (attempt {ev['attempt']}) from {ev.get('stem')} at epoch {ev['epoch'] + 1}"
     if kind == "terminated":
         return f"job terminated: {ev.get('status')} ({ev.get('reason')})"
+    if kind == "auto_mode":  # as training starts, not only in the summary: the user sees what is running
+        mode, reason = str(ev.get("mode")), str(ev.get("reason") or "")
+        return f"mode=auto chose {mode}: {reason.removeprefix(mode + ': ')}"
     return None
 
 
@@ -151,6 +154,20 @@ def _follow_bar(handle: RunHandle, queue: _QueueWatch, epochs: int) -> None:
             time.sleep(0.2)
 
 
+def sync_count(epochs: list[dict], total: Any) -> str:
+    """The summary's syncs as the console and the report count them (the sum of the epochs' ``syncs``), and the
+    averaging rounds no epoch counts (the final consensus; under async, a round that lands while no epoch is open)
+    said as such: the run's ``syncs`` tag, ``total``, counts those too, and a summary that said 4 where every other
+    view said 3 read as a bug."""
+    in_epochs = int(sum(float(e.get("syncs", 0) or 0) for e in epochs))
+    if not isinstance(total, (int, float)) or int(total) <= in_epochs:
+        return str(in_epochs)
+    extra = int(total) - in_epochs
+    if extra == 1:
+        return f"{in_epochs} during the epochs, +1 after the last (the final consensus)"
+    return f"{in_epochs} during the epochs, +{extra} between or after them (the final consensus included)"
+
+
 PREDICTION_MIN_WALL_S = 5.0
 """The summary compares the simulator's prediction with the run only over at least this much training wall (the
 first epoch's start to the last one's end). Shorter runs are dominated by what the simulator does not model (the
@@ -181,7 +198,7 @@ def summary(handle: RunHandle, result: Optional[dict], wall_s: float, error: Opt
             lines.append(f"  final loss  {ev[-1].get('loss', float('nan')):.4f}")
         for k, v in (result.get("final_eval") or {}).items():
             lines.append(f"  {k:<11} {v:.4f}")
-        lines.append(f"  syncs       {result.get('syncs')}   global step {result.get('global_step')}")
+        lines.append(f"  syncs       {sync_count(ev, result.get('syncs'))}   global step {result.get('global_step')}")
         auto = result.get("auto")
         if isinstance(auto, dict) and auto.get("mode"):  # mode=auto: what it chose and why
             lines.append(f"  mode=auto   {auto['mode']} ({auto.get('reason', '')})")

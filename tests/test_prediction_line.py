@@ -1,5 +1,6 @@
 """The summary's ``predicted`` line (issue 49, item 5): shown only over a training wall long enough for the comparison
-to mean something, with the measured figure on the prediction's basis and the wall it covers."""
+to mean something, with the measured figure on the prediction's basis and the wall it covers; its sync count and
+mode=auto's line (item 6)."""
 from __future__ import annotations
 
 from flodl_exp.progress import PREDICTION_MIN_WALL_S, prediction_line
@@ -21,3 +22,20 @@ def test_no_prediction_or_no_measured_wall_says_nothing() -> None:
     assert prediction_line(None) is None
     assert prediction_line({}) is None
     assert prediction_line(PRED) is None  # a result.json from before measured/wall_s: no basis to show
+
+
+def test_the_summary_counts_syncs_as_the_console_and_the_report_do() -> None:
+    from flodl_exp.progress import sync_count
+
+    epochs = [{"event": "epoch", "syncs": 0.0}, {"event": "epoch", "syncs": 2.0}, {"event": "epoch", "syncs": 1.0}]
+    assert sync_count(epochs, 4) == "3 during the epochs, +1 after the last (the final consensus)"  # the syncs tag's 4
+    assert sync_count(epochs, 3) == "3"
+    assert sync_count(epochs, 6) == "3 during the epochs, +3 between or after them (the final consensus included)"
+    assert sync_count([], None) == "0"
+
+
+def test_mode_auto_says_its_choice_as_training_starts() -> None:
+    from flodl_exp.progress import _plain_lines
+
+    ev = {"event": "auto_mode", "mode": "cpu_async", "reason": "cpu_async: predicted 17258 samples/s", "candidates": []}
+    assert _plain_lines(ev, 3, 0.0) == ["mode=auto chose cpu_async: predicted 17258 samples/s"]
