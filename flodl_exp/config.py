@@ -329,8 +329,10 @@ class ExperimentConfig:
 class TrackingConfig:
     uri: Optional[str] = None
     """MLflow tracking URI; unset = sqlite:///<cwd>/outputs/mlflow.db."""
-    experiment_name: str = "flodl_exp"
-    """The MLflow experiment the run is logged in; created (at artifact_location) when it does not exist."""
+    experiment_name: str = "${experiment.name}"
+    """The MLflow experiment the run is logged in; created (at artifact_location) when it does not exist. Default:
+    the experiment's name (``experiment.name``); a sweep over ``experiment`` logs its parent and children in
+    ``flodl_exp`` unless this is set."""
     artifact_location: Optional[str] = None
     """Unset = <cwd>/outputs/mlartifacts for the embedded store."""
     run_name: Optional[str] = None
@@ -579,7 +581,7 @@ def _unknown_key(node: Any, schema: Any, path: str = "") -> Optional[str]:
             return full
         if OmegaConf.is_missing(node, key) or OmegaConf.is_missing(schema, key):
             continue
-        child, sch = node[key], schema[key]
+        child, sch = node._get_node(key), schema._get_node(key)  # unresolved: a default may interpolate (tracking)
         if isinstance(child, DictConfig) and isinstance(sch, DictConfig):
             import dataclasses
 

@@ -191,7 +191,7 @@ def experiment_section(exp: str, rows: Sequence[RunSummary], ekey: Optional[str]
     n_ep = max(s.epochs for s in rows)
     traj = []
     for e in sampled(n_ep):
-        traj.append([str(e)] + [fmt(dict(s.run.history["loss"]).get(e)) for s in rows])
+        traj.append([str(e + 1)] + [fmt(dict(s.run.history["loss"]).get(e)) for s in rows])  # step e is epoch e+1
     lines += ["### Per-epoch loss trajectory", "", *table(["Epoch"] + [s.label for s in rows], traj), ""]
     return lines
 
@@ -210,7 +210,8 @@ def build_markdown(title: str, rows: Sequence[RunSummary], superseded: int = 0, 
     lines += [f"- Runs: {len(rows)} in {len(exps)} experiment(s)" + (f" ({superseded} older duplicate run(s) not shown)" if superseded else ""),
               f"- Clusters: {', '.join(clusters)}", f"- Commits: {', '.join(commits) or 'unknown'}",
               "- Util = 1 − idle_frac (mean over epochs); idle s = Σ idle_frac · epoch_time_s; "
-              "Avg sync ms is weighted by syncs per epoch.", ""]
+              "Avg sync ms is weighted by syncs per epoch.",
+              "- Epochs count from 1, as the console does (MLflow's step is the 0-based index: epoch 1 is step 0).", ""]
     best_rows = []
     for exp, rs in exps.items():
         ekey = eval_key([s.run for s in rs])
@@ -261,8 +262,9 @@ def plot_loss_vs_time(rows: Sequence[RunSummary], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plot_batch_share(rows: Sequence[RunSummary], path: str) -> None:
-    """Per-rank batch share per epoch, one panel per run (the balancer's view of the ranks)."""
+def plot_batch_share(rows: Sequence[RunSummary], path: str) -> Any:
+    """Per-rank batch share per epoch (epochs from 1), one panel per run (the balancer's view of the ranks); returns
+    the figure."""
     multi = [s for s in rows if len(_ranks(s.run)) > 1] or list(rows)
     exps = {s.experiment for s in multi}
     from matplotlib.ticker import MaxNLocator
@@ -271,7 +273,7 @@ def plot_batch_share(rows: Sequence[RunSummary], path: str) -> None:
     for ax, s in zip(axes, multi):
         for r in _ranks(s.run):
             pts = s.run.history.get(f"rank{r}/batch_share", [])
-            ax.plot([p for p, _ in pts], [v for _, v in pts], marker="os^Dv"[r % 5], ms=4, ls=("-", "--", "-.", ":")[r % 4],
+            ax.plot([p + 1 for p, _ in pts], [v for _, v in pts], marker="os^Dv"[r % 5], ms=4, ls=("-", "--", "-.", ":")[r % 4],
                     label=f"rank {r}")  # distinct styles: equal shares would otherwise hide one line
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.axhline(1 / max(1, s.world_size), color="grey", lw=0.8, ls=":")
@@ -279,6 +281,7 @@ def plot_batch_share(rows: Sequence[RunSummary], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
+    return fig
 
 
 # -- MLflow edge ----------------------------------------------------------------
@@ -403,11 +406,23 @@ def _history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(s, v) for s, (_, v) in sorted(by_step.items())]
 
 
+def known_experiments(client: Any) -> str:
+    """The store's experiments, for an error line: ``the store has a, b`` (sorted; deleted ones left out)."""
+    try:
+        names = sorted({e.name for e in client.search_experiments(max_results=1000)})
+    except Exception as e:  # the line names the unknown experiment either way
+        return f"the store's experiments could not be listed ({type(e).__name__})"
+    if not names:
+        return "the store has no experiments"
+    shown = ", ".join(names[:50]) + (f", ... ({len(names) - 50} more)" if len(names) > 50 else "")
+    return f"the store has {shown}"
+
+
 def load_runs(client: Any, experiment_name: str, parent_run_id: Optional[str] = None) -> list[RunData]:
     """Runs of the experiment (children of ``parent_run_id`` only, when given) with their histories."""
     exp = client.get_experiment_by_name(experiment_name)
     if exp is None:
-        raise ReportError(f"unknown experiment {experiment_name!r}")
+        raise ReportError(f"unknown experiment {experiment_name!r}: {known_experiments(client)}")
     if parent_run_id:
         try:
             client.get_run(parent_run_id)

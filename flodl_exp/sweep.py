@@ -200,6 +200,32 @@ def finish_trial(client: Any, run_id: str, objective: str) -> float:
     return value
 
 
+SWEEP_EXPERIMENT = "flodl_exp"
+"""The MLflow experiment of a sweep over ``experiment`` when ``tracking.experiment_name`` is not set: its parent and
+every child in one experiment (each child's default, its own experiment's name, would scatter them)."""
+
+
+def pin_sweep_experiment(config: DictConfig) -> Optional[str]:
+    """A sweep over ``experiment`` (or ``experiment.name``) without ``tracking.experiment_name`` set: pins it to
+    :data:`SWEEP_EXPERIMENT` for the parent and, through the sweep's overrides, for every child; returns the
+    override added (None: nothing swept there, or the name set by the command)."""
+    from omegaconf import open_dict, read_write
+
+    task = [str(o) for o in config.hydra.overrides.task]
+    params = config.hydra.get("sweeper", {}).get("params") or {}
+    given = {o.partition("=")[0].lstrip("+~") for o in task} | {str(k) for k in params}
+    if "tracking.experiment_name" in given:
+        return None
+    swept = set(swept_keys([*(f"{k}={v}" for k, v in params.items()), *task]))
+    if not swept & {"experiment", "experiment.name"}:
+        return None
+    override = f"tracking.experiment_name={SWEEP_EXPERIMENT}"
+    with read_write(config), open_dict(config):
+        config.hydra.overrides.task.append(override)
+        config.tracking.experiment_name = SWEEP_EXPERIMENT
+    return override
+
+
 # -- the parent run -------------------------------------------------------------------------------------------
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
@@ -226,6 +252,7 @@ class MlflowSweepCallback(Callback):
             self.swept = swept_keys([*(f"{k}={v}" for k, v in params.items()), *config.hydra.overrides.task])
             tags = {"sweep.sweeper": "optuna", "sweep.objective": str(config.sweep.objective),
                     "sweep.direction": str(config.sweep.direction)}
+        pin_sweep_experiment(config)
         uri, art = resolve_tracking(config.tracking, os.getcwd())
         c = client(uri)
         exp_id = get_or_create_experiment(c, config.tracking.experiment_name, art)

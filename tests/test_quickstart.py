@@ -117,7 +117,7 @@ def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
-    experiment = client.get_experiment_by_name("flodl_exp")
+    experiment = client.get_experiment_by_name("digits_mlp")  # tracking.experiment_name: the experiment's name
     assert experiment is not None
     found = client.search_runs([experiment.experiment_id])
     assert found, "the quickstart's commands logged no run"

@@ -130,7 +130,9 @@ def test_best_mode_speedup_and_trajectory(full):
     assert "| cpu_async | 2.50× | 1.50 |" in md  # speedup 10/4, loss ratio 0.75/0.5
     traj = md.split("### Per-epoch loss trajectory")[1].split("##")[0]
     assert "| Epoch | solo (cpu_sync) | nccl_sync | cpu_cadence | cpu_async |" in traj
-    assert [ln.split("|")[1].strip() for ln in traj.splitlines() if ln.startswith("| ") and ln[2].isdigit()] == ["0", "1", "2", "3"]
+    # epochs counted from 1, as the console counts them (MLflow steps 0-3)
+    assert [ln.split("|")[1].strip() for ln in traj.splitlines() if ln.startswith("| ") and ln[2].isdigit()] == ["1", "2", "3", "4"]
+    assert "- Epochs count from 1, as the console does (MLflow's step is the 0-based index: epoch 1 is step 0)." in whole
 
 
 def test_experiment_without_solo_or_eval(full):
@@ -163,7 +165,7 @@ def test_cli_parent_run_logs_artifacts(store, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--experiment", "nope"], "unknown experiment 'nope'"),
+    (["--experiment", "nope"], "unknown experiment 'nope': the store has Default, bench, empty"),
     (["--experiment", "empty"], "no runs with training metrics in experiment 'empty'"),
     (["--experiment", EXP, "--parent-run", "0" * 32], "unknown parent run"),
 ])
@@ -172,6 +174,15 @@ def test_error_paths_exit_2(store, tmp_path, capsys, args, needle):
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1 and err.startswith("error: ")
     assert not (tmp_path / "o").exists()
+
+
+def test_batch_share_plot_counts_epochs_from_1(store, tmp_path):
+    rows, _ = rep.select_runs(rep.load_runs(store["client"], EXP))
+    fig = rep.plot_batch_share(rows, str(tmp_path / "share.png"))
+    xs = {float(x) for ax in fig.axes if ax.get_visible() for line in ax.get_lines()
+          if str(line.get_label()).startswith("rank ") for x in line.get_xdata()}  # not the 1/world_size guide line
+    assert xs == {1.0, 2.0, 3.0, 4.0}, xs
+    assert all(float(t).is_integer() for ax in fig.axes if ax.get_visible() for t in ax.get_xticks())
 
 
 def test_missing_store_is_an_error_and_creates_nothing(tmp_path, capsys):

@@ -207,7 +207,7 @@ def model_section(model: str, rows: Sequence[BenchRow]) -> list[str]:
              *table(["Mode", "Loss", f"Eval ({name})", "Total s", "Syncs", "Avg sync ms", "Util (r0 / r1 ...)",
                      "Idle s (r0 / r1 ...)"], body), ""]
     n = max((r.epochs for r in rows), default=0)
-    traj = [[str(e), *[fmt(dict(r.losses).get(e)) for r in rows]] for e in sampled(n)]
+    traj = [[str(e + 1), *[fmt(dict(r.losses).get(e)) for r in rows]] for e in sampled(n)]  # epochs from 1 (step e)
     lines += [f"### `{model}`: per-epoch loss trajectory", "", *table(["Epoch", *[_label(r) for r in rows]], traj), ""]
     return lines
 

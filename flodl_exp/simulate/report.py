@@ -101,13 +101,14 @@ def render(cfg: SimulateConfig, rows: list[dict[str, Any]], seconds: float) -> s
     return "\n".join(lines)
 
 
-def plot(cfg: SimulateConfig, rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
+def figure(cfg: SimulateConfig, rows: list[dict[str, Any]]) -> Any:
+    """The what-if figure: samples trained against the simulated wall, and each rank's batch share (integer rank
+    ticks: one per rank under its group of bars)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig = Figure(figsize=(12, 4.8))
+    ax1, ax2 = fig.subplots(1, 2)
     for r in rows:
         if r["curve"]:
             xs, ys = zip(*[(0.0, 0.0), *r["curve"]])
@@ -117,20 +118,27 @@ def plot(cfg: SimulateConfig, rows: list[dict[str, Any]], path: str) -> None:
     ax1.grid(True, alpha=0.3)
     ax1.legend()
     w = len(rows[0]["shares"]) if rows else 0
+    width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):
         if w <= 16:
-            width = 0.8 / max(len(rows), 1)
-            ax2.bar([q + i * width for q in range(w)], r["shares"], width=width, label=r["name"])
+            ax2.bar([q - 0.4 + (i + 0.5) * width for q in range(w)], r["shares"], width=width, label=r["name"])
         else:
             ax2.plot(range(w), r["shares"], lw=1, label=r["name"])
+    if w <= 16:
+        ax2.set_xticks(range(w))  # the bars of rank q are centred on q
+    else:
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_xlabel("rank")
     ax2.set_ylabel("batch share")
     ax2.grid(True, alpha=0.3)
     ax2.legend()
     fig.suptitle(f"what-if: {cfg.rig}, {w} ranks, {cfg.epochs} epochs")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot(cfg: SimulateConfig, rows: list[dict[str, Any]], path: str) -> None:
+    figure(cfg, rows).savefig(path, dpi=110)
 
 
 def write(cfg: SimulateConfig, stats: list[RunStats], rows: list[dict[str, Any]], md: str,
