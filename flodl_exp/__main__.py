@@ -145,13 +145,17 @@ def _leave(code: int) -> None:
 
 def cli() -> None:
     """The ``flodl-exp`` command and ``python -m flodl_exp``: ``--version`` says this package's version (Hydra's own
-    flag would print Hydra's), anything else is the Hydra app."""
+    flag would print Hydra's), anything else is the Hydra app, whose composition errors (a misspelt option, key or
+    group, a value of the wrong type) end in one ``config error:`` line and exit 2 as the validation's do."""
     if sys.argv[1:2] in (["--version"], ["-V"]):
         from . import __version__
 
         print(f"flodl_exp {__version__} (hydra-core {hydra.__version__}, python {sys.version.split()[0]})")
         return
-    main()
+    from .config_errors import one_line_config_errors
+
+    with one_line_config_errors():
+        main()
 
 
 if __name__ == "__main__":
