@@ -617,7 +617,15 @@ def _schema_rules(cfg: Any) -> List[str]:
         _SCHEMA = OmegaConf.structured(Config)
     unknown = _unknown_key(cfg, _SCHEMA)
     if unknown:
-        raise _err(unknown, OmegaConf.select(cfg, unknown), "not a key of the config schema (see conf/ and flodl_exp/config.py)")
+        import difflib
+
+        parent, _, name = unknown.rpartition(".")
+        siblings = _SCHEMA if not parent else OmegaConf.select(_SCHEMA, parent, throw_on_missing=False)
+        keys = [str(k) for k in siblings.keys()] if isinstance(siblings, DictConfig) else []
+        close = difflib.get_close_matches(name, keys, n=1)
+        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        raise _err(unknown, OmegaConf.select(cfg, unknown),
+                   f"not a key of the config schema (see conf/ and flodl_exp/config.py){hint}")
     for k in ("name", "model", "optimizer", "train_data"):
         if OmegaConf.is_missing(cfg.experiment, k):
             raise _err(f"experiment.{k}", "???", "a value (required field)")

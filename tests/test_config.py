@@ -490,6 +490,19 @@ def test_cli_easgd_out_of_range_exits_2(tmp_path):
     assert_nothing_started(tmp_path)
 
 
+def test_an_added_key_the_schema_lacks_gets_a_did_you_mean(make):
+    """``+key=`` bypasses Hydra's struct check, so the validation refuses it; a misspelling names the key meant."""
+    with pytest.raises(ConfigError) as e:
+        validate(make("+experment=cancer"))
+    assert str(e.value).endswith("not a key of the config schema (see conf/ and flodl_exp/config.py); did you mean experiment?")
+    with pytest.raises(ConfigError) as e:
+        validate(make("+mode.max_overshot=3"))
+    assert str(e.value).endswith("; did you mean mode.max_overshoot?")
+    with pytest.raises(ConfigError) as e:
+        validate(make("+zzzqqq=3"))
+    assert "did you mean" not in str(e.value)
+
+
 @pytest.mark.timeout(60)
 def test_cli_unknown_key_refused_by_hydra(tmp_path):
     """Hydra refuses it while composing; the CLI says so in the house style (flodl_exp/config_errors.py)."""
