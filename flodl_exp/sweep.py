@@ -235,11 +235,10 @@ class MlflowSweepCallback(Callback):
         self.study = False
         self.swept: list[str] = []
         self._config: Optional[DictConfig] = None
+        self._tags: dict[str, str] = {}
         self._ended = False
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from .tracking import client, get_or_create_experiment, resolve_tracking
-
         self.study = is_study(config.hydra.get("sweeper"))
         tags = {}
         if self.study:
@@ -253,19 +252,30 @@ class MlflowSweepCallback(Callback):
             tags = {"sweep.sweeper": "optuna", "sweep.objective": str(config.sweep.objective),
                     "sweep.direction": str(config.sweep.direction)}
         pin_sweep_experiment(config)
+        self._config, self._tags = config, tags
+        # The sweeper may raise past on_multirun_end (a failed grid job, a study whose trials all failed or
+        # exceeded max_failure_rate, Ctrl-C): the parent is then ended at exit instead of left RUNNING.
+        atexit.register(self._ended_early)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """The parent run is made as the first job starts, once Hydra composed it: a sweep whose overrides do not
+        compose (``mode=nccl_cadense``) ends with its one ``config error:`` line and leaves no empty parent run,
+        no store and no "sweep report not written" line behind it."""
+        if self.parent_id is None and self._config is not None:
+            self._create_parent(self._config)
+
+    def _create_parent(self, config: DictConfig) -> None:
+        from .tracking import client, get_or_create_experiment, resolve_tracking
+
         uri, art = resolve_tracking(config.tracking, os.getcwd())
         c = client(uri)
         exp_id = get_or_create_experiment(c, config.tracking.experiment_name, art)
         overrides = redacted_overrides(list(config.hydra.overrides.task))
         run = c.create_run(exp_id, run_name=f"{'study' if self.study else 'sweep'} {' '.join(overrides)}"[:250],
                            tags={"sweep_dir": str(config.hydra.sweep.dir), "overrides": " ".join(overrides)[:5000],
-                                 "flodl.sweep": "parent", **tags})
+                                 "flodl.sweep": "parent", **self._tags})
         self.parent_id, self.uri, self.experiment = run.info.run_id, uri, config.tracking.experiment_name
-        self._config = config
         os.environ[PARENT_ENV] = self.parent_id
-        # The sweeper may raise past on_multirun_end (a failed grid job, a study whose trials all failed or
-        # exceeded max_failure_rate, Ctrl-C): the parent is then ended at exit instead of left RUNNING.
-        atexit.register(self._ended_early)
         print(f"MLflow sweep parent run {self.parent_id}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -74,3 +74,11 @@ def test_a_misspelt_nested_key(folder: Path) -> None:
 def test_a_value_of_the_wrong_type(folder: Path) -> None:
     out = _cli(folder, "seed=abc")
     _assert_one_line(out, "config error: seed='abc' is not allowed: an integer", folder)
+
+
+def test_a_sweep_whose_overrides_do_not_compose_leaves_no_parent_run(folder: Path) -> None:
+    """The sweep's MLflow parent run is made as its first job starts (sweep.py, on_job_start): a misspelt option in
+    a sweep is the same one line, with no store, no empty parent run and no "sweep report not written" after it."""
+    out = _cli(folder, "-m", "mode=nccl_cadense,cpu_async")
+    _assert_one_line(out, "config error: mode=nccl_cadense: no such option (available: auto, cpu_async, cpu_cadence, "
+                          "cpu_sync, nccl_cadence, nccl_sync); did you mean nccl_cadence?", folder)
