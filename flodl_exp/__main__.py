@@ -74,8 +74,13 @@ def main(cfg: DictConfig) -> Optional[float]:
     except KeyboardInterrupt:
         _interrupted(handle, multirun)
     except RunFailed as e:
-        print(summary(handle, handle.result, time.monotonic() - t0, str(e)))
-        print(f"\nrun failed:\n{e}", file=sys.stderr)
+        # one line: the first cause in the user's terms; the framework's frames and the task's traceback only when
+        # asked (run.verbose=true), the traceback file's path being in the line
+        headline = getattr(e, "headline", None) or str(e)
+        print(summary(handle, handle.result, time.monotonic() - t0, headline))
+        if cfg.run.get("verbose", False):
+            print(f"\n{e}", file=sys.stderr)
+        print(f"\nrun failed:\n{headline}", file=sys.stderr)
         if multirun:
             raise  # Hydra records the failed job and goes on with the sweep
         _leave(1)

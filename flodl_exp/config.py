@@ -391,6 +391,9 @@ class RunConfig:
     cluster.slurm.time_min. An integer >= 1."""
     job_root: Optional[str] = None
     """Where job folders go; unset = <cwd>/outputs/jobs."""
+    verbose: bool = False
+    """A failed run: false prints one line (the rank, the user's exception and its own innermost frame, the path of
+    the full traceback file); true prints the full failure text too (framework frames, the task's traceback)."""
 
 
 @dataclass

@@ -288,6 +288,16 @@ def _reap(coord: subprocess.Popen) -> None:
         coord.wait(10)
 
 
+def _exit_text(rc: Optional[int]) -> str:
+    """``exit code 3`` or ``exit code -9: killed by SIGKILL``."""
+    if rc is not None and rc < 0:
+        try:
+            return f"exit code {rc}: killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            pass
+    return f"exit code {rc}"
+
+
 def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: JobSpec, job_dir: str, attempt: int) -> dict:
     """Task 0's result from the coordinator's exit code and rank 0's (``box``: its result or its error)."""
     if rc not in (0, PREEMPT_EXIT):
@@ -302,7 +312,7 @@ def _task0_outcome(rc: Optional[int], box: dict[str, Any], spec: JobSpec, job_di
             # The coordinator ended the run itself (it may then die from the cluster's SIGTERM on its way out).
             why = f"the run ended {res['status']}: {res.get('failure')}"
         else:
-            why = f"coordinator failed (exit code {rc}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
+            why = f"coordinator failed ({_exit_text(rc)}):\n{_tail(os.path.join(job_dir, COORDINATOR_LOG))}"
             _fail_run(spec, why)
         if "error" in box:
             raise RuntimeError(f"{why}\nrank 0: {type(box['error']).__name__}: {box['error']}") from box["error"]
@@ -351,7 +361,11 @@ class RunTask(submitit.helpers.Checkpointable):
         if attempt:
             log.info("attempt %d (requeued): resuming from %s", attempt, spec.resume.stem if spec.resume else None)
         if rank != 0:
-            out = _run_rank(spec, rank, local_rank, job_dir, attempt, None)
+            try:
+                out = _run_rank(spec, rank, local_rank, job_dir, attempt, None)
+            except Exception as e:
+                keep_rank_traceback(job_dir, rank, attempt, e)
+                raise
             if preempt_mark(job_dir, attempt) is not None:
                 # Preempted: task 0 requeues the job. Leave without a result (exit 0: no
                 # --kill-on-bad-exit before the requeue; the requeued job writes the real one).
@@ -382,6 +396,8 @@ class RunTask(submitit.helpers.Checkpointable):
                         raise _setup_failed(spec, 0, job_dir, attempt, e) from e
                 box["out"] = _run_rank(spec, 0, local_rank, job_dir, attempt, coord_dead)
             except BaseException as e:  # handed to the main thread
+                if isinstance(e, Exception):
+                    keep_rank_traceback(job_dir, 0, attempt, e)
                 box["error"] = e
 
         self._live = {"coord": coord, "spec": spec, "spec_path": spec_path, "job_dir": job_dir, "attempt": attempt,
@@ -596,6 +612,33 @@ def _setup_failed(spec: JobSpec, rank: int, job_dir: str, attempt: int, e: BaseE
         where = ""
     write_death_record(job_dir, rank, 0, what, tb[-4000:], attempt=attempt, phase="setup")
     return RankSetupFailed(f"rank {rank} could not set up: {what}{where}")
+
+
+def keep_rank_traceback(job_dir: str, rank: int, attempt: int, e: BaseException) -> Optional[str]:
+    """The exception a rank's task ends with, kept for the one-line failure the launcher prints: its full traceback
+    in ``ranks/rank<rank>.traceback`` and, in the rank's death record, the error in the user's terms (the user's
+    exception and own innermost frame: flodl_exp/failure_cause.py). Returns the traceback file's path (None: not
+    written). Never raises: the rank's own error is what its task reports."""
+    import traceback
+
+    from ..failure_cause import user_error
+    from ..fsio import atomic_text
+    from .rendezvous import note_user_error, rank_traceback_path
+
+    try:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        path: Optional[str] = rank_traceback_path(job_dir, rank)
+        try:
+            os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+            atomic_text(f"rank {rank}: {type(e).__name__}: {e}\n\n{tb}", str(path), mode=0o600)
+        except OSError:
+            path = None
+        told = user_error(e)
+        note_user_error(job_dir, rank, attempt, told.error, told.frame, path, tb)
+        return path
+    except Exception as err:  # a report of a report: the task's error goes on as it is
+        log.warning("rank %d: could not keep its traceback: %s", rank, err)
+        return None
 
 
 def setup_error_path(job_dir: str, rank: int) -> str:

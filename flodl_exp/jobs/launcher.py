@@ -411,7 +411,13 @@ class RunHandle:
             reason = f"{reason}\n{error}"
         end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
-        raise RunFailed(_tail_lines(reason, 40), headline="; ".join(setup) if setup else self._headline(result, error))
+        if setup:
+            from ..failure_cause import setup_headline
+
+            headline = setup_headline(setup, result.get("failure"))
+        else:
+            headline = self._headline(result, error)
+        raise RunFailed(_tail_lines(reason, 40), headline=headline)
 
     def _headline(self, result: dict, error: Optional[str]) -> str:
         """The failed run's first cause in one line: the rank the coordinator blamed first, told by its own death
@@ -424,7 +430,18 @@ class RunHandle:
         attempt = result.get("attempt")
         records = read_death_records(self.job_dir, world_size(self.cfg), None if attempt is None else int(attempt))
         return headline(result.get("failure"), result.get("deaths") or [], records, error or "",
-                        os.path.join(self.job_dir, COORDINATOR_LOG))
+                        os.path.join(self.job_dir, COORDINATOR_LOG), self._task_logs())
+
+    def _task_logs(self) -> dict[int, str]:
+        """Each rank's task log (submitit's stderr file; task ``r`` runs rank ``r``), where submitit says."""
+        logs: dict[int, str] = {}
+        for rank in range(world_size(self.cfg)):
+            try:
+                task = self.job.task(rank) if self.job.num_tasks > 1 else self.job
+                logs[rank] = str(task.paths.stderr)
+            except Exception:  # a job submitit cannot describe: the line goes without it
+                continue
+        return logs
 
     def _finish_relay(self, timeout: float = 60.0, *, stopped: bool = False) -> None:
         """The job's records delivered (its journal read to the end), before the run is ended below."""
@@ -509,7 +526,7 @@ class RunHandle:
         from .job import setup_error_path
         from .rendezvous import death_record_path, incarnation
 
-        lines = []
+        timed: list[tuple[float, str]] = []
         for rank in range(world_size(self.cfg)):
             try:
                 with open(death_record_path(self.job_dir, rank)) as fh:
@@ -520,8 +537,9 @@ class RunHandle:
                 continue
             if rec.get("phase") == "setup":
                 where = f" at {rec['user_frame']}" if rec.get("user_frame") else ""  # the user's own frame
-                lines.append(f"rank {rank} could not set up: {rec.get('error')}{where} "
-                             f"(full traceback: {setup_error_path(self.job_dir, rank)})")
+                timed.append((float(rec.get("unix_time") or 0.0), f"rank {rank} could not set up: {rec.get('error')}"
+                              f"{where} (full traceback: {setup_error_path(self.job_dir, rank)})"))
+        lines = [line for _, line in sorted(timed, key=lambda t: t[0])]  # the first to fail first
         for path in sorted(glob.glob(os.path.join(self.job_dir, "ranks", "setup_error.r*.txt"))):
             try:
                 self.client().log_artifact(self.run_id, path, "ranks")

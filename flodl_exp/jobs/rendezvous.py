@@ -95,6 +95,57 @@ def write_death_record(job_dir: str, rank: int, world_size: int, error: str, tra
     return path
 
 
+def rank_traceback_path(job_dir: str, rank: int) -> str:
+    """Where a rank's task keeps the full traceback of the exception it ended with (the console shows one line)."""
+    return os.path.join(job_dir, "ranks", f"rank{rank}.traceback")
+
+
+def note_user_error(job_dir: str, rank: int, attempt: int, user_error: str, user_frame: Optional[str],
+                    traceback_path: Optional[str], traceback: str) -> Optional[str]:
+    """Add the rank's error in the user's terms (``user_error``, ``user_frame``, ``traceback_path``) to its death
+    record of this incarnation, which the rank wrote when it reported its failure; a rank that failed before it
+    could report (a dial that failed) gets a record of phase ``task`` now. The launcher's one-line failure reads
+    these keys (flodl_exp/failure_cause.py). Returns the path, or None when it could not be written."""
+    path = death_record_path(job_dir, rank)
+    record = _read_record(path, attempt)
+    if record is None and write_death_record(job_dir, rank, 0, user_error, traceback[-4000:], attempt=attempt,
+                                             phase="task") is not None:
+        record = _read_record(path, attempt)
+    if record is None:
+        return None
+    record.update(user_error=user_error, user_frame=user_frame, traceback_path=traceback_path)
+    try:
+        atomic_text(json.dumps(record), path, mode=0o600)
+    except OSError:
+        return None
+    return path
+
+
+def _read_record(path: str, attempt: int) -> Optional[dict]:
+    """The death record at ``path`` when it is this incarnation's, else None."""
+    try:
+        with open(path) as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and str(record.get("incarnation")) == incarnation(attempt) else None
+
+
+def read_death_records(job_dir: str, world_size: int, attempt: Optional[int] = None) -> dict[int, dict]:
+    """Every rank's death record by rank (of ``attempt`` when given: the launcher, outside the job, knows the attempt
+    but not SLURM's restart count, the second half of an incarnation)."""
+    out: dict[int, dict] = {}
+    for rank in range(world_size):
+        try:
+            with open(death_record_path(job_dir, rank)) as fh:
+                rec = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and (attempt is None or str(rec.get("incarnation", "")).split(".")[0] == str(attempt)):
+            out[rank] = rec
+    return out
+
+
 def setup_failure(job_dir: str, rank: int, attempt: int) -> Optional[str]:
     """The one-line error of ``rank`` when this incarnation's rank failed to set up (its death record says so), else
     None."""
