@@ -5,12 +5,10 @@ each end with one ``config error:`` line and exit 2 (before: Hydra's multi-line 
 About 2 s a test (one CLI call each)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from user_project import assert_refused_before_anything, run_cli
 
 import flodl_exp
 
@@ -27,58 +25,40 @@ def folder(tmp_path: Path) -> Path:
     return home
 
 
-def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR") and not k.startswith(("MLFLOW_", "FLODL_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "flodl_exp", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=60)
-
-
-def _assert_one_line(out: subprocess.CompletedProcess[str], line: str, folder: Path) -> None:
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stderr.strip().splitlines() == [line], out.stderr
-    assert out.stdout.strip() == ""
-    for stream in (out.stdout, out.stderr):
-        assert "Traceback" not in stream and 'File "' not in stream
-    assert not (folder / "outputs" / "jobs").exists()
-    assert not (folder / "outputs" / "mlflow.db").exists()
-
-
 def test_a_misspelt_option(folder: Path) -> None:
-    out = _cli(folder, "mode=nccl_cadense")
-    _assert_one_line(out, "config error: mode=nccl_cadense: no such option (available: auto, cpu_async, cpu_cadence, "
+    out = run_cli(folder, "mode=nccl_cadense")
+    assert_refused_before_anything(out, "config error: mode=nccl_cadense: no such option (available: auto, cpu_async, cpu_cadence, "
                           "cpu_sync, nccl_cadence, nccl_sync); did you mean nccl_cadence?", folder)
     assert "nccl_async" not in out.stderr  # refused by the validation whatever its overrides: never offered
 
 
 def test_a_misspelt_group(folder: Path) -> None:
-    out = _cli(folder, "experment=cancer")
-    _assert_one_line(out, "config error: experment=cancer: no such key or config group; did you mean experiment?", folder)
+    out = run_cli(folder, "experment=cancer")
+    assert_refused_before_anything(out, "config error: experment=cancer: no such key or config group; did you mean experiment?", folder)
     assert "+experment" not in out.stderr  # Hydra's advice, which would only lead to a second error
 
 
 def test_a_forgotten_config_dir(folder: Path) -> None:
     (folder / "conf" / "experiment").mkdir(parents=True)
     (folder / "conf" / "experiment" / "my_task.yaml").write_text("# @package experiment\nname: my_task\n")
-    out = _cli(folder, "experiment=my_task")
-    _assert_one_line(out, f"config error: experiment=my_task: no such option (available: {', '.join(EXPERIMENTS)}); "
+    out = run_cli(folder, "experiment=my_task")
+    assert_refused_before_anything(out, f"config error: experiment=my_task: no such option (available: {', '.join(EXPERIMENTS)}); "
                           "./conf/experiment/my_task.yaml exists: add --config-dir ./conf", folder)
 
 
 def test_a_misspelt_nested_key(folder: Path) -> None:
-    out = _cli(folder, "mode.max_overshot=3")
-    _assert_one_line(out, "config error: mode.max_overshot=3: no such key in mode; did you mean mode.max_overshoot?", folder)
+    out = run_cli(folder, "mode.max_overshot=3")
+    assert_refused_before_anything(out, "config error: mode.max_overshot=3: no such key in mode; did you mean mode.max_overshoot?", folder)
 
 
 def test_a_value_of_the_wrong_type(folder: Path) -> None:
-    out = _cli(folder, "seed=abc")
-    _assert_one_line(out, "config error: seed='abc' is not allowed: an integer", folder)
+    out = run_cli(folder, "seed=abc")
+    assert_refused_before_anything(out, "config error: seed='abc' is not allowed: an integer", folder)
 
 
 def test_a_sweep_whose_overrides_do_not_compose_leaves_no_parent_run(folder: Path) -> None:
     """The sweep's MLflow parent run is made as its first job starts (sweep.py, on_job_start): a misspelt option in
     a sweep is the same one line, with no store, no empty parent run and no "sweep report not written" after it."""
-    out = _cli(folder, "-m", "mode=nccl_cadense,cpu_async")
-    _assert_one_line(out, "config error: mode=nccl_cadense: no such option (available: auto, cpu_async, cpu_cadence, "
+    out = run_cli(folder, "-m", "mode=nccl_cadense,cpu_async")
+    assert_refused_before_anything(out, "config error: mode=nccl_cadense: no such option (available: auto, cpu_async, cpu_cadence, "
                           "cpu_sync, nccl_cadence, nccl_sync); did you mean nccl_cadence?", folder)

@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from user_project import TINY_NET, preset, write_project
 
 pytestmark = [pytest.mark.package, pytest.mark.e2e]
 
@@ -26,20 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 SKIP_COPY = {".git", ".venv", "outputs", "multirun", "mlruns", "site", "build", "dist", ".mypy_cache", ".ruff_cache",
              ".pytest_cache", "__pycache__", "flodl_exp.egg-info"}
 
-MODEL = '''\
-import torch
-from torch import nn
-
-
-class TinyNet(nn.Module):
-    """The user's own model: 8x8 digits through one hidden layer."""
-
-    def __init__(self, hidden: int = 16) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+MODEL = TINY_NET + '''
 
 
 class OddNet(TinyNet):
@@ -49,20 +37,6 @@ class OddNet(TinyNet):
         if hidden % 2:
             raise ValueError(f"hidden must be even, got {hidden}")
         super().__init__(hidden)
-'''
-
-EXPERIMENT = '''\
-# @package experiment
-name: {name}
-model: {{_target_: my_model.{cls}, hidden: {hidden}}}
-optimizer: {{_target_: torch.optim.Adam, _partial_: true, lr: 0.003}}
-scheduler: null
-train_data: {{_target_: flodl_exp.zoo.digits.DigitsDataset, split: train}}
-eval_data: {{_target_: flodl_exp.zoo.digits.DigitsDataset, split: test}}
-train_step: flodl_exp.zoo.digits.train_step
-eval_fn: flodl_exp.zoo.digits.evaluate
-batch_size: 32
-epochs: 1
 '''
 
 
@@ -102,13 +76,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The user's own project: a model module and three experiment presets (two of them broken) under its conf/."""
-    proj = tmp_path_factory.mktemp("my_project")
-    (proj / "my_model.py").write_text(MODEL)
-    (proj / "conf" / "experiment").mkdir(parents=True)
-    (proj / "conf" / "experiment" / "my_task.yaml").write_text(EXPERIMENT.format(name="my_task", cls="TinyNet", hidden=16))
-    (proj / "conf" / "experiment" / "broken.yaml").write_text(EXPERIMENT.format(name="broken", cls="OddNet", hidden=15))
-    (proj / "conf" / "experiment" / "typo.yaml").write_text(EXPERIMENT.format(name="typo", cls="Nett", hidden=16))
-    return proj
+    return write_project(tmp_path_factory.mktemp("my_project"), MODEL, {
+        "my_task": preset("my_task"), "broken": preset("broken", "OddNet", hidden=15), "typo": preset("typo", "Nett")})
 
 
 def _env(venv: Path) -> dict[str, str]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from user_project import TINY_NET, preset, write_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -19,22 +20,9 @@ RUN_TIMEOUT_S = 300.0
 """A CLI run's own bound (a cold start on a loaded 2-core machine takes tens of seconds); the start-up kill's
 one-minute promise is asserted on its measured wall time."""
 
-MODEL = '''\
-import torch
-from torch import nn
+MODEL = TINY_NET + '''
 
 from flodl_exp.zoo.digits import DigitsDataset
-
-
-class TinyNet(nn.Module):
-    """The user's own model: 8x8 digits through one hidden layer."""
-
-    def __init__(self, hidden: int = 16) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 class FlakyDigits:
@@ -64,34 +52,15 @@ class OddNet(TinyNet):
 RAISE_LINE = MODEL.splitlines().index('            raise ValueError("bad sample 7")') + 1
 INIT_LINE = MODEL.splitlines().index('        raise ValueError(f"hidden={hidden}: not a power of two")') + 1
 
-EXPERIMENT = '''\
-# @package experiment
-name: {name}
-model: {{_target_: my_model.{model}, hidden: 16}}
-optimizer: {{_target_: torch.optim.Adam, _partial_: true, lr: 0.003}}
-scheduler: null
-train_data: {{_target_: {data}, split: train}}
-eval_data: {{_target_: flodl_exp.zoo.digits.DigitsDataset, split: test}}
-train_step: flodl_exp.zoo.digits.train_step
-eval_fn: flodl_exp.zoo.digits.evaluate
-batch_size: 32
-epochs: 1
-'''
-
 FRAMEWORK_NOISE = re.compile(r'File "[^"]*(flodl_exp|submitit|hydra)[/\\]|job\.stderr\(|^Traceback ')
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The user's project: their model and data set, a failing experiment and a sound one."""
-    proj = tmp_path_factory.mktemp("my_project")
-    (proj / "my_model.py").write_text(MODEL)
-    (proj / "conf" / "experiment").mkdir(parents=True)
-    digits = "flodl_exp.zoo.digits.DigitsDataset"
-    for name, model, data in (("my_task", "TinyNet", "my_model.FlakyDigits"), ("ok_task", "TinyNet", digits),
-                              ("odd_task", "OddNet", digits)):
-        (proj / "conf" / "experiment" / f"{name}.yaml").write_text(EXPERIMENT.format(name=name, model=model, data=data))
-    return proj
+    return write_project(tmp_path_factory.mktemp("my_project"), MODEL, {
+        "my_task": preset("my_task", data="my_model.FlakyDigits"), "ok_task": preset("ok_task"),
+        "odd_task": preset("odd_task", "OddNet")})
 
 
 def _cli(proj: Path, *overrides: str, fault: str = "") -> tuple[subprocess.CompletedProcess[str], float]:

@@ -770,19 +770,6 @@ def experiment_import_paths(root: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _on_sys_path(paths: list[str]) -> Iterator[None]:
-    """``paths`` importable (first, in order) for the block; ``sys.path`` as it was after it."""
-    added = [p for p in dict.fromkeys(paths) if p not in sys.path]
-    sys.path[:0] = added
-    try:
-        yield
-    finally:
-        for p in added:
-            with contextlib.suppress(ValueError):
-                sys.path.remove(p)
-
-
-@contextlib.contextmanager
 def _environ(extra: dict[str, str]) -> Iterator[None]:
     """``extra`` in ``os.environ`` for the block (what a submission's processes inherit); as it was after it."""
     before = {k: os.environ.get(k) for k in extra}
@@ -822,7 +809,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         raise ConfigError(old_torch)
     root = os.path.abspath(root or os.getcwd())
     import_paths = experiment_import_paths(root)  # the tasks add them (JobSpec.import_paths); here the checks below
-    from ..preflight import preflight
+    from ..preflight import importable_from, preflight
 
     # every _target_ and function path resolves as the tasks will resolve it: before any folder, run or process
     preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0])
@@ -830,7 +817,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from ..checkpoint import validate_resume
 
-        with _on_sys_path(import_paths):  # it builds the experiment's model to compare shapes
+        with importable_from(import_paths):  # it builds the experiment's model to compare shapes
             resume = validate_resume(cfg)
     from ..tracking import URI_ENV, redact_uri, resolve_tracking
     from .executor import make_executor
