@@ -129,10 +129,12 @@ def _idle_table(data: dict[str, Any]) -> str:
 
 
 def _epoch_table(data: dict[str, Any]) -> str:
+    """Epochs counted from 1 as the console and the report count them (the data's ``epoch`` is the 0-based index,
+    MLflow's step)."""
     ranks = [str(r) for r in range(data["world_size"])]
     th = "".join(f"<th>{h}</th>" for h in ["epoch", "start s", "end s", *[f"rank {r} idle_frac" for r in ranks]])
     rows = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in [
-        _fmt(e["epoch"]), _fmt(e["start_s"]), _fmt(e["end_s"]), *[_fmt(e["idle_frac"].get(r)) for r in ranks]]) + "</tr>"
+        _fmt(e["epoch"] + 1), _fmt(e["start_s"]), _fmt(e["end_s"]), *[_fmt(e["idle_frac"].get(r)) for r in ranks]]) + "</tr>"
         for e in data["epochs"])
     return f'<table id="epochs"><thead><tr>{th}</tr></thead><tbody>{rows}</tbody></table>'
 
@@ -198,7 +200,7 @@ function draw(){
   const raw = span/8, mag = Math.pow(10, Math.floor(Math.log10(raw))), step = [1,2,5,10].map(m=>m*mag).find(v=>v>=raw);
   for (let t = Math.ceil(view[0]/step)*step; t <= view[1]; t += step){
     const x = (t-view[0])/span*w; g.fillRect(x,0,1,5); g.fillText(+t.toPrecision(6)+' s', x+2, 16); }
-  for (const e of D.epochs){ const x = (e.end_s-view[0])/span*w; if (x>=0 && x<=w) g.fillText('e'+e.epoch+'|', x-22, 24); }
+  for (const e of D.epochs){ const x = (e.end_s-view[0])/span*w; if (x>=0 && x<=w) g.fillText('e'+(e.epoch+1)+'|', x-22, 24); }
   document.body.dataset.view = view[0].toFixed(6) + ',' + view[1].toFixed(6);
   document.body.dataset.ready = '1';
 }
@@ -221,7 +223,7 @@ window.addEventListener('mousemove', ev => {
   if (!hit){ tip.style.display='none'; return; }
   tip.textContent = hit[iK] + (hit[iNote] ? ' ('+hit[iNote]+')' : '') + '  rank ' + hit[iR] +
     '\n' + hit[iA].toFixed(4) + ' -> ' + hit[iB].toFixed(4) + ' s  (' + ((hit[iB]-hit[iA])*1e3).toFixed(1) + ' ms)' +
-    '\nepoch ' + hit[iE] + '  window ' + hit[iW] + '  n ' + hit[iN] +
+    '\nepoch ' + (hit[iE]===null ? '-' : hit[iE]+1) + '  window ' + hit[iW] + '  n ' + hit[iN] +
     (hit[iK]==='compute' ? '\ncompute ' + hit[iBusy].toFixed(1) + ' ms  data ' + hit[iData].toFixed(1) + ' ms' : '');
   tip.style.left = (ev.clientX+12)+'px'; tip.style.top = (ev.clientY+12)+'px'; tip.style.display='block';
 });

@@ -226,6 +226,9 @@ def test_files_round_trip_and_the_page_is_self_contained(tmp_path):
     assert json.loads(embedded) == data
     assert 'id="idle-analysis"' in page and page.count('class="idle-row"') == 3
     assert render_html(data) == page
+    assert data["epochs"][0]["epoch"] == 0  # the data keep the index (MLflow's step); the page counts from 1
+    epochs = page.split('<table id="epochs">')[1].split("</table>")[0]
+    assert re.findall(r"<tr><td>(\d+)</td>", epochs) == ["1"]
 
 
 def test_the_dashboard_links_the_timeline():
