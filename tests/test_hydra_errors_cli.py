@@ -5,10 +5,12 @@ each end with one ``config error:`` line and exit 2 (before: Hydra's multi-line 
 About 2 s a test (one CLI call each)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from user_project import assert_refused_before_anything, run_cli
+from user_project import assert_refused_before_anything, run_cli, user_env
 
 import flodl_exp
 
@@ -62,3 +64,13 @@ def test_a_sweep_whose_overrides_do_not_compose_leaves_no_parent_run(folder: Pat
     out = run_cli(folder, "-m", "mode=nccl_cadense,cpu_async")
     assert_refused_before_anything(out, "config error: mode=nccl_cadense: no such option (available: auto, cpu_async, cpu_cadence, "
                           "cpu_sync, nccl_cadence, nccl_sync); did you mean nccl_cadence?", folder)
+
+
+def test_the_simulator_and_the_bench_answer_in_the_same_voice(folder: Path) -> None:
+    for module, arg, line in (
+            ("flodl_exp.simulate", "epochz=3", "config error: epochz=3: no such key or config group; did you mean epochs?"),
+            ("flodl_exp.bench", "preset=fulll",
+             "config error: preset=fulll: no such option (available: full, quick); did you mean full?")):
+        out = subprocess.run([sys.executable, "-m", module, arg], cwd=folder, env=user_env(), capture_output=True,
+                             text=True, timeout=60)
+        assert_refused_before_anything(out, line, folder)

@@ -140,7 +140,10 @@ def main(dcfg: DictConfig) -> None:
 
 def cli(argv: Optional[list[str]] = None) -> None:
     sys.argv = [sys.argv[0], *translate_argv(list(sys.argv[1:] if argv is None else argv))]
-    main()
+    from ..config_errors import one_line_config_errors
+
+    with one_line_config_errors():  # a misspelt key or preset: one config error line, exit 2, as the main app
+        main()
 
 
 if __name__ == "__main__":
