@@ -93,6 +93,9 @@ def client(uri: str) -> MlflowClient:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
+    # a new SQLite store's "Creating initial MLflow database tables..." lines are MLflow's housekeeping, not the
+    # user's business (warnings and errors still show)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=live_uri(uri))
 
 

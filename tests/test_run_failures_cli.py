@@ -108,6 +108,7 @@ def test_an_exception_in_the_users_get_batch_is_one_line_naming_their_frame(proj
     assert _last_error(res) == status.split("FAILED: ", 1)[1]
     _no_framework_noise(res)
     assert "submitit" not in res.stdout + res.stderr
+    assert "INFO mlflow" not in res.stdout + res.stderr  # the project's first run made its store: MLflow says nothing
 
 
 def test_the_full_text_is_shown_when_asked(project: Path) -> None:
