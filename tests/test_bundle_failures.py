@@ -14,7 +14,7 @@ from control_fakes import Harness, make_config, make_spec
 from omegaconf import OmegaConf
 
 from flodl_exp import checkpoint as ck
-from flodl_exp.control.channels import EventLog
+from flodl_exp.control.event_log import EventLog
 from flodl_exp.control.lifecycle import Phase, Status
 from flodl_exp.control.records import RecordLog, RingLog
 from flodl_exp.events import Epoch

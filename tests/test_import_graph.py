@@ -166,7 +166,7 @@ def test_the_parser_sees_every_kind_of_import():
     """Guards the test above against passing on an empty graph."""
     graph = import_graph()
     assert len(graph) > 50
-    assert graph["flodl_exp.control.channels"]["flodl_exp.control.records"].kind == "module"
+    assert graph["flodl_exp.control.event_log"]["flodl_exp.control.records"].kind == "module"
     assert graph["flodl_exp"]["flodl_exp.jobs.launcher"].kind == "type_checking"  # first seen under TYPE_CHECKING
     assert graph["flodl_exp.checkpoint"]["flodl_exp.config"].kind == "local"  # validate_resume's lazy import
     assert graph["flodl_exp.control.records"]["flodl_exp.fsio"].kind == "module"  # from ..fsio import name

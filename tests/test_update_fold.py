@@ -9,7 +9,7 @@ import torch
 from control_fakes import BATCH, Harness
 from rank_fakes import rank_control
 
-from flodl_exp.control.channels import Outbox
+from flodl_exp.control.wire_outbox import WireOutbox as Outbox
 from flodl_exp.protocol import (
     ExtendPartition,
     Payload,

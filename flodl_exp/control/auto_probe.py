@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..protocol import Probe, ProbeResult
-from .channels import Outbox
 from .devices import CollectiveRefused, RankDevice, choose_collective
+from .outbox import Outbox
 
 if TYPE_CHECKING:
     from ..simulate.auto import AutoChoice, Prepared

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from .. import events as ev
 from ..protocol import Checkpoint, CheckpointResult
-from .channels import Outbox
 from .cohort import Cohort
+from .outbox import Outbox
 
 log = logging.getLogger("flodl_exp.coordinator")
 

@@ -29,13 +29,13 @@ from typing import Any, Optional, Union
 from .. import events as ev
 from ..protocol import Save, SaveResult
 from .bundle_store import BundleStore
-from .channels import Outbox
 from .checkpoint_fn import CheckpointFnRole
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 from .epoch_plan import EpochPlan
 from .intents import Intents
+from .outbox import Outbox
 
 log = logging.getLogger("flodl_exp.coordinator")
 

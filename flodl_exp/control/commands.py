@@ -3,14 +3,11 @@ feeds a scripted sequence and reads the decisions as data."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
 from ..protocol import Payload
-from .channels import Outbox
 from .cohort import Cohort
-
-if TYPE_CHECKING:
-    from ..wire import Message
+from .outbox import DirectOutbox
 
 
 # -- commands (what :meth:`ControlCore.handle` returns) -------------------------------
@@ -37,11 +34,11 @@ class Record:
 Command = Union[Send, Broadcast, Record]
 
 
-class CommandOutbox(Outbox):
+class CommandOutbox(DirectOutbox):
     """An outbox that records what would be sent (no transport, no encoding)."""
 
     def __init__(self, cohort: Cohort, commands: list[Command]) -> None:
-        super().__init__(_NoTransport(), cohort)
+        self._cohort = cohort
         self._commands = commands
 
     def send(self, r: int, payload: Payload) -> bool:
@@ -65,11 +62,6 @@ class RecordingObserver:
         def record(*args: Any, **kw: Any) -> None:
             self._commands.append(Record(kind, (*args, *kw.values())))
         return record
-
-
-class _NoTransport:
-    def send(self, rank: int, msg: Message) -> bool:  # pragma: no cover - the command outbox never encodes
-        raise AssertionError("commands are recorded, not sent")
 
 
 # -- events (what :meth:`ControlCore.handle` takes) -----------------------------------

@@ -5,7 +5,7 @@ what arrives into the core's inputs and carries out what the core decides throug
 
 * the rank server's events become :meth:`ControlCore.on_message` calls (after the record log took each
   chunk's metrics) and deaths (a closed connection, a stale heartbeat, a stuck main thread);
-* the core's messages go out through an :class:`~.channels.Outbox` onto the rank sockets;
+* the core's messages go out through a :class:`~.wire_outbox.WireOutbox` onto the rank sockets;
 * what the core decides is recorded by :class:`ShellObserver` (timeline, window records, MLflow, events.jsonl);
 * bundle files go through :class:`~.bundle_store.DiskBundles`.
 
@@ -44,16 +44,17 @@ from ..protocol import (
 from ..wire import Message
 from .auto_probe import AutoProbe
 from .bundle_store import DiskBundles
-from .channels import EventLog, Outbox, Transport
 from .cohort import ProgressWatch
 from .core import ControlCore, RunFacts
 from .cycle import Reduce, ReduceOutcome
 from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
+from .event_log import EventLog
 from .lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
 from .ports import Sink
 from .records import RecordLog, WindowRecorder
 from .timeline import TimelineRecorder
 from .watchdog import StallWatchdog
+from .wire_outbox import Transport, WireOutbox
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -166,7 +167,7 @@ class Coordinator:
         """The core for ``self.cfg`` (again after mode.auto chose a mode: nothing has happened in the first one)."""
         cfg, spec, clock = self.cfg, self.spec, self.clock
         self.core = ControlCore(
-            shape=self.shape, cfg=cfg, outbox_for=lambda cohort: Outbox(self._server, cohort), clock=clock,
+            shape=self.shape, cfg=cfg, outbox_for=lambda cohort: WireOutbox(self._server, cohort), clock=clock,
             observer=self.observer, store=DiskBundles(self.job_dir, self.sink), is_local=self._is_local, start=clock(),
             facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
         core = self.core

@@ -7,7 +7,7 @@ alone decides when a reduce fires (:meth:`ControlCore.fire_reduce`, the one call
 ``AveragingCycle.trigger``), when an epoch aggregates, when an epoch-boundary bundle is due and when
 training ends. It holds no socket, thread or file: what it decides leaves through three ports,
 
-* the :class:`~.channels.Outbox` (messages to ranks: the coordinator encodes them onto sockets, the
+* the :class:`~.outbox.Outbox` (messages to ranks: the coordinator encodes them onto sockets, the
   simulator hands them to simulated ranks; :class:`CommandOutbox` records them as commands);
 * a :class:`CoreObserver` (what the shell records: the timeline, window records, MLflow, events.jsonl; the
   core never reads back from it);
@@ -58,7 +58,6 @@ from ..protocol import (
 from ..protocol import Shutdown as ShutdownMsg
 from .bundle_store import BundleStore, MemoryBundles
 from .callback_slack import CallbackSlack
-from .channels import Outbox
 from .checkpoint_fn import CheckpointFnRole
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
@@ -73,13 +72,14 @@ from .faults import SHUTDOWN_GRACE_S, FaultHandler
 from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from .meta import LrEventMeta
+from .outbox import Outbox
 from .ports import CoreObserver, NullObserver
 from .preemption import Preemption, kills_on_bad_exit
 from .reduces import Reduces
 from .report_pace import ReportPacing, pace_enabled
 from .reports import RankReports
 from .run_end import RunEnd
-from .watchdog import run_state
+from .run_state import run_state
 
 log = logging.getLogger("flodl_exp.coordinator")
 

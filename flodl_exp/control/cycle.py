@@ -25,10 +25,10 @@ from ..mode import Backend, Mode
 from ..outer_step import OuterStep
 from ..protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
 from .actions import STABLE, ConvergenceAction
-from .channels import Outbox
 from .elche import ElChe, WindowReport
 from .guards import ConvergenceGuard, DivergenceReport
 from .meta import LrEventMeta
+from .outbox import Outbox
 
 if TYPE_CHECKING:
     from ..outer import OuterOptimizer

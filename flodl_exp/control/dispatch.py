@@ -28,7 +28,6 @@ from ..outer_step import OuterStep
 from ..partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
 from ..protocol import ChunkMetrics, ExtendPartition, StageAdvisory, StartEpoch, Telemetry
 from .actions import ConvergenceAction
-from .channels import Outbox
 from .chunk_pool import (
     ChunkPool,
     FinalWindowPlan,
@@ -44,6 +43,7 @@ from .cohort import Cohort
 from .cycle import AveragingCycle
 from .epoch_metrics import EpochAccumulator
 from .epoch_plan import EpochPlan
+from .outbox import Outbox
 
 log = logging.getLogger("flodl_exp.coordinator")
 

@@ -13,13 +13,13 @@ from collections.abc import Callable
 
 from .. import events as ev
 from ..protocol import EpochAggregated
-from .channels import Outbox
 from .checkpoints import Checkpoints
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase
+from .outbox import Outbox
 from .ports import CoreObserver
 from .run_end import RunEnd
 

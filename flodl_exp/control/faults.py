@@ -21,12 +21,12 @@ from .. import events as ev
 from ..mode import Backend
 from ..protocol import Regroup, RequestSession, SessionReady
 from .bundle_store import BundleStore
-from .channels import Outbox
 from .checkpoints import BundleWriter
 from .cohort import Cohort, Death
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 from .lifecycle import Lifecycle, Phase, Status
+from .outbox import Outbox
 
 log = logging.getLogger("flodl_exp.coordinator")
 

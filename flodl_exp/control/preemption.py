@@ -23,12 +23,12 @@ from typing import Any, Optional
 from .. import events as ev
 from ..protocol import Shutdown
 from .bundle_store import BundleStore
-from .channels import Outbox
 from .checkpoints import BundleWriter, Checkpoints
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 from .lifecycle import Lifecycle, Phase, Status
+from .outbox import Outbox
 
 log = logging.getLogger("flodl_exp.coordinator")
 

@@ -25,8 +25,8 @@ from ..fsio import atomic_write
 log = logging.getLogger("flodl_exp.coordinator")
 
 
-# What the window records read of their neighbours, as Protocols rather than imports: channels.py imports
-# this module for RecordLog, and cycle.py imports channels, so importing either back would close a circle.
+# What the window records read of their neighbours, as Protocols rather than imports: event_log.py imports
+# this module for RecordLog, and the core's components import records' readers, so importing back would close a circle.
 class CycleView(Protocol):
     """The averaging cycle as a window record reads it (:class:`flodl_exp.control.cycle.AveragingCycle`)."""
 
@@ -65,7 +65,7 @@ class OutcomeView(Protocol):
 
 
 class EventSink(Protocol):
-    """Where events go (:class:`flodl_exp.control.channels.EventLog`)."""
+    """Where events go (:class:`flodl_exp.control.event_log.EventLog`)."""
 
     def emit(self, event: ev.EventRecord) -> None: ...
 

@@ -18,12 +18,12 @@ from typing import Optional
 from .. import events as ev
 from ..mode import Backend, Mode
 from ..protocol import Lockstep, Snapshot, SyncAck
-from .channels import Outbox
 from .checkpoints import Checkpoints
 from .cohort import Cohort
 from .cycle import AveragingCycle, Reduce, ReduceOutcome
 from .dispatch import AnswerSnapshot, Dispatcher
 from .lifecycle import TRAINING_PHASES, Lifecycle
+from .outbox import Outbox
 from .ports import CoreObserver
 
 log = logging.getLogger("flodl_exp.coordinator")

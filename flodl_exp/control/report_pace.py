@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from ..mode import Mode
 from ..protocol import ReportPace
-from .channels import Outbox
 from .cycle import AveragingCycle
+from .outbox import Outbox
 
 
 def pace_enabled(mode: Mode, coalesce_ms: float, max_batch_diff: object, world_size: int) -> bool:

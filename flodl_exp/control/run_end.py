@@ -19,7 +19,6 @@ from .. import events as ev
 from ..mode import Mode
 from ..protocol import INTENT_KINDS, EvalBroadcast, EvalResult, ExecuteEval, Intent, Save
 from .callback_slack import CallbackSlack
-from .channels import Outbox
 from .checkpoint_fn import CheckpointFnRole
 from .checkpoints import BundleWriter, Checkpoints
 from .cohort import Cohort
@@ -28,6 +27,7 @@ from .dispatch import Dispatcher
 from .epoch_plan import EpochPlan
 from .intents import Intents
 from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
+from .outbox import Outbox
 from .ports import CoreObserver
 
 log = logging.getLogger("flodl_exp.coordinator")

@@ -6,20 +6,15 @@ The interval follows the reference's tiers (STALL_DUMP_PROD_SECS / STALL_DUMP_SE
 healthy long windows (an epoch-sized cadence window on a slow rig, a long nccl eval holding the reduce) are
 not reported as stalls; ``cluster.stall_dump_s=15`` is the reference's -vvv interval for active debugging.
 Unlike the reference, which only prints, each dump is a file: at most :data:`MAX_DUMPS` a run, then one
-log line says further dumps are suppressed, so a run held for hours cannot fill the job folder."""
+log line says further dumps are suppressed, so a run held for hours cannot fill the job folder. What a dump holds
+is the core's :func:`~.run_state.run_state` (pure, in the core); the files are the shell's, here."""
 from __future__ import annotations
 
 import json
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
-
-if TYPE_CHECKING:
-    from .cohort import Cohort
-    from .cycle import AveragingCycle
-    from .dispatch import Dispatcher
-    from .lifecycle import Lifecycle
+from typing import Any, Optional
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -72,24 +67,3 @@ class StallWatchdog:
         log.warning("no progress for %.0fs (global step %s, phase %s): state dumped to %s\n%s", idle, marker,
                     dump.get("phase"), path, json.dumps(dump, default=str)[:4000])
         return path
-
-
-def run_state(*, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-              pending_saves: list[int], now: float) -> dict[str, Any]:
-    """What the coordinator knows of itself and every rank (the stall dump)."""
-    red = cycle.in_flight
-    counts = cycle.counts
-    w = cohort.world_size
-    in_flight = {r: sorted(cid for cid, c in dispatch.chunks.items() if c.rank == r) for r in range(w)}
-    return {
-        "phase": life.phase.value, "global_step": cycle.global_step, "syncs": cycle.version,
-        "epoch": dispatch.current_epoch(), "dispatch_gate": dispatch.gate.value,
-        "reduce": None if red is None else {
-            "backend": red.backend, "final": red.final, "age_s": round(now - red.started, 3),
-            "members": sorted(red.members), "answered": sorted(set(red.acks) | set(red.snapshots))},
-        "pending_saves": pending_saves,
-        "ranks": [{"rank": r, "alive": cohort.alive(r), "exited": cohort.exited(r),
-                   "silent_s": round(cohort.silent_for(r, now), 3), "batches": cohort.batches[r],
-                   "window_steps": cycle.steps(r), "count": counts[r], "throttled": cycle.ledger[r].throttled,
-                   "chunks_in_flight": in_flight[r], "epoch": dispatch.rank_epoch[r]} for r in range(w)],
-    }

@@ -37,11 +37,11 @@ from typing import Any, Callable, Optional
 
 from .. import events as ev
 from ..config import Config
-from ..control.channels import Outbox
 from ..control.cohort import Cohort
 from ..control.core import ControlCore, NullObserver
 from ..control.cycle import Reduce, ReduceOutcome
 from ..control.lifecycle import Phase
+from ..control.outbox import DirectOutbox
 from ..protocol import (
     Batch,
     ChunkMetrics,
@@ -57,7 +57,6 @@ from ..protocol import (
     Throttle,
     Update,
 )
-from ..wire import Message
 from .clock import EventQueue, SimClock
 from .costs import Costs
 from .fast import SimDispatcher
@@ -67,16 +66,10 @@ RANK_MSG, BATCH_END, COLL_DONE, COORD_MSG, COORD_FINISH = range(5)
 IDLE, BUSY, COLLECTIVE, BARRIER, THROTTLED = range(5)
 
 
-class _NoTransport:
-    def send(self, rank: int, msg: Message) -> bool:  # pragma: no cover - SimOutbox never encodes
-        raise AssertionError("the simulator's outbox hands payloads over without encoding them")
-
-
-class SimOutbox(Outbox):
+class SimOutbox(DirectOutbox):
     """The coordinator's outbox, delivering payloads to simulated ranks (no encoding, no folding)."""
 
     def __init__(self, cohort: Cohort, deliver: Callable[[int, Payload], None]) -> None:
-        super().__init__(_NoTransport(), cohort)
         self._alive = cohort.alive_ranks
         self._deliver = deliver
 

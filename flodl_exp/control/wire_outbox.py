@@ -1,27 +1,29 @@
-"""What leaves the coordinator: typed messages to ranks (:class:`Outbox`) and progress
-events for the launcher (:class:`EventLog`, ``events.jsonl`` in the job folder)."""
+"""The coordinator's outbox onto the rank sockets: the core's payloads encoded as wire frames (the shell side of
+the :class:`~.outbox.Outbox` port).
+
+Two framing concerns live here and nowhere in the core: within :meth:`WireOutbox.folding_updates` (the core asks
+for it under cpu cadence) a rank's messages behind its held ``Update`` leave in one frame (``protocol.bundle``), the
+first ``StartEpoch`` riding inside the update as its ``next_plan``; within :meth:`WireOutbox.sharing_tensors` one
+tensors dict sent to every rank is encoded once. The core's other outboxes (the commands of ``handle``, the
+simulator's) hand payloads over one by one."""
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
-import os
-import time
 from collections.abc import Iterator
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
-from ..events import EventRecord
 from ..protocol import ExtendPartition, Payload, StartEpoch, Update, bundle, encode
 from ..wire import Message, SharedParts, WireError
 from .cohort import Cohort
-from .records import RecordLog
 
 
 class Transport(Protocol):
     def send(self, rank: int, msg: Message) -> bool: ...
 
 
-class Outbox:
+class WireOutbox:
+    """The :class:`~.outbox.Outbox` of the coordinator: payloads encoded and sent through ``transport``."""
+
     def __init__(self, transport: Transport, cohort: Cohort) -> None:
         self._transport = transport
         self._cohort = cohort
@@ -111,36 +113,3 @@ class Outbox:
             with self.sharing_tensors():  # the held updates carry one consensus: encoded once for all
                 for r, queue in held.items():
                     self._send_queue(r, queue)
-
-
-class EventLog:
-    """Append-only progress events (shared storage on SLURM), mirrored into the record log's root ring.
-
-    A failed append (a full disk) never raises into the coordinator: logged once, counted in ``dropped``."""
-
-    def __init__(self, job_dir: str, records: RecordLog, clock: Callable[[], float]) -> None:
-        self._path = os.path.join(job_dir, "events.jsonl")
-        self._records = records
-        self._clock = clock
-        self._t0 = clock()
-        self.dropped = 0
-
-    @property
-    def path(self) -> str:
-        return self._path
-
-    def elapsed(self) -> float:
-        return self._clock() - self._t0
-
-    def emit(self, record: EventRecord) -> None:
-        """One line of ``events.jsonl``: the record's JSON with the run's elapsed ``t`` and the ``wall`` time."""
-        event = dict(record.record(), t=round(self.elapsed(), 3), wall=round(time.time(), 3))
-        try:
-            with open(self._path, "a") as fh:
-                fh.write(json.dumps(event, default=str) + "\n")
-        except OSError as e:
-            if self.dropped == 0:
-                logging.getLogger("flodl_exp.coordinator").warning(
-                    "events %s: write failed (%s); further dropped events are counted, not logged", self._path, e)
-            self.dropped += 1
-        self._records.root(str(event.get("event", "event")), {k: v for k, v in event.items() if k != "event"})
