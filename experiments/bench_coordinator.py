@@ -190,8 +190,8 @@ class SimProcess:
         import torch
 
         from flodl_exp import wire
+        from flodl_exp.codec import encode
         from flodl_exp.hello import Hello
-        from flodl_exp.protocol import encode
         from flodl_exp.rank.backends import CoordinatorBackend, snapshot_nbytes
         from flodl_exp.rank.report_pacer import BatchReportPacer
 
@@ -224,10 +224,10 @@ class SimProcess:
 
     # -- coordinator -> rank ------------------------------------------------
     def on_message(self, sim: SimRank, msg: Any) -> None:
-        from flodl_exp import protocol as p
+        from flodl_exp import codec
 
-        for part in p.unbundle(msg):  # a bundle frame holds several messages, in order
-            self.on_payload(sim, p.decode(part))
+        for part in codec.unbundle(msg):  # a bundle frame holds several messages, in order
+            self.on_payload(sim, codec.decode(part))
 
     def on_payload(self, sim: SimRank, m: Any) -> None:
         from flodl_exp import protocol as p

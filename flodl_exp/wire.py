@@ -72,6 +72,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, TypeAlias
 
+from .errors import WireError  # defined apart: the protocol's payloads raise it without the wire
+
 if TYPE_CHECKING:
     import torch
 
@@ -116,8 +118,6 @@ _HEADER_KEYS = {"kind", "fields", "tensors"}
 _DESC_KEYS = {"name", "dtype", "shape", "nbytes"}
 
 
-class WireError(Exception):
-    """Malformed frame, protocol violation, or a stream that is no longer usable."""
 
 
 class FrameTooLarge(WireError):

@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from flodl_exp.bundle_meta import Resume
+from flodl_exp.codec import decode, encode, unbundle
 from flodl_exp.config import Config
 from flodl_exp.control.coordinator import Coordinator
 from flodl_exp.hello import Hello
@@ -30,9 +31,6 @@ from flodl_exp.protocol import (
     SyncAck,
     SyncNow,
     Update,
-    decode,
-    encode,
-    unbundle,
 )
 from flodl_exp.wire import Message
 

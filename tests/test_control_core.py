@@ -14,6 +14,7 @@ import torch
 from control_fakes import FakeClock, FakeSink, FakeTransport, make_config, make_spec
 from omegaconf import OmegaConf
 
+from flodl_exp.codec import encode
 from flodl_exp.config import Config, load_config
 from flodl_exp.control.bundle_store import MemoryBundles
 from flodl_exp.control.commands import Broadcast, Command, RankMessage, Record, Send, Tick
@@ -43,7 +44,6 @@ from flodl_exp.protocol import (
     SyncAck,
     SyncNow,
     Update,
-    encode,
 )
 from flodl_exp.simulate.engine import Engine
 from flodl_exp.simulate.topology import LinkConfig, RankGroupConfig, SimulateConfig, run_config

@@ -13,20 +13,9 @@ import pytest
 import torch
 from rank_fakes import Sent, rank_control
 
+from flodl_exp.codec import decode, encode
 from flodl_exp.experiment import Experiment
-from flodl_exp.protocol import (
-    Batch,
-    ChunkMetrics,
-    EpochAggregated,
-    EvalBroadcast,
-    Intent,
-    LoopNotice,
-    RankError,
-    Shutdown,
-    StartEpoch,
-    decode,
-    encode,
-)
+from flodl_exp.protocol import Batch, ChunkMetrics, EpochAggregated, EvalBroadcast, Intent, LoopNotice, RankError, Shutdown, StartEpoch
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.cooperative import CooperativeWorker, LoopMisuse, worker
 from flodl_exp.rank.trainer import OptimizerSet, RankTrainer

@@ -22,9 +22,10 @@ import torch
 from rank_fakes import DIGITS_MLP, spy_clip_norms
 
 from flodl_exp import experiment as experiment_mod
+from flodl_exp.codec import encode
 from flodl_exp.experiment import Experiment, build_experiment, rank_seed
 from flodl_exp.outer import OuterOptimizer, OuterSpec
-from flodl_exp.protocol import CoordHeartbeat, EvalResult, ExecuteEval, Regroup, SyncNow, encode
+from flodl_exp.protocol import CoordHeartbeat, EvalResult, ExecuteEval, Regroup, SyncNow
 from flodl_exp.rank import backends
 from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, nccl_environment
 from flodl_exp.rank.control import RankControl

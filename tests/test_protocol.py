@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from flodl_exp import wire
+from flodl_exp import codec, wire
+from flodl_exp.codec import decode, encode
 from flodl_exp.protocol import (
     PAYLOADS,
     Batch,
@@ -24,8 +25,6 @@ from flodl_exp.protocol import (
     SyncAck,
     Telemetry,
     Update,
-    decode,
-    encode,
 )
 
 SAMPLE = {int: 3, float: 1.5, str: "s", bool: True}
@@ -82,7 +81,8 @@ def test_every_payload_round_trips_through_a_frame(kind):
 
 
 def test_a_bundle_holds_several_messages_and_refuses_what_it_cannot_hold():
-    from flodl_exp.protocol import BUNDLE, ProtocolError, SetGlobalStep, StartEpoch, Update, bundle, decode, unbundle
+    from flodl_exp.codec import BUNDLE, bundle, decode, unbundle
+    from flodl_exp.protocol import ProtocolError, SetGlobalStep, StartEpoch, Update
 
     t = {"p0": torch.ones(2)}
     frame = wire.decode(wire.encode(bundle([Update(n=1, tensors=t), SetGlobalStep(global_step=3)])), 1 << 20)
@@ -197,14 +197,13 @@ def test_schema_rules_refuse_with_a_protocol_error(kind, fields, match):
 
 
 def test_the_batch_fast_path_and_the_generic_path_agree_on_the_rules():
-    import flodl_exp.protocol as protocol
 
     for bad in ({**_BATCH, "ms": _NAN}, {**_BATCH, "data_ms": -_INF}, {**_BATCH, "chunk": 2**63}, {**_BATCH, "chunk": -1}):
-        assert protocol._decode_batch(bad) is None  # off the fast path's shape: the generic path words the error
+        assert codec._decode_batch(bad) is None  # off the fast path's shape: the generic path words the error
         with pytest.raises(ProtocolError):
             decode(wire.Message("batch", bad))
     ok = {**_BATCH, "loss": _NAN, "lr": _INF}
-    fast = protocol._decode_batch(ok)
+    fast = codec._decode_batch(ok)
     assert fast is not None and fast.loss is not None and math.isnan(fast.loss) and fast.lr == _INF
 
 

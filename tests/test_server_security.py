@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from flodl_exp import wire
+from flodl_exp.codec import encode
 from flodl_exp.control.server import MAX_HANDSHAKES, RankServer
 from flodl_exp.hello import Hello
 from flodl_exp.jobs.collective_store import start_store
-from flodl_exp.protocol import CoordHeartbeat, RankError, encode
+from flodl_exp.protocol import CoordHeartbeat, RankError
 from flodl_exp.store_names import group_prefix, is_loopback_host, loopback_ifname, pin_gloo_to_loopback
 from flodl_exp.wire import Message
 

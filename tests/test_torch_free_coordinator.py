@@ -25,9 +25,9 @@ _SCRIPT = textwrap.dedent("""
 
     import flodl_exp.control.main, flodl_exp.control.coordinator, flodl_exp.control.server
     import flodl_exp.jobs.collective_store, flodl_exp.checkpoint
-    from flodl_exp import protocol, wire
-    msg = wire.decode(wire.encode(protocol.encode(protocol.SyncNow(version=3, divergence=True))), 1 << 20)
-    assert protocol.decode(msg) == protocol.SyncNow(version=3, divergence=True)
+    from flodl_exp import codec, protocol, wire
+    msg = wire.decode(wire.encode(codec.encode(protocol.SyncNow(version=3, divergence=True))), 1 << 20)
+    assert codec.decode(msg) == protocol.SyncNow(version=3, divergence=True)
     print("control frame", "torch" in sys.modules)
 
     from flodl_exp.simulate.from_run import base_config, predict

@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flodl_exp import protocol, wire
+from flodl_exp import codec, protocol, wire
 from flodl_exp.protocol import PAYLOADS, Len, Num, ProtocolError
 from flodl_exp.wire import Connection, Message, WireError
 
@@ -303,7 +303,7 @@ def test_recv_before_the_mac_holds_no_more_than_what_arrived_plus_one_step(claim
     assert peak <= wire.recv_allocation_bound(len(data)) + 64 * 1024, (peak, len(data), claim)
 
 
-# ---------------------------------------------------------------- (c) protocol.decode of anything
+# ---------------------------------------------------------------- (c) codec.decode of anything
 def _rule_of(hint: typing.Any) -> tuple[typing.Any, Num | None, int | None]:
     """(the bare type, its Num rule, its Len) of an annotation."""
     if typing.get_origin(hint) is typing.Annotated:
@@ -363,7 +363,7 @@ any_payload = st.one_of([_payload_strategy(cls) for _, cls in sorted(PAYLOADS.it
 @st.composite
 def fuzzed_messages(draw: st.DrawFn) -> Message:
     """A known kind whose fields are a valid payload's with some replaced by anything, some dropped, some added."""
-    fields = dict(protocol.encode(draw(any_payload)).fields)
+    fields = dict(codec.encode(draw(any_payload)).fields)
     kind = draw(st.sampled_from(sorted(PAYLOADS)))
     for name in draw(st.lists(st.sampled_from(sorted(fields) or ["x"]), max_size=3)):
         fields[name] = draw(json_values)
@@ -376,7 +376,7 @@ def fuzzed_messages(draw: st.DrawFn) -> Message:
 
 def _canon(p: typing.Any) -> tuple[typing.Any, ...]:
     """A payload as comparable values: its type, its fields as JSON (NaN == NaN there), its tensors' bytes."""
-    m = protocol.encode(p)
+    m = codec.encode(p)
     return type(p), json.dumps(m.fields, sort_keys=True), wire.encode(Message("t", {}, m.tensors))
 
 
@@ -384,30 +384,30 @@ def _canon(p: typing.Any) -> tuple[typing.Any, ...]:
 @given(fuzzed_messages())
 def test_protocol_decode_of_any_fields_is_a_payload_that_round_trips_or_a_protocol_error(msg):
     try:
-        p = protocol.decode(msg)
+        p = codec.decode(msg)
     except ProtocolError:
         return
     assert p is not None and type(p) is PAYLOADS[msg.kind]
-    again = protocol.encode(p)
-    assert _canon(protocol.decode(again)) == _canon(p)
+    again = codec.encode(p)
+    assert _canon(codec.decode(again)) == _canon(p)
     frame = wire.encode(again)  # and it travels: JSON-serialisable, within the header cap
-    assert _canon(protocol.decode(wire.decode(frame, CEILING))) == _canon(p)
+    assert _canon(codec.decode(wire.decode(frame, CEILING))) == _canon(p)
 
 
 @fuzz(200)
 @given(st.sampled_from(sorted(PAYLOADS)), json_fields)
 def test_protocol_decode_of_arbitrary_json_raises_only_protocol_errors(kind, fields):
     try:
-        p = protocol.decode(Message(kind, fields))
+        p = codec.decode(Message(kind, fields))
     except ProtocolError:
         return
-    assert _canon(protocol.decode(protocol.encode(p))) == _canon(p)
+    assert _canon(codec.decode(codec.encode(p))) == _canon(p)
 
 
 # ---------------------------------------------------------------- (d) valid payloads round trip
 @fuzz(250)
 @given(any_payload)
 def test_every_valid_payload_round_trips_through_a_frame(p):
-    frame = wire.encode(protocol.encode(p))
-    back = protocol.decode(wire.decode(frame, CEILING))
+    frame = wire.encode(codec.encode(p))
+    back = codec.decode(wire.decode(frame, CEILING))
     assert _canon(back) == _canon(p)

@@ -27,20 +27,12 @@ from typing import Any, Optional
 
 from .. import events as ev
 from ..bundle_meta import Resume
+from ..codec import decode
 from ..config import RunShape, load_config
 from ..hello import Hello
 from ..jobs.spec import JobSpec
 from ..mode import Mode
-from ..protocol import (
-    Batch,
-    ChunkMetrics,
-    CoordHeartbeat,
-    FormGroup,
-    Heartbeat,
-    ProbeResult,
-    ProtocolError,
-    decode,
-)
+from ..protocol import Batch, ChunkMetrics, CoordHeartbeat, FormGroup, Heartbeat, ProbeResult, ProtocolError
 from ..wire import Message
 from .auto_probe import AutoProbe
 from .bundle_store import DiskBundles

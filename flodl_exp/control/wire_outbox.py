@@ -2,7 +2,7 @@
 the :class:`~.outbox.Outbox` port).
 
 Two framing concerns live here and nowhere in the core: within :meth:`WireOutbox.folding_updates` (the core asks
-for it under cpu cadence) a rank's messages behind its held ``Update`` leave in one frame (``protocol.bundle``), the
+for it under cpu cadence) a rank's messages behind its held ``Update`` leave in one frame (``codec.bundle``), the
 first ``StartEpoch`` riding inside the update as its ``next_plan``; within :meth:`WireOutbox.sharing_tensors` one
 tensors dict sent to every rank is encoded once. The core's other outboxes (the commands of ``handle``, the
 simulator's) hand payloads over one by one."""
@@ -12,7 +12,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Optional, Protocol
 
-from ..protocol import ExtendPartition, Payload, StartEpoch, Update, bundle, encode
+from ..codec import bundle, encode
+from ..protocol import ExtendPartition, Payload, StartEpoch, Update
 from ..wire import Message, SharedParts, WireError
 from .cohort import Cohort
 
@@ -72,7 +73,7 @@ class WireOutbox:
                 self._transport.send(r, msg)
 
     def _send_queue(self, r: int, queue: list[Payload]) -> None:
-        """A rank's held messages, in order: in one frame (protocol.bundle) when only the first carries tensors.
+        """A rank's held messages, in order: in one frame (codec.bundle) when only the first carries tensors.
         A bundle that does not go (a header over the wire's cap, a tensor it refuses) is sent again message by
         message, so one bad message never takes the update with it; a rank gone fails those sends at once."""
         if len(queue) > 1 and not any(getattr(p, "tensors", None) for p in queue[1:]):

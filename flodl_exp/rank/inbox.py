@@ -14,7 +14,8 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from ..protocol import Payload, ProtocolError, decode, unbundle
+from ..codec import decode, unbundle
+from ..protocol import Payload, ProtocolError
 from ..wire import Message
 
 log = logging.getLogger("flodl_exp.rank")
@@ -38,7 +39,7 @@ class ControlInbox:
         self.deferred: deque[Payload] = deque()
         """Payloads read while a collective waited, handled once it is over (in order, before newer frames)."""
         self.unpacked: deque[Payload] = deque()
-        """The rest of a bundle frame's messages (protocol.bundle), read before the next frame."""
+        """The rest of a bundle frame's messages (codec.bundle), read before the next frame."""
         self._clock = clock
         self.last_coord = clock()
         """When the last frame arrived."""

@@ -23,13 +23,14 @@ import torch
 
 from .. import wire
 from ..averaging import float_buffers
+from ..codec import encode
 from ..config import RunShape, load_config
 from ..constants import FAULT_ENV, LOST_GRACE_S
 from ..experiment import build_experiment
 from ..hello import Hello
 from ..jobs.spec import JobSpec
 from ..outer import OuterOptimizer
-from ..protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError, encode
+from ..protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError
 from ..store_names import pin_gloo_to_loopback
 from ..torch_version import check_torch_version
 from .backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes

@@ -38,7 +38,7 @@ def no_device_sync() -> Iterator[None]:
 
 
 def _control(trainer: Any, messages: tuple = (), **kw: Any) -> tuple[Any, list]:
-    from flodl_exp.protocol import encode
+    from flodl_exp.codec import encode
     from flodl_exp.rank.control import RankControl
     from flodl_exp.rank.inbox import ControlInbox
 
