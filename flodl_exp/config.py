@@ -12,7 +12,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from omegaconf import MISSING
 
@@ -459,6 +459,15 @@ class ConfigError(ValueError):
     """A user error in the configuration: one line, key + value + what is allowed."""
 
 
+def did_you_mean(word: str, candidates: Iterable[str]) -> Optional[str]:
+    """The closest candidate to a misspelt ``word`` (``difflib``'s ratio >= 0.6), or None: the one suggestion rule of
+    the validation's and Hydra's config errors (flodl_exp/config_errors.py)."""
+    import difflib
+
+    close = difflib.get_close_matches(word, sorted(set(candidates)), n=1)
+    return close[0] if close else None
+
+
 def _err(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config error: {key}={value!r} is not allowed: {allowed}")
 
@@ -620,13 +629,10 @@ def _schema_rules(cfg: Any) -> List[str]:
         _SCHEMA = OmegaConf.structured(Config)
     unknown = _unknown_key(cfg, _SCHEMA)
     if unknown:
-        import difflib
-
         parent, _, name = unknown.rpartition(".")
         siblings = _SCHEMA if not parent else OmegaConf.select(_SCHEMA, parent, throw_on_missing=False)
-        keys = [str(k) for k in siblings.keys()] if isinstance(siblings, DictConfig) else []
-        close = difflib.get_close_matches(name, keys, n=1)
-        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        close = did_you_mean(name, [str(k) for k in siblings.keys()] if isinstance(siblings, DictConfig) else [])
+        hint = f"; did you mean {parent + '.' if parent else ''}{close}?" if close else ""
         raise _err(unknown, OmegaConf.select(cfg, unknown),
                    f"not a key of the config schema (see conf/ and flodl_exp/config.py){hint}")
     for k in ("name", "model", "optimizer", "train_data"):

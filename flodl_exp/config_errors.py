@@ -14,21 +14,21 @@ exit 1. README promises one line and exit 2 for every configuration mistake, so:
 """
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 import traceback
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from omegaconf.nodes import BooleanNode, BytesNode, EnumNode, FloatNode, IntegerNode, PathNode, StringNode
 
-from .config import _err
+from .config import _err, did_you_mean
+from .failure_cause import first_line
 
 REFUSED_OPTIONS: Mapping[str, frozenset[str]] = {"mode": frozenset({"nccl_async"})}
 """Group -> options kept under conf/ only so that choosing them gets the reason they are refused (config.py's
@@ -43,12 +43,6 @@ _NODE_KINDS: Sequence[tuple[type, str]] = (
     (BooleanNode, "true or false"), (IntegerNode, "an integer"), (FloatNode, "a number"), (StringNode, "a string"),
     (PathNode, "a path"), (BytesNode, "bytes"), (ListConfig, "a list ([a,b,...])"), (DictConfig, "a mapping ({k: v,...})"),
 )
-
-
-def did_you_mean(word: str, candidates: Iterable[str]) -> Optional[str]:
-    """The closest candidate to a misspelt ``word`` (``difflib``'s ratio >= 0.6), or None."""
-    close = difflib.get_close_matches(word, sorted(set(candidates)), n=1)
-    return close[0] if close else None
 
 
 def raised_by_a_job(ex: BaseException) -> bool:
@@ -74,9 +68,9 @@ def explain(ex: BaseException, *, groups: Sequence[str] = (), cwd: Optional[Path
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.key is not None:
         return _unknown_key(ex, cause, groups)
     if isinstance(cause, ValidationError) and cause.full_key:
-        return str(_err(str(cause.full_key), cause.value, _expected(cause.child_node) or _first_line(cause.msg)))
+        return str(_err(str(cause.full_key), cause.value, _expected(cause.child_node) or first_line(str(cause.msg))))
     said = _flat(str(ex))
-    why = _first_line(cause.msg) if cause is not None else ""
+    why = first_line(str(cause.msg)) if cause is not None else ""
     return f"config error: {said}" + (f": {why}" if why and why not in said else "")
 
 
@@ -177,10 +171,6 @@ def _omegaconf_cause(ex: BaseException) -> Optional[OmegaConfBaseException]:
         if isinstance(inner, OmegaConfBaseException):
             return inner
     return None
-
-
-def _first_line(text: Any) -> str:
-    return (str(text).strip().splitlines() or [""])[0]
 
 
 def _flat(text: str) -> str:

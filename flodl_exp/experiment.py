@@ -70,15 +70,9 @@ class ExperimentSetupError(RuntimeError):
 
 def root_cause(e: BaseException) -> str:
     """The innermost cause of ``e`` as ``Type: first line`` (Hydra wraps an ImportError two levels deep)."""
-    seen: set[int] = set()
-    while id(e) not in seen:
-        seen.add(id(e))
-        nxt = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-        if nxt is None:
-            break
-        e = nxt
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    from .failure_cause import cause_chain, one_line
+
+    return one_line(list(cause_chain(e))[-1])
 
 
 def _target(node: Any) -> Optional[str]:

@@ -52,7 +52,7 @@ def frame_label(frame: traceback.FrameSummary) -> str:
     return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def cause_chain(exc: BaseException) -> Iterator[BaseException]:
     """``exc`` then its causes, outermost first, as Python prints them in reverse (each once: chains can loop)."""
     seen: set[int] = set()
     cur: Optional[BaseException] = exc
@@ -85,7 +85,7 @@ class UserError:
 
 def one_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (``Type`` alone for an empty message)."""
-    msg = (str(exc).strip().splitlines() or [""])[0].strip()
+    msg = first_line(str(exc))
     return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 
@@ -93,7 +93,7 @@ def user_error(exc: BaseException, roots: Optional[Sequence[str]] = None) -> Use
     """The user's view of ``exc``: the innermost cause whose traceback passes through the user's code, and the
     innermost such frame. A framework error wrapping the user's (``raise ... from e``) is told as the user's own;
     one that never touched user code is told as it is, without a frame."""
-    for cause in reversed(list(_chain(exc))):  # the root cause first: it is where the user's code raised
+    for cause in reversed(list(cause_chain(exc))):  # the root cause first: it is where the user's code raised
         fs = innermost_user_frame(traceback.extract_tb(cause.__traceback__), roots)
         if fs is not None:
             return UserError(one_line(cause), frame_label(fs))
@@ -133,7 +133,7 @@ def rank_line(rank: int, error: str, frame: Optional[str], traceback_path: Optio
     """``rank 1 failed: ValueError: bad sample 7 at my_model.py:31 in get_batch (full traceback: <path>)``."""
     where = f" at {frame}" if frame else ""
     full = f" (full traceback: {traceback_path})" if traceback_path else ""
-    return f"rank {rank} failed: {(error.strip().splitlines() or [''])[0]}{where}{full}"
+    return f"rank {rank} failed: {first_line(error)}{where}{full}"
 
 
 def headline(failure: Optional[str], deaths: Sequence[Mapping[str, Any]], records: Mapping[int, Mapping[str, Any]],

@@ -5,6 +5,7 @@ and :meth:`~.core.ControlCore.handle` with a :class:`DirectOutbox` (payloads han
 The components import this module, never the wire: what leaves the core is a typed payload."""
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -31,15 +32,17 @@ class Outbox(Protocol):
         ...
 
 
-class DirectOutbox:
+class DirectOutbox(abc.ABC):
     """An outbox whose payloads are handed over one by one as they are sent: framing is nobody's concern, so
     folding and sharing change nothing. Subclasses say where a payload goes (:meth:`send`, :meth:`broadcast`)."""
 
+    @abc.abstractmethod
     def send(self, r: int, payload: Payload) -> bool:
-        raise NotImplementedError
+        """``payload`` to rank ``r`` (the simulator delivers it, ``handle`` records it)."""
 
+    @abc.abstractmethod
     def broadcast(self, payload: Payload) -> None:
-        raise NotImplementedError
+        """``payload`` to every live rank."""
 
     @contextlib.contextmanager
     def folding_updates(self, enabled: bool = True) -> Iterator[None]:

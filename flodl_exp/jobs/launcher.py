@@ -36,7 +36,9 @@ class RunFailed(RuntimeError):
 
     def __init__(self, message: str, headline: Optional[str] = None) -> None:
         super().__init__(message)
-        self.headline = headline or next((ln.strip() for ln in message.splitlines() if ln.strip()), message)
+        from ..failure_cause import first_line
+
+        self.headline = headline or first_line(message) or message
 
 
 class SubmitFailed(RuntimeError):
@@ -524,15 +526,10 @@ class RunHandle:
         import glob
 
         from .job import setup_error_path
-        from .rendezvous import death_record_path, incarnation
+        from .rendezvous import incarnation, read_death_records
 
         timed: list[tuple[float, str]] = []
-        for rank in range(world_size(self.cfg)):
-            try:
-                with open(death_record_path(self.job_dir, rank)) as fh:
-                    rec = json.load(fh)
-            except (OSError, ValueError):
-                continue
+        for rank, rec in read_death_records(self.job_dir, world_size(self.cfg)).items():
             if attempt is not None and str(rec.get("incarnation")) != incarnation(int(attempt)):
                 continue
             if rec.get("phase") == "setup":

@@ -121,14 +121,20 @@ def note_user_error(job_dir: str, rank: int, attempt: int, user_error: str, user
     return path
 
 
-def _read_record(path: str, attempt: int) -> Optional[dict]:
-    """The death record at ``path`` when it is this incarnation's, else None."""
+def _load_record(path: str) -> Optional[dict]:
+    """The death record at ``path``, or None (absent, unreadable, not an object)."""
     try:
         with open(path) as fh:
             record = json.load(fh)
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and str(record.get("incarnation")) == incarnation(attempt) else None
+    return record if isinstance(record, dict) else None
+
+
+def _read_record(path: str, attempt: int) -> Optional[dict]:
+    """The death record at ``path`` when it is this incarnation's, else None."""
+    record = _load_record(path)
+    return record if record is not None and str(record.get("incarnation")) == incarnation(attempt) else None
 
 
 def read_death_records(job_dir: str, world_size: int, attempt: Optional[int] = None) -> dict[int, dict]:
@@ -136,12 +142,8 @@ def read_death_records(job_dir: str, world_size: int, attempt: Optional[int] = N
     but not SLURM's restart count, the second half of an incarnation)."""
     out: dict[int, dict] = {}
     for rank in range(world_size):
-        try:
-            with open(death_record_path(job_dir, rank)) as fh:
-                rec = json.load(fh)
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and (attempt is None or str(rec.get("incarnation", "")).split(".")[0] == str(attempt)):
+        rec = _load_record(death_record_path(job_dir, rank))
+        if rec is not None and (attempt is None or str(rec.get("incarnation", "")).split(".")[0] == str(attempt)):
             out[rank] = rec
     return out
 
