@@ -175,7 +175,8 @@ def run_flodl_inprocess(name: str, overrides: list[str], a: argparse.Namespace) 
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from flodl_exp.config import register_configs, validate
+    from flodl_exp.config import register_configs
+    from flodl_exp.config_rules import validate
     from flodl_exp.jobs.launcher import RunFailed, launch
 
     os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]  # submitit's rank processes import experiments.*

@@ -10,16 +10,26 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from .scalars import record_scalar
-
 if TYPE_CHECKING:
     from .jobs.launcher import RunHandle
     from .rank.cooperative import CooperativeWorker
+    from .scalars import record_scalar as record_scalar
 
 __version__ = "0.2.0"
 """The package's version (pyproject reads it from here; CHANGELOG.md says what each one changed)."""
 
 __all__ = ["__version__", "launch", "record_scalar", "worker"]
+
+
+def __getattr__(name: str) -> Any:
+    """``record_scalar`` on first use (PEP 562): importing the package loads no submodule, so a module that
+    imports ``flodl_exp.<anything>`` (the control core) pulls in nothing it did not ask for."""
+    if name == "record_scalar":
+        from .scalars import record_scalar
+
+        globals()["record_scalar"] = record_scalar  # later look-ups find it directly
+        return record_scalar
+    raise AttributeError(f"module 'flodl_exp' has no attribute {name!r}")
 
 
 def launch(cfg: Any, **kw: Any) -> RunHandle:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 
 from .bundle_meta import META_SCHEMA_VERSION as META_SCHEMA_VERSION  # re-exported
 from .bundle_meta import BundleMeta, Resume
+from .bundle_names import BUNDLE_SUFFIXES, meta_path, model_path, optim_path, outer_path
 from .fsio import atomic_json, atomic_write
 from .fsio import atomic_text as atomic_text  # re-exported; new code imports both from flodl_exp.fsio (no torch)
 from .json_fields import FieldError
@@ -27,27 +28,6 @@ from .json_fields import FieldError
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-
-def model_path(stem: str) -> str:
-    return f"{stem}.pt"
-
-
-def optim_path(stem: str, rank: int, primary: bool) -> str:
-    return f"{stem}.optim.pt" if primary else f"{stem}.optim.r{rank}.pt"
-
-
-def meta_path(stem: str) -> str:
-    return f"{stem}.meta.json"
-
-
-def outer_path(stem: str) -> str:
-    """The outer optimizer's sidecar (momentum and the last adopted global), written only when it has state."""
-    return f"{stem}.outer.pt"
-
-
-BUNDLE_SUFFIXES = (".pt", ".optim.pt", ".outer.pt", ".meta.json")
-"""Every fixed piece suffix of a bundle (besides the per-rank ``.optim.r<N>.pt``)."""
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:

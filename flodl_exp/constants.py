@@ -2,8 +2,6 @@
 this before torch, and each value has exactly one definition)."""
 from __future__ import annotations
 
-import os
-
 COORDINATOR_LOG = "coordinator.log"
 """The coordinator's stdout/stderr, in the job folder."""
 PREEMPT_EXIT = 3
@@ -23,7 +21,3 @@ LOST_GRACE_S = 10.0
 """After the coordinator's connection breaks (or it exits), a rank's main thread has this long to end before
 the process is ended without it: it may sit in a call that reads no control (a TCPStore connect to a store
 gone with task 0 retries for minutes)."""
-
-# The Hydra config the package ships: flodl_exp/conf, a link to the repository's top-level conf/ in a checkout (one
-# source of truth), real files in an installed wheel (the build copies them through the link as package data).
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")

@@ -11,7 +11,8 @@ import torch
 from control_fakes import Harness
 from test_trainer import _trainer
 
-from flodl_exp.config import ConfigError, validate
+from flodl_exp.config import ConfigError
+from flodl_exp.config_rules import validate
 from flodl_exp.control.lifecycle import Phase
 from flodl_exp.protocol import Probe, ProbeResult, StartEpoch
 from flodl_exp.simulate.auto import (

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flodl_exp.control.callback_slack import EWMA_ALPHA, CallbackSlack
+from flodl_exp.control.cpu_averager import TorchAverager
 from flodl_exp.control.cycle import AveragingCycle
 from flodl_exp.control.elche import ElChe
 from flodl_exp.control.guards import build_guard
@@ -60,7 +61,7 @@ def _calibrated_cycle() -> AveragingCycle:
                   window_growth_applicable=True)
     cycle = AveragingCycle(world_size=2, mode=Mode.parse("cadence", "cpu"), gamma=1.0, alpha=None, progressive=True,
                            elche=elche, guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=None,
-                           outbox=_Outbox(), clock=lambda: 0.0)  # type: ignore[arg-type]
+                           outbox=_Outbox(), clock=lambda: 0.0, averager=TorchAverager())  # type: ignore[arg-type]
     for _ in range(40):
         if elche.is_calibrated:
             break

@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import flodl_exp.config as fc
-from flodl_exp.config import ConfigError, validate
+from flodl_exp.config import ConfigError
+from flodl_exp.config_rules import validate
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

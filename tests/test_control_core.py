@@ -15,13 +15,15 @@ from control_fakes import FakeClock, FakeSink, FakeTransport, make_config, make_
 from omegaconf import OmegaConf
 
 from flodl_exp.codec import encode
-from flodl_exp.config import Config, load_config
+from flodl_exp.config import Config, RunShape, load_config
 from flodl_exp.control.bundle_store import MemoryBundles
 from flodl_exp.control.commands import Broadcast, Command, RankMessage, Record, Send, Tick
 from flodl_exp.control.coordinator import Coordinator
 from flodl_exp.control.core import ControlCore, recording_core
+from flodl_exp.control.cpu_averager import TorchAverager
 from flodl_exp.control.lifecycle import Phase, Status
 from flodl_exp.hello import Hello
+from flodl_exp.mode import Mode
 from flodl_exp.protocol import (
     Batch,
     ChunkMetrics,
@@ -57,7 +59,8 @@ class Bare:
 
     def __init__(self, cfg: Any, clock: FakeClock, store: Optional[MemoryBundles] = None) -> None:
         self.store = store or MemoryBundles()
-        self.core, self.commands = recording_core(cfg, clock, store=self.store)
+        averager = TorchAverager(RunShape.of(cfg).outer) if Mode.of(cfg).is_cpu else None
+        self.core, self.commands = recording_core(cfg, clock, store=self.store, averager=averager)
         self.log: list[Command] = []
 
     def start(self, samples: int) -> None:

@@ -76,7 +76,8 @@ def test_each_local_task_gets_its_own_mig_slice():
 
 
 def test_a_gpu_job_asks_for_cores_for_its_threads():
-    from flodl_exp.config import GPU_TASK_CPUS, ConfigError, validate
+    from flodl_exp.config import GPU_TASK_CPUS, ConfigError
+    from flodl_exp.config_rules import validate
     from flodl_exp.jobs.executor import slurm_parameters
 
     from conftest import compose

@@ -16,7 +16,8 @@ import torch
 from control_fakes import Harness
 from rank_fakes import rank_control
 
-from flodl_exp.config import ConfigError, validate
+from flodl_exp.config import ConfigError
+from flodl_exp.config_rules import validate
 from flodl_exp.control.devices import CollectiveRefused, RankDevice, choose_collective, shared_devices
 from flodl_exp.control.lifecycle import RunFailure
 from flodl_exp.hello import Hello

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from flodl_exp.config import Config, ConfigError, validate
+from flodl_exp.config import Config, ConfigError
+from flodl_exp.config_rules import validate
 from flodl_exp.report import TrialRow, generate_trials_report, rank_trials, trial_row, trials_markdown
 from flodl_exp.sweep import (
     STUDY_FAILURE_RATE,

@@ -67,7 +67,8 @@ def make():
 
 
 def test_tracking_experiment_name_defaults_to_the_experiments_name(make):
-    from flodl_exp.config import load_config, validate
+    from flodl_exp.config import load_config
+    from flodl_exp.config_rules import validate
 
     assert make().tracking.experiment_name == "digits_mlp"
     cfg = make("experiment=char_rnn")

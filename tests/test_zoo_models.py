@@ -156,7 +156,8 @@ def test_every_zoo_preset_composes_validates_and_builds():
     schedule and data (sizes cut for speed: the data factories are the presets' own)."""
     from hydra import compose, initialize_config_dir
 
-    from flodl_exp.config import register_configs, validate
+    from flodl_exp.config import register_configs
+    from flodl_exp.config_rules import validate
     from flodl_exp.experiment import build_experiment
 
     register_configs()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..constants import CONF_DIR as CONF
+from ..package_conf import CONF_DIR as CONF
 from .suite import BenchConfig, RunSpec, experiment_overrides
 
 

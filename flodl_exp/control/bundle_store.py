@@ -1,5 +1,5 @@
-"""Where bundles meet the disk: the control core's :class:`BundleStore` port, its disk implementation for
-the coordinator and an in-memory one for the simulator and the core's tests.
+"""Where bundles meet the disk: the control core's :class:`BundleStore` port, and an in-memory store for the
+simulator and the core's tests (the coordinator's disk store is the shell's: ``control/disk_bundles.py``).
 
 The core decides which bundle is written when, by whom, and what its meta says; the store only writes
 (and removes) files and logs them to MLflow. A write that fails raises ``OSError``: the core records the
@@ -7,11 +7,9 @@ bundle as failed, never the store.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional, Protocol
 
-from ..constants import PREEMPT_MARK
-from .ports import Sink
+from ..bundle_names import file_name, outer_path
 
 
 class BundleStore(Protocol):
@@ -38,56 +36,6 @@ class BundleStore(Protocol):
         ...
 
 
-class DiskBundles:
-    """The coordinator's store: bundle files beside the checkpoint stem, the preemption mark in the job
-    folder, artifacts through the tracking sink."""
-
-    def __init__(self, job_dir: str, sink: Sink) -> None:
-        self.job_dir = job_dir
-        self._sink = sink
-
-    def remove_bundle(self, stem: str) -> list[str]:
-        from ..checkpoint import remove_bundle
-
-        return remove_bundle(stem)
-
-    def save_outer(self, state: dict[str, Any], stem: str) -> str:
-        from ..checkpoint import atomic_torch_save, outer_path
-
-        atomic_torch_save(state, outer_path(stem))
-        return os.path.basename(outer_path(stem))
-
-    def write_meta(self, stem: str, meta: dict[str, Any]) -> None:
-        from ..checkpoint import write_meta
-
-        write_meta(stem, meta)
-
-    def log_bundle(self, stem: str, artifact_path: str) -> None:
-        from ..checkpoint import BUNDLE_SUFFIXES
-
-        d, name = os.path.dirname(stem), os.path.basename(stem)
-        if not os.path.isdir(d):
-            return
-        for fn in sorted(os.listdir(d)):
-            if fn.startswith(name + ".") and not fn.startswith(".tmp"):
-                rest = fn[len(name):]
-                if rest in BUNDLE_SUFFIXES or (rest.startswith(".optim.r") and rest.endswith(".pt")):
-                    self._sink.log_artifact(os.path.join(d, fn), artifact_path)
-
-    def write_deaths(self, stem: str, deaths: list[dict[str, Any]]) -> None:
-        from ..fsio import atomic_json
-
-        path = stem + ".death.json"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        atomic_json({"deaths": deaths}, path)
-        self._sink.log_artifact(path, "deaths")
-
-    def mark_preempted(self, record: dict[str, Any]) -> None:
-        from ..fsio import atomic_json
-
-        atomic_json(record, os.path.join(self.job_dir, PREEMPT_MARK))
-
-
 class MemoryBundles:
     """Bundles kept in memory (the simulator; the core's tests): what was written, removed and logged."""
 
@@ -105,7 +53,7 @@ class MemoryBundles:
         return []
 
     def save_outer(self, state: dict[str, Any], stem: str) -> str:
-        return os.path.basename(stem) + ".outer.pt"
+        return file_name(outer_path(stem))
 
     def write_meta(self, stem: str, meta: dict[str, Any]) -> None:
         if stem in self.fail_meta:

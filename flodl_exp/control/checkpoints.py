@@ -19,14 +19,13 @@ meta, and the periodic and coverage-granular bundles.
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from .. import events as ev
+from ..bundle_names import file_name, model_path, optim_path, outer_path
 from ..protocol import Save, SaveResult
 from .bundle_store import BundleStore
 from .checkpoint_fn import CheckpointFnRole
@@ -53,8 +52,10 @@ class MetaFacts:
 
 class BundleWriter:
     def __init__(self, *, stem: str, facts: MetaFacts, plan: EpochPlan, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 outbox: Outbox, obs: Any, store: BundleStore) -> None:
+                 outbox: Outbox, obs: Any, store: BundleStore, wall_clock: Callable[[], float]) -> None:
         self.stem = stem
+        self._wall_clock = wall_clock
+        """Unix time, for the meta's ``unix_time`` (the shell's clock: the core reads none itself)."""
         self.facts = facts
         self._plan = plan
         self._cohort = cohort
@@ -105,22 +106,21 @@ class BundleWriter:
         return sorted(r for r, n in self._pending.items() if n > 0)
 
     def _pieces(self, r: int, primary: bool, model: bool) -> list[str]:
-        from ..checkpoint import model_path, optim_path, outer_path
-
         stem = self.stem_in_progress or self.stem
         names = [optim_path(stem, r, primary)]
         if model:
             names.insert(0, model_path(stem))
             if self._cycle.mode.is_nccl and self._cycle.outer_spec.stateful:
                 names.insert(1, outer_path(stem))  # the outer optimizer is replicated on the ranks
-        return [os.path.basename(n) for n in names]
+        return [file_name(n) for n in names]
 
     def _write_outer_sidecar(self, stem: str) -> None:
         """cpu backend: the outer optimizer's state lives here, so its sidecar is written here."""
-        if not self._cycle.mode.is_cpu or not self._cycle.outer_spec.stateful:
+        averager = self._cycle.averager
+        if not self._cycle.mode.is_cpu or not self._cycle.outer_spec.stateful or averager is None:
             return
         try:
-            name = self._store.save_outer(self._cycle.outer.state_dict(), stem)
+            name = self._store.save_outer(averager.outer_state(), stem)
         except OSError as e:
             self._errors.append(f"the outer optimizer's sidecar could not be written ({e})")
             return
@@ -217,10 +217,8 @@ class BundleWriter:
         if stem is None or not self.settled or self._concluded == stem:
             return
         self._concluded = stem
-        from ..checkpoint import model_path
-
         errors = list(self._errors)
-        if os.path.basename(model_path(stem)) not in self._written:
+        if file_name(model_path(stem)) not in self._written:
             errors.insert(0, f"the model piece was not written ({self._model_error or 'no live rank wrote it'})")
         if errors:
             self._fail(stem, "; ".join(errors))
@@ -231,7 +229,7 @@ class BundleWriter:
         self.failed[stem] = error
         self._deferred.pop(stem, None)
         log.error("bundle %s FAILED, no meta written (not resumable): %s", stem, error)
-        self._obs.set_tags({f"bundle_failed.{os.path.basename(stem)[:200]}": f"{stem}: {error}"[:5000]})
+        self._obs.set_tags({f"bundle_failed.{file_name(stem)[:200]}": f"{stem}: {error}"[:5000]})
 
     def _write(self, stem: str, meta: dict[str, Any]) -> None:
         try:
@@ -258,7 +256,7 @@ class BundleWriter:
             "world_size_at_save": f.world_size,
             "mode": self._cycle.mode.name,
             "save_reason": reason,
-            "unix_time": time.time(),
+            "unix_time": self._wall_clock(),
             "experiment": f.experiment,
             "total_picks": self._dispatch.total,
             "elche_state": dict(elche.state_dict(), trend_history=trend) if elche else None,

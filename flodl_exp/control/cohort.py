@@ -9,7 +9,6 @@ re-elected only on death, or pinned by ``eval.callback_rank``.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,8 +38,11 @@ class Death:
 
 
 class Cohort:
-    def __init__(self, world_size: int, fixed_callback: Optional[int], now: float) -> None:
+    def __init__(self, world_size: int, fixed_callback: Optional[int], now: float,
+                 wall_clock: Callable[[], float] = lambda: 0.0) -> None:
         self.world_size = world_size
+        self._wall_clock = wall_clock
+        """Unix time, for a death's ``unix_time`` (the shell's clock; 0.0 where none is given: the tests')."""
         self.fixed_callback = fixed_callback
         self.callback_rank = fixed_callback if fixed_callback is not None else 0
         self.roles_elected = False
@@ -148,7 +150,7 @@ class Cohort:
         report = self.errors.get(r) or {}
         err = report.get("error")
         death = Death(r, f"{reason}: {err}" if err else reason, epoch, global_step, last_step=self.batches[r],
-                      unix_time=time.time(), traceback=str(report.get("traceback") or ""), unreduced_steps=unreduced_steps,
+                      unix_time=self._wall_clock(), traceback=str(report.get("traceback") or ""), unreduced_steps=unreduced_steps,
                       acked_steps=acked_steps)
         self.deaths.append(death)
         return death

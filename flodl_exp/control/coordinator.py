@@ -7,7 +7,7 @@ what arrives into the core's inputs and carries out what the core decides throug
   chunk's metrics) and deaths (a closed connection, a stale heartbeat, a stuck main thread);
 * the core's messages go out through a :class:`~.wire_outbox.WireOutbox` onto the rank sockets;
 * what the core decides is recorded by :class:`ShellObserver` (timeline, window records, MLflow, events.jsonl);
-* bundle files go through :class:`~.bundle_store.DiskBundles`.
+* bundle files go through :class:`~.disk_bundles.DiskBundles`.
 
 It keeps start-up (the hellos, the collective, the cold-start anchor, blame for a rank lost before it
 connected), the coordinator's heartbeat, liveness, the stall watchdog and the run's result. The reference's
@@ -35,11 +35,12 @@ from ..mode import Mode
 from ..protocol import Batch, ChunkMetrics, CoordHeartbeat, FormGroup, Heartbeat, ProbeResult, ProtocolError
 from ..wire import Message
 from .auto_probe import AutoProbe
-from .bundle_store import DiskBundles
 from .cohort import ProgressWatch
 from .core import ControlCore, RunFacts
+from .cpu_averager import TorchAverager
 from .cycle import Reduce, ReduceOutcome
 from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
+from .disk_bundles import DiskBundles
 from .event_log import EventLog
 from .lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
 from .ports import Sink
@@ -160,7 +161,9 @@ class Coordinator:
         cfg, spec, clock = self.cfg, self.spec, self.clock
         self.core = ControlCore(
             shape=self.shape, cfg=cfg, outbox_for=lambda cohort: WireOutbox(self._server, cohort), clock=clock,
-            observer=self.observer, store=DiskBundles(self.job_dir, self.sink), is_local=self._is_local, start=clock(),
+            wall_clock=time.time, observer=self.observer, store=DiskBundles(self.job_dir, self.sink),
+            averager=TorchAverager(self.shape.outer) if Mode.of(cfg).is_cpu else None,
+            is_local=self._is_local, start=clock(),
             facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
         core = self.core
         self.life, self.cohort, self.cycle, self.dispatch = core.life, core.cohort, core.cycle, core.dispatch

@@ -5,14 +5,19 @@ The core owns the cohort, the averaging cycle (with ElChe, the guard and the met
 and epoch aggregation, the user's intents, callback slack, the periodic evals and the end of the run. It
 alone decides when a reduce fires (:meth:`ControlCore.fire_reduce`, the one caller of
 ``AveragingCycle.trigger``), when an epoch aggregates, when an epoch-boundary bundle is due and when
-training ends. It holds no socket, thread or file: what it decides leaves through three ports,
+training ends. It holds no socket, thread or file: what it decides leaves through four ports,
 
 * the :class:`~.outbox.Outbox` (messages to ranks: the coordinator encodes them onto sockets, the
   simulator hands them to simulated ranks; :class:`CommandOutbox` records them as commands);
 * a :class:`CoreObserver` (what the shell records: the timeline, window records, MLflow, events.jsonl; the
   core never reads back from it);
 * a :class:`~.bundle_store.BundleStore` (bundle files and the preemption mark: the coordinator's on disk,
-  the simulator's and the tests' in memory).
+  the simulator's and the tests' in memory);
+* an :class:`~.averager.Averager` (the cpu backend's tensor arithmetic and outer optimizer state: torch, in
+  the shell's :class:`~.cpu_averager.TorchAverager`).
+
+It reads no clock: the monotonic ``clock`` and the ``wall_clock`` (Unix time, for the records it writes) are
+the shell's, passed in.
 
 This module is the wiring and the order: it builds the components (each with one job, in its own module:
 reduces.py fires and finishes reduces, epochs.py aggregates epochs and answers their boundaries,
@@ -56,6 +61,7 @@ from ..protocol import (
     Telemetry,
 )
 from ..protocol import Shutdown as ShutdownMsg
+from .averager import Averager
 from .bundle_store import BundleStore, MemoryBundles
 from .callback_slack import CallbackSlack
 from .checkpoint_fn import CheckpointFnRole
@@ -99,7 +105,8 @@ class ControlCore:
     """The run's decisions; see the module docstring. Build it with :meth:`from_config`."""
 
     def __init__(self, *, shape: RunShape, cfg: Any, outbox_for: Callable[[Cohort], Outbox],
-                 clock: Callable[[], float], observer: CoreObserver, store: BundleStore, facts: RunFacts = RunFacts(),
+                 clock: Callable[[], float], wall_clock: Callable[[], float], observer: CoreObserver,
+                 store: BundleStore, facts: RunFacts = RunFacts(), averager: Optional[Averager] = None,
                  is_local: Callable[[int], bool] = lambda r: False,
                  dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0) -> None:
         w = shape.world_size
@@ -114,7 +121,7 @@ class ControlCore:
         self.mode = Mode.of(cfg)
         """The policy and backend as one value, resolved once (flodl_exp/mode.py)."""
         self.life = Lifecycle()
-        self.cohort = Cohort(w, shape.fixed_callback_rank, start)
+        self.cohort = Cohort(w, shape.fixed_callback_rank, start, wall_clock)
         self.outbox = outbox_for(self.cohort)
         elche = build_elche(cfg.mode, w) if w >= 2 else None
         self.cycle = AveragingCycle(
@@ -123,7 +130,7 @@ class ControlCore:
             guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
             relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
-            outer=shape.outer, lockstep_ahead=cfg.mode.lockstep_ahead)
+            outer=shape.outer, lockstep_ahead=cfg.mode.lockstep_ahead, averager=averager)
         self.dispatch = dispatcher(
             world_size=w, batch_size=cfg.experiment.batch_size, epochs=plan, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
@@ -137,7 +144,7 @@ class ControlCore:
         self.store = store
         self.writer = BundleWriter(
             stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
-            outbox=self.outbox, obs=observer, store=store, plan=plan,
+            outbox=self.outbox, obs=observer, store=store, plan=plan, wall_clock=wall_clock,
             facts=MetaFacts(world_size=w, experiment=cfg.experiment.name,
                             guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
                             shuffle_seed=facts.shuffle_seed))
@@ -200,13 +207,14 @@ class ControlCore:
 
     @classmethod
     def from_config(cls, cfg: Any, *, outbox_for: Callable[[Cohort], Outbox], clock: Callable[[], float],
-                    observer: Optional[CoreObserver] = None, store: Optional[BundleStore] = None,
-                    facts: RunFacts = RunFacts(), is_local: Callable[[int], bool] = lambda r: False,
-                    dispatcher: Callable[..., Dispatcher] = Dispatcher) -> ControlCore:
+                    wall_clock: Callable[[], float], observer: Optional[CoreObserver] = None,
+                    store: Optional[BundleStore] = None, facts: RunFacts = RunFacts(),
+                    is_local: Callable[[int], bool] = lambda r: False,
+                    dispatcher: Callable[..., Dispatcher] = Dispatcher, averager: Optional[Averager] = None) -> ControlCore:
         """The core of a run config (the coordinator's, or the simulator's run_config of a rig)."""
-        return cls(shape=RunShape.of(cfg), cfg=cfg, outbox_for=outbox_for, clock=clock,
+        return cls(shape=RunShape.of(cfg), cfg=cfg, outbox_for=outbox_for, clock=clock, wall_clock=wall_clock,
                    observer=observer or NullObserver(), store=store or MemoryBundles(), facts=facts,
-                   is_local=is_local, dispatcher=dispatcher, start=clock())
+                   is_local=is_local, dispatcher=dispatcher, start=clock(), averager=averager)
 
     @property
     def epochs(self) -> int:
@@ -227,11 +235,10 @@ class ControlCore:
     def restore_outer(self, state: dict[str, Any]) -> Optional[float]:
         """cpu backend: the outer optimizer's momentum from a bundle's sidecar; its norm (None when this
         mode keeps none here: the nccl ranks hold theirs, ``outer=avg`` has none)."""
-        if not self.mode.is_cpu or not self.cycle.outer_spec.stateful:
+        averager = self.cycle.averager
+        if not self.mode.is_cpu or not self.cycle.outer_spec.stateful or averager is None:
             return None
-        outer = self.cycle.outer
-        outer.load_state_dict(state)
-        return outer.momentum_norm()
+        return averager.restore_outer(state)
 
     @property
     def wants_outer_state(self) -> bool:
@@ -500,9 +507,11 @@ class ControlCore:
 
 
 def recording_core(cfg: Any, clock: Callable[[], float], *, store: Optional[BundleStore] = None,
-                   facts: RunFacts = RunFacts()) -> tuple[ControlCore, list[Command]]:
-    """A core whose every output is a recorded command (tests, the same-commands check); bundles in memory."""
+                   facts: RunFacts = RunFacts(), averager: Optional[Averager] = None) -> tuple[ControlCore, list[Command]]:
+    """A core whose every output is a recorded command (tests, the same-commands check); bundles in memory.
+    ``clock`` serves as the wall clock too."""
     commands: list[Command] = []
     core = ControlCore.from_config(cfg, outbox_for=lambda cohort: CommandOutbox(cohort, commands), clock=clock,
-                                   observer=RecordingObserver(commands), store=store, facts=facts)
+                                   wall_clock=clock, observer=RecordingObserver(commands), store=store, facts=facts,
+                                   averager=averager)
     return core, commands

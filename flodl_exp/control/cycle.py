@@ -18,20 +18,18 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..config import OuterSpec
 from ..mode import Backend, Mode
 from ..outer_step import OuterStep
 from ..protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
 from .actions import STABLE, ConvergenceAction
+from .averager import Averager
 from .elche import ElChe, WindowReport
 from .guards import ConvergenceGuard, DivergenceReport
 from .meta import LrEventMeta
 from .outbox import Outbox
-
-if TYPE_CHECKING:
-    from ..outer import OuterOptimizer
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -127,7 +125,7 @@ class AveragingCycle:
     def __init__(self, *, world_size: int, mode: Mode, gamma: float, alpha: Optional[float],
                  progressive: bool, elche: Optional[ElChe], guard: ConvergenceGuard, meta: Optional[LrEventMeta],
                  relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float],
-                 outer: Optional[OuterSpec] = None, lockstep_ahead: int = 0) -> None:
+                 outer: Optional[OuterSpec] = None, lockstep_ahead: int = 0, averager: Optional[Averager] = None) -> None:
         self.world_size = world_size
         self.mode = mode
         self.policy, self.backend = mode.policy, mode.backend
@@ -152,7 +150,9 @@ class AveragingCycle:
         self.slack_source: Callable[[], dict[int, float]] = dict
         """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
         self.outer_spec = outer or OuterSpec()
-        self._outer: Optional[OuterOptimizer] = None
+        self.averager = averager
+        """cpu backend: the consensus arithmetic and the outer optimizer's state (the shell's port; nccl: None,
+        the ranks average and hold the outer optimizer themselves)."""
         self._probe: Optional[list[list[float]]] = (
             [[] for _ in range(world_size)] if elche is not None and mode.window_grows else None)
         """Compute ms of each rank's first steps, until the cold-start probe has been taken (then None)."""
@@ -174,16 +174,6 @@ class AveragingCycle:
         """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
 
     # -- state ------------------------------------------------------------
-    @property
-    def outer(self) -> OuterOptimizer:
-        """cpu backend: the outer optimizer, run here once per window (nccl: replicated on the ranks). Made on
-        first use: it holds torch tensors, and the nccl backend's coordinator never imports torch."""
-        if self._outer is None:
-            from ..outer import OuterOptimizer
-
-            self._outer = OuterOptimizer(self.outer_spec)
-        return self._outer
-
     @property
     def counts(self) -> list[int]:
         return self.elche.batch_counts if self.elche is not None else [1] * self.world_size
@@ -426,48 +416,29 @@ class AveragingCycle:
     def _average_cpu(self, red: Reduce, ranks: list[int]) -> tuple[dict[int, int], dict[int, Optional[float]],
                                                                    dict[int, Optional[float]], Optional[float],
                                                                    Optional[OuterStep]]:
-        import torch  # here only: the nccl backend's coordinator averages nothing and never imports torch
-
-        from ..averaging import divergence, weighted_average
-
         snaps = [red.snapshots[r] for r in ranks]
         n = {r: s.n for r, s in zip(ranks, snaps)}
         div: dict[int, Optional[float]] = {}
         pre: dict[int, Optional[float]] = {}
-        post: Optional[float] = None
         if not ranks:
-            return n, div, pre, post, None
-        n_p = sum(1 for k in snaps[0].tensors if k.startswith("p"))
-        n_b = sum(1 for k in snaps[0].tensors if k.startswith("b"))
-        params = [[s.tensors[f"p{i}"].float() for i in range(n_p)] for s in snaps]
-        bufs = [[s.tensors[f"b{j}"] for j in range(n_b)] for s in snaps]
-        res = weighted_average([n[r] for r in ranks], params, bufs, self.gamma)
-        moved = res is not None
-        if res is None and red.final and self.alpha is not None:
-            # EASGD leaves replicas apart even when nobody stepped: the final consensus is their plain mean.
-            res = weighted_average([1] * len(ranks), params, bufs, 1.0)
+            return n, div, pre, None, None
+        if self.averager is None:
+            raise RuntimeError("the cpu backend's reduce needs an Averager: the shell builds the core with one "
+                               "(flodl_exp.control.cpu_averager.TorchAverager)")
+        # EASGD leaves replicas apart even when nobody stepped: the final consensus is then their plain mean.
+        res = self.averager.average(snaps, gamma=self.gamma, idle_mean=red.final and self.alpha is not None)
         alpha = None if red.final else self.alpha
-        if res is None:  # nobody moved: release barrier waits; each rank keeps its own state
+        if res.tensors is None:  # nobody moved: release barrier waits; each rank keeps its own state
             for r in ranks:
                 div[r], pre[r] = 0.0, None
                 self._out.send(r, Update(n=n[r], skip=True))
-            return n, div, pre, post, None
-        avg_p, avg_b = res
-        flat_avg = torch.cat([t.reshape(-1).float() for t in avg_p])
-        divs = [divergence(torch.cat([t.reshape(-1) for t in ps]), flat_avg) for ps in params]
-        # The outer step comes after the divergence read-out, on the parameter frame only; a round with
-        # zero mass (the EASGD final mean of idle replicas) passes through unstepped.
-        outer: Optional[OuterStep] = None
-        if moved:
-            avg_p, outer = self.outer.step(avg_p)
-        tensors = {f"p{i}": t for i, t in enumerate(avg_p)}
-        tensors.update({f"b{j}": t for j, t in enumerate(avg_b)})
-        post = divs[0][1]  # ||consensus||, the same for every rank
-        with self._out.sharing_tensors():  # one encoding of the consensus for every rank
-            for r, (d, _, pre_n) in zip(ranks, divs):
+            return n, div, pre, None, None
+        tensors = dict(res.tensors)  # one frame object for every rank: encoded once (sharing_tensors)
+        with self._out.sharing_tensors():
+            for r, (d, pre_n) in zip(ranks, res.drift):
                 div[r], pre[r] = d, pre_n
                 self._out.send(r, Update(n=n[r], alpha=alpha, tensors=tensors))
-        return n, div, pre, post, outer
+        return n, div, pre, res.post, res.outer
 
     def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
                 post: Optional[float], sync_ms: float, alive: Callable[[int], bool],

@@ -25,7 +25,8 @@ from typing import Any, Optional, cast
 from omegaconf import DictConfig, OmegaConf
 
 from ..bundle_meta import resolve_shuffle_seed
-from ..config import ConfigError, RunShape, mode_name, validate, world_size
+from ..config import ConfigError, RunShape, mode_name, world_size
+from ..config_rules import validate
 from ..events import End, EventRecord
 
 

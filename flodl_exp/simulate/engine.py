@@ -36,12 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import events as ev
-from ..config import Config
+from ..config import Config, RunShape
 from ..control.cohort import Cohort
 from ..control.core import ControlCore, NullObserver
+from ..control.cpu_averager import TorchAverager
 from ..control.cycle import Reduce, ReduceOutcome
 from ..control.lifecycle import Phase
 from ..control.outbox import DirectOutbox
+from ..mode import Mode
 from ..protocol import (
     Batch,
     ChunkMetrics,
@@ -161,8 +163,9 @@ class Engine:
         self.ranks = [SimRank(r, ms, d, j) for r, (ms, d, j) in enumerate(steps)]
         self.stats = RunStats(mode, w)
         self.core = ControlCore.from_config(
-            run, outbox_for=lambda cohort: SimOutbox(cohort, self._to_rank), clock=self.clock,
-            observer=_Stats(self.stats, self.clock), dispatcher=lambda **kw: SimDispatcher(check=check, **kw))
+            run, outbox_for=lambda cohort: SimOutbox(cohort, self._to_rank), clock=self.clock, wall_clock=self.clock,
+            observer=_Stats(self.stats, self.clock), dispatcher=lambda **kw: SimDispatcher(check=check, **kw),
+            averager=TorchAverager(RunShape.of(run).outer) if Mode.of(run).is_cpu else None)
         self.cohort, self.cycle, self.dispatch = self.core.cohort, self.core.cycle, self.core.dispatch
         for r in range(w):
             self.cohort.join(r, 0.0)

@@ -211,7 +211,7 @@ def base_config() -> SimulateConfig:
     """conf/simulate/config.yaml's values on the schema, without Hydra (the launcher runs inside a Hydra app)."""
     from omegaconf import OmegaConf
 
-    from ..constants import CONF_DIR
+    from ..package_conf import CONF_DIR
 
     raw = OmegaConf.load(os.path.join(CONF_DIR, "simulate", "config.yaml"))
     body = {k: v for k, v in OmegaConf.to_container(raw).items() if k not in ("defaults", "hydra")}  # type: ignore[union-attr]

@@ -26,8 +26,8 @@ from ..config import (
     GuardConfig,
     ModeConfig,
     OuterConfig,
-    validate,
 )
+from ..config_rules import validate
 
 SCHEMA_GROUP = "flodl_simulate"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
@@ -190,7 +190,7 @@ def _preset(name: str) -> dict[str, Any]:
 
 @functools.cache
 def _read_preset(name: str) -> dict[str, Any]:
-    from ..constants import CONF_DIR
+    from ..package_conf import CONF_DIR
 
     path = os.path.join(CONF_DIR, "mode", f"{name}.yaml")
     if os.path.exists(path):

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from ..constants import CONF_DIR
+from ..package_conf import CONF_DIR
 from .topology import RankGroupConfig, SimulateConfig, register
 
 CONF = os.path.join(CONF_DIR, "simulate")
