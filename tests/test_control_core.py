@@ -17,7 +17,17 @@ from omegaconf import OmegaConf
 from flodl_exp.codec import encode
 from flodl_exp.config import Config, RunShape, load_config
 from flodl_exp.control.bundle_store import MemoryBundles
-from flodl_exp.control.commands import Broadcast, Command, RankMessage, Record, Send, Tick
+from flodl_exp.control.commands import (
+    Broadcast,
+    Command,
+    Event,
+    RankJoined,
+    RankMessage,
+    Record,
+    Send,
+    Tick,
+    TrainingStarts,
+)
 from flodl_exp.control.coordinator import Coordinator
 from flodl_exp.control.core import ControlCore, recording_core
 from flodl_exp.control.cpu_averager import TorchAverager
@@ -55,24 +65,29 @@ BATCH = 8
 
 # -- three wirings of one core ---------------------------------------------------------
 class Bare:
-    """``recording_core``: the commands themselves."""
+    """``recording_core``: the commands themselves, driven through ``handle`` (what a test's direct call on the
+    core caused waits in ``commands`` too, in order)."""
 
     def __init__(self, cfg: Any, clock: FakeClock, store: Optional[MemoryBundles] = None) -> None:
         self.store = store or MemoryBundles()
+        self.clock = clock
         averager = TorchAverager(RunShape.of(cfg).outer) if Mode.of(cfg).is_cpu else None
         self.core, self.commands = recording_core(cfg, clock, store=self.store, averager=averager)
         self.log: list[Command] = []
 
+    def _handle(self, event: Event) -> None:
+        self.commands.extend(self.core.handle(event))  # handle empties the core's list: put back what it returned
+
     def start(self, samples: int) -> None:
         for r in range(self.core.W):
-            self.core.cohort.join(r, 0.0)
-        self.core.start(samples, None)
+            self._handle(RankJoined(r, 0.0))
+        self._handle(TrainingStarts(samples, None, self.clock()))
 
     def send(self, r: int, p: Payload) -> None:
-        self.core.on_message(r, p)
+        self._handle(RankMessage(r, p, self.clock()))
 
     def tick(self) -> None:
-        self.core.tick()
+        self._handle(Tick(self.clock()))
 
     def take(self) -> list[tuple[int, Payload]]:
         out: list[tuple[int, Payload]] = []
@@ -111,23 +126,24 @@ class AsCoordinator:
 
 
 class AsSimulator:
+    """The simulator's engine, its core driven through ``Engine.handle`` on the script's clock (the engine's own
+    ranks and event queue unused)."""
+
     def __init__(self, sim: SimulateConfig, mode: str, clock: FakeClock) -> None:
         self.engine = Engine(sim, mode)
         self.core = self.engine.core
+        self.clock = clock
         self.sent: list[tuple[int, Payload]] = []
-        self.core.outbox._deliver = lambda r, p: self.sent.append((r, p))  # type: ignore[attr-defined]
-        self.core.clock = clock  # the script's clock, not the engine's event queue
-        self.core.cycle._clock = clock
-        self.core.dispatch._clock = clock
+        self.engine._to_rank = lambda r, p: self.sent.append((r, p))  # type: ignore[method-assign]
 
     def start(self, samples: int) -> None:
-        self.core.start(samples, None)
+        self.engine.handle(TrainingStarts(samples, None, self.clock()))
 
     def send(self, r: int, p: Payload) -> None:
-        self.core.on_message(r, p)
+        self.engine.handle(RankMessage(r, p, self.clock()))
 
     def tick(self) -> None:
-        self.core.tick()
+        self.engine.handle(Tick(self.clock()))
 
     def take(self) -> list[tuple[int, Payload]]:
         out, self.sent = self.sent, []
@@ -328,17 +344,17 @@ def test_the_gate_fires_once_every_rank_stepped_and_never_twice() -> None:
 
 
 def test_handle_returns_the_commands_of_one_event() -> None:
-    core, commands = recording_core(cfg_of("nccl_sync", 2), FakeClock())
+    core, commands = recording_core(cfg_of("nccl_sync", 2))  # no clock: the core runs on its events' time
     for r in range(2):
-        core.cohort.join(r, 0.0)
-    core.start(96, None)
-    starts = core.handle(Tick(), commands)
+        assert core.handle(RankJoined(r, 0.0)) == []
+    starts = core.handle(TrainingStarts(96, None, 0.0)) + core.handle(Tick(0.5))
     assert {c.rank for c in starts if isinstance(c, Send) and isinstance(c.payload, StartEpoch)} == {0, 1}
     assert commands == []
     chunk = next(c.payload.chunk for c in starts if isinstance(c, Send) and isinstance(c.payload, StartEpoch) and c.rank == 0)
-    out = core.handle(RankMessage(0, Batch(ms=10.0, data_ms=1.0, chunk=chunk, loss=0.5, lr=0.01)), commands)
+    out = core.handle(RankMessage(0, Batch(ms=10.0, data_ms=1.0, chunk=chunk, loss=0.5, lr=0.01), 1.0))
     assert [c for c in out if isinstance(c, (Send, Broadcast))] == []
     assert emitted(out, "first_batch") == [{"event": "first_batch", "rank": 0}]
+    assert core.view.global_step == 0 and core.view.alive_ranks() == [0, 1]
 
 
 # -- aggregation -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ feeds a scripted sequence and reads the decisions as data."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from ..protocol import Payload
 from .cohort import Cohort
@@ -65,23 +65,89 @@ class RecordingObserver:
 
 
 # -- events (what :meth:`ControlCore.handle` takes) -----------------------------------
+# Each carries ``now``, the shell's monotonic clock when it happened: the core reads no clock of its own (one built
+# without a clock port runs on its events' time, as the simulator's does).
+@dataclass(frozen=True)
+class RankJoined:
+    """A rank said hello (the coordinator's server), or is there from the start (the simulator's)."""
+
+    rank: int
+    now: float
+
+
+@dataclass(frozen=True)
+class TrainingStarts:
+    """Every rank joined: plan the first epoch, or a resumed bundle's coverage (its meta as a dict)."""
+
+    total_picks: int
+    resume_meta: Optional[dict[str, Any]]
+    now: float
+
+
 @dataclass(frozen=True)
 class RankMessage:
     rank: int
     payload: Payload
+    now: float
 
 
 @dataclass(frozen=True)
 class RankDeath:
+    """The shell found the rank gone (its connection closed, its heartbeat stale)."""
+
     rank: int
     reason: str
+    now: float
+
+
+@dataclass(frozen=True)
+class RankEvicted:
+    """The rank is alive but may not go on (its main thread is stuck): it is told to stop and counted dead."""
+
+    rank: int
+    reason: str
+    now: float
 
 
 @dataclass(frozen=True)
 class Tick:
-    pass
+    """One turn of the loop (algorithms.md 3.1, steps 4-11)."""
+
+    now: float
 
 
-Event = Union[RankMessage, RankDeath, Tick]
+@dataclass(frozen=True)
+class RunFailed:
+    """The shell's loop raised: the run ends FAILED and the ranks are told."""
+
+    failure: str
+    now: float
 
 
+@dataclass(frozen=True)
+class SaveAndStop:
+    """ShutdownWithSave: a resumable bundle, then the run ends (``reason`` is its end reason)."""
+
+    reason: str
+    detail: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Shutdown: the ranks are told to exit, with no bundle."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class AnchorHint:
+    """The shell's guess of the slowest rank (the hellos' device scores): ElChe's cold-start anchor, unless a speed
+    hint, partition ratios or a resumed state set one (:attr:`CoreView.anchor_seeded` says whether it took)."""
+
+    rank: int
+    now: float
+
+
+Event = Union[RankJoined, TrainingStarts, RankMessage, RankDeath, RankEvicted, Tick, RunFailed, SaveAndStop, Stop,
+              AnchorHint]

@@ -67,7 +67,22 @@ from .callback_slack import CallbackSlack
 from .checkpoint_fn import CheckpointFnRole
 from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
-from .commands import Command, CommandOutbox, Event, RankDeath, RankMessage, RecordingObserver
+from .commands import (
+    AnchorHint,
+    Command,
+    CommandOutbox,
+    Event,
+    RankDeath,
+    RankEvicted,
+    RankJoined,
+    RankMessage,
+    RecordingObserver,
+    RunFailed,
+    SaveAndStop,
+    Stop,
+    Tick,
+    TrainingStarts,
+)
 from .controllers import build_elche, build_run_guard
 from .cycle import AveragingCycle
 from .deaths import Deaths
@@ -86,6 +101,7 @@ from .report_pace import ReportPacing, pace_enabled
 from .reports import RankReports
 from .run_end import RunEnd
 from .run_state import run_state
+from .view import CoreView
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -104,17 +120,27 @@ class RunFacts:
 class ControlCore:
     """The run's decisions; see the module docstring. Build it with :meth:`from_config`."""
 
-    def __init__(self, *, shape: RunShape, cfg: Any, outbox_for: Callable[[Cohort], Outbox],
-                 clock: Callable[[], float], wall_clock: Callable[[], float], observer: CoreObserver,
+    def __init__(self, *, shape: RunShape, cfg: Any, outbox_for: Optional[Callable[[Cohort], Outbox]] = None,
+                 clock: Optional[Callable[[], float]] = None, wall_clock: Callable[[], float], observer: CoreObserver,
                  store: BundleStore, facts: RunFacts = RunFacts(), averager: Optional[Averager] = None,
                  is_local: Callable[[int], bool] = lambda r: False,
-                 dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0) -> None:
+                 dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0,
+                 commands: Optional[list[Command]] = None) -> None:
         w = shape.world_size
         epochs = cfg.experiment.epochs
         plan = self.plan = EpochPlan(epochs)
         """The run's epoch count, one object every component reads (control/epoch_plan.py)."""
         self.W, self.shape = w, shape
-        self.clock = clock
+        self._now = start
+        """The time of the event being handled (:meth:`handle`)."""
+        self.clock: Callable[[], float] = clock if clock is not None else self._event_time
+        """What every component reads as the time: the shell's clock port when one is given, else the time each
+        event brought in (the simulator's)."""
+        self._commands: list[Command] = commands if commands is not None else []
+        """What :meth:`handle` returns: the payloads of a core built without an outbox port, and the
+        observations of one whose observer records into the same list (:func:`recording_core`)."""
+        self.anchor_seeded = False
+        """Whether the last :class:`AnchorHint` set ElChe's cold-start anchor."""
         self.obs = observer
         self.epoch_fn = cfg.experiment.epoch_fn is not None
         self.stall_ceiling = max(10 * cfg.cluster.heartbeat_timeout_s, 300.0)
@@ -122,20 +148,21 @@ class ControlCore:
         """The policy and backend as one value, resolved once (flodl_exp/mode.py)."""
         self.life = Lifecycle()
         self.cohort = Cohort(w, shape.fixed_callback_rank, start, wall_clock)
-        self.outbox = outbox_for(self.cohort)
+        self.outbox: Outbox = (outbox_for(self.cohort) if outbox_for is not None
+                               else CommandOutbox(self.cohort, self._commands))
         elche = build_elche(cfg.mode, w) if w >= 2 else None
         self.cycle = AveragingCycle(
             world_size=w, mode=self.mode, gamma=cfg.mode.gamma,
             alpha=shape.easgd_alpha, progressive=shape.progressive, elche=elche,
             guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
-            relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=clock,
+            relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=self.clock,
             outer=shape.outer, lockstep_ahead=cfg.mode.lockstep_ahead, averager=averager)
         self.dispatch = dispatcher(
             world_size=w, batch_size=cfg.experiment.batch_size, epochs=plan, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
             partition_ratios=cfg.mode.partition_ratios, scalar_reductions=dict(cfg.scalar_reductions),
-            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=clock)
+            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock)
         self.dispatch.advise = shape.progressive and cfg.data_plane.stage_advisories
         self.intents = Intents()
         """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (control/intents.py)."""
@@ -163,12 +190,12 @@ class ControlCore:
         self.faults = FaultHandler(
             world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
-            obs=observer, store=store, clock=clock, is_local=is_local)
+            obs=observer, store=store, clock=self.clock, is_local=is_local)
         self.preemption = Preemption(
             attempt=facts.attempt, progressive=shape.progressive, world_size=w, store=store, life=self.life,
             enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.faults.shutdown_with_save,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
-            checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=clock, fire_reduce=self.fire_reduce,
+            checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=self.clock, fire_reduce=self.fire_reduce,
             kill_on_bad_exit=kills_on_bad_exit(cfg.cluster))
         self.run_end = RunEnd(
             world_size=w, epochs=plan, blended=shape.easgd_alpha is not None, mode=self.mode, life=self.life,
@@ -180,7 +207,7 @@ class ControlCore:
         self.reduces = Reduces(
             mode=self.mode, fold_updates=self.mode.folds_updates(shape.progressive), life=self.life,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, checkpoints=self.checkpoints,
-            outbox=self.outbox, obs=observer, clock=clock, preempt_snapshot=self.preemption.on_reduce_finished,
+            outbox=self.outbox, obs=observer, clock=self.clock, preempt_snapshot=self.preemption.on_reduce_finished,
             may_run_ahead=self._may_run_ahead)
         """The one place a reduce fires, and what its finish sets going (control/reduces.py)."""
         self.boundaries = EpochBoundaries(
@@ -204,17 +231,29 @@ class ControlCore:
         self.cycle.slack_source = self.run_end.callback_slack
         self._epoch_role_sent: Optional[int] = None
         self._first_batch_seen = False
+        self._view = CoreView(self)
 
     @classmethod
-    def from_config(cls, cfg: Any, *, outbox_for: Callable[[Cohort], Outbox], clock: Callable[[], float],
-                    wall_clock: Callable[[], float], observer: Optional[CoreObserver] = None,
-                    store: Optional[BundleStore] = None, facts: RunFacts = RunFacts(),
-                    is_local: Callable[[int], bool] = lambda r: False,
-                    dispatcher: Callable[..., Dispatcher] = Dispatcher, averager: Optional[Averager] = None) -> ControlCore:
-        """The core of a run config (the coordinator's, or the simulator's run_config of a rig)."""
+    def from_config(cls, cfg: Any, *, wall_clock: Callable[[], float],
+                    outbox_for: Optional[Callable[[Cohort], Outbox]] = None, clock: Optional[Callable[[], float]] = None,
+                    observer: Optional[CoreObserver] = None, store: Optional[BundleStore] = None,
+                    facts: RunFacts = RunFacts(), is_local: Callable[[int], bool] = lambda r: False,
+                    dispatcher: Callable[..., Dispatcher] = Dispatcher, averager: Optional[Averager] = None,
+                    start: Optional[float] = None, commands: Optional[list[Command]] = None) -> ControlCore:
+        """The core of a run config (the coordinator's, or the simulator's run_config of a rig). Without
+        ``outbox_for`` what it sends is returned by :meth:`handle`; without ``clock`` it runs on its events' time."""
+        t0 = start if start is not None else clock() if clock is not None else 0.0
         return cls(shape=RunShape.of(cfg), cfg=cfg, outbox_for=outbox_for, clock=clock, wall_clock=wall_clock,
                    observer=observer or NullObserver(), store=store or MemoryBundles(), facts=facts,
-                   is_local=is_local, dispatcher=dispatcher, start=clock(), averager=averager)
+                   is_local=is_local, dispatcher=dispatcher, start=t0, averager=averager, commands=commands)
+
+    def _event_time(self) -> float:
+        return self._now
+
+    @property
+    def view(self) -> CoreView:
+        """What the shells may read of the core: one small read-only view (control/view.py)."""
+        return self._view
 
     @property
     def epochs(self) -> int:
@@ -492,26 +531,44 @@ class ControlCore:
         handler(r, payload)
         return True
 
-    def handle(self, event: Event, commands: list[Command]) -> list[Command]:
-        """One event; the commands it caused (those recorded into ``commands`` by a core built with
-        :func:`recording_core`), which the call takes out of the list."""
-        if isinstance(event, RankMessage):
-            self.on_message(event.rank, event.payload)
-        elif isinstance(event, RankDeath):
-            self.on_death(event.rank, event.reason)
-        else:
-            self.tick()
-        out = list(commands)
-        commands.clear()
+    def handle(self, event: Event) -> list[Command]:
+        """The one way a shell drives the core: one event in, the commands it caused out (the payloads to send when
+        the core was built without an outbox port, and what a recording observer recorded). The time is the
+        event's."""
+        self._now = event.now
+        _HANDLERS[type(event)](self, event)
+        out = list(self._commands)
+        self._commands.clear()
         return out
 
+    def _on_hint(self, e: AnchorHint) -> None:
+        self.anchor_seeded = self.seed_anchor(e.rank)
 
-def recording_core(cfg: Any, clock: Callable[[], float], *, store: Optional[BundleStore] = None,
-                   facts: RunFacts = RunFacts(), averager: Optional[Averager] = None) -> tuple[ControlCore, list[Command]]:
-    """A core whose every output is a recorded command (tests, the same-commands check); bundles in memory.
-    ``clock`` serves as the wall clock too."""
+
+_HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
+    RankJoined: lambda c, e: c.cohort.join(e.rank, e.now),
+    TrainingStarts: lambda c, e: c.start(e.total_picks, e.resume_meta),
+    RankMessage: lambda c, e: c.on_message(e.rank, e.payload),
+    RankDeath: lambda c, e: c.on_death(e.rank, e.reason),
+    RankEvicted: lambda c, e: c.evict(e.rank, e.reason),
+    Tick: lambda c, e: c.tick(e.now),
+    RunFailed: lambda c, e: c.fail(e.failure),
+    SaveAndStop: lambda c, e: c.shutdown_with_save(e.reason, e.detail),
+    Stop: lambda c, e: c.shutdown(),
+    AnchorHint: ControlCore._on_hint,
+}
+"""Each event kind's handler (:meth:`ControlCore.handle`)."""
+
+
+def recording_core(cfg: Any, clock: Optional[Callable[[], float]] = None, *, store: Optional[BundleStore] = None,
+                   facts: RunFacts = RunFacts(),
+                   averager: Optional[Averager] = None) -> tuple[ControlCore, list[Command]]:
+    """A core whose every output is a command, observations included (tests, the same-commands check); bundles in
+    memory. The list is the core's own buffer: what a direct call (a test's) caused waits there, and
+    :meth:`~ControlCore.handle` returns and empties it. ``clock`` (also the wall clock): a port, as the
+    coordinator's; none: the core runs on its events' time, as the simulator's."""
     commands: list[Command] = []
-    core = ControlCore.from_config(cfg, outbox_for=lambda cohort: CommandOutbox(cohort, commands), clock=clock,
-                                   wall_clock=clock, observer=RecordingObserver(commands), store=store, facts=facts,
-                                   averager=averager)
+    core = ControlCore.from_config(cfg, clock=clock, wall_clock=clock or (lambda: 0.0),
+                                   observer=RecordingObserver(commands), store=store, facts=facts, averager=averager,
+                                   commands=commands)
     return core, commands

@@ -1,7 +1,8 @@
 """The core's outbox port: where the payloads it decides to send go, with no encoding, socket or file behind it.
 
-The coordinator implements it with :class:`~.wire_outbox.WireOutbox` (frames on the rank sockets); the simulator
-and :meth:`~.core.ControlCore.handle` with a :class:`DirectOutbox` (payloads handed over, or recorded as commands).
+The coordinator implements it with :class:`~.wire_outbox.WireOutbox` (frames on the rank sockets); a core built
+without one records its payloads as the commands :meth:`~.core.ControlCore.handle` returns (a :class:`DirectOutbox`,
+``commands.CommandOutbox``), which is how the simulator drives it.
 The components import this module, never the wire: what leaves the core is a typed payload."""
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class DirectOutbox(abc.ABC):
 
     @abc.abstractmethod
     def send(self, r: int, payload: Payload) -> bool:
-        """``payload`` to rank ``r`` (the simulator delivers it, ``handle`` records it)."""
+        """``payload`` to rank ``r`` (recorded as a command for ``handle`` to return)."""
 
     @abc.abstractmethod
     def broadcast(self, payload: Payload) -> None:

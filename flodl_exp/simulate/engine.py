@@ -7,9 +7,10 @@ What is real and what is modelled:
   dispatch, chunk pools, final-window plans, async overshoot, in-order epoch aggregation and its metrics,
   the final consensus), built from the rig's run config by the same ``ControlCore.from_config``, with the
   run-shape derivations and validation of flodl_exp.config. It reads :class:`SimClock` (its injected clock)
-  and sends through :class:`SimOutbox`, which hands each message to a simulated rank after the link
-  latency. The engine keeps no decision of its own: it feeds the core the rank messages and calls its
-  ``tick`` after each, as the coordinator does after each batch of arrivals.
+  and runs on its events' time; the engine drives it only through ``handle`` (each rank message, then a
+  ``Tick``, as the coordinator ticks after each batch of arrivals) and hands the commands it returns to the
+  simulated ranks after the link latency. It reads the core only through its view and keeps no decision of
+  its own.
 * **Modelled**: each rank is a small state machine that behaves as ``rank/control.py`` does: control is
   handled between batches (at the top of each one, and at once while idle, at a barrier or throttled);
   ``sync_now`` blocks the rank in the collective until every member entered (then the ring all-reduce
@@ -32,17 +33,18 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import events as ev
 from ..config import Config, RunShape
-from ..control.cohort import Cohort
+from ..control.averager import Consensus
+from ..control.commands import Broadcast, Event, RankJoined, RankMessage, Send, Tick, TrainingStarts
 from ..control.core import ControlCore, NullObserver
 from ..control.cpu_averager import TorchAverager
 from ..control.cycle import Reduce, ReduceOutcome
 from ..control.lifecycle import Phase
-from ..control.outbox import DirectOutbox
 from ..mode import Mode
 from ..protocol import (
     Batch,
@@ -66,22 +68,6 @@ from .topology import SimulateConfig, lr_factor, rank_steps, run_config
 
 RANK_MSG, BATCH_END, COLL_DONE, COORD_MSG, COORD_FINISH = range(5)
 IDLE, BUSY, COLLECTIVE, BARRIER, THROTTLED = range(5)
-
-
-class SimOutbox(DirectOutbox):
-    """The coordinator's outbox, delivering payloads to simulated ranks (no encoding, no folding)."""
-
-    def __init__(self, cohort: Cohort, deliver: Callable[[int, Payload], None]) -> None:
-        self._alive = cohort.alive_ranks
-        self._deliver = deliver
-
-    def send(self, r: int, payload: Payload) -> bool:
-        self._deliver(r, payload)
-        return True
-
-    def broadcast(self, payload: Payload) -> None:
-        for r in self._alive():
-            self._deliver(r, payload)
 
 
 @dataclass
@@ -162,46 +148,65 @@ class Engine:
         self.rng = random.Random(cfg.seed)
         self.ranks = [SimRank(r, ms, d, j) for r, (ms, d, j) in enumerate(steps)]
         self.stats = RunStats(mode, w)
+        self._check = check
+        self.books: Optional[SimDispatcher] = None
+        """The dispatcher the engine gave the core (with ``check``, it compares its running books to full scans)."""
+        self._model_drift = False
+        """Set while :meth:`run` drives the simulated ranks: their cpu snapshots then read the modelled drift."""
+        averager = _ModelledDrift(TorchAverager(RunShape.of(run).outer), self) if Mode.of(run).is_cpu else None
         self.core = ControlCore.from_config(
-            run, outbox_for=lambda cohort: SimOutbox(cohort, self._to_rank), clock=self.clock, wall_clock=self.clock,
-            observer=_Stats(self.stats, self.clock), dispatcher=lambda **kw: SimDispatcher(check=check, **kw),
-            averager=TorchAverager(RunShape.of(run).outer) if Mode.of(run).is_cpu else None)
-        self.cohort, self.cycle, self.dispatch = self.core.cohort, self.core.cycle, self.core.dispatch
+            run, wall_clock=lambda: self.clock.t, observer=_Stats(self.stats, self.clock),
+            dispatcher=self._dispatcher, averager=averager, start=0.0)
+        self.view = self.core.view
         for r in range(w):
-            self.cohort.join(r, 0.0)
-        self.alive = self.cohort.alive_ranks()
+            self.handle(RankJoined(r, 0.0))
+        self.alive = self.view.alive_ranks()
         self._colls: dict[int, dict[int, tuple[float, int]]] = {}
         """nccl: per reduce (its version), who entered its collective, when, with how many steps."""
         self._coll_n: dict[int, dict[int, int]] = {}
         """Per completed collective (version): each member's steps, read as its ack goes out."""
         self._nic_free = 0.0
 
+    def _dispatcher(self, **kw: Any) -> SimDispatcher:
+        self.books = SimDispatcher(check=self._check, **kw)
+        return self.books
+
     @property
     def done(self) -> bool:
         """Training is over once the core asks for the final eval (evals are not modelled), or the core ended it
         another way (the stall ceiling's ShutdownWithSave: :meth:`run` then says so)."""
-        return self.core.life.phase not in (Phase.TRAINING, Phase.DRAINING)
+        return self.view.phase not in (Phase.TRAINING, Phase.DRAINING)
+
+    def handle(self, event: Event) -> None:
+        """One event to the core; what it sends goes to the simulated ranks."""
+        for c in self.core.handle(event):
+            if isinstance(c, Send):
+                self._to_rank(c.rank, c.payload)
+            elif isinstance(c, Broadcast):
+                for r in c.to:
+                    self._to_rank(r, c.payload)
 
     # -- the run ------------------------------------------------------------------
     def run(self) -> RunStats:
         self.stats.epochs.append({**ev.Started(world_size=self.W, epochs=self.cfg.epochs).record(), "t": 0.0})
-        self.core.start(self.cfg.samples, None)
-        self.core.tick()
+        self._model_drift = True
+        self.handle(TrainingStarts(self.cfg.samples, None, self.clock.t))
+        self.handle(Tick(self.clock.t))
         handlers: dict[int, Callable[[int, Any], None]] = {RANK_MSG: self._rank_msg, BATCH_END: self._batch_end, COLL_DONE: self._coll_done,
                     COORD_MSG: self._coord_msg, COORD_FINISH: self._coord_finish}
         while not self.done:
             if not len(self.q):
                 raise RuntimeError(f"simulation of {self.mode} stalled at t={self.clock.t:.3f}s: no event pending "
-                                   f"(epochs aggregated {self.dispatch.last_aggregated + 1}/{self.cfg.epochs})")
+                                   f"(epochs aggregated {self.view.epochs_aggregated}/{self.cfg.epochs})")
             kind, r, payload = self.q.pop()
             handlers[kind](r, payload)
-        life = self.core.life
-        if not life.is_(Phase.FINISHING) or life.ending:
+        view = self.view
+        if not view.is_(Phase.FINISHING) or view.ending:
             # the core ended the run as a real one would (a reduce past the stall ceiling): a report of the epochs
             # done so far would read as a finished run
-            raise RuntimeError(f"simulation of {self.mode} ended in phase {life.phase.value} at t={self.clock.t:.3f}s "
-                               f"after {self.dispatch.last_aggregated + 1}/{self.cfg.epochs} epochs: "
-                               f"{life.failure or 'no final eval was asked for'}")
+            raise RuntimeError(f"simulation of {self.mode} ended in phase {view.phase.value} at t={self.clock.t:.3f}s "
+                               f"after {view.epochs_aggregated}/{self.cfg.epochs} epochs: "
+                               f"{view.failure or 'no final eval was asked for'}")
         st = self.stats
         st.events = self.q.popped
         st.batches = [rk.batches for rk in self.ranks]
@@ -350,42 +355,57 @@ class Engine:
 
     def _drift(self, n: int) -> float:
         d = self.cfg.divergence
-        lr = self.lrf(self.cycle.global_step)
+        lr = self.lrf(self.view.global_step)
         return max(0.0, d.per_step * n * lr * (1.0 + d.noise * self.rng.gauss(0.0, 1.0)))
 
     # -- the coordinator side: the core's inputs -----------------------------------------
     def _coord_msg(self, r: int, p: Payload) -> None:
-        red = self.cycle.in_flight
+        red = self.view.reduce_in_flight()
         if (isinstance(p, Snapshot) and red is not None
-                and set(red.snapshots) | {r} >= {q for q in red.members if self.cohort.alive(q)}):
+                and set(red.snapshot_steps) | {r} >= {q for q in red.members if self.view.alive(q)}):
             # the last snapshot of a cpu reduce: the coordinator averages and scatters (modelled time) first
-            movers = sum(1 for s in [*red.snapshots.values(), p] if s.n > 0)
+            movers = sum(1 for n in [*red.snapshot_steps.values(), p.n] if n > 0)
             self.q.after(self.costs.average_s(movers) + self.costs.scatter_s(len(red.members)) + self.costs.fixed_s(),
                          COORD_FINISH, r, p)
             return
-        self.core.on_message(r, p)
-        self.core.tick()
+        self._coord_finish(r, p)
 
-    def _coord_finish(self, r: int, p: Snapshot) -> None:
-        """The last snapshot of a cpu reduce, once averaged and scattered: set the snapshots' values so the
-        real average reads the modelled drift, then hand it to the core."""
+    def _coord_finish(self, r: int, p: Payload) -> None:
+        self.handle(RankMessage(r, p, self.clock.t))
+        self.handle(Tick(self.clock.t))
+
+
+class _ModelledDrift:
+    """The cpu backend's real average, over snapshots set so that it reads the modelled drift (the algebra in the
+    module docstring): while the engine runs its simulated ranks, the lightest mover's ``x`` is chosen so that its
+    relative delta, the largest, is the drift D of the rig's divergence model."""
+
+    def __init__(self, inner: TorchAverager, engine: Engine) -> None:
+        self._inner = inner
+        self._engine = engine
+
+    def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool) -> Consensus:
         from ..averaging import mass
 
-        red = self.cycle.in_flight
-        assert red is not None
-        snaps = {**red.snapshots, r: p}
-        masses = {q: mass(s.n, self.gamma) for q, s in snaps.items()}
-        total = sum(masses.values())
-        drift = max((self._drift(s.n) for s in snaps.values()), default=0.0)
-        movers = [q for q in snaps if masses[q] > 0]
-        if len(movers) >= 2 and total > 0 and drift > 0:
-            k = min(movers, key=lambda q: (masses[q], q))
-            wk = masses[k] / total
-            den = (1 - wk) ** 2 - (drift * wk) ** 2
-            a = drift / math.sqrt(den) if den > 0 else drift / max(1 - wk, 1e-6)
-            snaps[k].tensors["p0"][1] = a  # max relative delta = drift (algebra in the module docstring)
-        self.core.on_message(r, p)
-        self.core.tick()
+        eng = self._engine
+        if eng._model_drift:
+            masses = [mass(s.n, gamma) for s in snapshots]
+            total = sum(masses)
+            drift = max((eng._drift(s.n) for s in snapshots), default=0.0)
+            movers = [i for i, m in enumerate(masses) if m > 0]
+            if len(movers) >= 2 and total > 0 and drift > 0:
+                k = min(movers, key=lambda i: masses[i])
+                wk = masses[k] / total
+                den = (1 - wk) ** 2 - (drift * wk) ** 2
+                a = drift / math.sqrt(den) if den > 0 else drift / max(1 - wk, 1e-6)
+                snapshots[k].tensors["p0"][1] = a  # the engine's own snapshot, made in _send_snapshot
+        return self._inner.average(snapshots, gamma=gamma, idle_mean=idle_mean)
+
+    def outer_state(self) -> dict[str, Any]:
+        return self._inner.outer_state()
+
+    def restore_outer(self, state: dict[str, Any]) -> float:
+        return self._inner.restore_outer(state)
 
 
 def simulate(cfg: SimulateConfig, mode: str, run: Optional[Config] = None) -> RunStats:

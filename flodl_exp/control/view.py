@@ -1,0 +1,108 @@
+"""What the shells may read of the control core: one small read-only view.
+
+The coordinator and the simulator drive the core only through :meth:`~.core.ControlCore.handle` and read it only
+through :class:`CoreView` (``core.view``), so the core's components stay its own: a shell that needs to know more
+asks for a query here, not for a component. Everything here is a value or a copy; nothing hands out a component.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from .cohort import Cohort
+from .cycle import AveragingCycle
+from .dispatch import Dispatcher
+from .lifecycle import Lifecycle, Phase, Status
+
+
+class _Core(Protocol):
+    """What the view reads of :class:`~.core.ControlCore` (a Protocol: the core imports the view)."""
+
+    life: Lifecycle
+    cohort: Cohort
+    cycle: AveragingCycle
+    dispatch: Dispatcher
+    anchor_seeded: bool
+
+    def outcome(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ReduceInFlight:
+    """The reduce in flight, as the simulator's cost model needs it."""
+
+    members: frozenset[int]
+    snapshot_steps: Mapping[int, int]
+    """cpu backend: each snapshot received so far, its rank's steps in the window."""
+
+
+class CoreView:
+    """A read-only window on a :class:`~.core.ControlCore` (see the module docstring)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: _Core) -> None:
+        self._core = core
+
+    # -- the run's phase and end ----------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._core.life.phase
+
+    def is_(self, *phases: Phase) -> bool:
+        return self._core.life.is_(*phases)
+
+    @property
+    def status(self) -> Status:
+        return self._core.life.status
+
+    @property
+    def ending(self) -> bool:
+        """The run is on its way out (a ShutdownWithSave, a failure): no new work."""
+        return self._core.life.ending
+
+    @property
+    def failure(self) -> Optional[str]:
+        return self._core.life.failure
+
+    @property
+    def end_reason(self) -> Optional[str]:
+        return self._core.life.end_reason
+
+    # -- progress ----------------------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """Batches averaged into the consensus so far, all ranks together."""
+        return self._core.cycle.global_step
+
+    @property
+    def syncs(self) -> int:
+        """Finished reduces."""
+        return self._core.cycle.version
+
+    @property
+    def epochs_aggregated(self) -> int:
+        return self._core.dispatch.last_aggregated + 1
+
+    def reduce_in_flight(self) -> Optional[ReduceInFlight]:
+        red = self._core.cycle.in_flight
+        if red is None:
+            return None
+        return ReduceInFlight(frozenset(red.members), {r: s.n for r, s in red.snapshots.items()})
+
+    # -- the cohort --------------------------------------------------------------------------------
+    def alive(self, r: int) -> bool:
+        return self._core.cohort.alive(r)
+
+    def alive_ranks(self) -> list[int]:
+        return self._core.cohort.alive_ranks()
+
+    # -- the result --------------------------------------------------------------------------------
+    @property
+    def anchor_seeded(self) -> bool:
+        """Whether the last :class:`~.commands.AnchorHint` set ElChe's cold-start anchor."""
+        return self._core.anchor_seeded
+
+    def outcome(self) -> dict[str, Any]:
+        return self._core.outcome()
