@@ -200,9 +200,9 @@ class Harness:
         if isinstance(p, (StartEpoch, ExtendPartition)):
             self.finish_chunk(r, StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
         elif isinstance(p, RequestParams):
-            self.snapshot(r, self.co.cycle.steps(r), float(r))
+            self.snapshot(r, self.co.core.cycle.steps(r), float(r))
         elif isinstance(p, SyncNow):
-            self.msg(r, SyncAck(n=self.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+            self.msg(r, SyncAck(n=self.co.core.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
         elif isinstance(p, RequestSession):
             self.msg(r, SessionReady(generation=p.generation, session=f"s{p.generation}"))
         elif isinstance(p, Save):
@@ -217,7 +217,7 @@ class Harness:
                 return
             todo += self.transport.take()
             for r, p in todo:
-                if r in alive and self.co.cohort.alive(r):
+                if r in alive and self.co.core.cohort.alive(r):
                     self.answer(r, p)
             todo = []
             self.tick()

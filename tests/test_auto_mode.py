@@ -110,7 +110,7 @@ def test_auto_probes_before_the_first_chunk_and_trains_every_pick_once_in_the_ch
     h = Harness(tmp_path, "nccl_cadence", world=2, epochs=3, **{"mode.auto": True})
     sent = _join_and_start(h)
     assert not any(isinstance(p, StartEpoch) for _, p in sent), "no chunk before the probe answered"
-    assert h.co.life.is_(Phase.CONNECTING)
+    assert h.co.core.life.is_(Phase.CONNECTING)
     probes = [(r, p) for r, p in sent if isinstance(p, Probe)]
     assert sorted(r for r, _ in probes) == [0, 1] and all(p.steps == PROBE_STEPS for _, p in probes)
     _answer_probes(h)
@@ -127,10 +127,10 @@ def test_auto_probes_before_the_first_chunk_and_trains_every_pick_once_in_the_ch
     plans = h.plans()
     assert sorted(plans) == [0, 1], "the first chunks go out once the mode is chosen"
     assert all(len({(p.epoch, p.offset) for p in ps}) == len(ps) for ps in plans.values()), "a chunk sent twice"
-    h.play([0, 1], until=lambda: h.co.dispatch.all_aggregated(), pending=[(r, p) for r, ps in plans.items() for p in ps])
-    total = h.co.dispatch.total
+    h.play([0, 1], until=lambda: h.co.core.dispatch.all_aggregated(), pending=[(r, p) for r, ps in plans.items() for p in ps])
+    total = h.co.core.dispatch.total
     for e in range(3):
-        assert sum(size for _, size in h.co.dispatch.coverage[e]) == total, f"epoch {e} not trained whole"
+        assert sum(size for _, size in h.co.core.dispatch.coverage[e]) == total, f"epoch {e} not trained whole"
     assert h.co.result()["auto"]["mode"] == choice.mode
 
 
@@ -219,10 +219,10 @@ def test_a_resumed_auto_run_trains_on_in_the_mode_its_bundle_was_saved_in(tmp_pa
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    meta = ck.load_meta(h.co.writer.stem)
+    meta = ck.load_meta(h.co.core.writer.stem)
     assert meta.mode == "cpu_sync" and meta.extra == {}
     spec = make_spec(make_config("nccl_cadence", 2, 2, **{"mode.auto": True}), tmp_path / "next", attempt=1,
-                     resume=Resume(h.co.writer.stem, meta))
+                     resume=Resume(h.co.core.writer.stem, meta))
     sink = FakeSink()
     co = Coordinator(spec, FakeTransport(), None, sink, str(tmp_path), clock=h.clock)  # type: ignore[arg-type]
     assert co.auto is None and co.core.mode.name == "cpu_sync" and sink.tags["auto.choice"] == "cpu_sync"

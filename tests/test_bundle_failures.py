@@ -32,23 +32,23 @@ def _stale_bundle(stem: str) -> None:
 
 def test_an_enospc_on_a_rank_fails_the_final_bundle_no_meta_and_stale_pieces_are_gone(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
-    stem = h.co.writer.stem
+    stem = h.co.core.writer.stem
     _stale_bundle(stem)  # a reused save_path: an earlier run's bundle sits there
     evals, saves = h.final_saves()
     assert saves and not any(os.path.exists(p) for p in ck.bundle_files(stem)), "stale pieces removed before the save"
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem, error=None if p.model else ENOSPC))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    assert h.co.life.phase is not Phase.FINISHING
+    assert h.co.core.life.phase is not Phase.FINISHING
     assert not os.path.exists(ck.meta_path(stem)), "a failed bundle gets no meta"
-    assert "No space left" in h.co.writer.failed[stem]
+    assert "No space left" in h.co.core.writer.failed[stem]
     assert "No space left" in h.sink.tags["bundle_failed.final"]
     assert not [a for a in h.sink.artifacts if a[0].startswith(stem + ".")]
 
 
 def test_a_failed_meta_write_fails_the_bundle(tmp_path, monkeypatch):
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
-    stem = h.co.writer.stem
+    stem = h.co.core.writer.stem
     evals, saves = h.final_saves()
 
     def full(*a: Any, **k: Any) -> None:
@@ -58,18 +58,18 @@ def test_a_failed_meta_write_fails_the_bundle(tmp_path, monkeypatch):
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    assert "meta could not be written" in h.co.writer.failed[stem]
-    assert stem not in h.co.writer.completed
+    assert "meta could not be written" in h.co.core.writer.failed[stem]
+    assert stem not in h.co.core.writer.completed
 
 
 def test_a_complete_bundle_lists_its_pieces(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
-    stem = h.co.writer.stem
+    stem = h.co.core.writer.stem
     evals, saves = h.final_saves()
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    assert h.co.life.status is Status.FINISHED
+    assert h.co.core.life.status is Status.FINISHED
     meta = json.loads(open(ck.meta_path(stem)).read())
     assert sorted(meta["pieces"]) == ["final.optim.pt", "final.optim.r1.pt", "final.pt"]
 
@@ -105,7 +105,7 @@ def test_a_failed_final_bundle_ends_the_run_failed_with_the_reason(tmp_path):
     res = json.loads((tmp_path / "result.json").read_text())
     assert rc == 1 and sink.status == "FAILED"
     assert res["status"] == "FAILED" and "bundle" in res["failure"] and "No space left" in res["failure"]
-    assert "No space left" in res["failed_bundles"][h.co.writer.stem]
+    assert "No space left" in res["failed_bundles"][h.co.core.writer.stem]
     assert "No space left" in h.sink.tags["error"]
 
 

@@ -51,9 +51,9 @@ def test_a_death_during_a_reduce_regroups_and_the_reduce_finishes_on_the_survivo
         h.batches(r, plans[r][0].chunk, 1)
     h.tick()
     assert [r for r, _ in h.transport.take(SyncNow)] == [0, 1, 2]
-    assert h.co.cycle.in_flight is not None
+    assert h.co.core.cycle.in_flight is not None
     h.ack_all([0, 1])
-    assert h.co.cycle.in_flight is not None, "rank 2 has not answered"
+    assert h.co.core.cycle.in_flight is not None, "rank 2 has not answered"
     h.co.on_event(("closed", 2, "closed"))  # rank 2 dies inside the all_reduce
     sent = h.transport.take()
     # Regroup, step 1: the generator (equal step times: the lowest rank) makes the session id ...
@@ -67,55 +67,55 @@ def test_a_death_during_a_reduce_regroups_and_the_reduce_finishes_on_the_survivo
     assert sum(p.size for p in extends) == plans[2][0].size
     assert min(p.offset for p in extends) == plans[2][0].offset
     # The reduce finished with the live members only: rank 2's unreduced step is not counted.
-    assert h.co.cycle.in_flight is None and h.co.cycle.version == 1 and h.co.cycle.global_step == 2
+    assert h.co.core.cycle.in_flight is None and h.co.core.cycle.version == 1 and h.co.core.cycle.global_step == 2
     assert any(isinstance(p, SetGlobalStep) and p.global_step == 2 for _, p in sent)
-    assert [d.rank for d in h.co.cohort.deaths] == [2] and h.sink.tags["regroups"] == 1
-    assert h.co.life.phase is Phase.TRAINING and h.co.life.status is Status.RUNNING
+    assert [d.rank for d in h.co.core.cohort.deaths] == [2] and h.sink.tags["regroups"] == 1
+    assert h.co.core.life.phase is Phase.TRAINING and h.co.core.life.status is Status.RUNNING
 
 
 def test_unrecoverable_loss_ends_with_shutdown_with_save(tmp_path):
     h = Harness(tmp_path, "nccl_sync", world=2)
     h.start()
     h.co.on_event(("closed", 1, "closed"))
-    assert h.co.life.phase is Phase.SAVING and h.co.life.status is Status.FAILED
-    assert h.co.life.failure is not None and h.co.life.failure.startswith("single_survivor: rank 1")
+    assert h.co.core.life.phase is Phase.SAVING and h.co.core.life.status is Status.FAILED
+    assert h.co.core.life.failure is not None and h.co.core.life.failure.startswith("single_survivor: rank 1")
     saves = h.transport.take(Save)
     assert [(r, p.primary, p.model) for r, p in saves] == [(0, True, True)]
     stem = saves[0][1].stem
     assert stem.endswith("final_failure") and not os.path.exists(stem + ".meta.json"), "the meta is written last"
     h.msg(0, SaveResult(stem=stem))
     assert json.load(open(stem + ".meta.json"))["save_reason"] == "single_survivor"
-    assert h.co.life.phase is Phase.SHUTDOWN
+    assert h.co.core.life.phase is Phase.SHUTDOWN
     assert [r for r, _ in h.transport.take(Shutdown)] == [0]
     h.msg(0, Exiting(rank=0, pid=100, hash="x", steps=0, global_step=0))
     h.tick()
-    assert h.co.life.phase is Phase.DONE and h.co.result()["saved_stem"] == stem
+    assert h.co.core.life.phase is Phase.DONE and h.co.result()["saved_stem"] == stem
 
 
 def test_shutdown_with_save_gives_up_at_its_deadline(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=3, **{"cluster.max_failure": 1})
     h.start()
     h.co.on_event(("closed", 2, "closed"))
-    assert h.co.life.phase is Phase.SAVING and (h.co.life.failure or "").startswith("max_failure_exceeded")
+    assert h.co.core.life.phase is Phase.SAVING and (h.co.core.life.failure or "").startswith("max_failure_exceeded")
     h.pass_time(61, alive=[0, 1])
     h.tick()
-    assert h.co.life.phase is Phase.SHUTDOWN and h.co.life.status is Status.FAILED
+    assert h.co.core.life.phase is Phase.SHUTDOWN and h.co.core.life.status is Status.FAILED
 
 
 def test_preemption_in_progressive_modes_snapshots_coverage_at_the_next_reduce(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=2, epochs=3)
     plans = h.start()
-    h.co.preemption.request_preempt()
+    h.co.core.preemption.request_preempt()
     h.tick()
-    req = h.co.preemption.request
-    assert req is not None and req.stage is Stage.ARMED and h.co.life.phase is Phase.TRAINING
+    req = h.co.core.preemption.request
+    assert req is not None and req.stage is Stage.ARMED and h.co.core.life.phase is Phase.TRAINING
     for r in (0, 1):  # one window: each rank's first chunk (equal split until ElChe has measured)
         h.finish_chunk(r, plans[r][0])
     h.tick()
     assert [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
     h.snapshot(0, plans[0][0].size // BATCH, 1.0)
     h.snapshot(1, plans[1][0].size // BATCH, 3.0)
-    assert req.stage is Stage.SAVING and h.co.life.phase is Phase.PREEMPTING
+    assert req.stage is Stage.SAVING and h.co.core.life.phase is Phase.PREEMPTING
     sent = h.transport.take()
     assert not [p for _, p in sent if isinstance(p, StartEpoch)], "no chunk after the snapshot"
     assert [r for r, p in sent if isinstance(p, Save)] == [0, 1]
@@ -123,11 +123,11 @@ def test_preemption_in_progressive_modes_snapshots_coverage_at_the_next_reduce(t
     trained = sum(plans[r][0].size for r in (0, 1) if plans[r][0].epoch == lowest["epoch"])
     uncovered = sum(size for _, size in lowest["uncovered_ranges"])
     assert uncovered == SAMPLES - trained, "what was trained and reduced is covered, the rest is not"
-    assert req.epoch == lowest["epoch"] == h.co.dispatch.current_epoch()
+    assert req.epoch == lowest["epoch"] == h.co.core.dispatch.current_epoch()
     for r, p in sent:
         if isinstance(p, Save):
             h.msg(r, SaveResult(stem=p.stem))
-    assert h.co.life.status is Status.PREEMPTED and h.co.life.phase is Phase.SHUTDOWN
+    assert h.co.core.life.status is Status.PREEMPTED and h.co.core.life.phase is Phase.SHUTDOWN
     mark = json.load(open(os.path.join(h.job_dir, "preempted.json")))
     assert mark["stem"] == req.stem and mark["epoch"] == req.epoch
     meta = json.load(open(req.stem + ".meta.json"))
@@ -138,9 +138,9 @@ def test_preemption_without_progressive_dispatch_runs_one_consensus_reduce_first
     h = Harness(tmp_path, "cpu_sync", world=2)
     plans = h.start()
     h.batches(0, plans[0][0].chunk, 1)
-    h.co.preemption.request_preempt()
+    h.co.core.preemption.request_preempt()
     h.tick()  # REQUESTED -> REDUCE; rank 1 has not stepped, so the sync gate is closed
-    assert h.co.preemption.request is not None and h.co.preemption.request.stage is Stage.REDUCE
+    assert h.co.core.preemption.request is not None and h.co.core.preemption.request.stage is Stage.REDUCE
     h.tick()  # the consensus reduce
     reqs = h.transport.take(RequestParams)
     assert [r for r, _ in reqs] == [0, 1] and all(p.barrier for _, p in reqs)
@@ -149,9 +149,9 @@ def test_preemption_without_progressive_dispatch_runs_one_consensus_reduce_first
     updates = h.transport.take(Update)
     assert [(r, p.alpha) for r, p in updates] == [(0, None), (1, None)]
     h.tick()
-    assert h.co.life.phase is Phase.PREEMPTING
+    assert h.co.core.life.phase is Phase.PREEMPTING
     _save_all(h, [0, 1])
-    assert h.co.life.status is Status.PREEMPTED
+    assert h.co.core.life.status is Status.PREEMPTED
 
 
 def test_a_preemption_with_no_reduce_coming_fires_one_for_a_coverage_granular_bundle(tmp_path):
@@ -165,21 +165,21 @@ def test_a_preemption_with_no_reduce_coming_fires_one_for_a_coverage_granular_bu
     for r in (0, 1):
         h.batches(r, plans[r][0].chunk, 2)
     h.transport.take()
-    h.co.preemption.request_preempt()
+    h.co.core.preemption.request_preempt()
     h.tick()
-    req = h.co.preemption.request
+    req = h.co.core.preemption.request
     assert req is not None and req.stage is Stage.ARMED
     h.pass_time(PREEMPT_ARM_FALLBACK_S + 1, alive=[0, 1])
     h.tick()
-    assert h.co.life.phase is Phase.TRAINING and [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
+    assert h.co.core.life.phase is Phase.TRAINING and [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
     h.snapshot(0, 2, 1.0)
     h.snapshot(1, 2, 3.0)
-    assert h.co.life.phase is Phase.PREEMPTING
+    assert h.co.core.life.phase is Phase.PREEMPTING
     _save_all(h, [0, 1])
-    meta = json.load(open(h.co.preemption.request.stem + ".meta.json"))
+    meta = json.load(open(h.co.core.preemption.request.stem + ".meta.json"))
     assert meta["save_reason"] == "preempted" and meta["coverage"]["per_epoch"], meta["coverage"]
     cov = meta["coverage"]["per_epoch"][0]
-    assert cov["epoch"] == 0 and h.co.life.status is Status.PREEMPTED
+    assert cov["epoch"] == 0 and h.co.core.life.status is Status.PREEMPTED
     # the two batches each rank trained of its in-flight chunk are in the saved consensus: covered, not retrained
     for r in (0, 1):
         start = plans[r][0].offset
@@ -190,15 +190,15 @@ def test_a_preemption_with_no_reduce_coming_fires_one_for_a_coverage_granular_bu
 def test_a_preemption_bundle_not_written_in_time_fails_the_run(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=2)
     h.start()
-    h.co.preemption.request_preempt()
+    h.co.core.preemption.request_preempt()
     h.tick()
     h.pass_time(PREEMPT_SAVE_DEADLINE_S + 1, alive=[0, 1])  # no reduce finished, and the fallback save never completes
     h.tick()
-    assert h.co.life.phase is Phase.PREEMPTING  # the 10 s fallback: an epoch-granular save went out
+    assert h.co.core.life.phase is Phase.PREEMPTING  # the 10 s fallback: an epoch-granular save went out
     h.transport.take()
     h.tick()
-    assert h.co.life.status is Status.FAILED and h.co.life.end_reason == "time_limit"
-    assert h.co.life.phase is Phase.SHUTDOWN
+    assert h.co.core.life.status is Status.FAILED and h.co.core.life.end_reason == "time_limit"
+    assert h.co.core.life.phase is Phase.SHUTDOWN
 
 
 def test_sigterm_while_saving_ends_at_once_with_the_failure(tmp_path):
@@ -206,23 +206,23 @@ def test_sigterm_while_saving_ends_at_once_with_the_failure(tmp_path):
     h = Harness(tmp_path, "nccl_sync", world=2, **slurm)
     h.start()
     h.co.on_event(("closed", 1, "closed"))
-    assert h.co.life.phase is Phase.SAVING
-    h.co.preemption.request_terminate()
+    assert h.co.core.life.phase is Phase.SAVING
+    h.co.core.preemption.request_terminate()
     h.tick()
-    assert h.co.life.phase is Phase.DONE and h.co.life.status is Status.FAILED
-    assert "then the job step was terminated: SIGTERM" in (h.co.life.failure or "")
-    assert h.co.life.end_reason == "rank_failure"
+    assert h.co.core.life.phase is Phase.DONE and h.co.core.life.status is Status.FAILED
+    assert "then the job step was terminated: SIGTERM" in (h.co.core.life.failure or "")
+    assert h.co.core.life.end_reason == "rank_failure"
 
 
 def test_sigterm_without_a_failure_is_a_cancel_after_the_grace(tmp_path):
     h = Harness(tmp_path, "nccl_sync", world=2)
     h.start()
-    h.co.preemption.request_terminate()
+    h.co.core.preemption.request_terminate()
     h.tick()
-    assert h.co.life.phase is Phase.TRAINING, "a preemption request may still follow"
+    assert h.co.core.life.phase is Phase.TRAINING, "a preemption request may still follow"
     h.clock.advance(TERM_GRACE_S + 0.1)
     h.tick()
-    assert h.co.life.phase is Phase.DONE and h.co.life.status is Status.KILLED and h.co.life.end_reason == "cancelled"
+    assert h.co.core.life.phase is Phase.DONE and h.co.core.life.status is Status.KILLED and h.co.core.life.end_reason == "cancelled"
 
 
 def test_epochs_aggregate_in_order_behind_a_straggler(tmp_path):
@@ -236,7 +236,7 @@ def test_epochs_aggregate_in_order_behind_a_straggler(tmp_path):
     assert h.sink.epochs_logged() == [0]
     nxt = h.plans()
     assert sorted(nxt) == [0, 1] and all(p[0].epoch == 1 for p in nxt.values())
-    assert h.co.dispatch.coverage[0] == [[plans[0][0].offset, 0], [plans[1][0].offset, 0]]
+    assert h.co.core.dispatch.coverage[0] == [[plans[0][0].offset, 0], [plans[1][0].offset, 0]]
 
 
 def test_the_run_ends_only_after_the_last_reduce_settles(tmp_path):
@@ -246,12 +246,12 @@ def test_the_run_ends_only_after_the_last_reduce_settles(tmp_path):
         h.finish_chunk(r, plans[r][0], trained=1)  # one step each, never reduced
     h.transport.take()
     h.tick()  # the sync gate fires (both stepped) and the epoch aggregates
-    assert h.transport.take(SyncNow) and h.co.life.phase is Phase.DRAINING
+    assert h.transport.take(SyncNow) and h.co.core.life.phase is Phase.DRAINING
     h.tick(3)
-    assert h.co.life.phase is Phase.DRAINING and not h.transport.take(ExecuteEval), "no final eval before the reduce settles"
+    assert h.co.core.life.phase is Phase.DRAINING and not h.transport.take(ExecuteEval), "no final eval before the reduce settles"
     h.ack_all([0, 1])
     h.tick()
-    assert h.co.life.phase is Phase.FINISHING
+    assert h.co.core.life.phase is Phase.FINISHING
     sent = h.transport.take()
     evals = [(r, p) for r, p in sent if isinstance(p, ExecuteEval)]
     assert len(evals) == 1 and evals[0][1].final
@@ -259,14 +259,14 @@ def test_the_run_ends_only_after_the_last_reduce_settles(tmp_path):
     assert sorted(r for r, _ in saves) == [0, 1] and sum(p.model for _, p in saves) == 1
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
-    assert h.co.life.phase is Phase.FINISHING, "the final eval is outstanding"
+    assert h.co.core.life.phase is Phase.FINISHING, "the final eval is outstanding"
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    assert h.co.life.status is Status.FINISHED and h.co.life.phase is Phase.SHUTDOWN
-    assert json.load(open(h.co.writer.stem + ".meta.json"))["save_reason"] == "completed"
+    assert h.co.core.life.status is Status.FINISHED and h.co.core.life.phase is Phase.SHUTDOWN
+    assert json.load(open(h.co.core.writer.stem + ".meta.json"))["save_reason"] == "completed"
     for r in (0, 1):
         h.msg(r, Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=2))
     h.tick()
-    assert h.co.life.phase is Phase.DONE and h.co.result()["global_step"] == 2
+    assert h.co.core.life.phase is Phase.DONE and h.co.result()["global_step"] == 2
 
 
 def test_the_final_eval_moves_when_its_rank_dies(tmp_path):
@@ -278,7 +278,7 @@ def test_the_final_eval_moves_when_its_rank_dies(tmp_path):
     h.tick()
     h.tick()
     evals = h.transport.take(ExecuteEval)
-    assert h.co.life.phase is Phase.FINISHING and len(evals) == 1
+    assert h.co.core.life.phase is Phase.FINISHING and len(evals) == 1
     cb = evals[0][0]
     h.co.on_event(("closed", cb, "closed"))
     moved = h.transport.take()
@@ -305,14 +305,14 @@ def test_batches_trained_after_a_cpu_snapshot_do_not_carry_into_the_next_window(
     and the reference resets the window at adoption: they weigh nothing in the next reduce nor open its gate."""
     h = Harness(tmp_path, "cpu_async", world=2, epochs=3)
     plans = h.start(samples=480)
-    h.play([0, 1], lambda: h.co.cycle.in_flight is not None, pending=[(r, p) for r, ps in plans.items() for p in ps])
+    h.play([0, 1], lambda: h.co.core.cycle.in_flight is not None, pending=[(r, p) for r, ps in plans.items() for p in ps])
     assert [r for r, _ in h.transport.take(RequestParams)] == [0, 1]
-    n = [h.co.cycle.steps(r) for r in (0, 1)]
+    n = [h.co.core.cycle.steps(r) for r in (0, 1)]
     h.snapshot(0, n[0], 1.0)
     h.batches(0, 999, 2)  # trained while the other snapshot is on the way (no barrier in cpu_async)
     h.snapshot(1, n[1], 3.0)
-    assert h.co.cycle.in_flight is None and h.co.cycle.global_step == sum(n)
-    assert [h.co.cycle.steps(r) for r in (0, 1)] == [0, 0]
+    assert h.co.core.cycle.in_flight is None and h.co.core.cycle.global_step == sum(n)
+    assert [h.co.core.cycle.steps(r) for r in (0, 1)] == [0, 0]
 
 
 def test_a_death_is_recorded_beside_the_bundle_and_logged(tmp_path):
@@ -321,12 +321,12 @@ def test_a_death_is_recorded_beside_the_bundle_and_logged(tmp_path):
     h.batches(2, plans[2][0].chunk, 3)
     h.msg(2, RankError(error="RuntimeError: injected", traceback="Traceback ...\nRuntimeError: injected"))
     h.co.on_event(("closed", 2, "closed"))
-    path = h.co.writer.stem + ".death.json"
+    path = h.co.core.writer.stem + ".death.json"
     rec = json.load(open(path))["deaths"]
     assert [(d["rank"], d["last_step"], d["epoch"]) for d in rec] == [(2, 3, 0)]
     assert rec[0]["reason"] == "connection closed: RuntimeError: injected" and "Traceback" in rec[0]["traceback"]
     assert rec[0]["unix_time"] > 0 and (path, "deaths") in h.sink.artifacts
-    assert h.co.life.phase is Phase.TRAINING, "one loss of three is recoverable on cpu"
+    assert h.co.core.life.phase is Phase.TRAINING, "one loss of three is recoverable on cpu"
 
 
 @pytest.mark.parametrize(("pct", "ends"), [(0.3, True), (0.5, False)])
@@ -335,9 +335,9 @@ def test_max_failure_as_a_share_of_the_world(tmp_path, pct, ends):
     h = Harness(tmp_path, "cpu_sync", world=3, **{"cluster.max_failure_pct": pct})
     h.start()
     h.co.on_event(("closed", 1, "closed"))
-    assert (h.co.life.phase is Phase.SAVING) is ends
+    assert (h.co.core.life.phase is Phase.SAVING) is ends
     if ends:
-        assert (h.co.life.failure or "").startswith("max_failure_exceeded")
+        assert (h.co.core.life.failure or "").startswith("max_failure_exceeded")
 
 
 def test_the_stall_watchdog_at_the_debug_interval_dumps_every_15_seconds_at_most_5_times(tmp_path, caplog):
@@ -392,11 +392,11 @@ def test_healthy_30_second_windows_write_no_stall_dump_by_default(tmp_path):
         for _ in range(3):  # 30 s of a window: both ranks alive, rank 1 still on its batch, no reduce yet
             h.pass_time(10, alive=[0, 1])
             h.tick()
-        assert h.co.cycle.global_step == 2 * k
+        assert h.co.core.cycle.global_step == 2 * k
         h.batches(1, chunk[1], 1)
         h.tick()  # the reduce fires
         h.ack_all([0, 1])
-        assert h.co.cycle.global_step == 2 * (k + 1)
+        assert h.co.core.cycle.global_step == 2 * (k + 1)
     assert windows * 30 > 120, "longer, all told, than the interval"
     assert not [f for f in os.listdir(tmp_path) if f.startswith("stall-")] and h.co.watchdog.paths == []
     events = os.path.join(tmp_path, "events.jsonl")
@@ -439,8 +439,8 @@ def test_a_dead_ranks_unreduced_batches_are_retrained_by_the_survivors(tmp_path,
     samples = 960
     h = Harness(tmp_path, mode, world=3, epochs=1)
     plans = h.start(samples=samples)
-    h.play([0, 1, 2], lambda: h.co.cycle.version >= 1, pending=[(r, p) for r, ps in plans.items() for p in ps])
-    reduced = h.co.dispatch.accs[0].ranks[2].samples
+    h.play([0, 1, 2], lambda: h.co.core.cycle.version >= 1, pending=[(r, p) for r, ps in plans.items() for p in ps])
+    reduced = h.co.core.dispatch.accs[0].ranks[2].samples
     assert reduced > 0
     pending = h.transport.take()
     chunks2 = [p for r, p in pending if r == 2 and isinstance(p, StartEpoch)]
@@ -453,17 +453,17 @@ def test_a_dead_ranks_unreduced_batches_are_retrained_by_the_survivors(tmp_path,
             h.batches(2, more[0].chunk, 1)  # ... one batch of the next
     else:
         h.batches(2, chunks2[0].chunk, 2)  # two batches of the running chunk
-    unreduced = h.co.cycle.steps(2)
+    unreduced = h.co.core.cycle.steps(2)
     assert unreduced > 0
     h.co.on_event(("closed", 2, "closed"))
-    assert h.co.cohort.deaths[0].unreduced_steps == unreduced
+    assert h.co.core.cohort.deaths[0].unreduced_steps == unreduced
     h.play([0, 1], lambda: 0 in h.sink.epochs_logged(), pending=[(r, p) for r, p in pending if r != 2])
-    cov = h.co.dispatch.coverage[0]
+    cov = h.co.core.dispatch.coverage[0]
     assert _covered_once(cov, samples), cov
-    acc = h.co.dispatch.accs[0]
+    acc = h.co.core.dispatch.accs[0]
     assert acc.ranks[2].samples == reduced, "rank 2 keeps only what a reduce took in"
     assert acc.ranks[0].samples + acc.ranks[1].samples + reduced == samples
-    assert h.co.dispatch.lost_picks == 0
+    assert h.co.core.dispatch.lost_picks == 0
 
 
 def _play_to_the_end(h: Harness, ranks: list[int], samples: int = SAMPLES) -> list[tuple[int, Any]]:
@@ -473,7 +473,7 @@ def _play_to_the_end(h: Harness, ranks: list[int], samples: int = SAMPLES) -> li
     todo = [(r, p) for r, ps in plans.items() for p in ps]
     seen += todo
     for _ in range(2000):
-        if h.co.life.phase is Phase.FINISHING:
+        if h.co.core.life.phase is Phase.FINISHING:
             return seen + h.transport.take()
         batch = h.transport.take()
         seen += batch
@@ -482,7 +482,7 @@ def _play_to_the_end(h: Harness, ranks: list[int], samples: int = SAMPLES) -> li
             h.answer(r, p)
         todo = []
         h.tick()
-    raise AssertionError(f"the run did not reach FINISHING (phase {h.co.life.phase})")
+    raise AssertionError(f"the run did not reach FINISHING (phase {h.co.core.life.phase})")
 
 
 def test_periodic_checkpoints_do_not_change_cpu_async_training(tmp_path):
@@ -490,7 +490,7 @@ def test_periodic_checkpoints_do_not_change_cpu_async_training(tmp_path):
     reduce, no hold of the next epoch, and the EASGD blend stays on every training reduce."""
     h = Harness(tmp_path, "cpu_async", world=2, epochs=4, **{"checkpoint.every": 1})
     sent = _play_to_the_end(h, [0, 1], samples=480)
-    assert Phase.CHECKPOINTING not in h.co.life.history
+    assert Phase.CHECKPOINTING not in h.co.core.life.history
     barrier_versions = {p.version for _, p in sent if isinstance(p, RequestParams) and p.barrier}
     last = max(p.version for _, p in sent if isinstance(p, RequestParams))
     assert barrier_versions == {last}, "one consensus (barrier) reduce: the drain after the last epoch, none for the bundles"
@@ -498,7 +498,7 @@ def test_periodic_checkpoints_do_not_change_cpu_async_training(tmp_path):
     assert {p.alpha for p in updates[:-2]} == {0.5} and {p.alpha for p in updates[-2:]} == {None}, \
         "the blend on every training reduce; the full overwrite only at the end"
     for e in (1, 2, 3):
-        meta = json.load(open(h.co.writer.stem_for("epoch", e) + ".meta.json"))
+        meta = json.load(open(h.co.core.writer.stem_for("epoch", e) + ".meta.json"))
         assert meta["save_reason"] == "periodic" and meta["epoch"] <= e
         per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
         assert meta["epoch"] == min(per), "a coverage-granular bundle: the resume trains only what it lacked"
@@ -511,10 +511,10 @@ def test_at_epoch_bundle_lands_inside_the_epoch_asked_for(tmp_path, mode):
     """Epochs far shorter than a window: the bundle still records epoch 2 (held open until it is taken)."""
     h = Harness(tmp_path, mode, world=2, epochs=5, **{"checkpoint.at_epoch": 2})
     _play_to_the_end(h, [0, 1], samples=48)
-    meta = json.load(open(h.co.writer.stem_for("at_epoch", 2) + ".meta.json"))
+    meta = json.load(open(h.co.core.writer.stem_for("at_epoch", 2) + ".meta.json"))
     per = {p["epoch"]: p for p in meta["coverage"]["per_epoch"]}
     assert meta["save_reason"] == "at_epoch" and meta["epoch"] == 2 and 2 in per, meta
-    assert h.co.dispatch.epoch_ceiling is None and h.sink.epochs_logged() == [0, 1, 2, 3, 4]
+    assert h.co.core.dispatch.epoch_ceiling is None and h.sink.epochs_logged() == [0, 1, 2, 3, 4]
 
 
 def test_a_rank_lost_before_it_joined_is_named_at_once(tmp_path):
@@ -562,7 +562,7 @@ def test_a_rank_lost_during_start_up_leads_the_error_before_a_collateral_close(t
         marker["pid"] = task.pid
         json.dump(marker, open(rank_marker_path(h.job_dir, 1), "w"))
         h.co.on_event(("closed", 2, "closed"))  # rank 1 still runs: the close is not blamed yet
-        assert h.co.life.is_(Phase.CONNECTING)
+        assert h.co.core.life.is_(Phase.CONNECTING)
         task.send_signal(signal.SIGKILL)  # ... and is never reaped here: a zombie, as in the race
         with pytest.raises(RunFailure) as err:
             h.co.run(connect_timeout=600.0)
@@ -611,9 +611,9 @@ def test_a_failed_model_piece_is_written_by_another_live_rank(tmp_path):
     assert len(retry) == 1 and retry[0][0] != writer and retry[0][1].model and retry[0][1].primary
     assert h.sink.tags[f"save_error.rank{writer}"].startswith("OSError")
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    assert h.co.life.phase is Phase.FINISHING, "the retried piece is outstanding"
+    assert h.co.core.life.phase is Phase.FINISHING, "the retried piece is outstanding"
     h.msg(retry[0][0], SaveResult(stem=retry[0][1].stem))
-    assert h.co.life.status is Status.FINISHED
+    assert h.co.core.life.status is Status.FINISHED
 
 
 def test_a_cpu_async_run_with_periodic_checkpoints_trains_exactly_like_one_without(tmp_path):
@@ -635,8 +635,8 @@ def test_a_cpu_async_run_with_periodic_checkpoints_trains_exactly_like_one_witho
     plain = Harness(tmp_path / "plain", "cpu_async", world=2, epochs=4)
     ckpt = Harness(tmp_path / "ckpt", "cpu_async", world=2, epochs=4, **{"checkpoint.every": 1})
     assert trace(plain) == trace(ckpt)
-    assert plain.co.cycle.global_step == ckpt.co.cycle.global_step and plain.co.cycle.version == ckpt.co.cycle.version
-    assert os.path.exists(ckpt.co.writer.stem_for("epoch", 3) + ".meta.json")
+    assert plain.co.core.cycle.global_step == ckpt.co.core.cycle.global_step and plain.co.core.cycle.version == ckpt.co.core.cycle.version
+    assert os.path.exists(ckpt.co.core.writer.stem_for("epoch", 3) + ".meta.json")
 
 
 def test_a_silent_or_dead_regroup_generator_is_passed_over(tmp_path):
@@ -656,11 +656,11 @@ def test_a_silent_or_dead_regroup_generator_is_passed_over(tmp_path):
     h.tick()
     assert [r for r, _ in h.transport.take(RequestSession)] == [2]
     h.msg(0, SessionReady(generation=1, session="late"))  # passed over: ignored
-    assert h.transport.take(Regroup) == [] and h.co.faults.regroup is not None
+    assert h.transport.take(Regroup) == [] and h.co.core.faults.regroup is not None
     h.msg(2, SessionReady(generation=1, session="s"))
     regroups = {r: p for r, p in h.transport.take(Regroup)}
     assert regroups == {0: Regroup(1, 0, 2, [0, 2], "s"), 2: Regroup(1, 1, 2, [0, 2], "s")}
-    assert h.co.faults.regroup is None
+    assert h.co.core.faults.regroup is None
 
 
 def test_the_regroup_generator_is_the_lowest_live_rank_on_the_coordinators_host(tmp_path):
@@ -703,7 +703,7 @@ def test_no_generator_left_ends_the_run_with_a_bundle(tmp_path):
     for _ in range(2):
         h.pass_time(REGROUP_RETRY_S + 0.5, alive=[0, 1])
         h.tick()
-    assert h.co.life.phase is Phase.SAVING and (h.co.life.failure or "").startswith("single_survivor: no survivor produced")
+    assert h.co.core.life.phase is Phase.SAVING and (h.co.core.life.failure or "").startswith("single_survivor: no survivor produced")
 
 
 @pytest.mark.parametrize(("mode", "barrier"), [("cpu_cadence", True), ("cpu_sync", True), ("cpu_async", False)])
@@ -712,7 +712,7 @@ def test_cpu_ranks_wait_for_the_update_unless_it_is_blended(tmp_path, mode, barr
     ranks wait for the update. Only EASGD (cpu_async) streams on, its extra batches kept at (1 - alpha)."""
     h = Harness(tmp_path, mode, world=2, epochs=3)
     plans = h.start(samples=480)
-    h.play([0, 1], lambda: h.co.cycle.in_flight is not None, pending=[(r, p) for r, ps in plans.items() for p in ps])
+    h.play([0, 1], lambda: h.co.core.cycle.in_flight is not None, pending=[(r, p) for r, ps in plans.items() for p in ps])
     reqs = h.transport.take(RequestParams)
     assert reqs and {p.barrier for _, p in reqs} == {barrier}
 
@@ -732,9 +732,9 @@ def test_batches_trained_after_an_nccl_ack_count_toward_the_next_reduce(tmp_path
     h.batches(0, plans[0][0].chunk, 1)  # trained after its collective, before rank 1's ack
     h.msg(1, SyncAck(n=1, d=0.0, pre=1.0, post=1.0))
     h.tick()
-    assert h.co.cycle.in_flight is None
-    assert h.co.cycle.steps(0) == 1 and h.co.cycle.steps(1) == 0
-    assert h.co.cycle.any_steps([0, 1])
+    assert h.co.core.cycle.in_flight is None
+    assert h.co.core.cycle.steps(0) == 1 and h.co.core.cycle.steps(1) == 0
+    assert h.co.core.cycle.any_steps([0, 1])
 
 
 def test_a_dead_ranks_forfeit_in_an_epoch_the_survivors_left_is_trained_first(tmp_path):
@@ -745,14 +745,14 @@ def test_a_dead_ranks_forfeit_in_an_epoch_the_survivors_left_is_trained_first(tm
 
     h = Harness(tmp_path, "cpu_async", world=3, epochs=4)
     plans = h.start(samples=480)
-    d = h.co.dispatch
+    d = h.co.core.dispatch
     for r in (0, 2):
         h.finish_chunk(r, plans[r][0])
     h.transport.take()
     for cid in [c for c, ch in d.chunks.items() if ch.rank != 1]:  # 0 and 2: nothing in flight, a reduce behind
         del d.chunks[cid]
     for r in (0, 2):
-        h.co.cycle.ledger[r].steps = 0
+        h.co.core.cycle.ledger[r].steps = 0
     for e in (0, 1):  # ranks 0 and 2 drained epoch 0's pool and all of epoch 1's
         if e not in d.pools:
             d.pools[e] = ChunkPool(e, d.total, d.bs, [1, 1, 1])
@@ -801,11 +801,11 @@ def test_a_cold_start_probe_hands_the_fast_rank_the_rest_of_a_window_sized_by_sp
             break
         for _, p in got:
             h.finish_chunk(0, p)
-    assert h.co.cycle.in_flight is None, "no reduce before the slow rank ran its count"
+    assert h.co.core.cycle.in_flight is None, "no reduce before the slow rank ran its count"
     if mode == "cpu_async":  # streams to its budget: count + overshoot
-        assert h.co.cycle.steps(0) >= 30
+        assert h.co.core.cycle.steps(0) >= 30
     else:  # exactly the rest of its window
-        assert h.co.cycle.steps(0) == 30
+        assert h.co.core.cycle.steps(0) == 30
 
 
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
@@ -819,11 +819,11 @@ def test_a_fast_rank_does_not_idle_while_the_probe_waits_for_the_slow_rank(tmp_p
 
     h = Harness(tmp_path, mode, world=2, epochs=2)
     plans = h.start(samples=1920)  # 240 batches of 8
-    count = h.co.cycle.counts[0]
+    count = h.co.core.cycle.counts[0]
     h.finish_chunk(0, plans[0][0])
     handed = h.transport.take(StartEpoch, rank=0)
     assert handed, "the fast rank idled at its count while the probe was open"
-    trained = h.co.cycle.steps(0)
+    trained = h.co.core.cycle.steps(0)
     biggest = 0
     for _ in range(40):  # the probe never lands: the extra work is bounded
         got = h.transport.take(StartEpoch, rank=0) or handed
@@ -835,17 +835,17 @@ def test_a_fast_rank_does_not_idle_while_the_probe_waits_for_the_slow_rank(tmp_p
             break
     else:
         raise AssertionError("the fast rank was handed work without end while the probe was open")
-    budget = count + (h.co.dispatch.overshoot.value if mode == "cpu_async" else 0)
+    budget = count + (h.co.core.dispatch.overshoot.value if mode == "cpu_async" else 0)
     if mode == "cpu_async":  # an uncalibrated async chunk is not cut at the budget: one chunk per extension
-        assert budget < h.co.cycle.steps(0) <= budget + biggest + PROBE_EXTRA_WINDOWS * max(count, biggest)
+        assert budget < h.co.core.cycle.steps(0) <= budget + biggest + PROBE_EXTRA_WINDOWS * max(count, biggest)
     else:  # a cadence chunk stops at the extended count
-        assert budget < h.co.cycle.steps(0) == budget + PROBE_EXTRA_WINDOWS * count
-    assert h.co.cycle.in_flight is None and trained >= count
+        assert budget < h.co.core.cycle.steps(0) == budget + PROBE_EXTRA_WINDOWS * count
+    assert h.co.core.cycle.in_flight is None and trained >= count
     for ms in (40.0, 15.0, 15.0):  # the slow rank's probe steps (3x slower after its warm-up): counts [30, 10]
         h.msg(1, Batch(ms=ms, data_ms=0.1, chunk=plans[1][0].chunk, loss=1.0, lr=0.1))
     assert [e for e in _events(h) if e["event"] == "probe"][0]["counts"] == [30, 10]
-    assert h.co.dispatch._counts() == h.co.cycle.counts_view  # the extra is gone with the probe
-    assert h.co.cycle.in_flight is None, "no reduce before the slow rank ran its count"
+    assert h.co.core.dispatch._counts() == h.co.core.cycle.counts_view  # the extra is gone with the probe
+    assert h.co.core.cycle.in_flight is None, "no reduce before the slow rank ran its count"
 
 
 def _events(h: Harness) -> list[dict[str, Any]]:
@@ -860,17 +860,17 @@ def test_a_death_during_a_periodic_bundle_does_not_hold_it(tmp_path):
     'checkpointing' for the dead rank's save_result forever."""
     h = Harness(tmp_path, "cpu_sync", world=3, epochs=3, **{"checkpoint.every": 1})
     plans = h.start()
-    h.play([0, 1, 2], lambda: h.co.life.is_(Phase.CHECKPOINTING) and h.co.checkpoints.periodic is not None
-           and h.co.checkpoints.periodic.saving, pending=[(r, p) for r, ps in plans.items() for p in ps])
+    h.play([0, 1, 2], lambda: h.co.core.life.is_(Phase.CHECKPOINTING) and h.co.core.checkpoints.periodic is not None
+           and h.co.core.checkpoints.periodic.saving, pending=[(r, p) for r, ps in plans.items() for p in ps])
     saves = h.transport.take(Save)
     assert sorted(r for r, _ in saves) == [0, 1, 2]
     for r, p in saves:
         if r != 1:
             h.msg(r, SaveResult(stem=p.stem))
-    assert h.co.writer.pending == [1] and h.co.life.is_(Phase.CHECKPOINTING)
+    assert h.co.core.writer.pending == [1] and h.co.core.life.is_(Phase.CHECKPOINTING)
     h.co.on_event(("closed", 1, "closed"))
     h.tick()
-    assert h.co.life.is_(Phase.TRAINING), h.co.stall_state()
+    assert h.co.core.life.is_(Phase.TRAINING), h.co.stall_state()
     stem = next(p.stem for _, p in saves)
     meta = json.loads(open(stem + ".meta.json").read()) if os.path.exists(stem + ".meta.json") else None
     assert meta is not None and meta["save_reason"] == "periodic"
@@ -879,7 +879,7 @@ def test_a_death_during_a_periodic_bundle_does_not_hold_it(tmp_path):
 def test_the_model_piece_a_dead_rank_owed_moves_to_a_survivor(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=3, epochs=3, **{"checkpoint.every": 1})
     plans = h.start()
-    h.play([0, 1, 2], lambda: h.co.checkpoints.periodic is not None and h.co.checkpoints.periodic.saving,
+    h.play([0, 1, 2], lambda: h.co.core.checkpoints.periodic is not None and h.co.core.checkpoints.periodic.saving,
            pending=[(r, p) for r, ps in plans.items() for p in ps])
     saves = dict(h.transport.take(Save))
     model_rank = next(r for r, p in saves.items() if p.model)
@@ -891,7 +891,7 @@ def test_the_model_piece_a_dead_rank_owed_moves_to_a_survivor(tmp_path):
     assert len(moved) == 1 and moved[0][0] != model_rank and moved[0][1].model and moved[0][1].primary
     h.msg(moved[0][0], SaveResult(stem=moved[0][1].stem))
     h.tick()
-    assert h.co.life.is_(Phase.TRAINING) and not h.co.writer.failed
+    assert h.co.core.life.is_(Phase.TRAINING) and not h.co.core.writer.failed
 
 
 def test_picks_of_an_aggregated_epoch_in_no_reduce_are_retrained_not_lost(tmp_path):
@@ -900,19 +900,19 @@ def test_picks_of_an_aggregated_epoch_in_no_reduce_are_retrained_not_lost(tmp_pa
     step while the epoch's metrics counted them): now the survivors train them again as a chunk of epoch 0."""
     h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
     plans = h.start()
-    h.play([0, 1, 2], lambda: h.co.dispatch.last_aggregated >= 0 and h.co.cycle.steps(2) > 0,
+    h.play([0, 1, 2], lambda: h.co.core.dispatch.last_aggregated >= 0 and h.co.core.cycle.steps(2) > 0,
            pending=[(r, p) for r, ps in plans.items() for p in ps], rounds=2000)
-    unreduced = h.co.cycle.steps(2)
+    unreduced = h.co.core.cycle.steps(2)
     pending = h.transport.take()
     h.co.on_event(("closed", 2, "closed"))
     pending += h.transport.take()
     retrain = [(r, p) for r, p in pending if isinstance(p, (ExtendPartition, StartEpoch)) and p.epoch == 0]
     assert retrain and {r for r, _ in retrain} <= {0, 1}
-    assert h.co.dispatch.retrained_picks >= BATCH and h.co.dispatch.lost_picks == 0
-    assert sum(p.size for _, p in retrain) >= h.co.dispatch.retrained_picks
-    assert unreduced * BATCH >= h.co.dispatch.retrained_picks
-    h.play([0, 1], lambda: h.co.life.is_(Phase.FINISHING), pending=[(r, p) for r, p in pending if r != 2], rounds=2000)
-    assert h.co.cycle.global_step == 2 * (SAMPLES // BATCH), "every batch in exactly one reduce"
+    assert h.co.core.dispatch.retrained_picks >= BATCH and h.co.core.dispatch.lost_picks == 0
+    assert sum(p.size for _, p in retrain) >= h.co.core.dispatch.retrained_picks
+    assert unreduced * BATCH >= h.co.core.dispatch.retrained_picks
+    h.play([0, 1], lambda: h.co.core.life.is_(Phase.FINISHING), pending=[(r, p) for r, p in pending if r != 2], rounds=2000)
+    assert h.co.core.cycle.global_step == 2 * (SAMPLES // BATCH), "every batch in exactly one reduce"
 
 
 @pytest.mark.parametrize(("same_generation", "counted"), [(True, True), (False, False)])
@@ -926,16 +926,16 @@ def test_an_answer_of_a_rank_that_died_counts_only_if_the_survivors_completed_it
     h.transport.take()
     h.msg(2, SyncAck(n=1, d=0.01, pre=1.0, post=1.0, generation=0))  # rank 2 completed generation 0 ...
     h.co.on_event(("closed", 2, "closed"))  # ... and died
-    assert h.co.cohort.deaths[0].acked_steps == 1 and h.co.cohort.deaths[0].unreduced_steps == 0
+    assert h.co.core.cohort.deaths[0].acked_steps == 1 and h.co.core.cohort.deaths[0].unreduced_steps == 0
     h.msg(0, SessionReady(generation=1, session="s1"))
     gen = 0 if same_generation else 1  # the survivors completed the same collective, or redid it regrouped
     for r in (0, 1):
         h.msg(r, SyncAck(n=1, d=0.01, pre=1.0, post=1.0, generation=gen))
-    assert h.co.cycle.in_flight is None
-    assert h.co.cycle.global_step == (3 if counted else 2)
+    assert h.co.core.cycle.in_flight is None
+    assert h.co.core.cycle.global_step == (3 if counted else 2)
     extends = [p for _, p in h.transport.take(ExtendPartition)]
     if counted:
-        assert not h.co.dispatch.held
+        assert not h.co.core.dispatch.held
     else:  # rank 2's answered batch goes back to the survivors with the rest of its plan
         assert sum(p.size for p in extends) == plans[2][0].size
 
@@ -959,9 +959,9 @@ def _paced_play(h: Harness, speeds: list[int], samples: int, ticks: int = 1000) 
                 chunks[r].append([p.epoch, p.offset, p.size // BATCH, p.chunk, 0])
             elif isinstance(p, Throttle):
                 held[r] = True
-                seen.append(("throttle", r, h.co.cycle.steps(r), h.co.cycle.counts[r]))
+                seen.append(("throttle", r, h.co.core.cycle.steps(r), h.co.core.cycle.counts[r]))
             elif isinstance(p, RequestParams):
-                h.snapshot(r, h.co.cycle.steps(r), float(r))
+                h.snapshot(r, h.co.core.cycle.steps(r), float(r))
                 held[r] = held[r] or p.barrier
             elif isinstance(p, Update):
                 held[r] = False
@@ -969,7 +969,7 @@ def _paced_play(h: Harness, speeds: list[int], samples: int, ticks: int = 1000) 
                 h.msg(r, EvalResult(epoch=p.epoch, metrics={"accuracy": 0.5}, final=p.final))
             elif isinstance(p, Save):
                 h.msg(r, SaveResult(stem=p.stem))
-        if h.co.life.status is not Status.RUNNING:
+        if h.co.core.life.status is not Status.RUNNING:
             return seen, t
         for r in range(w):
             n = speeds[r]
@@ -998,8 +998,8 @@ def test_max_batch_diff_holds_the_fast_rank_and_the_run_still_finishes(tmp_path,
     h = Harness(tmp_path, mode, world=2, epochs=2, **{"mode.max_batch_diff": 2})
     throttles, _ = _paced_play(h, [3, 1], samples=960)
     assert throttles, "the throttle took part"
-    assert h.co.life.status is Status.FINISHED, (h.co.life.phase, h.co.cycle.global_step, h.co.stall_state())
-    assert h.co.cycle.global_step == 2 * 960 // BATCH
+    assert h.co.core.life.status is Status.FINISHED, (h.co.core.life.phase, h.co.core.cycle.global_step, h.co.stall_state())
+    assert h.co.core.cycle.global_step == 2 * 960 // BATCH
 
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
@@ -1026,10 +1026,10 @@ def test_the_references_gate_wedges_on_a_throttled_rank_short_of_its_count(tmp_p
     monkeypatch.setattr(AveragingCycle, "should_average", reference_gate)
     h = Harness(tmp_path, mode, world=2, epochs=2, **{"mode.max_batch_diff": 2})
     throttles, ticks = _paced_play(h, [3, 1], samples=960, ticks=300)
-    assert ticks == 300 and h.co.life.is_(Phase.TRAINING) and h.co.cycle.global_step == 0, "wedged"
+    assert ticks == 300 and h.co.core.life.is_(Phase.TRAINING) and h.co.core.cycle.global_step == 0, "wedged"
     assert sorted(r for _, r, _, _ in throttles) == [0, 1]
-    assert all(h.co.cycle.ledger[r].throttled and h.co.cycle.steps(r) < h.co.cycle.counts[r] for r in (0, 1))
-    assert all(h.co.dispatch.in_flight(r) and not h.co.dispatch.quiesced(r) for r in (0, 1))
+    assert all(h.co.core.cycle.ledger[r].throttled and h.co.core.cycle.steps(r) < h.co.core.cycle.counts[r] for r in (0, 1))
+    assert all(h.co.core.dispatch.in_flight(r) and not h.co.core.dispatch.quiesced(r) for r in (0, 1))
 
 
 def test_batches_of_an_extension_appended_to_a_running_chunk_are_booked_on_the_extension(tmp_path):
@@ -1043,14 +1043,14 @@ def test_batches_of_an_extension_appended_to_a_running_chunk_are_booked_on_the_e
     ext0 = next(p for r, p in h.transport.take(ExtendPartition) if r == 0)
     own = plans[0][0].size // BATCH
     h.batches(0, plans[0][0].chunk, own + 1)  # its whole plan, then one batch of the extension, under the plan's id
-    assert h.co.dispatch.progress[0].get(ext0.chunk) == 1
+    assert h.co.core.dispatch.progress[0].get(ext0.chunk) == 1
     for r in (1, 3):
         h.batches(r, plans[r][0].chunk, 1)
     h.tick()
     h.transport.take()
     for r in (0, 1, 3):
-        h.msg(r, SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0, generation=1))
-    assert h.co.cycle.in_flight is None and h.co.cycle.steps(0) == 0
+        h.msg(r, SyncAck(n=h.co.core.cycle.steps(r), d=0.01, pre=1.0, post=1.0, generation=1))
+    assert h.co.core.cycle.in_flight is None and h.co.core.cycle.steps(0) == 0
     h.co.on_event(("closed", 0, "closed"))  # every batch rank 0 trained is in the consensus
     back = [p for r, p in h.transport.take(ExtendPartition) if r in (1, 3)]
     assert sum(p.size for p in back) == ext0.size - BATCH, "only the extension's untrained rest goes back"

@@ -243,7 +243,7 @@ def test_an_eval_intent_is_folded_into_the_next_epoch_boundary(tmp_path, monkeyp
     plans = h.start()
     h.msg(1, Intent(kind="eval", epoch=0))
     h.msg(1, Intent(kind="reboot", epoch=0))  # not an intent: ignored
-    h.play([0, 1], until=lambda: h.co.dispatch.last_aggregated >= 1, pending=[(r, p[0]) for r, p in plans.items()])
+    h.play([0, 1], until=lambda: h.co.core.dispatch.last_aggregated >= 1, pending=[(r, p[0]) for r, p in plans.items()])
     # no periodic eval (eval.every=0): epoch 0's comes from the intent, epoch 1 has none
     assert [(e.epoch, e.final) for e in evals] == [(0, False)], evals
     assert [e["kind"] for e in _events(h) if e.get("event") == "intent"] == ["eval"]
@@ -255,7 +255,7 @@ def test_a_checkpoint_intent_takes_a_bundle_at_the_next_boundary(tmp_path):
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
     plans = h.start()
     h.msg(0, Intent(kind="checkpoint", epoch=0))
-    h.play([0, 1], until=lambda: h.co.dispatch.last_aggregated >= 1, pending=[(r, p[0]) for r, p in plans.items()])
+    h.play([0, 1], until=lambda: h.co.core.dispatch.last_aggregated >= 1, pending=[(r, p[0]) for r, p in plans.items()])
     done = [e for e in _events(h) if e.get("event") == "checkpoint"]
     assert [e["epoch"] for e in done] == [1] and done[0]["stem"].endswith("_epoch1")
 
@@ -284,7 +284,7 @@ def test_a_late_eval_intent_runs_at_once_and_duplicates_are_dropped(tmp_path):
 
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
     plans = h.start()
-    h.play([0, 1], until=lambda: h.co.dispatch.last_aggregated >= 0, pending=[(r, p[0]) for r, p in plans.items()])
+    h.play([0, 1], until=lambda: h.co.core.dispatch.last_aggregated >= 0, pending=[(r, p[0]) for r, p in plans.items()])
     h.transport.take()
     h.msg(0, Intent(kind="eval", epoch=0))
     h.msg(1, Intent(kind="eval", epoch=0))
@@ -301,8 +301,8 @@ def test_a_loop_error_ends_the_run_failed_with_its_traceback(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2, **fail)
     h.start()
     h.msg(2, RankError(error="ValueError: boom", traceback='File "loops.py", line 3, in main\nValueError: boom', loop=True))
-    failure = h.co.life.failure
-    assert h.co.life.status is Status.FAILED and failure is not None
+    failure = h.co.core.life.failure
+    assert h.co.core.life.status is Status.FAILED and failure is not None
     assert "loop_error" in failure and "loops.py" in failure
     assert "loops.py" in h.sink.tags["error"]
 
@@ -317,12 +317,12 @@ def test_a_loop_error_loses_the_rank_by_default_and_the_survivors_go_on(tmp_path
     h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
     h.start()
     h.msg(2, RankError(error="ValueError: boom", traceback='File "loops.py", line 3, in main\nValueError: boom', loop=True))
-    assert h.co.life.status is Status.RUNNING and h.co.life.phase is Phase.TRAINING
+    assert h.co.core.life.status is Status.RUNNING and h.co.core.life.phase is Phase.TRAINING
     assert "loops.py" in h.sink.tags["loop_error.rank2"] and "error" not in h.sink.tags
     h.co.on_event(("closed", 2, "closed"))
-    (death,) = h.co.cohort.deaths
+    (death,) = h.co.core.cohort.deaths
     assert death.rank == 2 and "ValueError: boom" in death.reason
-    assert h.co.life.status is Status.RUNNING and h.co.cohort.alive_ranks() == [0, 1]
+    assert h.co.core.life.status is Status.RUNNING and h.co.core.cohort.alive_ranks() == [0, 1]
 
 
 def test_a_rank_error_outside_a_loop_is_a_lost_rank_as_before(tmp_path):
@@ -331,7 +331,7 @@ def test_a_rank_error_outside_a_loop_is_a_lost_rank_as_before(tmp_path):
     h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
     h.start()
     h.msg(2, RankError(error="RuntimeError: injected fault"))
-    assert not h.co.life.ending and h.co.life.failure is None
+    assert not h.co.core.life.ending and h.co.core.life.failure is None
 
 
 def _events(h: Any) -> list[dict[str, Any]]:

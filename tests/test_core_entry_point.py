@@ -3,8 +3,8 @@ only through ``core.view``; it names none of the core's components.
 
 Read from source (``ast``): in each shell module below, an attribute of the core (``self.core.X``, ``engine.core.X``)
 must be ``handle`` or ``view``, and no attribute anywhere may be one of the core's components (``.cycle``,
-``.cohort``, ``.dispatch``, ...), so a component cannot be reached through an alias either. The coordinator joins
-the list when it is driven the same way (the simulator is, today).
+``.cohort``, ``.dispatch``, ...), so a component cannot be reached through an alias either: the simulator, the
+coordinator and its process entry (``control/main.py``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 from conftest import ROOT
 
-SHELLS = sorted((ROOT / "flodl_exp" / "simulate").glob("*.py"))
+SHELLS = [*sorted((ROOT / "flodl_exp" / "simulate").glob("*.py")), ROOT / "flodl_exp" / "control" / "coordinator.py",
+          ROOT / "flodl_exp" / "control" / "main.py"]
 """The modules held to the rule."""
 
 ENTRY = {"handle", "view"}
@@ -26,7 +27,7 @@ COMPONENTS = {"cycle", "cohort", "dispatch", "life", "writer", "faults", "preemp
 def _is_core(node: ast.expr) -> bool:
     """``self.core`` or ``<name>.core`` where the name is a variable (not a package path such as hydra.core)."""
     return (isinstance(node, ast.Attribute) and node.attr == "core" and isinstance(node.value, ast.Name)
-            and node.value.id in {"self", "engine", "sim", "e"})
+            and node.value.id in {"self", "engine", "sim", "e", "co"})
 
 
 def violations(path: Path) -> list[str]:

@@ -59,7 +59,7 @@ class _FuzzRun:
             for r, p in todo:
                 if r not in self.dead:
                     self._deliver(r, p)
-            if h.co.life.status is not Status.RUNNING:
+            if h.co.core.life.status is not Status.RUNNING:
                 return _check_end(h)
             for r in range(WORLD):
                 if r not in self.dead:
@@ -105,7 +105,7 @@ class _FuzzRun:
                 return
             h.msg(r, protocol.SaveResult(stem=p.stem))
         elif isinstance(p, protocol.Shutdown):
-            h.msg(r, protocol.Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=h.co.cycle.global_step))
+            h.msg(r, protocol.Exiting(rank=r, pid=100 + r, hash="x", steps=1, global_step=h.co.core.cycle.global_step))
 
     def _answer_reduce(self, r: int, p: Any) -> None:
         h = self.h
@@ -113,10 +113,10 @@ class _FuzzRun:
             self._die(r)
             return
         if isinstance(p, protocol.RequestParams):
-            h.snapshot(r, h.co.cycle.steps(r), float(r))
+            h.snapshot(r, h.co.core.cycle.steps(r), float(r))
             self.held[r] = self.held[r] or p.barrier
         else:
-            h.msg(r, protocol.SyncAck(n=h.co.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
+            h.msg(r, protocol.SyncAck(n=h.co.core.cycle.steps(r), d=0.01, pre=1.0, post=1.0))
         if self.armed.get(r) == "after_answer":
             self._die(r)
 
@@ -135,8 +135,8 @@ class _FuzzRun:
 
 
 def _check_end(h: Harness) -> Optional[str]:
-    if h.co.life.status is not Status.FINISHED:
-        return f"ended {h.co.life.status.value}: {h.co.life.failure}"
+    if h.co.core.life.status is not Status.FINISHED:
+        return f"ended {h.co.core.life.status.value}: {h.co.core.life.failure}"
     d = h.co.core.dispatch
     for e in range(EPOCHS):
         marks = [0] * SAMPLES
@@ -146,8 +146,8 @@ def _check_end(h: Harness) -> Optional[str]:
         if any(m != 1 for m in marks):
             return (f"epoch {e}: {sum(m == 0 for m in marks)} picks uncovered, "
                     f"{sum(m > 1 for m in marks)} covered twice")
-    if h.co.cycle.global_step != EPOCHS * SAMPLES // BATCH:
-        return f"global step {h.co.cycle.global_step}, the run has {EPOCHS * SAMPLES // BATCH} batches"
+    if h.co.core.cycle.global_step != EPOCHS * SAMPLES // BATCH:
+        return f"global step {h.co.core.cycle.global_step}, the run has {EPOCHS * SAMPLES // BATCH} batches"
     return None
 
 

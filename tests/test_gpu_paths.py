@@ -124,7 +124,7 @@ def test_a_periodic_eval_holds_the_collective_back(tmp_path):
                 h.answer(r, p)
         h.tick()
     assert not held, "no collective while the eval runs"
-    assert h.co.cycle.should_average(h.co.cohort.alive_ranks(), h.co.dispatch.quiesced), "the gate itself is open"
+    assert h.co.core.cycle.should_average(h.co.core.cohort.alive_ranks(), h.co.core.dispatch.quiesced), "the gate itself is open"
     h.msg(cb, EvalResult(epoch=0, metrics={"accuracy": 0.5}))
     h.tick()
     assert h.transport.take(SyncNow), "the eval answered: the collective starts"

@@ -336,10 +336,10 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
     h = Harness(tmp_path, mode, world=2, epochs=1, **slowmo)
     holder: Any = None
     if mode == "cpu_sync":  # the coordinator's optimizer has momentum when the final saves go out
-        holder = cast(TorchAverager, h.co.cycle.averager).outer
+        holder = cast(TorchAverager, h.co.core.cycle.averager).outer
         for cons in _windows()[:3]:
             holder.step(cons)
-    stem = h.co.writer.stem
+    stem = h.co.core.writer.stem
     evals, saves = h.final_saves()
     if mode == "nccl_sync":  # the rank that writes the model writes its replicated optimizer (RankControl._save)
         w, sent, _ = _nccl_rank()
@@ -349,7 +349,7 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    assert h.co.life.status is Status.FINISHED
+    assert h.co.core.life.status is Status.FINISHED
     meta = json.loads(open(ck.meta_path(stem)).read())
     assert "final.outer.pt" in meta["pieces"] and os.path.exists(ck.outer_path(stem))
     state = ck.load_outer_state(stem)

@@ -45,10 +45,10 @@ def test_the_coordinator_evicts_a_stuck_rank_and_recovers(tmp_path, mode):
     h = Harness(tmp_path, mode, 3, **timeouts)
     h.start()
     _heartbeats(h, 15, {0: ("train", 3), 1: ("train", 3), 2: ("train", 3)})
-    assert h.co.cohort.alive_ranks() == [0, 1, 2], "15 s without a step is within the timeout"
+    assert h.co.core.cohort.alive_ranks() == [0, 1, 2], "15 s without a step is within the timeout"
     _heartbeats(h, 10, {0: ("collective", 9), 1: ("train", 3), 2: ("wait", 9)})
-    assert h.co.cohort.alive_ranks() == [0, 2]
-    death = h.co.cohort.deaths[0]
+    assert h.co.core.cohort.alive_ranks() == [0, 2]
+    death = h.co.core.cohort.deaths[0]
     assert death.rank == 1 and "no training step" in death.reason and "progress_timeout_s" in death.reason
     assert [r for r, _ in h.transport.take(Evict)] == [1], "the stuck rank is told to go"
 
@@ -58,7 +58,7 @@ def test_an_evicted_rank_would_have_been_missed_without_the_watch(tmp_path):
     h = Harness(tmp_path, "nccl_cadence", 2, **no_watch)
     h.start()
     _heartbeats(h, 60, {0: ("train", 3), 1: ("train", 3)})
-    assert h.co.cohort.alive_ranks() == [0, 1], "heartbeats alone keep a stuck rank alive"
+    assert h.co.core.cohort.alive_ranks() == [0, 1], "heartbeats alone keep a stuck rank alive"
 
 
 def test_a_stall_stops_only_the_calling_thread(monkeypatch):

@@ -48,7 +48,7 @@ def _start(h: Harness, scores: list) -> None:
 def test_the_coordinator_pins_the_cold_start_anchor_from_the_hellos(tmp_path):
     h = Harness(tmp_path, "nccl_cadence", world=3)
     _start(h, [104.0, 66.0, 90.0])
-    elche = h.co.cycle.elche
+    elche = h.co.core.cycle.elche
     assert elche is not None and elche.anchor_rank == 1 and not elche.is_calibrated
 
 
@@ -56,7 +56,7 @@ def test_a_speed_hint_wins_over_the_spec_prior_and_cpu_ranks_get_none(tmp_path):
     hint: dict[str, Any] = {"mode.speed_hint_rank": 0, "mode.speed_hint_ratio": 2.0}
     h = Harness(tmp_path / "a", "nccl_cadence", world=2, **hint)
     _start(h, [104.0, 66.0])
-    assert h.co.cycle.elche is not None and h.co.cycle.elche.anchor_rank == 0
+    assert h.co.core.cycle.elche is not None and h.co.core.cycle.elche.anchor_rank == 0
     h2 = Harness(tmp_path / "b", "nccl_cadence", world=2)
     _start(h2, [None, None])
-    assert h2.co.cycle.elche is not None and h2.co.cycle.elche.anchor_rank is None
+    assert h2.co.core.cycle.elche is not None and h2.co.core.cycle.elche.anchor_rank is None

@@ -249,7 +249,7 @@ def test_the_coordinator_feeds_its_recorder(tmp_path):
 
     h.co.tick = slow_tick  # type: ignore[method-assign]
     plans = h.start()
-    h.play([0, 1], until=lambda: h.co.life.phase in (Phase.FINISHING, Phase.SHUTDOWN, Phase.DONE),
+    h.play([0, 1], until=lambda: h.co.core.life.phase in (Phase.FINISHING, Phase.SHUTDOWN, Phase.DONE),
            pending=[(r, p) for r, ps in plans.items() for p in ps])
     rec = h.co.timeline
     kinds = {(s.rank, s.kind) for s in rec.spans()}
@@ -258,7 +258,7 @@ def test_the_coordinator_feeds_its_recorder(tmp_path):
     assert {s.epoch for s in rec.spans() if s.kind == "compute"} == {0, 1}
     windows = [s.window for s in rec.spans() if s.kind == "sync"]
     numbered = [w for w in windows if w is not None]
-    assert len(numbered) == len(windows) and max(numbered) == h.co.cycle.version - 1
+    assert len(numbered) == len(windows) and max(numbered) == h.co.core.cycle.version - 1
     _assert_wall_identity(rec)
     paths = write_timeline(str(tmp_path / "tl"), rec, {"title": "harness"})
     assert len(paths) == 3

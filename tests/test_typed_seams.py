@@ -168,12 +168,12 @@ def test_the_writers_meta_reads_back_as_written_and_resumes_a_coordinator(tmp_pa
     """The bundle writer's dict (control/checkpoints.py, through checkpoint.write_meta) is what BundleMeta reads;
     a coordinator built on a spec resuming from it restores its counters."""
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
-    stem = h.co.writer.stem
+    stem = h.co.core.writer.stem
     evals, saves = h.final_saves()
     for r, p in saves:
         h.msg(r, SaveResult(stem=p.stem))
     h.msg(evals[0][0], EvalResult(epoch=0, metrics={"accuracy": 0.9}, final=True))
-    assert h.co.life.status is Status.FINISHED
+    assert h.co.core.life.status is Status.FINISHED
     with open(ck.meta_path(stem)) as fh:
         raw = json.load(fh)
     meta = ck.load_meta(stem)
@@ -183,7 +183,7 @@ def test_the_writers_meta_reads_back_as_written_and_resumes_a_coordinator(tmp_pa
     assert meta.pieces is not None and meta.total_picks == SAMPLES
     spec = make_spec(make_config("cpu_sync", 2, 2), tmp_path / "next", attempt=1, resume=Resume(stem, meta))
     co = Coordinator(spec, FakeTransport(), None, FakeSink(), str(tmp_path), clock=h.clock)  # type: ignore[arg-type]
-    assert co.cycle.global_step == meta.global_step and co.result()["resumed_from"] == stem
+    assert co.core.cycle.global_step == meta.global_step and co.result()["resumed_from"] == stem
 
 
 def test_an_old_meta_reads_and_a_newer_schema_does_not(tmp_path):

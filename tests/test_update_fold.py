@@ -120,7 +120,7 @@ def test_a_cpu_cadence_reduce_sends_each_rank_one_update_carrying_its_next_chunk
     assert not [p for _, p in sent if isinstance(p, StartEpoch)], "no separate StartEpoch"
     for r, u in ups.items():  # the folded chunk is a real one: the dispatcher tracks it
         assert u.next_plan is not None
-        assert h.co.dispatch.chunks[u.next_plan[3]].rank == r
+        assert h.co.core.dispatch.chunks[u.next_plan[3]].rank == r
 
 
 def test_the_rank_takes_the_folded_chunk_as_its_next_plan():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from ..bundle_meta import BundleMeta
 from ..protocol import Payload
 from .cohort import Cohort
 from .outbox import DirectOutbox
@@ -149,5 +150,47 @@ class AnchorHint:
     now: float
 
 
+@dataclass(frozen=True)
+class RankHeard:
+    """Something arrived from the rank that the shell consumes itself (a heartbeat, a probe's answer): it is alive."""
+
+    rank: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The run resumes from a bundle: its meta seeds the trajectory (step counters, ElChe, the guard's history when
+    ``guard_kind`` matches) and, on the cpu backend, ``outer_state`` (its ``.outer.pt``) the outer optimizer."""
+
+    meta: BundleMeta
+    guard_kind: str
+    stem: str
+    outer_state: Optional[dict[str, Any]]
+    now: float
+
+
+@dataclass(frozen=True)
+class PreemptAsked:
+    """SIGUSR1 or a time limit near: a resumable bundle, then PREEMPTED."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class TerminateAsked:
+    """SIGTERM: the job step is ending (cancelled, or the first half of a preemption)."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Closing:
+    """The shell is about to write the run's result: the core settles its final status (a run whose last bundle, or
+    preemption bundle, failed ends FAILED, never FINISHED or requeued onto it)."""
+
+    now: float
+
+
 Event = Union[RankJoined, TrainingStarts, RankMessage, RankDeath, RankEvicted, Tick, RunFailed, SaveAndStop, Stop,
-              AnchorHint]
+              AnchorHint, RankHeard, Resumed, PreemptAsked, TerminateAsked, Closing]

@@ -3,15 +3,16 @@
 Every decision of the run is the :class:`~.core.ControlCore`'s (control/core.py). The coordinator turns
 what arrives into the core's inputs and carries out what the core decides through its ports:
 
-* the rank server's events become :meth:`ControlCore.on_message` calls (after the record log took each
-  chunk's metrics) and deaths (a closed connection, a stale heartbeat, a stuck main thread);
+* the rank server's events become the core's events, through :meth:`ControlCore.handle` alone (rank messages,
+  after the record log took each chunk's metrics; deaths: a closed connection, a stale heartbeat; evictions: a
+  stuck main thread; ticks, signals, the run's end); it reads the core only through ``core.view``;
 * the core's messages go out through a :class:`~.wire_outbox.WireOutbox` onto the rank sockets;
 * what the core decides is recorded by :class:`ShellObserver` (timeline, window records, MLflow, events.jsonl);
 * bundle files go through :class:`~.disk_bundles.DiskBundles`.
 
 It keeps start-up (the hellos, the collective, the cold-start anchor, blame for a rank lost before it
 connected), the coordinator's heartbeat, liveness, the stall watchdog and the run's result. The reference's
-tick order (algorithms.md 3.1) reads in :meth:`Coordinator.tick`: 2-3 here, 4-11 in ``ControlCore.tick``.
+tick order (algorithms.md 3.1) reads in :meth:`Coordinator.tick`: 2-3 here, 4-11 in the core's ``Tick``.
 Time comes from an injected clock, so tests drive it with fakes (tests/test_control_*.py).
 """
 from __future__ import annotations
@@ -35,7 +36,25 @@ from ..mode import Mode
 from ..protocol import Batch, ChunkMetrics, CoordHeartbeat, FormGroup, Heartbeat, ProbeResult, ProtocolError
 from ..wire import Message
 from .auto_probe import AutoProbe
-from .cohort import ProgressWatch
+from .cohort import Cohort, ProgressWatch
+from .commands import (
+    AnchorHint,
+    Closing,
+    PreemptAsked,
+    RankDeath,
+    RankEvicted,
+    RankHeard,
+    RankJoined,
+    RankMessage,
+    Resumed,
+    RunFailed,
+    SaveAndStop,
+    Stop,
+    TerminateAsked,
+    Tick,
+    TrainingStarts,
+)
+from .commands import Event as CoreEvent
 from .core import ControlCore, RunFacts
 from .cpu_averager import TorchAverager
 from .cycle import Reduce, ReduceOutcome
@@ -58,7 +77,7 @@ the failure is blamed on the joined rank. A task's death ends its joined peers' 
 closes), often before its own process reads as gone (a zombie until the task manager reaps it; 24 polls a
 second under submitit's local executor)."""
 
-Event = tuple[Any, ...]
+ServerEvent = tuple[Any, ...]
 """From the rank server: ``("join", rank, Hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
 
 
@@ -114,7 +133,7 @@ class ShellObserver:
 class Coordinator:
     """The I/O shell around the :class:`~.core.ControlCore` (see the module docstring)."""
 
-    def __init__(self, spec: JobSpec, server: Transport, events: queue.Queue[Event], sink: Sink, job_dir: str,
+    def __init__(self, spec: JobSpec, server: Transport, events: queue.Queue[ServerEvent], sink: Sink, job_dir: str,
                  *, clock: Callable[[], float] = time.monotonic, rejected: Callable[[], int] = lambda: 0) -> None:
         cfg = load_config(spec.config)
         shape = RunShape.of(cfg)
@@ -147,9 +166,10 @@ class Coordinator:
         """What each rank trains on, from its hello (the cohort's collective is chosen from these)."""
         self.last_beacon = -math.inf
         self.resume: Optional[Resume] = spec.resume
+        self._asked: list[CoreEvent] = []
+        """Signals caught since the last tick (a signal handler never re-enters the core: the tick delivers them)."""
         if self.resume is not None:
-            self.core.restore(self.resume.meta, cfg.guard.kind)
-            self._restore_outer(self.resume.stem)
+            self._resume(self.resume)
         self._inputs_logged = False
         self._connect_closes: list[tuple[int, str]] = []
         """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
@@ -160,19 +180,28 @@ class Coordinator:
         """The core for ``self.cfg`` (again after mode.auto chose a mode: nothing has happened in the first one)."""
         cfg, spec, clock = self.cfg, self.spec, self.clock
         self.core = ControlCore(
-            shape=self.shape, cfg=cfg, outbox_for=lambda cohort: WireOutbox(self._server, cohort), clock=clock,
+            shape=self.shape, cfg=cfg, outbox_for=self._outbox_for, clock=clock,
             wall_clock=time.time, observer=self.observer, store=DiskBundles(self.job_dir, self.sink),
             averager=TorchAverager(self.shape.outer) if Mode.of(cfg).is_cpu else None,
             is_local=self._is_local, start=clock(),
             facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
-        core = self.core
-        self.life, self.cohort, self.cycle, self.dispatch = core.life, core.cohort, core.cycle, core.dispatch
-        self.outbox, self.writer, self.faults, self.preemption = core.outbox, core.writer, core.faults, core.preemption
-        self.checkpoints = core.checkpoints
+        self.view = self.core.view
+        """What the coordinator reads of the core (control/view.py): it names none of its components."""
         self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=self.W, epochs=self.epochs,
-                                      batch_size=cfg.experiment.batch_size, cycle=self.cycle, sink=self.sink,
+                                      batch_size=cfg.experiment.batch_size, cycle=self.view, sink=self.sink,
                                       events=self.events, records=self.records, clock=clock)
         self.observer.windows = self.windows
+
+    def _outbox_for(self, cohort: Cohort) -> WireOutbox:
+        """The core's outbox onto the rank sockets; the coordinator's own messages (its heartbeat, the collective,
+        mode.auto's probe) go through it too."""
+        self.wire_out = WireOutbox(self._server, cohort)
+        return self.wire_out
+
+    def _handle(self, event: CoreEvent) -> None:
+        """One event to the core. What it sends has left through the wire outbox already (a core built with an
+        outbox port returns no payloads), and the observer records directly."""
+        self.core.handle(event)
 
     def _resume_auto_choice(self, resume: Resume) -> None:
         """mode=auto resumed (a requeue, a resume_from): train on in the mode the bundle was saved in (its meta's
@@ -209,7 +238,7 @@ class Coordinator:
         if auto is None or auto.choice is not None:
             return True
         if not auto.sent:
-            auto.begin(self.outbox)
+            auto.begin(self.wire_out)
             return False
         if not auto.ready():
             return False
@@ -217,7 +246,7 @@ class Coordinator:
         if self._adopt_mode(Mode.from_name(choice.mode)):
             self._build_core()
             for r in range(self.W):  # every rank joined the first core (the probe needs them all)
-                self.cohort.join(r, self.clock())
+                self._handle(RankJoined(r, self.clock()))
         log.info("mode=auto chose %s: %s", choice.mode, choice.reason)
         self.sink.set_tags({**choice.tags(), **self._mode_tags()})
         self.events.emit(choice.as_event())
@@ -225,36 +254,35 @@ class Coordinator:
 
     @property
     def eval_pending(self) -> Optional[int]:
-        return self.core.evals.pending
+        return self.view.eval_pending
 
-    def _restore_outer(self, stem: str) -> None:
-        """cpu backend: the outer optimizer's momentum from the bundle's sidecar (the launcher checked it exists)."""
+    def _resume(self, resume: Resume) -> None:
+        """The bundle's trajectory into the core, with the outer optimizer's sidecar when the core keeps it (cpu
+        backend: the launcher checked it exists)."""
         from ..checkpoint import load_outer_state
 
-        if not self.core.wants_outer_state:
-            return
-        norm = self.core.restore_outer(load_outer_state(stem))
-        log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", self.shape.outer.describe(), stem, norm)
-        self.events.emit(ev.OuterRestored(stem=stem, momentum_norm=norm))
+        state = load_outer_state(resume.stem) if self.view.wants_outer_state else None
+        self._handle(Resumed(resume.meta, self.cfg.guard.kind, resume.stem, state, self.clock()))
 
     def _is_local(self, r: int) -> bool:
         return self.records.hosts.get(r) == self._node
 
     def current_epoch(self) -> int:
-        return self.core.current_epoch()
+        return self.view.current_epoch()
 
     # -- start-up ---------------------------------------------------------------
     def start(self) -> None:
         """Every rank said hello: the collective and the cold-start anchor from the hellos, then the core plans
         the first epoch (or the resumed coverage). mode.auto probes first (the ranks answer, then start again)."""
-        if not self.life.is_(Phase.CONNECTING) or not self._apply_auto():
+        if not self.view.is_(Phase.CONNECTING) or not self._apply_auto():
             return  # started already (the probe's last answer started it), or mode=auto is still probing
         self._form_group()
         self._apply_spec_prior()
         self.timeline.on_start()
         self.windows.start(self.total_picks)
         self.events.emit(ev.Started(world_size=self.W, epochs=self.epochs))
-        self.core.start(self.total_picks, self.resume.meta.to_dict() if self.resume is not None else None)
+        self._handle(TrainingStarts(self.total_picks, self.resume.meta.to_dict() if self.resume is not None else None,
+                                    self.clock()))
 
     def _apply_spec_prior(self) -> None:
         """CUDA cohorts: the device scores of the hellos pick ElChe's cold-start anchor rank (the slowest
@@ -262,7 +290,10 @@ class Coordinator:
         if self.resume:
             return
         r = spec_prior_anchor(self.devices, self.W)
-        if r is None or not self.core.seed_anchor(r):
+        if r is None:
+            return
+        self._handle(AnchorHint(r, self.clock()))
+        if not self.view.anchor_seeded:
             return
         scores = {q: self.devices[q].score for q in sorted(self.devices)}
         log.info("spec prior: rank %d has the lowest device score %s: cold-start anchor", r, scores)
@@ -271,7 +302,7 @@ class Coordinator:
     def _form_group(self) -> None:
         """nccl modes: one collective backend for the cohort, chosen from the hellos (devices.py), sent
         before the first chunk; a forced NCCL the devices cannot run refuses the run with one line."""
-        if not self.core.mode.is_nccl or self.W < 2:
+        if not self.view.is_nccl or self.W < 2:
             return
         try:
             choice = choose_collective([self.devices[r] for r in sorted(self.devices)], self.cfg.cluster.collective)
@@ -280,27 +311,27 @@ class Coordinator:
         log.info("collective backend: %s (%s)", choice.backend, choice.reason)
         self.sink.set_tags({"collective": choice.backend})
         self.events.emit(ev.Collective(backend=choice.backend, reason=choice.reason))
-        self.outbox.broadcast(FormGroup(backend=choice.backend, reason=choice.reason))
+        self.wire_out.broadcast(FormGroup(backend=choice.backend, reason=choice.reason))
 
     # -- main loop ----------------------------------------------------------
     def run(self, connect_timeout: float) -> Status:
         deadline = self.clock() + connect_timeout
         next_check = self.clock()
-        while self.life.is_(Phase.CONNECTING):
+        while self.view.is_(Phase.CONNECTING):
             self.pump(0.1)
             if self._connect_closes:
                 self._check_connect_closes()
-            elif self.cohort.all_joined():
+            elif self.view.all_joined():
                 self.start()
             elif self.clock() > deadline:
-                raise RunFailure(f"ranks {self.cohort.missing()} did not connect within {connect_timeout:.0f}s")
+                raise RunFailure(f"ranks {self.view.missing()} did not connect within {connect_timeout:.0f}s")
             elif self.clock() >= next_check:
                 next_check = self.clock() + 1.0
                 self._check_lost_before_join()
-        while not self.life.is_(Phase.DONE):
+        while not self.view.is_(Phase.DONE):
             self.pump(0.02)
             self.tick()
-        return self.life.status
+        return self.view.status
 
     def _check_lost_before_join(self) -> None:
         """A task whose process is gone before its rank said hello can never join: fail now, naming it (its
@@ -308,7 +339,7 @@ class Coordinator:
         from ..jobs.rendezvous import lost_before_join, setup_failure
 
         closed = {q for q, _ in self._connect_closes}
-        for r in self.cohort.missing():
+        for r in self.view.missing():
             if r in closed:
                 continue
             after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._connect_closes)
@@ -327,7 +358,7 @@ class Coordinator:
         self._connect_closes.append((r, err))
         self._check_lost_before_join()
         closed = {q for q, _ in self._connect_closes}
-        others = [q for q in self.cohort.missing() if q not in closed]
+        others = [q for q in self.view.missing() if q not in closed]
         if not others:
             raise self._connect_failure()
         if self._blame_by is None:
@@ -341,14 +372,14 @@ class Coordinator:
         rank joined after all, the first close is blamed."""
         self._check_lost_before_join()
         assert self._blame_by is not None
-        if self.clock() >= self._blame_by or self.cohort.all_joined():
+        if self.clock() >= self._blame_by or self.view.all_joined():
             raise self._connect_failure()
 
     def _connect_failure(self) -> RunFailure:
         """The first close before training started, blamed; any later ones after it."""
         (r, err), later = self._connect_closes[0], self._connect_closes[1:]
         closed = {q for q, _ in self._connect_closes}
-        missing = [q for q in self.cohort.missing() if q not in closed]
+        missing = [q for q in self.view.missing() if q not in closed]
         cause = f" (ranks {missing} never connected)" if missing else ""
         after = "".join(f"; then rank {q} failed: {e}" for q, e in later)
         return RunFailure(f"rank {r} failed before training started{cause}: {err}{after}")
@@ -369,8 +400,9 @@ class Coordinator:
     def tick(self) -> None:
         """One turn of the loop, in the reference's order (algorithms.md 3.1)."""
         now = self.clock()
+        self._deliver_signals(now)
         self._beacon(now)                                    # 2. coordinator -> rank heartbeat
-        for r in self.cohort.stale(now, self.hb_timeout):    # 3. dead ranks, before any gate
+        for r in self.view.stale(now, self.hb_timeout):      # 3. dead ranks, before any gate
             self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
         for r, idle in self.progress.stuck(now):             #    stuck main threads (heartbeat alive)
             if self.progress.states.get(r) == "loop":
@@ -379,31 +411,42 @@ class Coordinator:
                 continue
             self.evict(r, f"no training step for {idle:.0f}s with a chunk in progress while its heartbeat "
                           "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
-        self.core.tick(now)                                  # 4-11: the core's decisions
-        if self.life.phase in TRAINING_PHASES and self.watchdog.check(self.core.global_step, self.stall_state):
-            self.events.emit(ev.Stall(global_step=self.core.global_step, dump=self.watchdog.paths[-1]))
+        self._handle(Tick(now))                              # 4-11: the core's decisions
+        if self.view.phase in TRAINING_PHASES and self.watchdog.check(self.view.global_step, self.stall_state):
+            self.events.emit(ev.Stall(global_step=self.view.global_step, dump=self.watchdog.paths[-1]))
+
+    def request_preempt(self) -> None:
+        """SIGUSR1 (safe in a signal handler: the next tick delivers it)."""
+        self._asked.append(PreemptAsked(self.clock()))
+
+    def request_terminate(self) -> None:
+        """SIGTERM (safe in a signal handler: the next tick delivers it)."""
+        self._asked.append(TerminateAsked(self.clock()))
+
+    def _deliver_signals(self, now: float) -> None:
+        while self._asked:
+            self._handle(self._asked.pop(0))
 
     def _beacon(self, now: float) -> None:
         if now - self.last_beacon >= COORD_HEARTBEAT_S:
             self.last_beacon = now
-            self.outbox.broadcast(CoordHeartbeat())
+            self.wire_out.broadcast(CoordHeartbeat())
 
     # -- events ---------------------------------------------------------------
-    def on_event(self, ev: Event) -> None:
+    def on_event(self, ev: ServerEvent) -> None:
         kind, rank = ev[0], int(ev[1])
         if kind == "join":
             self._on_join(rank, ev[2])
         elif kind == "msg":
-            self.cohort.seen(rank, self.clock())
             self.on_message(rank, ev[2])
         elif kind == "closed":
-            if self.life.is_(Phase.CONNECTING) and not self.cohort.exited(rank):
-                self._on_close_while_connecting(rank, str((self.cohort.errors.get(rank) or {}).get("error") or ev[2]))
+            if self.view.is_(Phase.CONNECTING) and not self.view.exited(rank):
+                self._on_close_while_connecting(rank, self.view.error_of(rank) or str(ev[2]))
                 return
             self.declare_dead(rank, "connection closed" if ev[2] == "closed" else str(ev[2]))
 
     def _on_join(self, r: int, hello: Hello) -> None:
-        self.cohort.join(r, self.clock())
+        self._handle(RankJoined(r, self.clock()))
         self.records.hosts[r] = hello.host or "unknown"
         self.devices[r] = RankDevice.of(r, hello)
         if hello.inputs and not self._inputs_logged:  # rank 0's data sets, once (a rejoin sends them again)
@@ -415,55 +458,59 @@ class Coordinator:
                                    device_uuid=hello.device_uuid))
 
     def on_message(self, r: int, msg: Message) -> None:
+        now = self.clock()
         try:
             payload = decode(msg)
         except ProtocolError as e:
             log.warning("malformed %s from rank %d dropped: %s", msg.kind, r, e)
+            self._handle(RankHeard(r, now))
             return
         if payload is None:
             log.warning("unknown message %r from rank %d ignored", msg.kind, r)
+            self._handle(RankHeard(r, now))
             return
         if isinstance(payload, Heartbeat):
-            if self.cohort.alive(r):
-                self.progress.on_heartbeat(r, payload.state, payload.steps, self.clock())
+            self._handle(RankHeard(r, now))
+            if self.view.alive(r):
+                self.progress.on_heartbeat(r, payload.state, payload.steps, now)
             return
         if isinstance(payload, ProbeResult):
-            if self.auto is not None and not self.life.ending:
+            self._handle(RankHeard(r, now))
+            if self.auto is not None and not self.view.ending:
                 self.auto.on_result(r, payload)
-                if self.auto.ready() and self.life.is_(Phase.CONNECTING):
+                if self.auto.ready() and self.view.is_(Phase.CONNECTING):
                     self.start()
             return
         if isinstance(payload, ChunkMetrics):
             self.records.rank(r, "chunk", {k: v for k, v in dataclasses.asdict(payload).items() if k != "ranges"})
-        if not self.core.on_message(r, payload):
-            log.warning("message %r is not for the coordinator (from rank %d): ignored", msg.kind, r)
+        self._handle(RankMessage(r, payload, now))
 
     # -- deaths -----------------------------------------------------------------
     def declare_dead(self, r: int, reason: str) -> None:
         self.progress.forget(r)
-        self.core.on_death(r, reason)
+        self._handle(RankDeath(r, reason, self.clock()))
 
     def evict(self, r: int, reason: str) -> None:
         self.progress.forget(r)
-        self.core.evict(r, reason)
+        self._handle(RankEvicted(r, reason, self.clock()))
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        self._handle(Stop(self.clock()))
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
-        self.core.shutdown_with_save(reason, detail)
+        self._handle(SaveAndStop(reason, detail, self.clock()))
 
     def stall_state(self) -> dict[str, Any]:
-        return self.core.stall_state(self.clock())
+        return self.view.stall_state(self.clock())
 
     # -- the result ---------------------------------------------------------------
     @property
     def saved_stem(self) -> Optional[str]:
-        return self.core.saved_stem
+        return self.view.saved_stem
 
     def result(self) -> dict[str, Any]:
         return {
-            **self.core.outcome(),
+            **self.view.outcome(),
             "world_size": self.W,
             "total_picks": self.total_picks,
             "wall_s": self.clock() - self.t_start,
@@ -475,4 +522,10 @@ class Coordinator:
 
     def fail(self, failure: str) -> None:
         """The loop raised (RunFailure or a crash): the run ends FAILED and the ranks are told."""
-        self.core.fail(failure)
+        self._deliver_signals(self.clock())
+        self._handle(RunFailed(failure, self.clock()))
+
+    def close(self) -> None:
+        """The result is about to be written: the core settles the final status (a failed last bundle ends FAILED)."""
+        self._deliver_signals(self.clock())
+        self._handle(Closing(self.clock()))

@@ -69,17 +69,22 @@ from .checkpoints import BundleWriter, Checkpoints, MetaFacts
 from .cohort import Cohort
 from .commands import (
     AnchorHint,
+    Closing,
     Command,
     CommandOutbox,
     Event,
+    PreemptAsked,
     RankDeath,
     RankEvicted,
+    RankHeard,
     RankJoined,
     RankMessage,
     RecordingObserver,
+    Resumed,
     RunFailed,
     SaveAndStop,
     Stop,
+    TerminateAsked,
     Tick,
     TrainingStarts,
 )
@@ -544,11 +549,45 @@ class ControlCore:
     def _on_hint(self, e: AnchorHint) -> None:
         self.anchor_seeded = self.seed_anchor(e.rank)
 
+    def _on_message(self, e: RankMessage) -> None:
+        self.cohort.seen(e.rank, e.now)
+        if not self.on_message(e.rank, e.payload):
+            log.warning("message %s is not for the coordinator (from rank %d): ignored", type(e.payload).__name__,
+                        e.rank)
+
+    def _on_resumed(self, e: Resumed) -> None:
+        self.restore(e.meta, e.guard_kind)
+        if e.outer_state is None:
+            return
+        norm = self.restore_outer(e.outer_state)
+        if norm is not None:
+            log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", self.shape.outer.describe(), e.stem,
+                     norm)
+            self.obs.emit(ev.OuterRestored(stem=e.stem, momentum_norm=norm))
+
+    def settle_status(self) -> None:
+        """The run's final status, as the result is written: FAILED when the bundle it ends on (its last when
+        FINISHED, its preemption bundle when PREEMPTED) failed (a full disk ...), never FINISHED silently."""
+        status = self.life.status
+        ended_on = (self.writer.stem if status is Status.FINISHED
+                    else self.saved_stem if status is Status.PREEMPTED else None)
+        failed = self.writer.failed
+        if ended_on is None or ended_on not in failed:
+            return
+        self.life.end(Status.FAILED, f"bundle {ended_on} failed: {failed[ended_on]}", end_reason="bundle_failed",
+                      overwrite=True)
+        log.error("the run ends FAILED: %s", self.life.failure)
+
 
 _HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
     RankJoined: lambda c, e: c.cohort.join(e.rank, e.now),
     TrainingStarts: lambda c, e: c.start(e.total_picks, e.resume_meta),
-    RankMessage: lambda c, e: c.on_message(e.rank, e.payload),
+    RankMessage: ControlCore._on_message,
+    RankHeard: lambda c, e: c.cohort.seen(e.rank, e.now),
+    Resumed: ControlCore._on_resumed,
+    PreemptAsked: lambda c, e: c.request_preempt(),
+    TerminateAsked: lambda c, e: c.request_terminate(),
+    Closing: lambda c, e: c.settle_status(),
     RankDeath: lambda c, e: c.on_death(e.rank, e.reason),
     RankEvicted: lambda c, e: c.evict(e.rank, e.reason),
     Tick: lambda c, e: c.tick(e.now),

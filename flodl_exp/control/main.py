@@ -49,15 +49,15 @@ class _Signals:
     def attach(self, co: Coordinator) -> None:
         self.co = co
         if self.preempt:
-            co.preemption.request_preempt()
+            co.request_preempt()
         if self.term:
-            co.preemption.request_terminate()
+            co.request_terminate()
 
     def _usr1(self, signum: int, frame: Any) -> None:
         logging.getLogger("flodl_exp.coordinator").warning("SIGUSR1: preemption / time limit: bundle, then stop for requeue")
         self.preempt = True
         if self.co is not None:
-            self.co.preemption.request_preempt()
+            self.co.request_preempt()
 
     def _usr2(self, signum: int, frame: Any) -> None:
         logging.getLogger("flodl_exp.coordinator").info("SIGUSR2 from the cluster: task 0 asks for the bundle")
@@ -66,8 +66,8 @@ class _Signals:
         logging.getLogger("flodl_exp.coordinator").warning("SIGTERM: the job step is being terminated")
         self.term = True
         if self.co is not None:
-            self.co.preemption.request_terminate()
-            if self.co.life.is_(Phase.CONNECTING):
+            self.co.request_terminate()
+            if self.co.view.is_(Phase.CONNECTING):
                 raise RunFailure("the job was terminated (SIGTERM) before every rank connected")
 
 
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
                        "slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST", "")})
     if spec.attempt and spec.resume is not None:
         co.events.emit(ev.Resumed(attempt=spec.attempt, stem=spec.resume.stem, epoch=spec.resume.meta.epoch,
-                                  global_step=co.cycle.global_step))
+                                  global_step=co.view.global_step))
     try:
         status = co.run(cfg.cluster.rendezvous_timeout_s).value
     except RunFailure as e:
@@ -149,14 +149,15 @@ def _load_torch() -> None:
 def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, server: Any, status: str,
            slurm: bool) -> int:
     """Write result.json, end the MLflow run (terminal status first where SIGKILL may follow), log artifacts."""
-    status = _fail_on_own_bundle(co, status)
-    failure = co.life.failure
+    co.close()  # the core settles the final status (a failed last bundle ends FAILED)
+    status = co.view.status.value
+    failure = co.view.failure
     result, result_path = _write_result(co, spec, job_dir)
     co.events.emit(ev.End(status=status, failure=failure))
     spec = _with_run_id(spec, sink)  # (the launcher publishes it as the job starts: there long before, but a new store)
-    if co.preemption.terminated and status in ("FAILED", "KILLED"):
+    if co.view.terminated and status in ("FAILED", "KILLED"):
         # SIGTERM on SLURM: SIGKILL follows within KillWait. The terminal status first, the rest never.
-        tags: dict[str, Any] = {"end_reason": co.life.end_reason, "global_step": co.cycle.global_step}
+        tags: dict[str, Any] = {"end_reason": co.view.end_reason, "global_step": co.view.global_step}
         if failure:
             tags["error"] = failure[:5000]
         sink.set_tags(tags)
@@ -174,7 +175,7 @@ def _close(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, sink: Any, se
         _end_run_early(spec, status, failure)
     if failure:
         sink.set_tags({"error": failure[:5000]})
-    sink.set_tags({"global_step": co.cycle.global_step, "syncs": co.cycle.version})
+    sink.set_tags({"global_step": co.view.global_step, "syncs": co.view.syncs})
     if status == "FINISHED":
         _predict(spec, cfg, sink, result, result_path)
     _log_run_artifacts(co, spec, cfg, job_dir, sink, status)
@@ -246,29 +247,14 @@ def _with_run_id(spec: JobSpec, sink: Any) -> JobSpec:
         return spec
 
 
-def _fail_on_own_bundle(co: Coordinator, status: str) -> str:
-    """The status to end with: FAILED when the bundle the run ends on (its last, or its preemption bundle) failed
-    (a full disk ...): never FINISHED (or requeued onto it) silently."""
-    failed_bundles = co.writer.failed
-    ended_on = co.writer.stem if status == "FINISHED" else co.saved_stem if status == "PREEMPTED" else None
-    if ended_on is None or ended_on not in failed_bundles:
-        return status
-    from .lifecycle import Status
-
-    co.life.end(Status.FAILED, f"bundle {ended_on} failed: {failed_bundles[ended_on]}", end_reason="bundle_failed",
-                overwrite=True)
-    log.error("the run ends FAILED: %s", co.life.failure)
-    return "FAILED"
-
-
 def _write_result(co: Coordinator, spec: JobSpec, job_dir: str) -> tuple[dict[str, Any], str]:
     """``<job>/result.json``: the coordinator's result with the attempt, the end reason, failed bundles and
     dropped log writes; returns it and its path."""
     result = co.result()
     result["attempt"] = spec.attempt
-    if co.life.end_reason:
-        result["end_reason"] = co.life.end_reason
-    failed_bundles = dict(co.writer.failed)
+    if co.view.end_reason:
+        result["end_reason"] = co.view.end_reason
+    failed_bundles = co.view.failed_bundles
     if failed_bundles:
         result["failed_bundles"] = failed_bundles
     dropped = co.events.dropped + co.records.write_errors
@@ -304,7 +290,7 @@ def _log_run_artifacts(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, s
         sink.log_artifact(timeline, "timeline")
     if cfg.dashboard.html:
         _write_dashboard(co, spec, cfg, sink, timeline)
-    stem = co.writer.stem
+    stem = co.view.bundle_stem
     if status == "FINISHED":
         for suffix in (".pt", ".optim.pt", ".meta.json"):
             if os.path.exists(stem + suffix):

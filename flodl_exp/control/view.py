@@ -24,8 +24,18 @@ class _Core(Protocol):
     cycle: AveragingCycle
     dispatch: Dispatcher
     anchor_seeded: bool
+    evals: Any
+    writer: Any
+    preemption: Any
+    mode: Any
 
     def outcome(self) -> dict[str, Any]: ...
+    def current_epoch(self) -> int: ...
+    def stall_state(self, now: float) -> dict[str, Any]: ...
+    @property
+    def saved_stem(self) -> Optional[str]: ...
+    @property
+    def wants_outer_state(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,27 @@ class CoreView:
     def epochs_aggregated(self) -> int:
         return self._core.dispatch.last_aggregated + 1
 
+    def current_epoch(self) -> int:
+        """The newest epoch a rank started."""
+        return self._core.current_epoch()
+
+    @property
+    def eval_pending(self) -> Optional[int]:
+        """The periodic eval in flight (its epoch), if any."""
+        return self._core.evals.pending
+
+    # the averaging window, as the window records read it (records.CycleView)
+    @property
+    def anchor(self) -> Optional[int]:
+        return self._core.cycle.anchor
+
+    @property
+    def window_t0(self) -> float:
+        return self._core.cycle.window_t0
+
+    def window_loss(self) -> float:
+        return self._core.cycle.window_loss()
+
     def reduce_in_flight(self) -> Optional[ReduceInFlight]:
         red = self._core.cycle.in_flight
         if red is None:
@@ -98,6 +129,26 @@ class CoreView:
     def alive_ranks(self) -> list[int]:
         return self._core.cohort.alive_ranks()
 
+    def all_joined(self) -> bool:
+        return self._core.cohort.all_joined()
+
+    def missing(self) -> list[int]:
+        """Ranks not (or no longer) in the cohort."""
+        return self._core.cohort.missing()
+
+    def exited(self, r: int) -> bool:
+        """Whether the rank said it exits cleanly."""
+        return self._core.cohort.exited(r)
+
+    def error_of(self, r: int) -> Optional[str]:
+        """The error the rank reported before failing, if any."""
+        err = (self._core.cohort.errors.get(r) or {}).get("error")
+        return str(err) if err else None
+
+    def stale(self, now: float, timeout: float) -> list[int]:
+        """Working ranks heard from last more than ``timeout`` s before ``now``."""
+        return self._core.cohort.stale(now, timeout)
+
     # -- the result --------------------------------------------------------------------------------
     @property
     def anchor_seeded(self) -> bool:
@@ -106,3 +157,36 @@ class CoreView:
 
     def outcome(self) -> dict[str, Any]:
         return self._core.outcome()
+
+    def stall_state(self, now: float) -> dict[str, Any]:
+        """What the stall watchdog dumps."""
+        return self._core.stall_state(now)
+
+    @property
+    def is_nccl(self) -> bool:
+        return bool(self._core.mode.is_nccl)
+
+    @property
+    def wants_outer_state(self) -> bool:
+        """A resumed run's ``.outer.pt`` is the core's to load (cpu backend, a stateful outer optimizer)."""
+        return self._core.wants_outer_state
+
+    @property
+    def saved_stem(self) -> Optional[str]:
+        """The bundle the run ended on other than its final one (failure or preemption), if any."""
+        return self._core.saved_stem
+
+    @property
+    def bundle_stem(self) -> str:
+        """The run's checkpoint stem (its final bundle)."""
+        return str(self._core.writer.stem)
+
+    @property
+    def failed_bundles(self) -> dict[str, str]:
+        """stem -> why, for every bundle that failed (a copy)."""
+        return dict(self._core.writer.failed)
+
+    @property
+    def terminated(self) -> bool:
+        """SIGTERM was carried out (the job step is ending)."""
+        return bool(self._core.preemption.terminated)
