@@ -542,6 +542,8 @@ class ControlCore:
         event's."""
         self._now = event.now
         _HANDLERS[type(event)](self, event)
+        if not self._commands:  # the coordinator's every message: its payloads left through its outbox port
+            return []
         out = list(self._commands)
         self._commands.clear()
         return out
