@@ -18,8 +18,6 @@ from omegaconf import MISSING
 
 from .mode import Mode
 
-POLICIES = ("sync", "cadence", "async")
-BACKENDS = ("nccl", "cpu")
 GUARDS = ("none", "trend", "msf")
 EXECUTORS = ("local", "slurm")
 REDUCTIONS = ("mean", "sum", "max", "min")

@@ -12,7 +12,6 @@ import os
 from typing import Any, Callable, List, Optional
 
 from .config import (
-    BACKENDS,
     COLLECTIVES,
     CORE_KEYS,
     DEVICES,
@@ -22,7 +21,6 @@ from .config import (
     GUARDS,
     LOOP_ERRORS,
     OUTERS,
-    POLICIES,
     REDUCTIONS,
     Config,
     ConfigError,
@@ -32,6 +30,8 @@ from .config import (
     parse_callback_rank,
     world_size,
 )
+from .mode import Backend, Mode
+from .policy.registry import policy_names
 
 _SCHEMA: Any = None
 
@@ -121,20 +121,19 @@ AMP_MODES = ("fp16", "bf16")
 def _mode_kind_rules(cfg: Any) -> List[str]:
     """mode.policy and mode.backend, and the pair that does not exist (nccl_async)."""
     m = cfg.mode
-    if m.policy not in POLICIES:
-        raise _err("mode.policy", m.policy, f"one of {', '.join(POLICIES)}")
-    if m.backend not in BACKENDS:
-        raise _err("mode.backend", m.backend, f"one of {', '.join(BACKENDS)}")
+    if m.policy not in policy_names():
+        raise _err("mode.policy", m.policy, f"one of {', '.join(policy_names())}")
+    if m.backend not in {b.value for b in Backend}:
+        raise _err("mode.backend", m.backend, f"one of {', '.join(b.value for b in Backend)}")
     if m.auto and cfg.experiment.loop is not None:
         raise _err("mode.auto", m.auto, "false with experiment.loop (a cooperative loop has no step the framework "
                                         "can time before the first chunk: choose the mode)")
-    if m.policy == "async" and m.backend == "nccl":
-        via = "" if m.name == "nccl_async" else f", reached from mode={m.name} and overrides"
-        raise ConfigError(
-            f"config error: mode=nccl_async (policy=async with backend=nccl{via}) does not exist: it measured "
-            "within noise of nccl_cadence and its in-place write-back raced autograd on heterogeneous "
-            "GPUs; use mode=nccl_cadence or mode=cpu_async"
-        )
+    mode = Mode.parse(m.policy, m.backend)
+    why = mode.unavailable
+    if why is not None:
+        via = "" if m.name == mode.name else f", reached from mode={m.name} and overrides"
+        raise ConfigError(f"config error: mode={mode.name} (policy={m.policy} with backend={m.backend}{via}) "
+                          f"does not exist: {why}")
     return []
 
 
@@ -198,8 +197,9 @@ def _anchor_rules(cfg: Any) -> List[str]:
     if m.max_overshoot is not None:
         if m.max_overshoot < 0:
             raise _err("mode.max_overshoot", m.max_overshoot, "an integer >= 0 or null")
-        if m.policy != "async":
-            warnings.append(f"mode.max_overshoot={m.max_overshoot} has no effect with policy={m.policy} (async only)")
+        if not Mode.of(cfg).streams:
+            warnings.append(f"mode.max_overshoot={m.max_overshoot} has no effect with policy={m.policy} "
+                            "(a streaming policy only: async)")
     if not math.isfinite(m.overhead_target):
         raise _err("mode.overhead_target", m.overhead_target, "a finite number (clamped to [0.01, 0.5])")
     if not (0.01 <= m.overhead_target <= 0.5):
@@ -239,7 +239,7 @@ def _update_rules(cfg: Any) -> List[str]:
     if m.easgd_alpha is not None:
         if not (0.0 < m.easgd_alpha <= 1.0) or not math.isfinite(m.easgd_alpha):
             raise _err("mode.easgd_alpha", m.easgd_alpha, "a number in (0, 1]")
-        if not (m.policy == "async" and m.backend == "cpu"):
+        if Mode.of(cfg).default_easgd_alpha is None:
             raise _err("mode.easgd_alpha", m.easgd_alpha, "only with mode=cpu_async (sync/cadence fully overwrite)")
     if not math.isfinite(m.gamma):
         raise _err("mode.gamma", m.gamma, "a finite number")
@@ -251,8 +251,8 @@ def _update_rules(cfg: Any) -> List[str]:
         raise _err("mode.max_grad_norm", m.max_grad_norm, "a number > 0 or null")
     if isinstance(m.lockstep_ahead, bool) or not isinstance(m.lockstep_ahead, int) or not (0 <= m.lockstep_ahead <= 1024):
         raise _err("mode.lockstep_ahead", m.lockstep_ahead, "an integer in [0, 1024] (0: a sync_now per reduce)")
-    if m.policy == "async" and m.progressive_dispatch is False:
-        raise _err("mode.progressive_dispatch", False, "true or null with policy=async (async streams chunks)")
+    if m.progressive_dispatch is False and Mode.of(cfg).policy.requires_progressive:
+        raise _err("mode.progressive_dispatch", False, f"true or null with policy={m.policy} (it streams chunks)")
     return []
 
 

@@ -1,42 +1,26 @@
-"""The training mode as one value: the policy (when replicas are averaged) and the backend (how), with the
-predicates the rest of the code asks of them, resolved once from the config.
+"""The training mode as one value: the policy (when replicas are averaged) and the backend (how), resolved once
+from the config.
 
-Config files and the CLI keep their strings (``mode.policy=cadence``, ``mode.backend=cpu``); code asks
-``mode.is_nccl`` or ``mode.barrier_paced`` instead of comparing strings. The enums are ``str`` enums, so a
-value still equals its string where one is compared (a record, a tag, an old test).
+Config files and the CLI keep their strings (``mode.policy=cadence``, ``mode.backend=cpu``); code asks the
+policy object (``mode.policy.barrier_paced``, ``mode.policy.window_target(count)``) and the backend
+(``mode.is_nccl``) instead of comparing strings. The policies are objects from
+:mod:`flodl_exp.policy.registry`, so one a user registers is a mode like the built-in ones.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from .policy.backend import Backend
+from .policy.base import AveragingPolicy
+from .policy.registry import policy_named, policy_names
 
-class Policy(str, enum.Enum):
-    SYNC = "sync"
-    """Every rank steps once, then the replicas are averaged (DDP's rhythm)."""
-    CADENCE = "cadence"
-    """Each rank steps its ElChe count, then the replicas are averaged."""
-    ASYNC = "async"
-    """Ranks stream on; the coordinator blends in what each sends (cpu backend)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Backend(str, enum.Enum):
-    NCCL = "nccl"
-    """A torch.distributed collective among the ranks (NCCL on GPUs, Gloo otherwise)."""
-    CPU = "cpu"
-    """Averaging through the coordinator (snapshots in, an update out)."""
-
-    def __str__(self) -> str:
-        return self.value
+__all__ = ["Backend", "Mode"]
 
 
 @dataclass(frozen=True)
 class Mode:
-    policy: Policy
+    policy: AveragingPolicy
     backend: Backend
 
     @classmethod
@@ -47,10 +31,10 @@ class Mode:
     @classmethod
     def parse(cls, policy: str, backend: str) -> Mode:
         try:
-            return cls(Policy(str(policy)), Backend(str(backend)))
-        except ValueError:
+            return cls(policy_named(str(policy)), Backend(str(backend)))
+        except (KeyError, ValueError):
             raise ValueError(f"mode: policy={policy!r} backend={backend!r} is not a mode: policy one of "
-                             f"{', '.join(p.value for p in Policy)}, backend one of "
+                             f"{', '.join(policy_names())}, backend one of "
                              f"{', '.join(b.value for b in Backend)}") from None
 
     @classmethod
@@ -62,7 +46,7 @@ class Mode:
     @property
     def name(self) -> str:
         """``<backend>_<policy>``, as the presets are named (``nccl_cadence``)."""
-        return f"{self.backend.value}_{self.policy.value}"
+        return f"{self.backend.value}_{self.policy.name}"
 
     def __str__(self) -> str:
         return self.name
@@ -76,49 +60,59 @@ class Mode:
         return self.backend is Backend.CPU
 
     @property
-    def is_sync(self) -> bool:
-        return self.policy is Policy.SYNC
+    def unavailable(self) -> Optional[str]:
+        """Why this policy cannot run on this backend (nccl_async), or None."""
+        return self.policy.unavailable_with(self.backend)
 
-    @property
-    def is_cadence(self) -> bool:
-        return self.policy is Policy.CADENCE
-
-    @property
-    def is_async(self) -> bool:
-        return self.policy is Policy.ASYNC
-
+    # The policy's answers for this backend (the policy object owns each rule; these only bind the backend).
     @property
     def barrier_paced(self) -> bool:
-        """Epochs advance in lockstep: a rank does not start the next epoch's plan before the others (sync,
-        cadence); async streams across the boundary."""
-        return self.policy is not Policy.ASYNC
+        return self.policy.barrier_paced
 
     @property
     def progressive_by_default(self) -> bool:
-        """Chunks from a pool unless ``mode.progressive_dispatch`` says otherwise (cadence, async)."""
-        return self.policy is not Policy.SYNC
+        return self.policy.progressive_by_default
 
     @property
     def window_grows(self) -> bool:
-        """ElChe sizes windows of several steps (not sync's one)."""
-        return self.policy is not Policy.SYNC
+        return self.policy.window_grows
+
+    @property
+    def streams(self) -> bool:
+        return self.policy.streams
 
     @property
     def lockstep_capable(self) -> bool:
-        """nccl_sync: every reduce is one step of every rank, so ranks can all-reduce after each step on their own
-        (``mode.lockstep_ahead``) instead of waiting for the coordinator's ``sync_now``."""
-        return self.backend is Backend.NCCL and self.policy is Policy.SYNC
+        return self.policy.lockstep_capable(self.backend)
 
     def folds_updates(self, progressive: bool) -> bool:
-        """cpu cadence, progressive: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
-        return self.backend is Backend.CPU and self.policy is Policy.CADENCE and progressive
+        return self.policy.folds_updates(self.backend, progressive)
 
     @property
     def guard_capable(self) -> bool:
-        """The guard's verdict may reshape the window: cpu cadence and async, nccl cadence."""
-        return self.policy is Policy.CADENCE or (self.backend is Backend.CPU and self.policy is Policy.ASYNC)
+        return self.policy.guard_capable(self.backend)
 
     @property
-    def default_easgd_alpha(self) -> float | None:
-        """cpu_async blends (EASGD, alpha 0.5) unless ``mode.easgd_alpha`` says otherwise; the others overwrite."""
-        return 0.5 if (self.backend is Backend.CPU and self.policy is Policy.ASYNC) else None
+    def default_easgd_alpha(self) -> Optional[float]:
+        return self.policy.default_easgd_alpha(self.backend)
+
+    @property
+    def paces_reports(self) -> bool:
+        return self.policy.paces_reports(self.backend)
+
+    def window_target(self, count: int) -> int:
+        return self.policy.window_target(count)
+
+    def reduce_budget(self, count: int, overshoot: int) -> int:
+        return self.policy.reduce_budget(count, overshoot)
+
+
+def known_modes() -> tuple[str, ...]:
+    """Every mode name that exists now: each registered policy on each backend it runs on (nccl first)."""
+    out = []
+    for backend in Backend:
+        for name in policy_names():
+            mode = Mode(policy_named(name), backend)
+            if mode.unavailable is None:
+                out.append(mode.name)
+    return tuple(out)

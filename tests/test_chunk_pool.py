@@ -18,6 +18,8 @@ from flodl_exp.control.chunk_pool import (
     refresh_final_window_plan,
     reservation_span_batches,
 )
+from flodl_exp.policy.base import AveragingPolicy
+from flodl_exp.policy.builtin import ASYNC, CADENCE
 
 
 def spans(pool: ChunkPool) -> list[tuple[int, int]]:
@@ -383,8 +385,16 @@ def test_a_death_replans_the_final_window_for_the_survivors():
 
 
 # -- compute_chunk_batches (§5.3) -----------------------------------------------
+class _Unpaced(AveragingPolicy):
+    """Neither barrier-paced nor streaming: the budget is the count, and chunks aim at the rank's share."""
+
+    name = "unpaced"
+    barrier_paced = False
+
+
+UNPACED = _Unpaced()
 BASE = dict(rank=0, rem_batches=1000, counts=[10, 5], steps=[0, 0],
-            barrier_paced=False, is_async=True, max_overshoot=3, calibrated=True,
+            policy=ASYNC, max_overshoot=3, calibrated=True,
             has_speed_hint=False, total_samples=10_000, world_size=2,
             batch_size=10, final_alloc=None)
 
@@ -404,16 +414,16 @@ def test_ccb_edge_schedule_capped():
     assert ccb(rem_batches=7) == 7
     assert ccb(rem_batches=12, steps=[11, 0]) == 2  # cap: 13 - 11
     assert ccb(rem_batches=12, steps=[20, 0]) == 1  # floor 1
-    assert ccb(rem_batches=12, is_async=False, steps=[8, 0]) == 2
+    assert ccb(rem_batches=12, policy=UNPACED, steps=[8, 0]) == 2
     assert ccb(rem_batches=12, counts=[0, 15]) == 0  # 0-share rank gets 0
 
 
 def test_ccb_schedule_exact_for_barrier_paced():
-    assert ccb(barrier_paced=True, is_async=False) == 10  # a whole window at its start
+    assert ccb(policy=CADENCE) == 10  # a whole window at its start
     # Mid-window (only after the cold-start probe re-sized a window a rank had begun): its rest. The
     # reference never asks then (its counts move only at a reduce), so it is uncapped there.
-    assert ccb(barrier_paced=True, is_async=False, steps=[4, 0]) == 6
-    assert ccb(barrier_paced=True, is_async=False, calibrated=False) == 10
+    assert ccb(policy=CADENCE, steps=[4, 0]) == 6
+    assert ccb(policy=CADENCE, calibrated=False) == 10
 
 
 def test_ccb_probe_for_uncalibrated_async():
@@ -438,11 +448,11 @@ def test_ccb_target_ceil_min_and_cap():
 
 
 def test_reduce_budget_and_cap():
-    assert reduce_budget(0, [10, 0], True, 3) == 13
-    assert reduce_budget(0, [10, 0], False, 3) == 10
-    assert reduce_budget(1, [10, 0], True, 3) == 0
-    assert reduce_budget(5, [10, 0], True, 3) == 0
-    kw: dict[str, Any] = dict(counts=[10, 0], steps=[4, 100], is_async=False, max_overshoot=0)
+    assert reduce_budget(0, [10, 0], ASYNC, 3) == 13
+    assert reduce_budget(0, [10, 0], CADENCE, 3) == 10
+    assert reduce_budget(1, [10, 0], ASYNC, 3) == 0
+    assert reduce_budget(5, [10, 0], ASYNC, 3) == 0
+    kw: dict[str, Any] = dict(counts=[10, 0], steps=[4, 100], policy=CADENCE, max_overshoot=0)
     assert cap_to_budget(0, 20, **kw) == 6
     assert cap_to_budget(0, 3, **kw) == 3
     assert cap_to_budget(1, 20, **kw) == 20  # no budget -> untouched

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
 from flodl_exp.control.actions import ConvergenceAction
+from flodl_exp.policy.base import AveragingPolicy
 
 Range = tuple[int, int]  # (offset, size)
 
@@ -439,23 +440,20 @@ def _at(xs: IntLookup, i: int) -> int:
     return xs[i] if 0 <= i < len(xs) else 0
 
 
-def reduce_budget(rank: int, counts: Sequence[int], is_async: bool, max_overshoot: int) -> int:
-    """Steps ``rank`` may run between reduces; 0 means "no barrier" (0-share rank)."""
-    c = _at(counts, rank)
-    if c == 0:
-        return 0
-    return c + max_overshoot if is_async else c
+def reduce_budget(rank: int, counts: Sequence[int], policy: AveragingPolicy, max_overshoot: int) -> int:
+    """Steps ``rank`` may run between reduces, as its policy sets them; 0 means "no barrier" (0-share rank)."""
+    return policy.reduce_budget(_at(counts, rank), max_overshoot)
 
 
 def cap_to_budget(rank: int, x: int, *, counts: Sequence[int], steps: IntLookup,
-                  is_async: bool, max_overshoot: int) -> int:
+                  policy: AveragingPolicy, max_overshoot: int) -> int:
     """Never size a chunk past the reduce barrier (floor 1, never inflating x)."""
-    b = reduce_budget(rank, counts, is_async, max_overshoot)
+    b = reduce_budget(rank, counts, policy, max_overshoot)
     return x if b == 0 else min(x, max(b - _at(steps, rank), 1))
 
 
 def compute_chunk_batches(*, rank: int, rem_batches: int, counts: Sequence[int],
-                          steps: IntLookup, barrier_paced: bool, is_async: bool,
+                          steps: IntLookup, policy: AveragingPolicy,
                           max_overshoot: int, calibrated: bool, has_speed_hint: bool,
                           total_samples: int, world_size: int, batch_size: int,
                           final_alloc: list[int] | tuple[int, ...] | None,
@@ -469,14 +467,13 @@ def compute_chunk_batches(*, rank: int, rem_batches: int, counts: Sequence[int],
         return _at(final_alloc, rank)
 
     def cap(x: int) -> int:
-        return cap_to_budget(rank, x, counts=counts, steps=steps, is_async=is_async,
-                             max_overshoot=max_overshoot)
+        return cap_to_budget(rank, x, counts=counts, steps=steps, policy=policy, max_overshoot=max_overshoot)
 
     tc = sum(counts)
     c = _at(counts, rank)
     if tc > 0 and rem < tc:
         return cap(min(c, rem))
-    if barrier_paced and c > 0:
+    if policy.barrier_paced and c > 0:
         # the rest of this window (all of it at a window's start; less after a cold-start probe
         # re-sized the window a rank had already begun)
         return cap(min(c, rem))

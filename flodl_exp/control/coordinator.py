@@ -223,14 +223,14 @@ class Coordinator:
         The caller builds the core after it."""
         if mode == Mode.of(self.cfg):
             return False
-        self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=mode.backend.value, policy=mode.policy.value,
+        self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=mode.backend.value, policy=mode.policy.name,
                                             name=mode.name)
         self.shape = RunShape.of(self.cfg)
         return True
 
     def _mode_tags(self) -> dict[str, str]:
         m = Mode.of(self.cfg)
-        return {"mode": m.name, "policy": m.policy.value, "backend": m.backend.value}
+        return {"mode": m.name, "policy": m.policy.name, "backend": m.backend.value}
 
     def _apply_auto(self) -> bool:
         """mode.auto, once every rank joined: probe, then choose and rebuild the core; True once decided."""

@@ -317,13 +317,13 @@ class AveragingCycle:
             return False
         any_mover = False
         counts = self.counts
-        sync = self.mode.is_sync
+        target = self.mode.window_target
         held = self.max_batch_diff is not None and any(self.ledger[r].throttled for r in alive)  # throttles need it
         for r in alive:
             s = self.ledger[r].steps
             if s > 0:
                 any_mover = True
-            hit = s >= 1 if sync else s >= counts[r]
+            hit = s >= target(counts[r])
             # A throttled rank is held at max_batch_diff ahead of the slowest on purpose: it waits for
             # this reduce, so it counts as arrived (else the gate and the throttle wait on each other).
             # The reference fires on the count only (or quiesced): held short of its count, with its chunk
@@ -503,7 +503,7 @@ class AveragingCycle:
             if meta_action is not None:
                 elche.nudge_anchor_down(meta_action.factor)
                 elche.discard_proposed_anchor()
-        elche.apply_verdict(action, relax_up=self.mode.is_async and self.relax_up)
+        elche.apply_verdict(action, relax_up=self.mode.streams and self.relax_up)
         return action
 
     def state_for_meta(self) -> dict[str, Any]:

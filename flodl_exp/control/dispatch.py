@@ -141,7 +141,8 @@ class Dispatcher:
         """The schedule the advisories carry; ``_advised_to[r]``: the one rank r has (the same object, or None)."""
         self._advised_to: list[Optional[tuple[int, ...]]] = [None] * self.W
         self.barrier_paced = mode.barrier_paced
-        self.is_async = mode.is_async
+        self.streams = mode.streams
+        """The policy lets a rank train past its count (the overshoot budget, tuned by the guard)."""
         self.partition_ratios = partition_ratios
         self.scalar_reductions = scalar_reductions
         self.overshoot = OvershootTuner.pinned(int(max_overshoot)) if max_overshoot is not None else OvershootTuner()
@@ -484,7 +485,7 @@ class Dispatcher:
         assert elche is not None, "progressive dispatch needs ElChe (2+ ranks)"
         nb = compute_chunk_batches(
             rank=r, rem_batches=pool.remaining() // self.bs, counts=self._counts(),
-            steps=self._steps, barrier_paced=self.barrier_paced, is_async=self.is_async,
+            steps=self._steps, policy=self.mode.policy,
             max_overshoot=self.overshoot.value, calibrated=elche.is_calibrated, has_speed_hint=elche.has_speed_hint(),
             total_samples=self.total, world_size=self.W, batch_size=self.bs, final_alloc=self._final_alloc(e))
         if nb <= 0:
@@ -503,7 +504,7 @@ class Dispatcher:
             return
         if self.barrier_paced and self.in_flight(r):
             return
-        b = reduce_budget(r, self._counts(), self.is_async, self.overshoot.value)
+        b = reduce_budget(r, self._counts(), self.mode.policy, self.overshoot.value)
         if b > 0 and self._cycle.steps(r) >= b and not self._extend_while_probing(r):
             return
         e = self.rank_epoch[r]
@@ -522,7 +523,7 @@ class Dispatcher:
             return
         if nxt >= self.epochs or (self.barrier_paced and e >= first_live) or self.gate is Gate.HOLD_EPOCH:
             return
-        if self.is_async and self.overshoot.value == 0:
+        if self.streams and self.overshoot.value == 0:
             return
         if nxt not in self.pools:
             self._open(nxt)
@@ -642,7 +643,7 @@ class Dispatcher:
             self.accs[e].add_sync(ms, d_max, code, outer)
 
     def on_verdict(self, action: ConvergenceAction) -> None:
-        if self.is_async:
+        if self.streams:
             self.overshoot.on_verdict(action)
 
     def after_finish(self) -> None:

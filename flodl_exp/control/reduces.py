@@ -71,15 +71,15 @@ class Reduces:
         hit, not throttled, not quiesced). The last one found is checked first, so the gate costs O(1) a batch
         while it waits for it, where :meth:`AveragingCycle.should_average` scans every rank."""
         led = self._cycle.ledger
-        sync = self._mode.is_sync
+        target = self._mode.window_target
         counts = self._cycle.counts_view
         out = self._dispatch.chunks.by_rank  # chunks in flight per rank (Dispatcher.in_flight, indexed)
         b = self._blocker
         if (b is not None and self._cohort.alive(b) and out[b] > 0 and not led[b].throttled
-                and led[b].steps < (1 if sync else counts[b])):
+                and led[b].steps < target(counts[b])):
             return True
         for r in alive:
-            if out[r] > 0 and not led[r].throttled and led[r].steps < (1 if sync else counts[r]):
+            if out[r] > 0 and not led[r].throttled and led[r].steps < target(counts[r]):
                 self._blocker = r
                 return True
         self._blocker = None

@@ -26,7 +26,7 @@ from .outbox import Outbox
 
 def pace_enabled(mode: Mode, coalesce_ms: float, max_batch_diff: object, world_size: int) -> bool:
     """Whether this run's ranks are paced at all (see the module docstring)."""
-    return (coalesce_ms > 0 and world_size >= 2 and not mode.is_sync
+    return (coalesce_ms > 0 and world_size >= 2 and mode.paces_reports
             and not (mode.is_cpu and max_batch_diff is not None))
 
 

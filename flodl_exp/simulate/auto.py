@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import events as ev
-from ..mode import Mode
+from ..mode import Mode, known_modes
 from .topology import MODES, SimulateConfig, measured_rig_config, run_config
 
 PROBE_STEPS = 4
@@ -122,7 +122,7 @@ def prepare(modes: Sequence[str], *, world_size: int, batch_size: int, epochs: i
                         seed=seed))
     template = out.probed({r: [1.0] for r in range(world_size)}, {}, model_bytes=0, samples=batch_size)
     for mode in modes:
-        if mode in MODES:
+        if mode in known_modes():
             try:
                 out.runs[mode] = run_config(template, mode, world_size)
             except Exception as e:  # choose raises it where it simulates this mode, as without preparing
@@ -142,7 +142,7 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
     per_epoch = rig.samples // rig.batch_size
 
     def simulated(mode: str) -> Candidate:
-        if mode not in MODES:
+        if mode not in known_modes():
             return Candidate(mode, eligible=False, why="not a mode the simulator runs")
         run = (runs or {}).get(mode)
         if isinstance(run, BaseException):
@@ -158,9 +158,9 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
     # Per-step averaging is never faster than a mode with windows in the model (a window of one batch is the
     # most it does): the sync modes are simulated only when no windowed mode stays within the window limit, or
     # when one is the configured mode (its prediction decides whether it is kept). They are ~55 % of the events.
-    per_step = [m for m in candidates if m in MODES and Mode.from_name(m).is_sync and m != configured]
+    per_step = [m for m in candidates if m in known_modes() and not Mode.from_name(m).window_grows and m != configured]
     out = [simulated(m) for m in candidates if m not in per_step]
-    windowed_ok = any(c.eligible and c.samples_per_s > 0 and c.mode in MODES and not Mode.from_name(c.mode).is_sync
+    windowed_ok = any(c.eligible and c.samples_per_s > 0 and c.mode in known_modes() and Mode.from_name(c.mode).window_grows
                       for c in out)
     for m in per_step:
         out.append(Candidate(m, eligible=False, why="not simulated: a mode with windows is within the limit, and "

@@ -38,7 +38,8 @@ import re
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from ..config import GuardConfig, ModeConfig, OuterConfig
-from .topology import MODES, SimulateConfig, _preset, measured_rig_config
+from ..mode import known_modes
+from .topology import SimulateConfig, _preset, measured_rig_config
 
 History = Mapping[str, Sequence[tuple[int, float, int]]]
 """metric key -> its points ``(step, value, timestamp_ms)`` as MLflow holds them (step = epoch)."""
@@ -119,8 +120,9 @@ def measured(history: History) -> dict[str, float]:
 
 def run_mode(params: Mapping[str, str]) -> str:
     mode = str(param(params, "mode.name", "") or "")
-    if mode not in MODES:
-        raise NotReplayable(f"the run's mode {mode or '(none)'!r} is not one the simulator runs ({', '.join(MODES)})")
+    if mode not in known_modes():
+        raise NotReplayable(f"the run's mode {mode or '(none)'!r} is not one the simulator runs "
+                            f"({', '.join(known_modes())})")
     return mode
 
 

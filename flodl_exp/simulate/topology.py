@@ -28,9 +28,11 @@ from ..config import (
     OuterConfig,
 )
 from ..config_rules import validate
+from ..mode import Mode, known_modes
 
 SCHEMA_GROUP = "flodl_simulate"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
+"""The built-in modes, simulated by default (``modes``) and by ``mode=auto``; any of :func:`known_modes` may be named."""
 
 DEVICE_SPEED: dict[str, float] = {
     "h100": 2.0, "a100": 1.0, "l40s": 0.9, "a10": 0.45, "v100": 0.5, "rtx4090": 0.85, "rtx3090": 0.55,
@@ -197,8 +199,9 @@ def _read_preset(name: str) -> dict[str, Any]:
         from omegaconf import OmegaConf
 
         return dict(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
-    backend, _, policy = name.partition("_")
-    return {"name": name, "policy": policy, "backend": backend, "anchor": 1 if policy == "sync" else 10}
+    mode = Mode.from_name(name)
+    return {"name": name, "policy": mode.policy.name, "backend": mode.backend.value,
+            "anchor": mode.policy.default_anchor}
 
 
 def measured_rig_config(base: SimulateConfig, name: str, step_ms: Sequence[float], data_ms: Sequence[float], *,
@@ -236,8 +239,10 @@ def run_config(cfg: SimulateConfig, mode: str, world_size: int) -> Config:
     a real run refuses (``nccl_async``, EASGD off cpu_async, ...) is refused here with the same line."""
     from omegaconf import OmegaConf
 
-    if mode not in MODES and mode != "nccl_async":
-        raise ValueError(f"simulate: modes entry {mode!r} is not allowed: one of {', '.join(MODES)}")
+    try:
+        Mode.from_name(mode)  # one that does not run on its backend (nccl_async) is the validation's to refuse
+    except ValueError:
+        raise ValueError(f"simulate: modes entry {mode!r} is not allowed: one of {', '.join(known_modes())}") from None
     merged = OmegaConf.merge(OmegaConf.structured(ModeConfig), _preset(mode), dict(cfg.mode))
     mode_cfg = OmegaConf.to_object(merged)
     assert isinstance(mode_cfg, ModeConfig)
