@@ -101,12 +101,10 @@ def save_rank_pieces(stem: str, model: nn.Module, optimizer: Any, *, rank: int,
     atomic_torch_save(optimizer.state_dict(), optim_path(stem, rank, primary))
 
 
-def write_meta(stem: str, meta: dict[str, Any]) -> None:
-    """Write the bundle writer's meta dict (control/checkpoints.py), stamped with the schema version; readers
-    take it back through :func:`load_meta` as a :class:`~flodl_exp.bundle_meta.BundleMeta`."""
-    meta = dict(meta)
-    meta.setdefault("schema_version", META_SCHEMA_VERSION)
-    atomic_json(meta, meta_path(stem))
+def write_meta(stem: str, meta: BundleMeta) -> None:
+    """Write the bundle writer's meta (control/checkpoints.py) as JSON, atomically; readers take it back through
+    :func:`load_meta` as the same :class:`~flodl_exp.bundle_meta.BundleMeta`."""
+    atomic_json(meta.to_dict(), meta_path(stem))
 
 
 def load_meta(stem: str) -> BundleMeta:

@@ -79,7 +79,7 @@ class Fields:
         if v is not None and not (is_int(v) and lo <= v <= hi):
             raise self._bad(key, v, what or ("a non-negative int" if lo == 0 and hi == I64_MAX
                                              else f"an int in [{lo}, {hi}]"))
-        return v
+        return None if v is None else int(v)
 
     def opt_float(self, key: str, *, allow_nan: bool = False) -> Optional[float]:
         """A number (an int is taken as a float); finite unless ``allow_nan``."""

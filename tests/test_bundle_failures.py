@@ -14,6 +14,7 @@ from control_fakes import Harness, make_config, make_spec
 from omegaconf import OmegaConf
 
 from flodl_exp import checkpoint as ck
+from flodl_exp.bundle_meta import BundleMeta
 from flodl_exp.control.event_log import EventLog
 from flodl_exp.control.lifecycle import Phase, Status
 from flodl_exp.control.records import RecordLog, RingLog
@@ -127,8 +128,8 @@ def _real_bundle(stem: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck.save_rank_pieces(stem, model, opt, rank=0, primary=True, write_model=True)
     ck.save_rank_pieces(stem, model, opt, rank=1, primary=False, write_model=False)
-    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "sync_round": 1, "world_size_at_save": 2,
-                         "pieces": ["b.pt", "b.optim.pt", "b.optim.r1.pt"]})
+    ck.write_meta(stem, BundleMeta(epoch=1, global_step=3, sync_round=1, world_size_at_save=2,
+                                   pieces=("b.pt", "b.optim.pt", "b.optim.r1.pt")))
 
 
 def test_resume_refuses_a_bundle_with_a_missing_optimizer_piece(tmp_path):
@@ -148,7 +149,7 @@ def test_resume_refuses_a_bundle_with_a_missing_optimizer_piece(tmp_path):
     with open(ck.optim_path(stem, 0, True), "wb") as fh:
         fh.write(b"trunc")
     os.unlink(ck.meta_path(stem))
-    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "sync_round": 1, "pieces": ["b.pt", "b.optim.pt"]})
+    ck.write_meta(stem, BundleMeta(epoch=1, global_step=3, sync_round=1, pieces=("b.pt", "b.optim.pt")))
     assert "b.optim.pt is unreadable" in (ck.check_pieces(stem, ck.load_meta(stem)) or "")
 
 

@@ -436,7 +436,7 @@ def test_an_epoch_boundary_bundle_holds_the_next_epoch_until_it_is_written() -> 
     play(w, ranks, clock)
     stems = list(w.store.metas)
     assert stems == ["bundle_epoch1", "bundle_epoch2", "bundle"], stems
-    assert [w.store.metas[s]["save_reason"] for s in stems] == ["periodic", "periodic", "completed"]
+    assert [w.store.metas[s].save_reason for s in stems] == ["periodic", "periodic", "completed"]
     assert w.core.life.status is Status.FINISHED
 
 
@@ -445,8 +445,8 @@ def test_an_at_epoch_bundle_records_the_coverage_of_the_open_epochs() -> None:
     w = Bare(cfg_of("nccl_cadence", 2, epochs=3, **{"checkpoint.at_epoch": 1}), clock)
     play(w, Ranks(2, slow={1: 3}), clock)
     meta = w.store.metas["bundle_at1"]
-    assert meta["save_reason"] == "at_epoch" and meta["epoch"] <= 1
-    covered = {p["epoch"] for p in meta["coverage"]["per_epoch"]}
+    assert meta.save_reason == "at_epoch" and meta.epoch <= 1 and meta.coverage is not None
+    covered = {p["epoch"] for p in meta.coverage.per_epoch}
     assert covered and max(covered) <= 1
     assert emitted(w.log, "checkpoint")[0]["reason"] == "at_epoch"
     assert w.core.life.status is Status.FINISHED
@@ -509,7 +509,7 @@ def test_losing_more_ranks_than_max_failure_ends_in_a_failure_bundle() -> None:
     assert w.core.life.is_(Phase.SAVING)
     assert {c.rank for c in sent(w.commands, Save)} == {0, 1}
     play(w, ranks, clock)
-    assert w.store.metas["bundle_failure"]["save_reason"] == "max_failure_exceeded"
+    assert w.store.metas["bundle_failure"].save_reason == "max_failure_exceeded"
     assert w.core.life.status is Status.FAILED and "max_failure_exceeded" in (w.core.life.failure or "")
 
 
@@ -533,13 +533,13 @@ def test_preemption_at_every_stage(mode: str, when: str) -> None:
         return
     assert w.core.life.status is Status.PREEMPTED
     meta = w.store.metas["bundle_preempt0"]
-    assert meta["save_reason"] == "preempted"
-    assert w.store.preempted == {"attempt": 0, "stem": "bundle_preempt0", "epoch": meta["epoch"],
+    assert meta.save_reason == "preempted"
+    assert w.store.preempted == {"attempt": 0, "stem": "bundle_preempt0", "epoch": meta.epoch,
                                  "global_step": w.core.cycle.global_step}
     if when == "checkpointing":
         assert "bundle_epoch1" in w.store.metas, "the bundle in progress is written first"
     if mode == "nccl_cadence":
-        assert meta["coverage"]["per_epoch"], "progressive: the coverage of the open epoch, no extra reduce"
+        assert meta.coverage is not None and meta.coverage.per_epoch, "progressive: the coverage of the open epoch, no extra reduce"
 
 
 # -- callback slack ---------------------------------------------------------------------------------------

@@ -368,8 +368,8 @@ def test_resuming_a_stateful_outer_optimizer_without_its_sidecar_is_one_line(tmp
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck.save_rank_pieces(stem, model, opt, rank=0, primary=True, write_model=True)
-    ck.write_meta(stem, {"epoch": 1, "global_step": 3, "sync_round": 1, "world_size_at_save": 1,
-                         "pieces": ["b.pt", "b.optim.pt"]})
+    ck.write_meta(stem, BundleMeta(epoch=1, global_step=3, sync_round=1, world_size_at_save=1,
+                                   pieces=("b.pt", "b.optim.pt")))
     cfg = OmegaConf.structured(Config)
     cfg.cluster.ranks_per_node = 1
     cfg.checkpoint.resume_from = stem

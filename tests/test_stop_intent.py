@@ -34,7 +34,7 @@ def test_a_stop_intent_makes_the_furthest_started_epoch_the_last(mode: str) -> N
         assert covered == w.core.dispatch.total, f"epoch {e} not trained whole"
     finals = [c.payload for c in w.log if hasattr(c, "payload") and isinstance(c.payload, ExecuteEval) and c.payload.final]
     assert [p.epoch for p in finals] == [last]
-    assert w.store.metas["bundle"]["epoch"] == last + 1, "the final bundle resumes where the run stopped"
+    assert w.store.metas["bundle"].epoch == last + 1, "the final bundle resumes where the run stopped"
 
 
 def test_a_stop_asked_in_the_last_epoch_changes_nothing() -> None:

@@ -165,7 +165,7 @@ def test_the_meta_round_trips():
 
 
 def test_the_writers_meta_reads_back_as_written_and_resumes_a_coordinator(tmp_path):
-    """The bundle writer's dict (control/checkpoints.py, through checkpoint.write_meta) is what BundleMeta reads;
+    """The bundle writer's BundleMeta (control/checkpoints.py, through checkpoint.write_meta) is what load_meta reads;
     a coordinator built on a spec resuming from it restores its counters."""
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
     stem = h.co.core.writer.stem

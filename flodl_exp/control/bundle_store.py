@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
+from ..bundle_meta import BundleMeta
 from ..bundle_names import file_name, outer_path
 
 
@@ -21,7 +22,7 @@ class BundleStore(Protocol):
         """The cpu backend's outer optimizer sidecar; the file name written."""
         ...
 
-    def write_meta(self, stem: str, meta: dict[str, Any]) -> None: ...
+    def write_meta(self, stem: str, meta: BundleMeta) -> None: ...
 
     def log_bundle(self, stem: str, artifact_path: str) -> None:
         """Log every written piece of ``stem`` to the tracking run."""
@@ -40,7 +41,7 @@ class MemoryBundles:
     """Bundles kept in memory (the simulator; the core's tests): what was written, removed and logged."""
 
     def __init__(self, fail_meta: Optional[set[str]] = None) -> None:
-        self.metas: dict[str, dict[str, Any]] = {}
+        self.metas: dict[str, BundleMeta] = {}
         self.removed: list[str] = []
         self.logged: list[tuple[str, str]] = []
         self.deaths: list[dict[str, Any]] = []
@@ -55,7 +56,7 @@ class MemoryBundles:
     def save_outer(self, state: dict[str, Any], stem: str) -> str:
         return file_name(outer_path(stem))
 
-    def write_meta(self, stem: str, meta: dict[str, Any]) -> None:
+    def write_meta(self, stem: str, meta: BundleMeta) -> None:
         if stem in self.fail_meta:
             raise OSError(28, "No space left on device")
         self.metas[stem] = meta

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from .. import events as ev
 from ..protocol import Checkpoint, CheckpointResult
 from .cohort import Cohort
 from .outbox import Outbox
+from .ports import CoreObserver
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -33,7 +34,7 @@ class CheckpointFnRole:
 
     ``consensus``: the cpu backend, where the rank hands the function its last consensus frame (``Checkpoint``)."""
 
-    def __init__(self, *, cohort: Cohort, outbox: Outbox, obs: Any, consensus: bool) -> None:
+    def __init__(self, *, cohort: Cohort, outbox: Outbox, obs: CoreObserver, consensus: bool) -> None:
         self._cohort = cohort
         self._out = outbox
         self._obs = obs

@@ -18,6 +18,7 @@ meta, and the periodic and coverage-granular bundles.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from .. import events as ev
+from ..bundle_meta import BundleMeta, MetaCoverage
 from ..bundle_names import file_name, model_path, optim_path, outer_path
 from ..protocol import Save, SaveResult
 from .bundle_store import BundleStore
@@ -35,6 +37,7 @@ from .dispatch import Dispatcher
 from .epoch_plan import EpochPlan
 from .intents import Intents
 from .outbox import Outbox
+from .ports import CoreObserver
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -52,7 +55,7 @@ class MetaFacts:
 
 class BundleWriter:
     def __init__(self, *, stem: str, facts: MetaFacts, plan: EpochPlan, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 outbox: Outbox, obs: Any, store: BundleStore, wall_clock: Callable[[], float]) -> None:
+                 outbox: Outbox, obs: CoreObserver, store: BundleStore, wall_clock: Callable[[], float]) -> None:
         self.stem = stem
         self._wall_clock = wall_clock
         """Unix time, for the meta's ``unix_time`` (the shell's clock: the core reads none itself)."""
@@ -80,7 +83,7 @@ class BundleWriter:
         self._model_error: Optional[str] = None
         self._concluded: Optional[str] = None
         """The stem in progress once its saves settled and its outcome was decided."""
-        self._deferred: dict[str, dict[str, Any]] = {}
+        self._deferred: dict[str, BundleMeta] = {}
         """Metas asked for before their pieces were written (ShutdownWithSave): written when they settle."""
         self.completed: set[str] = set()
         """Stems whose meta this writer wrote."""
@@ -231,9 +234,9 @@ class BundleWriter:
         log.error("bundle %s FAILED, no meta written (not resumable): %s", stem, error)
         self._obs.set_tags({f"bundle_failed.{file_name(stem)[:200]}": f"{stem}: {error}"[:5000]})
 
-    def _write(self, stem: str, meta: dict[str, Any]) -> None:
+    def _write(self, stem: str, meta: BundleMeta) -> None:
         try:
-            self._store.write_meta(stem, dict(meta, pieces=sorted(self._written)))
+            self._store.write_meta(stem, dataclasses.replace(meta, pieces=tuple(sorted(self._written))))
         except OSError as e:
             self._fail(stem, f"the meta could not be written ({e})")
             return
@@ -250,21 +253,15 @@ class BundleWriter:
         guard = self._cycle.guard
         elche = self._cycle.elche
         trend = guard.state_dict().get("trend_history") or None
-        meta = {
-            "epoch": self._plan.epochs if epoch is None else int(epoch),
-            **self._cycle.state_for_meta(),
-            "world_size_at_save": f.world_size,
-            "mode": self._cycle.mode.name,
-            "save_reason": reason,
-            "unix_time": self._wall_clock(),
-            "experiment": f.experiment,
-            "total_picks": self._dispatch.total,
-            "elche_state": dict(elche.state_dict(), trend_history=trend) if elche else None,
-            "guard_kind": f.guard_kind,
-            "guard_state": guard.state_dict(),
-            "coverage": {"seed": f.shuffle_seed, "algorithm": PERMUTATION_ALGORITHM,
-                         "batch_size": f.batch_size, "per_epoch": coverage_epochs or []},
-        }
+        global_step, sync_round = self._cycle.trajectory()
+        meta = BundleMeta(
+            epoch=self._plan.epochs if epoch is None else int(epoch), global_step=global_step, sync_round=sync_round,
+            world_size_at_save=f.world_size, mode=self._cycle.mode.name, save_reason=reason,
+            unix_time=self._wall_clock(), experiment=f.experiment, total_picks=self._dispatch.total,
+            elche_state=dict(elche.state_dict(), trend_history=trend) if elche else None,
+            guard_kind=f.guard_kind, guard_state=guard.state_dict(),
+            coverage=MetaCoverage(seed=f.shuffle_seed, algorithm=PERMUTATION_ALGORITHM, batch_size=f.batch_size,
+                                  per_epoch=tuple(coverage_epochs or ())))
         if stem in self.failed:
             log.error("bundle %s: no meta (%s)", stem, self.failed[stem])
             return
@@ -320,7 +317,7 @@ class Checkpoints:
     """
 
     def __init__(self, *, every: int, at_epoch: Optional[int], epochs: Union[int, EpochPlan], progressive: bool, world_size: int,
-                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, obs: Any,
+                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, obs: CoreObserver,
                  intents: Intents, fire_reduce: Callable[..., bool],
                  checkpoint_fn: Optional[CheckpointFnRole] = None) -> None:
         self.every = every

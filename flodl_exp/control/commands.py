@@ -3,12 +3,15 @@ feeds a scripted sequence and reads the decisions as data."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from ..bundle_meta import BundleMeta
-from ..protocol import Payload
+from ..events import EventRecord
+from ..protocol import Batch, Payload
 from .cohort import Cohort
+from .cycle import Reduce, ReduceOutcome
 from .outbox import DirectOutbox
+from .ports import CoreObserver
 
 
 # -- commands (what :meth:`ControlCore.handle` returns) -------------------------------
@@ -50,19 +53,46 @@ class CommandOutbox(DirectOutbox):
         self._commands.append(Broadcast(payload, tuple(self._cohort.alive_ranks())))
 
 
-class RecordingObserver:
-    """Every observation as a :class:`Record` command (the events and metrics included)."""
+class RecordingObserver(CoreObserver):
+    """Every observation as a :class:`Record` command (the events and metrics included): ``kind`` is the
+    :class:`~.ports.CoreObserver` method, ``args`` its arguments in order."""
 
     def __init__(self, commands: list[Command]) -> None:
         self._commands = commands
 
-    def __getattr__(self, kind: str) -> Callable[..., None]:
-        if kind.startswith("_"):
-            raise AttributeError(kind)
+    def _record(self, kind: str, *args: Any) -> None:
+        self._commands.append(Record(kind, args))
 
-        def record(*args: Any, **kw: Any) -> None:
-            self._commands.append(Record(kind, (*args, *kw.values())))
-        return record
+    def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None:
+        self._record("on_batch", r, b, epoch, window)
+
+    def on_answer(self, r: int, started: float) -> None:
+        self._record("on_answer", r, started)
+
+    def on_reduce_finished(self, red: Reduce, out: ReduceOutcome, window: int, averaging_from: float,
+                           epoch: int) -> None:
+        self._record("on_reduce_finished", red, out, window, averaging_from, epoch)
+
+    def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None:
+        self._record("on_eval_sent", r, epoch, final)
+
+    def on_eval_result(self, r: int, epoch: int, final: bool) -> None:
+        self._record("on_eval_result", r, epoch, final)
+
+    def on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
+        self._record("on_epoch_aggregated", e, metrics)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._record("log_metrics", metrics, step)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self._record("set_tags", tags)
+
+    def emit(self, event: EventRecord) -> None:
+        self._record("emit", event)
+
+    def log_artifact(self, path: str, artifact_path: str) -> None:
+        self._record("log_artifact", path, artifact_path)
 
 
 # -- events (what :meth:`ControlCore.handle` takes) -----------------------------------

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from .. import events as ev
 from ..bundle_meta import BundleMeta
-from ..config import RunShape
+from ..config import Config, RunShape
 from ..mode import Mode
 from ..protocol import (
     Batch,
@@ -125,7 +125,7 @@ class RunFacts:
 class ControlCore:
     """The run's decisions; see the module docstring. Build it with :meth:`from_config`."""
 
-    def __init__(self, *, shape: RunShape, cfg: Any, outbox_for: Optional[Callable[[Cohort], Outbox]] = None,
+    def __init__(self, *, shape: RunShape, cfg: Config, outbox_for: Optional[Callable[[Cohort], Outbox]] = None,
                  clock: Optional[Callable[[], float]] = None, wall_clock: Callable[[], float], observer: CoreObserver,
                  store: BundleStore, facts: RunFacts = RunFacts(), averager: Optional[Averager] = None,
                  is_local: Callable[[int], bool] = lambda r: False,
@@ -239,7 +239,7 @@ class ControlCore:
         self._view = CoreView(self)
 
     @classmethod
-    def from_config(cls, cfg: Any, *, wall_clock: Callable[[], float],
+    def from_config(cls, cfg: Config, *, wall_clock: Callable[[], float],
                     outbox_for: Optional[Callable[[Cohort], Outbox]] = None, clock: Optional[Callable[[], float]] = None,
                     observer: Optional[CoreObserver] = None, store: Optional[BundleStore] = None,
                     facts: RunFacts = RunFacts(), is_local: Callable[[int], bool] = lambda r: False,
@@ -601,7 +601,7 @@ _HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
 """Each event kind's handler (:meth:`ControlCore.handle`)."""
 
 
-def recording_core(cfg: Any, clock: Optional[Callable[[], float]] = None, *, store: Optional[BundleStore] = None,
+def recording_core(cfg: Config, clock: Optional[Callable[[], float]] = None, *, store: Optional[BundleStore] = None,
                    facts: RunFacts = RunFacts(),
                    averager: Optional[Averager] = None) -> tuple[ControlCore, list[Command]]:
     """A core whose every output is a command, observations included (tests, the same-commands check); bundles in

@@ -18,7 +18,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..config import OuterSpec
 from ..mode import Backend, Mode
@@ -506,5 +506,6 @@ class AveragingCycle:
         elche.apply_verdict(action, relax_up=self.mode.streams and self.relax_up)
         return action
 
-    def state_for_meta(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "sync_round": self.version}
+    def trajectory(self) -> tuple[int, int]:
+        """(global_step, sync_round): where the averaged trajectory stands, as a bundle's meta records it."""
+        return self.global_step, self.version

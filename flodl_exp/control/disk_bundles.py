@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..bundle_meta import BundleMeta
 from ..constants import PREEMPT_MARK
 from .ports import Sink
 
@@ -29,7 +30,7 @@ class DiskBundles:
         atomic_torch_save(state, outer_path(stem))
         return os.path.basename(outer_path(stem))
 
-    def write_meta(self, stem: str, meta: dict[str, Any]) -> None:
+    def write_meta(self, stem: str, meta: BundleMeta) -> None:
         from ..checkpoint import write_meta
 
         write_meta(stem, meta)

@@ -15,7 +15,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from .. import events as ev
 from ..mode import Backend
@@ -27,6 +27,7 @@ from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 from .lifecycle import Lifecycle, Phase, Status
 from .outbox import Outbox
+from .ports import CoreObserver
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -87,7 +88,7 @@ class FaultHandler:
 
     def __init__(self, *, world_size: int, max_failure: Optional[int], life: Lifecycle, enter: Callable[[Phase], None],
                  shutdown: Callable[[], None], cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 writer: BundleWriter, outbox: Outbox, obs: Any, store: BundleStore, clock: Callable[[], float],
+                 writer: BundleWriter, outbox: Outbox, obs: CoreObserver, store: BundleStore, clock: Callable[[], float],
                  is_local: Callable[[int], bool] = lambda r: False) -> None:
         self.world_size = world_size
         self.max_failure = max_failure

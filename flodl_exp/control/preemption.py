@@ -29,6 +29,7 @@ from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 from .lifecycle import Lifecycle, Phase, Status
 from .outbox import Outbox
+from .ports import CoreObserver
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -81,7 +82,7 @@ class Preemption:
                  enter: Callable[[Phase], None], shutdown: Callable[[], None],
                  shutdown_with_save: Callable[[str, str], None], cohort: Cohort, cycle: AveragingCycle,
                  dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints, outbox: Outbox,
-                 obs: Any, clock: Callable[[], float], fire_reduce: Callable[..., bool],
+                 obs: CoreObserver, clock: Callable[[], float], fire_reduce: Callable[..., bool],
                  kill_on_bad_exit: bool = False) -> None:
         self.attempt = attempt
         self.progressive = progressive

@@ -10,10 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+from ..mode import Mode
+from .checkpoints import BundleWriter
 from .cohort import Cohort
 from .cycle import AveragingCycle
 from .dispatch import Dispatcher
 from .lifecycle import Lifecycle, Phase, Status
+from .preemption import Preemption
+from .run_end import EvalState
 
 
 class _Core(Protocol):
@@ -24,10 +28,10 @@ class _Core(Protocol):
     cycle: AveragingCycle
     dispatch: Dispatcher
     anchor_seeded: bool
-    evals: Any
-    writer: Any
-    preemption: Any
-    mode: Any
+    evals: EvalState
+    writer: BundleWriter
+    preemption: Preemption
+    mode: Mode
 
     def outcome(self) -> dict[str, Any]: ...
     def current_epoch(self) -> int: ...

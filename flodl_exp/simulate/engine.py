@@ -41,10 +41,11 @@ from .. import events as ev
 from ..config import Config, RunShape
 from ..control.averager import Consensus
 from ..control.commands import Broadcast, Event, RankJoined, RankMessage, Send, Tick, TrainingStarts
-from ..control.core import ControlCore, NullObserver
+from ..control.core import ControlCore
 from ..control.cpu_averager import TorchAverager
 from ..control.cycle import Reduce, ReduceOutcome
 from ..control.lifecycle import Phase
+from ..control.ports import NullObserver
 from ..mode import Mode
 from ..protocol import (
     Batch,
