@@ -10,8 +10,8 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig
 
-from .config import ConfigError, register_configs
-from .constants import PARENT_ENV
+from flodl_exp.config import ConfigError, register_configs
+from flodl_exp.constants import PARENT_ENV
 
 register_configs()
 
@@ -29,12 +29,12 @@ def _is_multirun() -> bool:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
     """One run; in an Optuna study (``hydra/sweeper=optuna``) it returns the trial's objective to the sweeper."""
-    from .sweep import current_trial
+    from flodl_exp.sweep import current_trial
 
     trial = current_trial()  # None unless this job is a trial of an Optuna study
     try:
-        from .jobs.launcher import RunFailed, launch
-        from .progress import follow, summary
+        from flodl_exp.jobs.launcher import RunFailed, launch
+        from flodl_exp.progress import follow, summary
 
         t0 = time.monotonic()
         multirun = _is_multirun()
@@ -44,13 +44,13 @@ def main(cfg: DictConfig) -> Optional[float]:
         print(str(e), file=sys.stderr)
         if _is_multirun():
             if trial is not None:  # refused before its run existed: a FAILED child run shows it under the study
-                from .sweep import record_failed_trial
+                from flodl_exp.sweep import record_failed_trial
 
                 record_failed_trial(cfg, os.environ.get(PARENT_ENV), trial, str(e))
             raise  # a failing job must not end the whole sweep (a study records a FAIL trial and goes on)
         sys.exit(2)
     except Exception as e:
-        from .jobs.launcher import SubmitFailed
+        from flodl_exp.jobs.launcher import SubmitFailed
 
         if not isinstance(e, SubmitFailed):
             raise
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         sys.exit(e.exit_code)
     print(f"MLflow run {handle.run_id}  job {handle.job_id}  folder {handle.job_dir}", flush=True)
     if trial is not None:
-        from .sweep import tag_trial
+        from flodl_exp.sweep import tag_trial
 
         tag_trial(handle.client(), handle.run_id, trial, str(cfg.sweep.objective))
     if not cfg.run.wait:
@@ -108,7 +108,7 @@ def _detached(handle: Any, submit_s: float) -> None:
 def _objective(handle: Any, cfg: DictConfig, number: int) -> float:
     """A finished trial's objective (the final value of ``sweep.objective`` in its run), for the Optuna sweeper.
     The metric missing raises ConfigError (one line): the trial fails, the study goes on."""
-    from .sweep import finish_trial
+    from flodl_exp.sweep import finish_trial
 
     try:
         value = finish_trial(handle.client(), handle.run_id, str(cfg.sweep.objective))
@@ -153,11 +153,11 @@ def cli() -> None:
     flag would print Hydra's), anything else is the Hydra app, whose composition errors (a misspelt option, key or
     group, a value of the wrong type) end in one ``config error:`` line and exit 2 as the validation's do."""
     if sys.argv[1:2] in (["--version"], ["-V"]):
-        from . import __version__
+        from flodl_exp import __version__
 
         print(f"flodl_exp {__version__} (hydra-core {hydra.__version__}, python {sys.version.split()[0]})")
         return
-    from .config_errors import one_line_config_errors
+    from flodl_exp.config_errors import one_line_config_errors
 
     with one_line_config_errors():
         main()

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .json_fields import FieldError, Fields
+from flodl_exp.json_fields import FieldError, Fields
 
 META_SCHEMA_VERSION = 1
 

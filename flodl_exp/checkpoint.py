@@ -18,12 +18,12 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Optional, cast
 
-from .bundle_meta import META_SCHEMA_VERSION as META_SCHEMA_VERSION  # re-exported
-from .bundle_meta import BundleMeta, Resume
-from .bundle_names import BUNDLE_SUFFIXES, meta_path, model_path, optim_path, outer_path
-from .fsio import atomic_json, atomic_write
-from .fsio import atomic_text as atomic_text  # re-exported; new code imports both from flodl_exp.fsio (no torch)
-from .json_fields import FieldError
+from flodl_exp.bundle_meta import META_SCHEMA_VERSION as META_SCHEMA_VERSION  # re-exported
+from flodl_exp.bundle_meta import BundleMeta, Resume
+from flodl_exp.bundle_names import BUNDLE_SUFFIXES, meta_path, model_path, optim_path, outer_path
+from flodl_exp.fsio import atomic_json, atomic_write
+from flodl_exp.fsio import atomic_text as atomic_text  # re-exported; new code imports both from flodl_exp.fsio (no torch)
+from flodl_exp.json_fields import FieldError
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +143,7 @@ def validate_resume(cfg: Any) -> Optional[Resume]:
     model (parameter names/shapes). Another ``seed`` is not refused: the run adopts the bundle's shuffle seed
     (``bundle_meta.resolve_shuffle_seed``).
     """
-    from .config import ConfigError, world_size
+    from flodl_exp.config import ConfigError, world_size
 
     stem = cfg.checkpoint.resume_from
     if not stem:

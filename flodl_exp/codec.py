@@ -12,9 +12,9 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Optional, Union
 
-from .json_fields import show
-from .protocol import I64_MAX, I64_MIN, PAYLOADS, Batch, Len, Num, Payload, ProtocolError, Tensors
-from .wire import Message
+from flodl_exp.json_fields import show
+from flodl_exp.protocol import I64_MAX, I64_MIN, PAYLOADS, Batch, Len, Num, Payload, ProtocolError, Tensors
+from flodl_exp.wire import Message
 
 
 def encode(p: Any) -> Message:

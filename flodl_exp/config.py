@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from omegaconf import MISSING
 
-from .mode import Mode
+from flodl_exp.mode import Mode
 
 GUARDS = ("none", "trend", "msf")
 EXECUTORS = ("local", "slurm")

@@ -27,8 +27,8 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from omegaconf.nodes import BooleanNode, BytesNode, EnumNode, FloatNode, IntegerNode, PathNode, StringNode
 
-from .config import _err, did_you_mean
-from .failure_cause import first_line
+from flodl_exp.config import _err, did_you_mean
+from flodl_exp.failure_cause import first_line
 
 REFUSED_OPTIONS: Mapping[str, frozenset[str]] = {"mode": frozenset({"nccl_async"})}
 """Group -> options kept under conf/ only so that choosing them gets the reason they are refused (config.py's

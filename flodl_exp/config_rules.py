@@ -11,7 +11,7 @@ import math
 import os
 from typing import Any, Callable, List, Optional
 
-from .config import (
+from flodl_exp.config import (
     COLLECTIVES,
     CORE_KEYS,
     DEVICES,
@@ -30,8 +30,8 @@ from .config import (
     parse_callback_rank,
     world_size,
 )
-from .mode import Backend, Mode
-from .policy.registry import policy_names
+from flodl_exp.mode import Backend, Mode
+from flodl_exp.policy.registry import policy_names
 
 _SCHEMA: Any = None
 

@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
-from .fsio import atomic_text
+from flodl_exp.fsio import atomic_text
 
 THEMES = ("light", "dark", "auto")
 _LIGHT = ("--bg:#ffffff;--fg:#1f2328;--muted:#656d76;--grid:#d8dee4;--panel:#f6f8fa;"

@@ -70,7 +70,7 @@ class ExperimentSetupError(RuntimeError):
 
 def root_cause(e: BaseException) -> str:
     """The innermost cause of ``e`` as ``Type: first line`` (Hydra wraps an ImportError two levels deep)."""
-    from .failure_cause import cause_chain, one_line
+    from flodl_exp.failure_cause import cause_chain, one_line
 
     return one_line(list(cause_chain(e))[-1])
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .json_fields import FieldError, Fields
+from flodl_exp.json_fields import FieldError, Fields
 
 MAX_MODEL_BYTES = 2**40
 """The largest ``model_bytes`` a hello may state (a terabyte of float32 state; past it the number is garbage).

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from .records_journal import JOURNAL_FILE, claim, close_line, read_lease, read_lines, record_line, taken
-from .tracking import RecordSurface
+from flodl_exp.records_journal import JOURNAL_FILE, claim, close_line, read_lease, read_lines, record_line, taken
+from flodl_exp.tracking import RecordSurface
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class JournalSink(RecordSurface):
                         sink._put(str(line["kind"]), line["payload"])
 
     def _start_sink(self) -> Any:
-        from .sink_process import start_sink
+        from flodl_exp.sink_process import start_sink
 
         return start_sink(self.uri, self.run_id, self.job_dir, self.import_paths)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .policy.backend import Backend
-from .policy.base import AveragingPolicy
-from .policy.registry import policy_named, policy_names
+from flodl_exp.policy.backend import Backend
+from flodl_exp.policy.base import AveragingPolicy
+from flodl_exp.policy.registry import policy_named, policy_names
 
 __all__ = ["Backend", "Mode"]
 

@@ -43,7 +43,7 @@ def dataset_input(role: str, dataset: Any, node: Any) -> dict[str, Any]:
     """A JSON-safe description of ``dataset`` (built from config ``node``) in the role ``training`` or ``eval``."""
     import numpy as np
 
-    from .experiment import fetch_batch
+    from flodl_exp.experiment import fetch_batch
 
     target = str((node or {}).get("_target_", type(dataset).__name__))
     args = {k: v for k, v in (node or {}).items() if k != "_target_"}
@@ -76,7 +76,7 @@ def _example(experiment: dict[str, Any]) -> Optional[Any]:
     import numpy as np
     from hydra.utils import instantiate
 
-    from .experiment import fetch_batch
+    from flodl_exp.experiment import fetch_batch
 
     node = experiment.get("eval_data") or experiment.get("train_data")
     if not node:
@@ -95,7 +95,7 @@ def log_consensus_model(uri: str, run_id: str, stem: str, experiment: dict[str, 
     from hydra.utils import instantiate
     from mlflow.models import infer_signature
 
-    from .checkpoint import load_model_state, model_path
+    from flodl_exp.checkpoint import load_model_state, model_path
 
     if not os.path.exists(model_path(stem)):
         raise FileNotFoundError(f"no consensus model at {model_path(stem)}")
@@ -133,7 +133,7 @@ def write_export_request(job_dir: str, run_id: str, stem: str, experiment: dict[
                          import_paths: list[str]) -> str:
     """Ask for the model export after the run's end (the launcher runs it): the run's end does not wait for it.
     ``import_paths``: where the tasks import the user's modules from (the export builds the model too)."""
-    from .fsio import atomic_text
+    from flodl_exp.fsio import atomic_text
 
     path = os.path.join(job_dir, EXPORT_REQUEST)
     atomic_text(json.dumps({"run_id": run_id, "stem": stem, "experiment": experiment, "import_paths": import_paths}),
@@ -211,7 +211,7 @@ if __name__ == "__main__":
     # for a run whose launcher did not live to start it (its tag model_export is missing or failed)
     import sys
 
-    from .background import yield_to_training
+    from flodl_exp.background import yield_to_training
 
     yield_to_training()  # the export may overlap another run's training (a sweep's next child, a bench rotation)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s model_export %(levelname)s %(message)s")

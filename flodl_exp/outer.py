@@ -26,11 +26,11 @@ from typing import Any, Optional
 
 import torch
 
-from .averaging import pack_into
-from .config import OUTER_DEFAULTS as DEFAULTS  # noqa: F401  (the spec lives with the config: the launcher needs no torch)
-from .config import OUTERS as OUTER_KINDS  # noqa: F401
-from .config import OuterSpec
-from .outer_step import OuterStep
+from flodl_exp.averaging import pack_into
+from flodl_exp.config import OUTER_DEFAULTS as DEFAULTS  # noqa: F401  (the spec lives with the config: the launcher needs no torch)
+from flodl_exp.config import OUTERS as OUTER_KINDS  # noqa: F401
+from flodl_exp.config import OuterSpec
+from flodl_exp.outer_step import OuterStep
 
 SIDECAR_FORMAT = 1
 

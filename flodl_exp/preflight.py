@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import ConfigError
+from flodl_exp.config import ConfigError
 
 PATH_KEYS = ("train_step", "loop", "eval_fn", "epoch_fn", "checkpoint_fn")
 """The experiment's plain-string dotted paths (each ``fn`` the ranks look up with ``get_method``)."""

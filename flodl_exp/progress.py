@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from .jobs.launcher import RunHandle
+from flodl_exp.jobs.launcher import RunHandle
 
 
 def _fmt_epoch(ev: dict, epochs: int) -> str:

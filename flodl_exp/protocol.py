@@ -39,7 +39,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Optional, Union
 
-from .errors import WireError
+from flodl_exp.errors import WireError
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-from .records_journal import BEAT_S, JOURNAL_FILE, LEASE_FILE, read_lease, read_lines, taken
+from flodl_exp.records_journal import BEAT_S, JOURNAL_FILE, LEASE_FILE, read_lease, read_lines, taken
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RecordsRelay:
     # -- the thread -------------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        from .background import yield_to_training
+        from flodl_exp.background import yield_to_training
 
         yield_to_training(idle=False)  # the ranks train meanwhile; the sink's thread, started here, inherits it
         while not self._stop.wait(self.beat_s):
@@ -102,7 +102,7 @@ class RecordsRelay:
             log.warning("records relay: the job took the delivery over (%s)", os.path.join(self.job_dir, JOURNAL_FILE))
             return
         if self._sink is None:
-            from .tracking import MlflowSink
+            from flodl_exp.tracking import MlflowSink
 
             self._sink = MlflowSink(self.uri, run_id)
         while self._sink.pending < self._sink.max_records // 2:  # the journal keeps the rest while the store lags
@@ -141,7 +141,7 @@ class RecordsRelay:
             self._delivered_offset = min(self._delivered_offset, self._status_at)
         if self._status and (sink.pending == 0 or time.monotonic() - self._status_since > TERMINATE_WAIT_S):
             status, self._status = self._status, None
-            from .tracking import client
+            from flodl_exp.tracking import client
 
             with self._lock:
                 run_id = self._run_id
@@ -152,7 +152,7 @@ class RecordsRelay:
                 raise RuntimeError(f"could not end the run {status}: {e}") from e
 
     def _write_lease(self, stopped: bool = False) -> None:
-        from .fsio import atomic_bytes
+        from flodl_exp.fsio import atomic_bytes
 
         with self._lock:
             if self._lease_final:
@@ -201,8 +201,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s records-relay %(levelname)s %(message)s")
-    from .jobs.spec import JobSpec, RunIdMissing, read_run_id
-    from .tracking import live_uri
+    from flodl_exp.jobs.spec import JobSpec, RunIdMissing, read_run_id
+    from flodl_exp.tracking import live_uri
 
     try:
         spec = JobSpec.load(os.path.join(args.job_dir, "spec.json"))

@@ -20,8 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from .fsio import atomic_text
-from .reporting import EVAL_TOLERANCE, MISSING, best_and_fastest, fmt, fmt_delta, fmt_eval, sampled, secs, table
+from flodl_exp.fsio import atomic_text
+from flodl_exp.reporting import EVAL_TOLERANCE, MISSING, best_and_fastest, fmt, fmt_delta, fmt_eval, sampled, secs, table
 
 MODE_ORDER = ["nccl_sync", "nccl_cadence", "nccl_async", "cpu_sync", "cpu_cadence", "cpu_async"]
 NEEDED = ("loss", "epoch_time_s", "syncs", "sync_ms_avg", "eval/accuracy", "eval/loss", "anchor",

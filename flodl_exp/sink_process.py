@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import Any, Mapping, Optional, Sequence
 
-from .tracking import RecordSurface
+from flodl_exp.tracking import RecordSurface
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class ProcessSink(RecordSurface):
 
     def _take_over(self) -> None:
         """The child died before its close answer: an in-process sink delivers what it never received."""
-        from .tracking import MlflowSink
+        from flodl_exp.tracking import MlflowSink
 
         with self._cond:
             if self._closed is not None or self._fallback is not None:
@@ -236,14 +236,14 @@ def start_sink(uri: str, run_id: str, job_dir: str, import_paths: Sequence[str] 
     try:
         return ProcessSink(uri, run_id, job_dir, import_paths)
     except OSError as e:
-        from .tracking import MlflowSink
+        from flodl_exp.tracking import MlflowSink
 
         log.warning("mlflow sink process did not start (%s): the sink runs in the coordinator", e)
         return MlflowSink(uri, run_id or (lambda: _wait_run_id(job_dir)))
 
 
 def _wait_run_id(job_dir: str) -> str:
-    from .jobs.spec import wait_run_id
+    from flodl_exp.jobs.spec import wait_run_id
 
     return wait_run_id(job_dir)
 
@@ -280,14 +280,14 @@ def child_main(argv: Sequence[str]) -> int:
     # or its stdin's end, not a signal, ends this process.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from .background import yield_to_training
+    from flodl_exp.background import yield_to_training
 
     yield_to_training()  # before any thread starts: MLflow's import and deliveries take only what the ranks leave idle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mlflow-sink %(levelname)s %(message)s", stream=sys.stderr)
     for path in reversed(args.path):  # the experiment's modules (a logged model is built here)
         if path not in sys.path:
             sys.path.insert(0, path)
-    from .tracking import MlflowSink
+    from flodl_exp.tracking import MlflowSink
 
     answers = _Answers()
     job_dir = args.job_dir

@@ -25,9 +25,9 @@ from typing import Any, Mapping, Optional, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .config import DIRECTIONS, ConfigError
-from .constants import PARENT_ENV
-from .report import OBJECTIVE_METRIC, TRIAL_ERROR_TAG, TRIAL_OVERRIDES_TAG, TRIAL_TAG
+from flodl_exp.config import DIRECTIONS, ConfigError
+from flodl_exp.constants import PARENT_ENV
+from flodl_exp.report import OBJECTIVE_METRIC, TRIAL_ERROR_TAG, TRIAL_OVERRIDES_TAG, TRIAL_TAG
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def is_study(sweeper: Any) -> bool:
 
 def redacted_overrides(overrides: Sequence[str]) -> list[str]:
     """Hydra overrides with a tracking URI's credentials replaced (what tags and reports may show)."""
-    from .tracking import redact_uri
+    from flodl_exp.tracking import redact_uri
 
     out = []
     for o in overrides:
@@ -157,7 +157,7 @@ def tag_trial(client: Any, run_id: str, trial: Trial, objective: str) -> None:
 def record_failed_trial(cfg: Any, parent_run_id: Optional[str], trial: Trial, error: str) -> Optional[str]:
     """A FAILED child run for a trial refused before its run existed (a config error), so that every trial of
     the study shows under the parent; returns its id (None when the store could not take it: the error stands)."""
-    from .tracking import create_run, end_run, resolve_tracking
+    from flodl_exp.tracking import create_run, end_run, resolve_tracking
 
     try:
         uri, art = resolve_tracking(cfg.tracking, os.getcwd())
@@ -265,7 +265,7 @@ class MlflowSweepCallback(Callback):
             self._create_parent(self._config)
 
     def _create_parent(self, config: DictConfig) -> None:
-        from .tracking import client, get_or_create_experiment, resolve_tracking
+        from flodl_exp.tracking import client, get_or_create_experiment, resolve_tracking
 
         uri, art = resolve_tracking(config.tracking, os.getcwd())
         c = client(uri)
@@ -293,7 +293,7 @@ class MlflowSweepCallback(Callback):
         os.environ.pop(PARENT_ENV, None)
         if not self.parent_id or self.uri is None or self.experiment is None:  # all three are set together
             return
-        from .tracking import client
+        from flodl_exp.tracking import client
 
         c = client(self.uri)
         exp = c.get_experiment_by_name(self.experiment)  # None: deleted while the sweep ran (no children then)
@@ -301,7 +301,7 @@ class MlflowSweepCallback(Callback):
         failed = [r for r in children if r.info.status != "FINISHED"]
         out = os.path.join(str(config.hydra.sweep.dir), "report")
         try:
-            from .report import generate_report
+            from flodl_exp.report import generate_report
 
             path = generate_report(self.experiment, self.uri, out, parent_run_id=self.parent_id)
             print(f"sweep report: {path}", flush=True)
@@ -325,7 +325,7 @@ class MlflowSweepCallback(Callback):
 
     def _rank_trials(self, c: Any, children: Sequence[Any], out: str, config: DictConfig) -> int:
         """report/trials.md on the parent and on stdout; returns how many trials completed."""
-        from .report import generate_trials_report
+        from flodl_exp.report import generate_trials_report
 
         objective, direction = str(config.sweep.objective), str(config.sweep.direction)
         try:

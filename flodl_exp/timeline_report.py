@@ -19,8 +19,8 @@ import math
 import os
 from typing import Any, Optional
 
-from .control.timeline import CAUSES, KINDS, TimelineRecorder
-from .fsio import atomic_text
+from flodl_exp.control.timeline import CAUSES, KINDS, TimelineRecorder
+from flodl_exp.fsio import atomic_text
 
 COLUMNS = ("rank", "kind", "start_s", "end_s", "epoch", "window", "n", "busy_ms", "data_ms", "note")
 FILES = ("timeline.json", "timeline.csv", "timeline.html")

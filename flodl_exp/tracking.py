@@ -290,11 +290,11 @@ class MlflowSink(RecordSurface):
             elif os.path.exists(path):
                 c.log_artifact(self.run_id, path, ap)
         elif kind == "inputs":
-            from .model_export import log_inputs
+            from flodl_exp.model_export import log_inputs
 
             log_inputs(c, self.run_id, payload)
         elif kind == "model":
-            from .model_export import log_consensus_model
+            from flodl_exp.model_export import log_consensus_model
 
             stem, experiment = payload
             try:

@@ -72,7 +72,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, TypeAlias
 
-from .errors import WireError  # defined apart: the protocol's payloads raise it without the wire
+from flodl_exp.errors import WireError  # defined apart: the protocol's payloads raise it without the wire
 
 if TYPE_CHECKING:
     import torch

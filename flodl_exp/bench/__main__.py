@@ -16,9 +16,9 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import ConfigError
-from ..fsio import atomic_text
-from .suite import BenchConfig, plan, register
+from flodl_exp.bench.suite import BenchConfig, plan, register
+from flodl_exp.config import ConfigError
+from flodl_exp.fsio import atomic_text
 
 PRESET_FLAGS = {"--quick": "preset=quick", "--full": "preset=full"}
 
@@ -30,8 +30,8 @@ def translate_argv(argv: list[str]) -> list[str]:
 
 def run_suite(cfg: BenchConfig) -> int:
     """Every run of the plan as a child of one parent run, then the report; 0 when every run finished."""
-    from ..tracking import client, create_run, resolve_tracking
-    from .runner import RunRecord, run_all
+    from flodl_exp.bench.runner import RunRecord, run_all
+    from flodl_exp.tracking import client, create_run, resolve_tracking
 
     specs = plan(cfg)
     out = os.path.abspath(cfg.out_dir or os.path.join("outputs", "bench", time.strftime("%Y%m%d-%H%M%S")))
@@ -82,9 +82,9 @@ def run_suite(cfg: BenchConfig) -> int:
 
 
 def write_report(cfg: BenchConfig, c: object, parent: str, out: str, wall: float, uri: str) -> str:
-    from .collect import load_rows
-    from .plots import write_plots
-    from .report import PLOTS, build_markdown
+    from flodl_exp.bench.collect import load_rows
+    from flodl_exp.bench.plots import write_plots
+    from flodl_exp.bench.report import PLOTS, build_markdown
 
     rows = load_rows(c, cfg.tracking.experiment_name, parent)
     write_plots(rows, out, cfg.models)
@@ -123,7 +123,7 @@ def main(dcfg: DictConfig) -> None:
 
 def cli(argv: Optional[list[str]] = None) -> None:
     sys.argv = [sys.argv[0], *translate_argv(list(sys.argv[1:] if argv is None else argv))]
-    from ..config_errors import one_line_config_errors
+    from flodl_exp.config_errors import one_line_config_errors
 
     with one_line_config_errors():  # a misspelt key or preset: one config error line, exit 2, as the main app
         main()

@@ -15,8 +15,8 @@ import re
 import tempfile
 from typing import Any, Optional
 
-from ..report import RANK_KEY
-from .report import BenchRow
+from flodl_exp.bench.report import BenchRow
+from flodl_exp.report import RANK_KEY
 
 ANCHOR_LINE = re.compile(r"anchor (\d+) -> (\d+)")
 KEYS = ("loss", "epoch_time_s", "syncs", "sync_ms_avg", "anchor")
@@ -84,7 +84,7 @@ def timeline_fields(tl: dict) -> dict[str, Any]:
 def make_row(tags: dict[str, str], status: str, history: dict[str, list[tuple[int, float]]], events: list[dict],
              timeline: Optional[dict], coordinator_log: Optional[str], params: Optional[dict[str, str]] = None) -> BenchRow:
     """One report row from a run's tags, metric histories and files (pure)."""
-    from ..report import RunData, summarize
+    from flodl_exp.report import RunData, summarize
 
     s = summarize(RunData(run_id="", tags=tags, status=status, history=history), None)
     kind = tags.get("bench.kind", "flodl")

@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import events
+from flodl_exp import events
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, port: int, a: dict) -> None:
     import torch.distributed as dist
     from torch.utils.data import DistributedSampler
 
-    from ..experiment import build_experiment
+    from flodl_exp.experiment import build_experiment
 
     torch.set_num_threads(1)
     if world > 1:
@@ -207,7 +207,7 @@ def _log_mlflow(uri: str, experiment_name: str, artifact_location: Optional[str]
                 parent_run_id: Optional[str]) -> str:
     from mlflow.entities import Metric
 
-    from ..tracking import client, create_run
+    from flodl_exp.tracking import client, create_run
 
     run_id = create_run(uri, experiment_name, artifact_location, run_name, params, tags, parent_run_id)
     c = client(uri)

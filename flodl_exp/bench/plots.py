@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from ..report import _figure
-from .report import CAUSES, PLOTS, BenchRow, _run_columns, group, idle_rows, reference, speedup
+from flodl_exp.bench.report import CAUSES, PLOTS, BenchRow, _run_columns, group, idle_rows, reference, speedup
+from flodl_exp.report import _figure
 
 
 def plot_loss_vs_time(by_model: dict[str, list[BenchRow]], path: str) -> None:

@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..reporting import EVAL_TOLERANCE, MISSING, best_and_fastest, fmt, fmt_delta, fmt_eval, sampled, secs, table
-from .suite import REFERENCE_RUN
+from flodl_exp.bench.suite import REFERENCE_RUN
+from flodl_exp.reporting import EVAL_TOLERANCE, MISSING, best_and_fastest, fmt, fmt_delta, fmt_eval, sampled, secs, table
 
 HIGHER_BETTER = {"eval/accuracy": True, "eval/mse": False, "eval/loss": False}
 EVAL_KEYS = tuple(HIGHER_BETTER)

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..package_conf import CONF_DIR as CONF
-from .suite import BenchConfig, RunSpec, experiment_overrides
+from flodl_exp.bench.suite import BenchConfig, RunSpec, experiment_overrides
+from flodl_exp.package_conf import CONF_DIR as CONF
 
 
 @dataclass
@@ -55,7 +55,7 @@ def compose_app(overrides: list[str]) -> Any:
     """The main app's config for ``overrides`` (``python -m flodl_exp <overrides>`` would run this)."""
     from hydra import compose
 
-    from ..config import register_configs
+    from flodl_exp.config import register_configs
 
     register_configs()
     with app_hydra():
@@ -102,7 +102,7 @@ class Pending:
 
 
 def start_flodl(cfg: BenchConfig, spec: RunSpec, parent_id: str, out: str) -> Pending:
-    from ..jobs.launcher import launch
+    from flodl_exp.jobs.launcher import launch
 
     t0 = time.monotonic()
     app_cfg = compose_app(flodl_overrides(cfg, spec, out))
@@ -113,7 +113,7 @@ def start_flodl(cfg: BenchConfig, spec: RunSpec, parent_id: str, out: str) -> Pe
 
 def finish_flodl(p: Pending, timeout_s: float) -> RunRecord:
     """End a run that is done (or past its time: then it is cancelled, KILLED)."""
-    from ..jobs.launcher import RunFailed
+    from flodl_exp.jobs.launcher import RunFailed
 
     h = p.handle
     if not h.done():
@@ -131,8 +131,8 @@ def finish_flodl(p: Pending, timeout_s: float) -> RunRecord:
 def run_torch_entry(cfg: BenchConfig, spec: RunSpec, parent_id: str, out: str) -> RunRecord:
     from omegaconf import OmegaConf
 
-    from ..tracking import resolve_tracking
-    from .ddp import run_torch
+    from flodl_exp.bench.ddp import run_torch
+    from flodl_exp.tracking import resolve_tracking
 
     t0 = time.monotonic()
     app_cfg = compose_app(experiment_overrides(cfg, spec.model))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from ..config import ConfigError
+from flodl_exp.config import ConfigError
 
 SCHEMA_GROUP = "flodl_bench"
 ZOO = ("logistic", "mlp", "lenet", "resnet20", "char_rnn", "gpt_nano", "conv_ae")

@@ -14,12 +14,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..protocol import Probe, ProbeResult
-from .devices import CollectiveRefused, RankDevice, choose_collective
-from .outbox import Outbox
+from flodl_exp.control.devices import CollectiveRefused, RankDevice, choose_collective
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.protocol import Probe, ProbeResult
 
 if TYPE_CHECKING:
-    from ..simulate.auto import AutoChoice, Prepared
+    from flodl_exp.simulate.auto import AutoChoice, Prepared
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -46,7 +46,7 @@ class AutoProbe:
 
     def begin(self, outbox: Outbox) -> None:
         """Every rank joined: ask each to time :data:`~flodl_exp.simulate.auto.PROBE_STEPS` steps."""
-        from ..simulate.auto import PROBE_STEPS
+        from flodl_exp.simulate.auto import PROBE_STEPS
 
         self.deadline = self.clock() + PROBE_TIMEOUT_S
         log.info("mode=auto: every rank times %d training steps before the first chunk (nothing is kept)", PROBE_STEPS)
@@ -55,9 +55,9 @@ class AutoProbe:
     def prepare(self) -> None:
         """simulate/auto.prepare for this run (every mode: which are candidates is known once the ranks said hello);
         a failure is kept for :meth:`decide` (the configured mode, with the reason)."""
-        from ..simulate.auto import prepare
-        from ..simulate.from_run import base_config
-        from ..simulate.topology import MODES
+        from flodl_exp.simulate.auto import prepare
+        from flodl_exp.simulate.from_run import base_config
+        from flodl_exp.simulate.topology import MODES
 
         t0 = self.clock()
         cfg = self.cfg
@@ -85,7 +85,7 @@ class AutoProbe:
 
     def decide(self, devices: dict[int, RankDevice], total_picks: int) -> AutoChoice:
         """The mode to train in (the configured one, with the reason, when the probe cannot tell)."""
-        from ..simulate.auto import AutoChoice
+        from flodl_exp.simulate.auto import AutoChoice
 
         answered = self.clock()
         try:
@@ -99,7 +99,7 @@ class AutoProbe:
         return self.choice
 
     def _decide(self, devices: dict[int, RankDevice], total_picks: int) -> AutoChoice:
-        from ..simulate.auto import AutoChoice, candidate_modes, choose
+        from flodl_exp.simulate.auto import AutoChoice, candidate_modes, choose
 
         missing = [r for r in range(self.W) if r not in self.results]
         failed = {r: res.error for r, res in self.results.items() if res.error or not res.step_ms}

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from ..outer_step import OuterStep
-from ..protocol import Snapshot
+from flodl_exp.outer_step import OuterStep
+from flodl_exp.protocol import Snapshot
 
 
 @dataclass(frozen=True)

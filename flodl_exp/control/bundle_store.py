@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from ..bundle_meta import BundleMeta
-from ..bundle_names import file_name, outer_path
+from flodl_exp.bundle_meta import BundleMeta
+from flodl_exp.bundle_names import file_name, outer_path
 
 
 class BundleStore(Protocol):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Union
 
-from .epoch_plan import EpochPlan
+from flodl_exp.control.epoch_plan import EpochPlan
 
 EWMA_ALPHA = 0.5
 """Weight of the newest eval time (the reference leaves the coefficient unspecified): evals of one model on one

@@ -12,11 +12,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import events as ev
-from ..protocol import Checkpoint, CheckpointResult
-from .cohort import Cohort
-from .outbox import Outbox
-from .ports import CoreObserver
+from flodl_exp import events as ev
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.protocol import Checkpoint, CheckpointResult
 
 log = logging.getLogger("flodl_exp.coordinator")
 

@@ -25,19 +25,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from .. import events as ev
-from ..bundle_meta import BundleMeta, MetaCoverage
-from ..bundle_names import file_name, model_path, optim_path, outer_path
-from ..protocol import Save, SaveResult
-from .bundle_store import BundleStore
-from .checkpoint_fn import CheckpointFnRole
-from .cohort import Cohort
-from .cycle import AveragingCycle
-from .dispatch import Dispatcher
-from .epoch_plan import EpochPlan
-from .intents import Intents
-from .outbox import Outbox
-from .ports import CoreObserver
+from flodl_exp import events as ev
+from flodl_exp.bundle_meta import BundleMeta, MetaCoverage
+from flodl_exp.bundle_names import file_name, model_path, optim_path, outer_path
+from flodl_exp.control.bundle_store import BundleStore
+from flodl_exp.control.checkpoint_fn import CheckpointFnRole
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.epoch_plan import EpochPlan
+from flodl_exp.control.intents import Intents
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.protocol import Save, SaveResult
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -246,7 +246,7 @@ class BundleWriter:
                    coverage_epochs: Optional[list[dict[str, Any]]] = None) -> None:
         """The meta of ``stem``, written last: at once when its saves settled and none failed, after they
         settle when they are still to come (ShutdownWithSave asks first), never for a failed bundle."""
-        from ..partition import PERMUTATION_ALGORITHM
+        from flodl_exp.partition import PERMUTATION_ALGORITHM
 
         stem = stem or self.stem
         f = self.facts

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ..bundle_meta import BundleMeta
-from ..events import EventRecord
-from ..protocol import Batch, Payload
-from .cohort import Cohort
-from .cycle import Reduce, ReduceOutcome
-from .outbox import DirectOutbox
-from .ports import CoreObserver
+from flodl_exp.bundle_meta import BundleMeta
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import Reduce, ReduceOutcome
+from flodl_exp.control.outbox import DirectOutbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.events import EventRecord
+from flodl_exp.protocol import Batch, Payload
 
 
 # -- commands (what :meth:`ControlCore.handle` returns) -------------------------------

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..mode import Mode
-from .elche import ElChe
-from .guards import ConvergenceGuard, build_guard
+from flodl_exp.control.elche import ElChe
+from flodl_exp.control.guards import ConvergenceGuard, build_guard
+from flodl_exp.mode import Mode
 
 
 def build_elche(mode: Any, world_size: int) -> ElChe:

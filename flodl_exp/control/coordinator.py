@@ -26,18 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from .. import events as ev
-from ..bundle_meta import Resume
-from ..codec import decode
-from ..config import RunShape, load_config
-from ..hello import Hello
-from ..jobs.spec import JobSpec
-from ..mode import Mode
-from ..protocol import Batch, ChunkMetrics, CoordHeartbeat, FormGroup, Heartbeat, ProbeResult, ProtocolError
-from ..wire import Message
-from .auto_probe import AutoProbe
-from .cohort import Cohort, ProgressWatch
-from .commands import (
+from flodl_exp import events as ev
+from flodl_exp.bundle_meta import Resume
+from flodl_exp.codec import decode
+from flodl_exp.config import RunShape, load_config
+from flodl_exp.control.auto_probe import AutoProbe
+from flodl_exp.control.cohort import Cohort, ProgressWatch
+from flodl_exp.control.commands import (
     AnchorHint,
     Closing,
     PreemptAsked,
@@ -54,19 +49,24 @@ from .commands import (
     Tick,
     TrainingStarts,
 )
-from .commands import Event as CoreEvent
-from .core import ControlCore, RunFacts
-from .cpu_averager import TorchAverager
-from .cycle import Reduce, ReduceOutcome
-from .devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
-from .disk_bundles import DiskBundles
-from .event_log import EventLog
-from .lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
-from .ports import Sink
-from .records import RecordLog, WindowRecorder
-from .timeline import TimelineRecorder
-from .watchdog import StallWatchdog
-from .wire_outbox import Transport, WireOutbox
+from flodl_exp.control.commands import Event as CoreEvent
+from flodl_exp.control.core import ControlCore, RunFacts
+from flodl_exp.control.cpu_averager import TorchAverager
+from flodl_exp.control.cycle import Reduce, ReduceOutcome
+from flodl_exp.control.devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
+from flodl_exp.control.disk_bundles import DiskBundles
+from flodl_exp.control.event_log import EventLog
+from flodl_exp.control.lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
+from flodl_exp.control.ports import Sink
+from flodl_exp.control.records import RecordLog, WindowRecorder
+from flodl_exp.control.timeline import TimelineRecorder
+from flodl_exp.control.watchdog import StallWatchdog
+from flodl_exp.control.wire_outbox import Transport, WireOutbox
+from flodl_exp.hello import Hello
+from flodl_exp.jobs.spec import JobSpec
+from flodl_exp.mode import Mode
+from flodl_exp.protocol import Batch, ChunkMetrics, CoordHeartbeat, FormGroup, Heartbeat, ProbeResult, ProtocolError
+from flodl_exp.wire import Message
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -259,7 +259,7 @@ class Coordinator:
     def _resume(self, resume: Resume) -> None:
         """The bundle's trajectory into the core, with the outer optimizer's sidecar when the core keeps it (cpu
         backend: the launcher checked it exists)."""
-        from ..checkpoint import load_outer_state
+        from flodl_exp.checkpoint import load_outer_state
 
         state = load_outer_state(resume.stem) if self.view.wants_outer_state else None
         self._handle(Resumed(resume.meta, self.cfg.guard.kind, resume.stem, state, self.clock()))
@@ -336,7 +336,7 @@ class Coordinator:
     def _check_lost_before_join(self) -> None:
         """A task whose process is gone before its rank said hello can never join: fail now, naming it (its
         pid and host) first, then any joined rank that failed since (collateral: its setup waited for it)."""
-        from ..jobs.rendezvous import lost_before_join, setup_failure
+        from flodl_exp.jobs.rendezvous import lost_before_join, setup_failure
 
         closed = {q for q, _ in self._connect_closes}
         for r in self.view.missing():

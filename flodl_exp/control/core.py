@@ -36,38 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .. import events as ev
-from ..bundle_meta import BundleMeta
-from ..config import Config, RunShape
-from ..mode import Mode
-from ..protocol import (
-    Batch,
-    Batches,
-    CheckpointResult,
-    ChunkMetrics,
-    EpochFnResult,
-    EvalResult,
-    Evict,
-    Exiting,
-    Intent,
-    LoopNotice,
-    Payload,
-    RankError,
-    SaveResult,
-    SessionReady,
-    SetEpochRole,
-    Snapshot,
-    SyncAck,
-    Telemetry,
-)
-from ..protocol import Shutdown as ShutdownMsg
-from .averager import Averager
-from .bundle_store import BundleStore, MemoryBundles
-from .callback_slack import CallbackSlack
-from .checkpoint_fn import CheckpointFnRole
-from .checkpoints import BundleWriter, Checkpoints, MetaFacts
-from .cohort import Cohort
-from .commands import (
+from flodl_exp import events as ev
+from flodl_exp.bundle_meta import BundleMeta
+from flodl_exp.config import Config, RunShape
+from flodl_exp.control.averager import Averager
+from flodl_exp.control.bundle_store import BundleStore, MemoryBundles
+from flodl_exp.control.callback_slack import CallbackSlack
+from flodl_exp.control.checkpoint_fn import CheckpointFnRole
+from flodl_exp.control.checkpoints import BundleWriter, Checkpoints, MetaFacts
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.commands import (
     AnchorHint,
     Closing,
     Command,
@@ -88,25 +66,47 @@ from .commands import (
     Tick,
     TrainingStarts,
 )
-from .controllers import build_elche, build_run_guard
-from .cycle import AveragingCycle
-from .deaths import Deaths
-from .dispatch import Dispatcher, Gate
-from .epoch_plan import EpochPlan
-from .epochs import EpochBoundaries
-from .faults import SHUTDOWN_GRACE_S, FaultHandler
-from .intents import Intents
-from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
-from .meta import LrEventMeta
-from .outbox import Outbox
-from .ports import CoreObserver, NullObserver
-from .preemption import Preemption, kills_on_bad_exit
-from .reduces import Reduces
-from .report_pace import ReportPacing, pace_enabled
-from .reports import RankReports
-from .run_end import RunEnd
-from .run_state import run_state
-from .view import CoreView
+from flodl_exp.control.controllers import build_elche, build_run_guard
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.deaths import Deaths
+from flodl_exp.control.dispatch import Dispatcher, Gate
+from flodl_exp.control.epoch_plan import EpochPlan
+from flodl_exp.control.epochs import EpochBoundaries
+from flodl_exp.control.faults import SHUTDOWN_GRACE_S, FaultHandler
+from flodl_exp.control.intents import Intents
+from flodl_exp.control.lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
+from flodl_exp.control.meta import LrEventMeta
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver, NullObserver
+from flodl_exp.control.preemption import Preemption, kills_on_bad_exit
+from flodl_exp.control.reduces import Reduces
+from flodl_exp.control.report_pace import ReportPacing, pace_enabled
+from flodl_exp.control.reports import RankReports
+from flodl_exp.control.run_end import RunEnd
+from flodl_exp.control.run_state import run_state
+from flodl_exp.control.view import CoreView
+from flodl_exp.mode import Mode
+from flodl_exp.protocol import (
+    Batch,
+    Batches,
+    CheckpointResult,
+    ChunkMetrics,
+    EpochFnResult,
+    EvalResult,
+    Evict,
+    Exiting,
+    Intent,
+    LoopNotice,
+    Payload,
+    RankError,
+    SaveResult,
+    SessionReady,
+    SetEpochRole,
+    Snapshot,
+    SyncAck,
+    Telemetry,
+)
+from flodl_exp.protocol import Shutdown as ShutdownMsg
 
 log = logging.getLogger("flodl_exp.coordinator")
 

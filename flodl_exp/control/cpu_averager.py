@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..config import OuterSpec
-from ..outer_step import OuterStep
-from ..protocol import Snapshot
-from .averager import Consensus
+from flodl_exp.config import OuterSpec
+from flodl_exp.control.averager import Consensus
+from flodl_exp.outer_step import OuterStep
+from flodl_exp.protocol import Snapshot
 
 if TYPE_CHECKING:
-    from ..outer import OuterOptimizer
+    from flodl_exp.outer import OuterOptimizer
 
 
 class TorchAverager:
@@ -27,7 +27,7 @@ class TorchAverager:
         """The outer optimizer, run here once per window (nccl: replicated on the ranks). Made on first use: it
         holds torch tensors."""
         if self._outer is None:
-            from ..outer import OuterOptimizer
+            from flodl_exp.outer import OuterOptimizer
 
             self._outer = OuterOptimizer(self.outer_spec)
         return self._outer
@@ -35,7 +35,7 @@ class TorchAverager:
     def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool) -> Consensus:
         import torch
 
-        from ..averaging import divergence, weighted_average
+        from flodl_exp.averaging import divergence, weighted_average
 
         n_p = sum(1 for k in snapshots[0].tensors if k.startswith("p"))
         n_b = sum(1 for k in snapshots[0].tensors if k.startswith("b"))

@@ -20,16 +20,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..config import OuterSpec
-from ..mode import Backend, Mode
-from ..outer_step import OuterStep
-from ..protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
-from .actions import STABLE, ConvergenceAction
-from .averager import Averager
-from .elche import ElChe, WindowReport
-from .guards import ConvergenceGuard, DivergenceReport
-from .meta import LrEventMeta
-from .outbox import Outbox
+from flodl_exp.config import OuterSpec
+from flodl_exp.control.actions import STABLE, ConvergenceAction
+from flodl_exp.control.averager import Averager
+from flodl_exp.control.elche import ElChe, WindowReport
+from flodl_exp.control.guards import ConvergenceGuard, DivergenceReport
+from flodl_exp.control.meta import LrEventMeta
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.mode import Backend, Mode
+from flodl_exp.outer_step import OuterStep
+from flodl_exp.protocol import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
 
 log = logging.getLogger("flodl_exp.coordinator")
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .. import events as ev
-from .checkpoint_fn import CheckpointFnRole
-from .checkpoints import BundleWriter
-from .dispatch import Dispatcher
-from .faults import FaultHandler
-from .lifecycle import Lifecycle, Phase
-from .ports import CoreObserver
-from .run_end import RunEnd
+from flodl_exp import events as ev
+from flodl_exp.control.checkpoint_fn import CheckpointFnRole
+from flodl_exp.control.checkpoints import BundleWriter
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.faults import FaultHandler
+from flodl_exp.control.lifecycle import Lifecycle, Phase
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.control.run_end import RunEnd
 
 
 class Deaths:

@@ -21,8 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from ..config import COLLECTIVES
-from ..hello import Hello
+from flodl_exp.config import COLLECTIVES
+from flodl_exp.hello import Hello
 
 
 @dataclass(frozen=True)

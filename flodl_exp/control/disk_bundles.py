@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..bundle_meta import BundleMeta
-from ..constants import PREEMPT_MARK
-from .ports import Sink
+from flodl_exp.bundle_meta import BundleMeta
+from flodl_exp.constants import PREEMPT_MARK
+from flodl_exp.control.ports import Sink
 
 
 class DiskBundles:
@@ -20,23 +20,23 @@ class DiskBundles:
         self._sink = sink
 
     def remove_bundle(self, stem: str) -> list[str]:
-        from ..checkpoint import remove_bundle
+        from flodl_exp.checkpoint import remove_bundle
 
         return remove_bundle(stem)
 
     def save_outer(self, state: dict[str, Any], stem: str) -> str:
-        from ..checkpoint import atomic_torch_save, outer_path
+        from flodl_exp.checkpoint import atomic_torch_save, outer_path
 
         atomic_torch_save(state, outer_path(stem))
         return os.path.basename(outer_path(stem))
 
     def write_meta(self, stem: str, meta: BundleMeta) -> None:
-        from ..checkpoint import write_meta
+        from flodl_exp.checkpoint import write_meta
 
         write_meta(stem, meta)
 
     def log_bundle(self, stem: str, artifact_path: str) -> None:
-        from ..checkpoint import BUNDLE_SUFFIXES
+        from flodl_exp.checkpoint import BUNDLE_SUFFIXES
 
         d, name = os.path.dirname(stem), os.path.basename(stem)
         if not os.path.isdir(d):
@@ -48,7 +48,7 @@ class DiskBundles:
                     self._sink.log_artifact(os.path.join(d, fn), artifact_path)
 
     def write_deaths(self, stem: str, deaths: list[dict[str, Any]]) -> None:
-        from ..fsio import atomic_json
+        from flodl_exp.fsio import atomic_json
 
         path = stem + ".death.json"
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -56,6 +56,6 @@ class DiskBundles:
         self._sink.log_artifact(path, "deaths")
 
     def mark_preempted(self, record: dict[str, Any]) -> None:
-        from ..fsio import atomic_json
+        from flodl_exp.fsio import atomic_json
 
         atomic_json(record, os.path.join(self.job_dir, PREEMPT_MARK))

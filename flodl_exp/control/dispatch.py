@@ -23,12 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ..mode import Mode
-from ..outer_step import OuterStep
-from ..partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
-from ..protocol import ChunkMetrics, ExtendPartition, StageAdvisory, StartEpoch, Telemetry
-from .actions import ConvergenceAction
-from .chunk_pool import (
+from flodl_exp.control.actions import ConvergenceAction
+from flodl_exp.control.chunk_pool import (
     ChunkPool,
     FinalWindowPlan,
     OvershootTuner,
@@ -39,11 +35,15 @@ from .chunk_pool import (
     stage_advisory,
     subtract_ranges,
 )
-from .cohort import Cohort
-from .cycle import AveragingCycle
-from .epoch_metrics import EpochAccumulator
-from .epoch_plan import EpochPlan
-from .outbox import Outbox
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.epoch_metrics import EpochAccumulator
+from flodl_exp.control.epoch_plan import EpochPlan
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.mode import Mode
+from flodl_exp.outer_step import OuterStep
+from flodl_exp.partition import batch_aligned_plans, equal_sizes, ratio_to_sizes, throughput_sizes
+from flodl_exp.protocol import ChunkMetrics, ExtendPartition, StageAdvisory, StartEpoch, Telemetry
 
 log = logging.getLogger("flodl_exp.coordinator")
 

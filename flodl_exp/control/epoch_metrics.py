@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..outer_step import OuterStep
-from ..protocol import ChunkMetrics
+from flodl_exp.outer_step import OuterStep
+from flodl_exp.protocol import ChunkMetrics
 
 
 @dataclass

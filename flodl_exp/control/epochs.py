@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .. import events as ev
-from ..protocol import EpochAggregated
-from .checkpoints import Checkpoints
-from .cohort import Cohort
-from .cycle import AveragingCycle
-from .dispatch import Dispatcher
-from .intents import Intents
-from .lifecycle import TRAINING_PHASES, Lifecycle, Phase
-from .outbox import Outbox
-from .ports import CoreObserver
-from .run_end import RunEnd
+from flodl_exp import events as ev
+from flodl_exp.control.checkpoints import Checkpoints
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.intents import Intents
+from flodl_exp.control.lifecycle import TRAINING_PHASES, Lifecycle, Phase
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.control.run_end import RunEnd
+from flodl_exp.protocol import EpochAggregated
 
 
 class EpochBoundaries:

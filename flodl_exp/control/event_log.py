@@ -7,8 +7,8 @@ import os
 import time
 from typing import Callable
 
-from ..events import EventRecord
-from .records import RecordLog
+from flodl_exp.control.records import RecordLog
+from flodl_exp.events import EventRecord
 
 
 class EventLog:

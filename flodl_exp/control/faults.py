@@ -17,17 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import events as ev
-from ..mode import Backend
-from ..protocol import Regroup, RequestSession, SessionReady
-from .bundle_store import BundleStore
-from .checkpoints import BundleWriter
-from .cohort import Cohort, Death
-from .cycle import AveragingCycle
-from .dispatch import Dispatcher
-from .lifecycle import Lifecycle, Phase, Status
-from .outbox import Outbox
-from .ports import CoreObserver
+from flodl_exp import events as ev
+from flodl_exp.control.bundle_store import BundleStore
+from flodl_exp.control.checkpoints import BundleWriter
+from flodl_exp.control.cohort import Cohort, Death
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.lifecycle import Lifecycle, Phase, Status
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.mode import Backend
+from flodl_exp.protocol import Regroup, RequestSession, SessionReady
 
 log = logging.getLogger("flodl_exp.coordinator")
 

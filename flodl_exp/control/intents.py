@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..protocol import INTENT_KINDS
+from flodl_exp.protocol import INTENT_KINDS
 
 
 class Intents:

@@ -24,14 +24,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from .. import events as ev
-from ..constants import PREEMPT_EXIT
-from ..fsio import atomic_json
-from ..jobs.spec import JobSpec
-from .lifecycle import Phase, RunFailure  # import-light: the handlers go in before torch loads
+from flodl_exp import events as ev
+from flodl_exp.constants import PREEMPT_EXIT
+from flodl_exp.control.lifecycle import Phase, RunFailure  # import-light: the handlers go in before torch loads
+from flodl_exp.fsio import atomic_json
+from flodl_exp.jobs.spec import JobSpec
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from flodl_exp.control.coordinator import Coordinator
 
 
 class _Signals:
@@ -83,14 +83,14 @@ def main(argv: list[str]) -> int:
         if path not in sys.path:
             sys.path.insert(0, path)
 
-    from .. import wire
-    from ..config import RunShape, load_config
-    from ..jobs.rendezvous import incarnation, write_rendezvous
-    from ..journal_sink import JournalSink, relayed_by_launcher
-    from ..sink_process import start_sink
-    from .coordinator import Coordinator
-    from .prediction import RecordTap
-    from .server import RankServer
+    from flodl_exp import wire
+    from flodl_exp.config import RunShape, load_config
+    from flodl_exp.control.coordinator import Coordinator
+    from flodl_exp.control.prediction import RecordTap
+    from flodl_exp.control.server import RankServer
+    from flodl_exp.jobs.rendezvous import incarnation, write_rendezvous
+    from flodl_exp.journal_sink import JournalSink, relayed_by_launcher
+    from flodl_exp.sink_process import start_sink
 
     cfg = load_config(spec.config)
     shape = RunShape.of(cfg)
@@ -141,7 +141,7 @@ def _load_torch() -> None:
     try:
         import torch  # noqa: F401
 
-        from .. import averaging  # noqa: F401
+        from flodl_exp import averaging  # noqa: F401
     except Exception as e:  # the first tensor tries again, and says why there
         log.warning("torch did not load ahead of the first reduce: %s", e)
 
@@ -190,8 +190,8 @@ def _predict(spec: JobSpec, cfg: Any, sink: Any, result: dict[str, Any], path: s
     """``tracking.predict`` on a finished run of 2+ ranks: ``predicted/*`` and the ``measured/*`` they are compared
     with logged at its last epoch, and kept in
     result.json (``prediction``, or ``prediction_error``) for the launcher's summary."""
-    from ..config import world_size
-    from .prediction import RecordTap, predict_finished_run
+    from flodl_exp.config import world_size
+    from flodl_exp.control.prediction import RecordTap, predict_finished_run
 
     if not (cfg.tracking.predict and world_size(cfg) >= 2 and isinstance(sink, RecordTap)):
         return
@@ -232,7 +232,7 @@ def _with_run_id(spec: JobSpec, sink: Any) -> JobSpec:
         return spec
     if getattr(sink, "run_id", ""):
         return dataclasses.replace(spec, run_id=sink.run_id)
-    from ..jobs.spec import RunIdMissing, read_run_id
+    from flodl_exp.jobs.spec import RunIdMissing, read_run_id
 
     if getattr(sink, "relayed", False):
         try:
@@ -269,7 +269,7 @@ def _end_run_early(spec: JobSpec, status: str, failure: Optional[str]) -> None:
     """A failed rank's task exiting makes srun (--kill-on-bad-exit) kill the step within KillWait:
     the terminal status and the error go first, the artifacts after (large bundles take time)."""
     try:
-        from ..tracking import client
+        from flodl_exp.tracking import client
 
         c = client(spec.tracking_uri)
         if failure:
@@ -298,7 +298,7 @@ def _log_run_artifacts(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, s
         if cfg.tracking.log_model and os.path.exists(stem + ".pt"):
             settle = getattr(sink, "settle_delivery", None)  # a launcher relaying the records is still there
             if cfg.run.wait and (settle is None or settle()):  # it exports it after the run's end, off the critical path
-                from ..model_export import write_export_request
+                from flodl_exp.model_export import write_export_request
 
                 write_export_request(job_dir, spec.run_id, stem, dict(spec.config["experiment"]), list(spec.import_paths))
             else:  # nobody waits (a detached job, a launcher gone): the job exports it before it ends
@@ -307,7 +307,7 @@ def _log_run_artifacts(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, s
 
 def _write_dashboard(co: Coordinator, spec: JobSpec, cfg: Any, sink: Any, timeline: Optional[str]) -> None:
     try:
-        from ..dashboard import load_events, write_dashboard
+        from flodl_exp.dashboard import load_events, write_dashboard
 
         epochs, windows, evals = load_events(co.events.path)
         path = write_dashboard(cfg.dashboard.html, f"flodl_exp {_run_label(spec)} {cfg.experiment.name}", epochs, windows,
@@ -322,7 +322,7 @@ def _write_timeline(co: Coordinator, spec: JobSpec, cfg: Any, job_dir: str, stat
     """The run's timeline (timeline.json/.csv/.html) in ``<job>/timeline/``; its folder, or None when it failed
     (a report, never a reason to fail the run)."""
     try:
-        from ..timeline_report import write_timeline
+        from flodl_exp.timeline_report import write_timeline
 
         out = os.path.join(job_dir, "timeline")
         meta = {"title": f"flodl_exp {_run_label(spec)} {cfg.experiment.name} timeline", "run_id": spec.run_id,

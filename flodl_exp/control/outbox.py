@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from ..protocol import Payload
+from flodl_exp.protocol import Payload
 
 
 class Outbox(Protocol):

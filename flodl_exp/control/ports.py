@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Protocol
 
-from ..events import EventRecord
-from ..protocol import Batch
-from .cycle import Reduce, ReduceOutcome
+from flodl_exp.control.cycle import Reduce, ReduceOutcome
+from flodl_exp.events import EventRecord
+from flodl_exp.protocol import Batch
 
 
 class Sink(Protocol):

@@ -98,8 +98,8 @@ class _NotThread(logging.Filter):
 
 
 def _predict(config: Mapping[str, Any], tap: RecordTap, result: Mapping[str, Any]) -> dict[str, float]:
-    from ..simulate.from_run import base_config, measured, prediction_metrics
-    from ..tracking import flatten
+    from flodl_exp.simulate.from_run import base_config, measured, prediction_metrics
+    from flodl_exp.tracking import flatten
 
     params = flatten(config)
     chosen = tap.tags.get("auto.choice")

@@ -20,16 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import events as ev
-from ..protocol import Shutdown
-from .bundle_store import BundleStore
-from .checkpoints import BundleWriter, Checkpoints
-from .cohort import Cohort
-from .cycle import AveragingCycle
-from .dispatch import Dispatcher
-from .lifecycle import Lifecycle, Phase, Status
-from .outbox import Outbox
-from .ports import CoreObserver
+from flodl_exp import events as ev
+from flodl_exp.control.bundle_store import BundleStore
+from flodl_exp.control.checkpoints import BundleWriter, Checkpoints
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.lifecycle import Lifecycle, Phase, Status
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.protocol import Shutdown
 
 log = logging.getLogger("flodl_exp.coordinator")
 

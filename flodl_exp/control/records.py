@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
-from .. import events as ev
-from ..fsio import atomic_write
+from flodl_exp import events as ev
+from flodl_exp.fsio import atomic_write
 
 log = logging.getLogger("flodl_exp.coordinator")
 

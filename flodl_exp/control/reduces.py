@@ -15,16 +15,16 @@ import logging
 from collections.abc import Callable
 from typing import Optional
 
-from .. import events as ev
-from ..mode import Backend, Mode
-from ..protocol import Lockstep, Snapshot, SyncAck
-from .checkpoints import Checkpoints
-from .cohort import Cohort
-from .cycle import AveragingCycle, Reduce, ReduceOutcome
-from .dispatch import AnswerSnapshot, Dispatcher
-from .lifecycle import TRAINING_PHASES, Lifecycle
-from .outbox import Outbox
-from .ports import CoreObserver
+from flodl_exp import events as ev
+from flodl_exp.control.checkpoints import Checkpoints
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import AveragingCycle, Reduce, ReduceOutcome
+from flodl_exp.control.dispatch import AnswerSnapshot, Dispatcher
+from flodl_exp.control.lifecycle import TRAINING_PHASES, Lifecycle
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.mode import Backend, Mode
+from flodl_exp.protocol import Lockstep, Snapshot, SyncAck
 
 log = logging.getLogger("flodl_exp.coordinator")
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..mode import Mode
-from ..protocol import ReportPace
-from .cycle import AveragingCycle
-from .outbox import Outbox
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.mode import Mode
+from flodl_exp.protocol import ReportPace
 
 
 def pace_enabled(mode: Mode, coalesce_ms: float, max_batch_diff: object, world_size: int) -> bool:

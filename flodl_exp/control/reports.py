@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .. import events as ev
-from ..protocol import EpochFnResult, Exiting, LoopNotice, RankError, Telemetry
-from .callback_slack import CallbackSlack
-from .cohort import Cohort
-from .dispatch import Dispatcher
-from .ports import CoreObserver
+from flodl_exp import events as ev
+from flodl_exp.control.callback_slack import CallbackSlack
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.protocol import EpochFnResult, Exiting, LoopNotice, RankError, Telemetry
 
 log = logging.getLogger("flodl_exp.coordinator")
 

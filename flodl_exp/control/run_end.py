@@ -15,20 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import events as ev
-from ..mode import Mode
-from ..protocol import INTENT_KINDS, EvalBroadcast, EvalResult, ExecuteEval, Intent, Save
-from .callback_slack import CallbackSlack
-from .checkpoint_fn import CheckpointFnRole
-from .checkpoints import BundleWriter, Checkpoints
-from .cohort import Cohort
-from .cycle import AveragingCycle
-from .dispatch import Dispatcher
-from .epoch_plan import EpochPlan
-from .intents import Intents
-from .lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
-from .outbox import Outbox
-from .ports import CoreObserver
+from flodl_exp import events as ev
+from flodl_exp.control.callback_slack import CallbackSlack
+from flodl_exp.control.checkpoint_fn import CheckpointFnRole
+from flodl_exp.control.checkpoints import BundleWriter, Checkpoints
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.epoch_plan import EpochPlan
+from flodl_exp.control.intents import Intents
+from flodl_exp.control.lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
+from flodl_exp.control.outbox import Outbox
+from flodl_exp.control.ports import CoreObserver
+from flodl_exp.mode import Mode
+from flodl_exp.protocol import INTENT_KINDS, EvalBroadcast, EvalResult, ExecuteEval, Intent, Save
 
 log = logging.getLogger("flodl_exp.coordinator")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .cohort import Cohort
-    from .cycle import AveragingCycle
-    from .dispatch import Dispatcher
-    from .lifecycle import Lifecycle
+    from flodl_exp.control.cohort import Cohort
+    from flodl_exp.control.cycle import AveragingCycle
+    from flodl_exp.control.dispatch import Dispatcher
+    from flodl_exp.control.lifecycle import Lifecycle
 
 
 def run_state(*, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,

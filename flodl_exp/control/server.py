@@ -48,9 +48,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .. import wire
-from ..hello import Hello, HelloError
-from ..wire import Connection, Message
+from flodl_exp import wire
+from flodl_exp.hello import Hello, HelloError
+from flodl_exp.wire import Connection, Message
 
 log = logging.getLogger("flodl_exp.coordinator")
 

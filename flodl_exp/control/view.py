@@ -10,14 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from ..mode import Mode
-from .checkpoints import BundleWriter
-from .cohort import Cohort
-from .cycle import AveragingCycle
-from .dispatch import Dispatcher
-from .lifecycle import Lifecycle, Phase, Status
-from .preemption import Preemption
-from .run_end import EvalState
+from flodl_exp.control.checkpoints import BundleWriter
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.control.cycle import AveragingCycle
+from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.control.lifecycle import Lifecycle, Phase, Status
+from flodl_exp.control.preemption import Preemption
+from flodl_exp.control.run_end import EvalState
+from flodl_exp.mode import Mode
 
 
 class _Core(Protocol):

@@ -12,10 +12,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Optional, Protocol
 
-from ..codec import bundle, encode
-from ..protocol import ExtendPartition, Payload, StartEpoch, Update
-from ..wire import Message, SharedParts, WireError
-from .cohort import Cohort
+from flodl_exp.codec import bundle, encode
+from flodl_exp.control.cohort import Cohort
+from flodl_exp.protocol import ExtendPartition, Payload, StartEpoch, Update
+from flodl_exp.wire import Message, SharedParts, WireError
 
 
 class Transport(Protocol):

@@ -19,9 +19,9 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import ClusterConfig, cluster_size
-from ..mode import Mode
-from ..wire import listen
+from flodl_exp.config import ClusterConfig, cluster_size
+from flodl_exp.mode import Mode
+from flodl_exp.wire import listen
 
 
 @dataclass

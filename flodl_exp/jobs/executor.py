@@ -27,7 +27,7 @@ def signal_delay_s(time_min: int) -> int:
 
 def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` keywords for ``cluster`` (pure: unit-testable)."""
-    from ..config import slurm_cpus_per_task
+    from flodl_exp.config import slurm_cpus_per_task
 
     s = cluster.slurm
     extra = s.additional_parameters
@@ -90,7 +90,7 @@ def restore_visible_devices(executor: str, saved: Optional[str], env: MutableMap
 def make_executor(cluster: Any, folder: str, timeout_min: int, job_name: str) -> Any:
     import submitit
 
-    from ..config import cluster_size
+    from flodl_exp.config import cluster_size
 
     w = cluster_size(cluster)
     if cluster.executor == "local":

@@ -44,11 +44,11 @@ from typing import Any, Optional
 
 import submitit
 
-from ..config import ClusterConfig, load_cluster
-from ..constants import COORDINATOR_LOG, FAULT_ENV, JOB_DIR_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK, RANK_ENV
-from .collective_store import bind_store_socket, needs_store, serve_store
-from .executor import restore_visible_devices
-from .spec import JobSpec
+from flodl_exp.config import ClusterConfig, load_cluster
+from flodl_exp.constants import COORDINATOR_LOG, FAULT_ENV, JOB_DIR_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK, RANK_ENV
+from flodl_exp.jobs.collective_store import bind_store_socket, needs_store, serve_store
+from flodl_exp.jobs.executor import restore_visible_devices
+from flodl_exp.jobs.spec import JobSpec
 
 PREEMPT_WAIT_S = 120.0
 """How long task 0 waits for the coordinator's preemption bundle before giving up."""
@@ -210,7 +210,7 @@ def fail_run_if_running(tracking_uri: str, run_id: str, error: str, tags: Option
     """End the MLflow run FAILED with ``error`` unless someone (the coordinator) already ended it.
     ``tracking_uri``: the spec's (redacted: the credentials come from the environment) or the launcher's own."""
     try:
-        from ..tracking import client
+        from flodl_exp.tracking import client
 
         c = client(tracking_uri)
         if c.get_run(run_id).info.status not in ("RUNNING", "SCHEDULED"):
@@ -226,7 +226,7 @@ def fail_run_if_running(tracking_uri: str, run_id: str, error: str, tags: Option
 def _fail_run(spec: JobSpec, error: str, tags: Optional[dict[str, Any]] = None) -> None:
     """:func:`fail_run_if_running` on the spec's run, its id read from the job folder where the submitted spec has
     none yet (the launcher creates the run after submitting: :meth:`JobSpec.with_run_id`)."""
-    from .spec import RunIdMissing
+    from flodl_exp.jobs.spec import RunIdMissing
 
     try:
         spec = spec.with_run_id(RUN_ID_FAIL_WAIT_S)
@@ -456,10 +456,10 @@ class RunTask(submitit.helpers.Checkpointable):
         return self._requeue_spec(live, mark, time.monotonic() - t0)
 
     def _requeue_spec(self, live: dict, mark: dict, waited_s: float) -> Optional[submitit.helpers.DelayedSubmission]:
-        from ..bundle_meta import Resume
-        from ..checkpoint import check_pieces, load_meta
-        from ..fsio import atomic_json
-        from .spec import RunIdMissing
+        from flodl_exp.bundle_meta import Resume
+        from flodl_exp.checkpoint import check_pieces, load_meta
+        from flodl_exp.fsio import atomic_json
+        from flodl_exp.jobs.spec import RunIdMissing
 
         spec: JobSpec = live["spec"]
         job_dir, attempt = live["job_dir"], live["attempt"]
@@ -543,8 +543,8 @@ def submitit_succeeded(result_pickle: str, returned_at: float) -> bool:
 
 def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: int,
               coord_dead: Optional[Callable[[], Optional[str]]]) -> dict:
-    from ..rank.fault_inject import CONNECT_STEP, inject_fault, parse_fault
-    from .rendezvous import wait_rendezvous, write_rank_marker
+    from flodl_exp.jobs.rendezvous import wait_rendezvous, write_rank_marker
+    from flodl_exp.rank.fault_inject import CONNECT_STEP, inject_fault, parse_fault
 
     write_rank_marker(job_dir, rank, attempt)
     os.environ[RANK_ENV], os.environ[JOB_DIR_ENV] = str(rank), job_dir  # for user code (experiment.checkpoint_fn)
@@ -556,15 +556,15 @@ def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: 
     def rdv() -> dict:  # the rank builds its replica and data set first, while the coordinator starts
         return wait_rendezvous(job_dir, timeout, coord_dead, attempt=attempt, since=since)
 
-    from ..rank.lazy_dynamo import defer_optimizer_dynamo
+    from flodl_exp.rank.lazy_dynamo import defer_optimizer_dynamo
 
     defer_optimizer_dynamo()  # the optimizers import no torch._dynamo (1.3-1.8 s of CPU a rank) unless something compiles
     loop = spec.experiment_loop
     if loop:  # the cooperative tier: the user's loop drives the rank (rank/cooperative.py)
         from hydra.utils import get_method
 
-        from ..experiment import ExperimentSetupError
-        from ..rank.cooperative import RankContext, run_loop
+        from flodl_exp.experiment import ExperimentSetupError
+        from flodl_exp.rank.cooperative import RankContext, run_loop
 
         try:
             fn = get_method(loop)
@@ -574,8 +574,8 @@ def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: 
             return run_loop(fn, RankContext(spec, rank, local_rank, rdv, owns_process=coord_dead is None))
         except ExperimentSetupError as e:  # flodl_exp.worker() in the user's loop could not build the experiment
             raise _setup_failed(spec, rank, job_dir, attempt, e) from e
-    from ..experiment import ExperimentSetupError
-    from ..rank.worker import RankWorker
+    from flodl_exp.experiment import ExperimentSetupError
+    from flodl_exp.rank.worker import RankWorker
 
     try:
         worker = RankWorker(spec, rank, local_rank, rdv, owns_process=coord_dead is None)
@@ -594,9 +594,9 @@ def _setup_failed(spec: JobSpec, rank: int, job_dir: str, attempt: int, e: BaseE
     (the coordinator names the cause from it), and return the one-line error the task raises."""
     import traceback
 
-    from ..experiment import ExperimentSetupError, root_cause
-    from ..fsio import atomic_text
-    from .rendezvous import write_death_record
+    from flodl_exp.experiment import ExperimentSetupError, root_cause
+    from flodl_exp.fsio import atomic_text
+    from flodl_exp.jobs.rendezvous import write_death_record
 
     what = str(e) if isinstance(e, ExperimentSetupError) else root_cause(e)
     cause = e.cause if isinstance(e, ExperimentSetupError) else e
@@ -621,9 +621,9 @@ def keep_rank_traceback(job_dir: str, rank: int, attempt: int, e: BaseException)
     written). Never raises: the rank's own error is what its task reports."""
     import traceback
 
-    from ..failure_cause import user_error
-    from ..fsio import atomic_text
-    from .rendezvous import note_user_error, rank_traceback_path
+    from flodl_exp.failure_cause import user_error
+    from flodl_exp.fsio import atomic_text
+    from flodl_exp.jobs.rendezvous import note_user_error, rank_traceback_path
 
     try:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))

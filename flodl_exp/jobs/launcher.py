@@ -24,10 +24,10 @@ from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..bundle_meta import resolve_shuffle_seed
-from ..config import ConfigError, RunShape, mode_name, world_size
-from ..config_rules import validate
-from ..events import End, EventRecord
+from flodl_exp.bundle_meta import resolve_shuffle_seed
+from flodl_exp.config import ConfigError, RunShape, mode_name, world_size
+from flodl_exp.config_rules import validate
+from flodl_exp.events import End, EventRecord
 
 
 class RunFailed(RuntimeError):
@@ -37,7 +37,7 @@ class RunFailed(RuntimeError):
 
     def __init__(self, message: str, headline: Optional[str] = None) -> None:
         super().__init__(message)
-        from ..failure_cause import first_line
+        from flodl_exp.failure_cause import first_line
 
         self.headline = headline or first_line(message) or message
 
@@ -89,7 +89,7 @@ def _private_write(path: str, text: str) -> None:
 
 def _redact_config(resolved: dict[str, Any], uri: str) -> dict[str, Any]:
     """The resolved config with every copy of the tracking URI (and its redacted form) stripped of secrets."""
-    from ..tracking import redact_uri
+    from flodl_exp.tracking import redact_uri
 
     def walk(v: Any) -> Any:
         if isinstance(v, dict):
@@ -110,7 +110,7 @@ def run_name(cfg: Any) -> str:
 
 
 def _tags(cfg: Any, root: str) -> dict[str, str]:
-    from ..tracking import git_commit
+    from flodl_exp.tracking import git_commit
 
     tags = {
         "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": cfg.guard.kind,
@@ -189,7 +189,7 @@ def kill_tree(root: int) -> set[int]:
 
 def _alive(pid: int) -> bool:
     """Alive and not a zombie (a killed child of a dead parent waits for init to reap it)."""
-    from .rendezvous import process_state
+    from flodl_exp.jobs.rendezvous import process_state
 
     return process_state(pid) not in (None, "Z", "X")
 
@@ -256,7 +256,7 @@ class RunHandle:
 
     def client(self) -> Any:
         """An MlflowClient on the run's store, connected with the credentials ``tracking_uri`` hides."""
-        from ..tracking import client
+        from flodl_exp.tracking import client
 
         return client(self._live_uri)
 
@@ -365,7 +365,7 @@ class RunHandle:
 
     def wait(self) -> dict:
         """Wait for every task; end the MLflow run; return result.json. Raises RunFailed."""
-        from ..tracking import end_run
+        from flodl_exp.tracking import end_run
 
         error: Optional[str] = None
         while not self.done():
@@ -415,7 +415,7 @@ class RunHandle:
         end_run(self._live_uri, self.run_id, "FAILED", error=reason)
         self._ended = True
         if setup:
-            from ..failure_cause import setup_headline
+            from flodl_exp.failure_cause import setup_headline
 
             headline = setup_headline(setup, result.get("failure"))
         else:
@@ -426,9 +426,9 @@ class RunHandle:
         """The failed run's first cause in one line: the rank the coordinator blamed first, told by its own death
         record (the user's exception and innermost frame, the traceback file) or, when it left none (killed), by
         the coordinator's first line; without a coordinator's word, the task's error line."""
-        from ..constants import COORDINATOR_LOG
-        from ..failure_cause import headline
-        from .rendezvous import read_death_records
+        from flodl_exp.constants import COORDINATOR_LOG
+        from flodl_exp.failure_cause import headline
+        from flodl_exp.jobs.rendezvous import read_death_records
 
         attempt = result.get("attempt")
         records = read_death_records(self.job_dir, world_size(self.cfg), None if attempt is None else int(attempt))
@@ -459,7 +459,7 @@ class RunHandle:
         """Records the relay could not deliver: counted in result.json, as the job's own sink counts its losses."""
         lost = int(getattr(self.relay, "lost", 0) or 0)
         if lost and self.result is not None:
-            from ..fsio import atomic_json
+            from flodl_exp.fsio import atomic_json
 
             self.result["tracking_lost_records"] = int(self.result.get("tracking_lost_records", 0) or 0) + lost
             with contextlib.suppress(OSError):
@@ -488,7 +488,7 @@ class RunHandle:
         :meth:`wait_model` waits for it."""
         import subprocess
 
-        from ..model_export import EXPORT_LOG, EXPORT_REQUEST, URI_ENV
+        from flodl_exp.model_export import EXPORT_LOG, EXPORT_REQUEST, URI_ENV
 
         request = os.path.join(self.job_dir, EXPORT_REQUEST)
         claimed = request + ".claimed"
@@ -500,7 +500,7 @@ class RunHandle:
             with open(claimed) as fh:
                 req = json.load(fh)
             if not req.get("run_id"):  # the job asked before this launcher had created the run
-                from ..fsio import atomic_json
+                from flodl_exp.fsio import atomic_json
 
                 atomic_json({**req, "run_id": self.run_id}, claimed, mode=0o600)
             self.client().set_tag(self.run_id, "model_export", "pending")
@@ -526,8 +526,8 @@ class RunHandle:
         (``ranks/setup_error.r<rank>.txt``)."""
         import glob
 
-        from .job import setup_error_path
-        from .rendezvous import incarnation, read_death_records
+        from flodl_exp.jobs.job import setup_error_path
+        from flodl_exp.jobs.rendezvous import incarnation, read_death_records
 
         timed: list[tuple[float, str]] = []
         for rank, rec in read_death_records(self.job_dir, world_size(self.cfg)).items():
@@ -561,7 +561,7 @@ class RunHandle:
                 return None
         except Exception:
             return None
-        from .rendezvous import rank_marker_path
+        from flodl_exp.jobs.rendezvous import rank_marker_path
 
         who = "pid unknown"
         try:
@@ -605,7 +605,7 @@ class RunHandle:
 
     def _attempt(self) -> int:
         """The attempt the job was on (a requeue bumps it; rank 0's marker names it)."""
-        from .rendezvous import rank_marker_path
+        from flodl_exp.jobs.rendezvous import rank_marker_path
 
         try:
             with open(rank_marker_path(self.job_dir, 0)) as fh:
@@ -632,8 +632,8 @@ class RunHandle:
         """Record the run's end as the coordinator would have: result.json, an ``end`` event, the MLflow run
         FAILED (with ``end_reason``) and both files as run artifacts. A write that fails is said, never raised
         over the run's own failure."""
-        from ..fsio import atomic_json
-        from .job import fail_run_if_running
+        from flodl_exp.fsio import atomic_json
+        from flodl_exp.jobs.job import fail_run_if_running
 
         self.result = self._lost_result(failure)
         path = os.path.join(self.job_dir, "result.json")
@@ -658,7 +658,7 @@ class RunHandle:
     def join(self) -> dict:
         """Wait for the run and return the final consensus model state (from the bundle)."""
         self.wait()
-        from ..checkpoint import load_model_state
+        from flodl_exp.checkpoint import load_model_state
 
         return load_model_state(self.stem)
 
@@ -717,7 +717,7 @@ def _nicer(fn: Callable[[], str], late: Callable[[str], object]) -> str:
     box: dict[str, Any] = {}
 
     def work() -> None:
-        from ..background import yield_to_training
+        from flodl_exp.background import yield_to_training
 
         yield_to_training(idle=False)
         try:
@@ -741,7 +741,7 @@ def _nicer(fn: Callable[[], str], late: Callable[[str], object]) -> str:
 
 
 def _end_run(uri: str, run_id: str, status: str, error: str) -> None:
-    from ..tracking import end_run
+    from flodl_exp.tracking import end_run
 
     end_run(uri, run_id, status, error=error)
 
@@ -800,26 +800,26 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         cfg = OmegaConf.structured(cfg)
     for w in validate(cfg):  # the one validation pass; warnings go to stderr, errors raise ConfigError
         print(f"warning: {w}", file=sys.stderr)
-    from ..torch_version import installed_torch_problem
+    from flodl_exp.torch_version import installed_torch_problem
 
     old_torch = installed_torch_problem()  # before a job starts ranks that would each refuse it
     if old_torch:
         raise ConfigError(old_torch)
     root = os.path.abspath(root or os.getcwd())
     import_paths = experiment_import_paths(root)  # the tasks add them (JobSpec.import_paths); here the checks below
-    from ..preflight import importable_from, preflight
+    from flodl_exp.preflight import importable_from, preflight
 
     # every _target_ and function path resolves as the tasks will resolve it: before any folder, run or process
     preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0])
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
-        from ..checkpoint import validate_resume
+        from flodl_exp.checkpoint import validate_resume
 
         with importable_from(import_paths):  # it builds the experiment's model to compare shapes
             resume = validate_resume(cfg)
-    from ..tracking import URI_ENV, redact_uri, resolve_tracking
-    from .executor import make_executor
-    from .spec import JobSpec
+    from flodl_exp.jobs.executor import make_executor
+    from flodl_exp.jobs.spec import JobSpec
+    from flodl_exp.tracking import URI_ENV, redact_uri, resolve_tracking
 
     full_uri, art = resolve_tracking(cfg.tracking, root)
     # Credentials never reach a file or the store: params, config.yaml, spec.json and the handle's tracking_uri
@@ -850,14 +850,14 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     _private_write(os.path.join(job_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(resolved)))
 
     def new_run(extra: dict[str, str]) -> str:
-        from ..tracking import create_run
+        from flodl_exp.tracking import create_run
 
         return create_run(full_uri, cfg.tracking.experiment_name, art, run_name(cfg), resolved,
                           {**_tags(cfg, root), **extra}, parent_run_id)
 
     # The job first, the MLflow run after: its processes start (interpreters, torch) while this one imports MLflow
     # and creates the run (~1.5-2.5 s); the coordinator reads the id from <job>/run_id.json when it needs it.
-    from .job import run_task
+    from flodl_exp.jobs.job import run_task
 
     try:
         ex = make_executor(cfg.cluster, os.path.join(job_dir, "submitit"), cfg.run.timeout_min, run_name(cfg))
@@ -866,7 +866,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
             # (submitit echoes sbatch's stderr: it goes in our one line)
             job = ex.submit(run_task, spec_path)
     except Exception as e:
-        from ..tracking import end_run
+        from flodl_exp.tracking import end_run
 
         err = submit_error(e, cfg.cluster.executor)
         run_id = new_run({})  # a refused job still leaves its FAILED run, as before
@@ -879,13 +879,13 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         extra["slurm_job_id"] = str(job.job_id)
     handle = RunHandle(cfg=cfg, run_id="", tracking_uri=uri, job_dir=job_dir, job=job, stem=os.path.abspath(stem),
                        live_uri=full_uri, metrics_fn=metrics_fn, eval_result_fn=eval_result_fn)
-    from ..journal_sink import relayed_by_launcher
+    from flodl_exp.journal_sink import relayed_by_launcher
 
     if relayed_by_launcher(resolved):  # this process delivers the job's records (records_relay.py): its lease now
-        from ..records_relay import RecordsRelay
+        from flodl_exp.records_relay import RecordsRelay
 
         handle.relay = RecordsRelay(job_dir, full_uri)
-    from .spec import publish_run_id
+    from flodl_exp.jobs.spec import publish_run_id
 
     try:
         run_id = _nicer(lambda: new_run(extra), late=lambda rid: _end_run(full_uri, rid, "KILLED", "cancelled by the user"))
@@ -900,7 +900,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     handle.run_id = run_id
     if handle.relay is not None:
         handle.relay.set_run(run_id)
-    from ..tracking import client
+    from flodl_exp.tracking import client
 
     client(full_uri).log_artifact(run_id, os.path.join(job_dir, "config.yaml"), "run")
     return handle

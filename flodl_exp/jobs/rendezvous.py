@@ -12,7 +12,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from ..fsio import atomic_text
+from flodl_exp.fsio import atomic_text
 
 FILENAME = "rendezvous.json"
 

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..bundle_meta import Resume
-from ..json_fields import FieldError, Fields
-from ..tracking import redact_uri
+from flodl_exp.bundle_meta import Resume
+from flodl_exp.json_fields import FieldError, Fields
+from flodl_exp.tracking import redact_uri
 
 RUN_ID_FILE = "run_id.json"
 """``<job>/run_id.json``: ``{"run_id": ...}`` once the launcher created the MLflow run, ``{"error": ...}`` when it
@@ -138,7 +138,7 @@ class JobSpec:
 
 def publish_run_id(job_dir: str, run_id: Optional[str] = None, error: Optional[str] = None) -> None:
     """The launcher's side of :data:`RUN_ID_FILE`: the created run's id, or why there is none."""
-    from ..fsio import atomic_json
+    from flodl_exp.fsio import atomic_json
 
     atomic_json({"run_id": run_id} if run_id else {"error": str(error or "unknown")},
                 os.path.join(job_dir, RUN_ID_FILE), mode=0o600)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Optional
 
-from .backend import Backend
+from flodl_exp.policy.backend import Backend
 
 
 class AveragingPolicy:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .backend import Backend
-from .base import AveragingPolicy
+from flodl_exp.policy.backend import Backend
+from flodl_exp.policy.base import AveragingPolicy
 
 
 class SyncPolicy(AveragingPolicy):

@@ -2,8 +2,8 @@
 configured (a plug-in module, a test)."""
 from __future__ import annotations
 
-from .base import AveragingPolicy
-from .builtin import BUILTIN
+from flodl_exp.policy.base import AveragingPolicy
+from flodl_exp.policy.builtin import BUILTIN
 
 _POLICIES: dict[str, AveragingPolicy] = {p.name: p for p in BUILTIN}
 

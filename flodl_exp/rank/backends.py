@@ -20,10 +20,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..averaging import adopt, float_buffers, mass, pack_into, unpack_from
-from ..protocol import Snapshot, Update
-from ..store_names import group_prefix
-from ..torch_version import check_torch_version
+from flodl_exp.averaging import adopt, float_buffers, mass, pack_into, unpack_from
+from flodl_exp.protocol import Snapshot, Update
+from flodl_exp.store_names import group_prefix
+from flodl_exp.torch_version import check_torch_version
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..averaging import consensus_state
-from ..bundle_meta import Resume
-from ..outer import OuterOptimizer, OuterSpec
-from ..outer_step import OuterStep
-from ..protocol import Batch as BatchReport
-from ..protocol import (
+from flodl_exp.averaging import consensus_state
+from flodl_exp.bundle_meta import Resume
+from flodl_exp.outer import OuterOptimizer, OuterSpec
+from flodl_exp.outer_step import OuterStep
+from flodl_exp.protocol import Batch as BatchReport
+from flodl_exp.protocol import (
     Checkpoint,
     CheckpointResult,
     CoordHeartbeat,
@@ -65,11 +65,11 @@ from ..protocol import (
     Throttle,
     Update,
 )
-from .backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, LockstepMisaligned, snapshot_nbytes
-from .fault_inject import ARMED_KINDS, fire_armed, inject_fault
-from .inbox import ControlInbox
-from .trainer import Batch as BatchData
-from .trainer import EpochState, PendingStep, RankTrainer
+from flodl_exp.rank.backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, LockstepMisaligned, snapshot_nbytes
+from flodl_exp.rank.fault_inject import ARMED_KINDS, fire_armed, inject_fault
+from flodl_exp.rank.inbox import ControlInbox
+from flodl_exp.rank.trainer import Batch as BatchData
+from flodl_exp.rank.trainer import EpochState, PendingStep, RankTrainer
 
 log = logging.getLogger("flodl_exp.rank")
 
@@ -161,14 +161,14 @@ class RankControl:
         """Load model (and nccl: outer optimizer) state from the resume bundle (validated by the launcher)."""
         if resume is None:
             return
-        from ..checkpoint import load_model_state
+        from flodl_exp.checkpoint import load_model_state
 
         stem = resume.stem
         self.trainer.model.load_state_dict(load_model_state(stem, map_location=str(self.device)))
         self.resume_stem = stem  # the optimizer state follows as training starts (load_resumed_optimizer)
         self.trainer.global_step = resume.meta.global_step
         if self.outer is not None:
-            from ..checkpoint import load_outer_state
+            from flodl_exp.checkpoint import load_outer_state
 
             self.outer.load_state_dict(load_outer_state(stem), device=self.device)
             log.info("rank %d: outer optimizer %s resumed (momentum norm %.6g)", self.rank,
@@ -176,7 +176,7 @@ class RankControl:
 
     def load_resumed_optimizer(self) -> None:
         """The optimizer state of the resume bundle (this rank's piece, else the primary's), once."""
-        from ..checkpoint import optim_path
+        from flodl_exp.checkpoint import optim_path
 
         stem, self.resume_stem = self.resume_stem, None
         if stem is None:
@@ -381,7 +381,7 @@ class RankControl:
             self.plans.append(StartEpoch(epoch=m.epoch, offset=m.offset, size=m.size, chunk=m.chunk))
 
     def _picks(self, epoch: int, offset: int, size: int) -> Any:
-        from ..partition import make_partition
+        from flodl_exp.partition import make_partition
 
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
@@ -423,7 +423,7 @@ class RankControl:
 
     def _on_stage_advisory(self, m: StageAdvisory) -> None:
         """The picks this rank is likely to get next: its data plane retains their samples while idle."""
-        from ..partition import epoch_permutation
+        from flodl_exp.partition import epoch_permutation
 
         total = self.trainer.total_picks
         if total <= 0:
@@ -494,7 +494,7 @@ class RankControl:
 
     def _save(self, m: Save) -> None:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
-        from ..checkpoint import save_rank_pieces
+        from flodl_exp.checkpoint import save_rank_pieces
 
         if self.armed_fault is not None:
             self.send_held_reports()

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..protocol import Intent, LoopNotice
-from ..scalars import record_scalar as _record_scalar
-from .trainer import Batch, OptimizerSet
+from flodl_exp.protocol import Intent, LoopNotice
+from flodl_exp.rank.trainer import Batch, OptimizerSet
+from flodl_exp.scalars import record_scalar as _record_scalar
 
 if TYPE_CHECKING:
-    from ..jobs.spec import JobSpec
-    from .control import RankControl
+    from flodl_exp.jobs.spec import JobSpec
+    from flodl_exp.rank.control import RankControl
 
 
 class LoopMisuse(RuntimeError):
@@ -65,7 +65,7 @@ def run_loop(loop: Callable[[Any], Any], ctx: RankContext) -> dict[str, Any]:
     """Run the experiment's ``loop(cfg)`` as this rank; its ``flodl_exp.worker`` joins the coordinator.
     Returns the rank's Exiting record, as the managed tier's ``RankWorker.run``."""
     global _context
-    from ..config import load_config
+    from flodl_exp.config import load_config
 
     _context = ctx
     try:
@@ -122,7 +122,7 @@ def worker() -> Iterator[CooperativeWorker]:
         raise LoopMisuse("flodl_exp.worker() was already opened on this rank: one `with flodl_exp.worker() as w:` "
                          "per rank and run")
     ctx.opened = True
-    from .worker import RankWorker
+    from flodl_exp.rank.worker import RankWorker
 
     try:
         rw = RankWorker(ctx.spec, ctx.rank, ctx.local_rank, ctx.rendezvous, owns_process=ctx.owns_process)

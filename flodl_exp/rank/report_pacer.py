@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
-from ..protocol import Batch, Batches, Payload
+from flodl_exp.protocol import Batch, Batches, Payload
 
 log = logging.getLogger("flodl_exp.rank")
 

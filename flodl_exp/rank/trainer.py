@@ -39,10 +39,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .. import protocol
-from ..experiment import AMP_DTYPES, Experiment
-from ..partition import make_partition
-from ..scalars import drain_scalars
+from flodl_exp import protocol
+from flodl_exp.experiment import AMP_DTYPES, Experiment
+from flodl_exp.partition import make_partition
+from flodl_exp.scalars import drain_scalars
 
 
 @dataclass
@@ -244,7 +244,7 @@ class RankTrainer:
 
     def data_pipeline(self) -> Any:
         if self.pipeline is None:
-            from .data import DataPipeline
+            from flodl_exp.rank.data import DataPipeline
 
             self.pipeline = DataPipeline(self.exp.train_data, device=self.device, batch_size=self.batch_size,
                                          augment=self.augment, seed=self.seed, ram_max_usage=0.0)

@@ -21,24 +21,24 @@ from typing import Any, Optional
 
 import torch
 
-from .. import wire
-from ..averaging import float_buffers
-from ..codec import encode
-from ..config import RunShape, load_config
-from ..constants import FAULT_ENV, LOST_GRACE_S
-from ..experiment import build_experiment
-from ..hello import Hello
-from ..jobs.spec import JobSpec
-from ..outer import OuterOptimizer
-from ..protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError
-from ..store_names import pin_gloo_to_loopback
-from ..torch_version import check_torch_version
-from .backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
-from .control import RankControl
-from .fault_inject import parse_fault
-from .inbox import ControlInbox, CoordinatorLost
-from .report_pacer import BatchReportPacer
-from .trainer import RankTrainer
+from flodl_exp import wire
+from flodl_exp.averaging import float_buffers
+from flodl_exp.codec import encode
+from flodl_exp.config import RunShape, load_config
+from flodl_exp.constants import FAULT_ENV, LOST_GRACE_S
+from flodl_exp.experiment import build_experiment
+from flodl_exp.hello import Hello
+from flodl_exp.jobs.spec import JobSpec
+from flodl_exp.outer import OuterOptimizer
+from flodl_exp.protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError
+from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
+from flodl_exp.rank.control import RankControl
+from flodl_exp.rank.fault_inject import parse_fault
+from flodl_exp.rank.inbox import ControlInbox, CoordinatorLost
+from flodl_exp.rank.report_pacer import BatchReportPacer
+from flodl_exp.rank.trainer import RankTrainer
+from flodl_exp.store_names import pin_gloo_to_loopback
+from flodl_exp.torch_version import check_torch_version
 
 log = logging.getLogger("flodl_exp.rank")
 
@@ -61,7 +61,7 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     if device == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        from ..control.devices import arch_runs_on
+        from flodl_exp.control.devices import arch_runs_on
 
         arch = list(torch.cuda.get_arch_list())
         usable: list[int] = []
@@ -134,7 +134,7 @@ def cuda_device_score(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     try:
-        from ..control.devices import device_score
+        from flodl_exp.control.devices import device_score
 
         props = torch.cuda.get_device_properties(device)
         return device_score(props.major, props.total_memory)
@@ -216,9 +216,9 @@ class RankWorker:
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rank-heartbeat", daemon=True).start()
         # Data plane (rank/data): prefetch + sample cache; control is drained while waiting on a batch.
-        from .data import build_pipeline
-        from .data.budget import ranks_sharing_device
-        from .telemetry import Telemetry
+        from flodl_exp.rank.data import build_pipeline
+        from flodl_exp.rank.data.budget import ranks_sharing_device
+        from flodl_exp.rank.telemetry import Telemetry
 
         sharing = (ranks_sharing_device(cfg.cluster.ranks_per_node, torch.cuda.device_count(), local_rank)
                    if self.device.type == "cuda" else 1)
@@ -234,8 +234,8 @@ class RankWorker:
     def _describe_inputs(cfg: Any, exp: Any) -> list[dict[str, Any]]:
         """Rank 0's data sets as MLflow inputs (name, digest, source), for the coordinator to log: computed here,
         from the data sets already built, while the coordinator starts."""
-        from ..experiment import _to_container
-        from ..model_export import dataset_input
+        from flodl_exp.experiment import _to_container
+        from flodl_exp.model_export import dataset_input
 
         node = _to_container(cfg.experiment)
         out = []
@@ -332,7 +332,7 @@ class RankWorker:
         ``loop``: the exception came out of the user's own training loop (the cooperative tier; cluster.loop_error)."""
         import traceback
 
-        from ..jobs.rendezvous import write_death_record
+        from flodl_exp.jobs.rendezvous import write_death_record
 
         error, tb = f"{type(e).__name__}: {e}", traceback.format_exc()[-4000:]
         write_death_record(self.spec.job_dir, self.rank, self.world_size, error, tb, attempt=self.spec.attempt)

@@ -15,8 +15,8 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import ConfigError
-from .topology import SimulateConfig, register
+from flodl_exp.config import ConfigError
+from flodl_exp.simulate.topology import SimulateConfig, register
 
 register()
 
@@ -45,21 +45,21 @@ def translate_argv(argv: list[str]) -> list[str]:
 def replay(cfg: SimulateConfig) -> tuple[SimulateConfig, str, dict[str, float], str]:
     """The measured rig of run ``cfg.from_run`` (its ``modes``: those of ``cfg.modes`` the run's knobs allow), a
     header saying what was measured, the measured numbers and the run's own mode. Raises ValueError (one line)."""
-    from .from_run import NotReplayable, measured, measured_rig, read_run, run_mode
-    from .topology import rank_steps, run_config
+    from flodl_exp.simulate.from_run import NotReplayable, measured, measured_rig, read_run, run_mode
+    from flodl_exp.simulate.topology import rank_steps, run_config
 
     run_id = str(cfg.from_run)
     where = "simulate --from-run"
     uri = cfg.tracking.uri
     if not uri:
-        from ..tracking import default_uri
+        from flodl_exp.tracking import default_uri
 
         uri = default_uri(os.getcwd())
     if uri.startswith("sqlite:///") and not os.path.isfile(uri[len("sqlite:///"):]):
         raise NotReplayable(f"{where}: no MLflow store at {uri[len('sqlite:///'):]} (set tracking.uri=...)")
     from mlflow.exceptions import MlflowException
 
-    from ..tracking import client
+    from flodl_exp.tracking import client
 
     c = client(uri)
     try:
@@ -102,9 +102,9 @@ def replay(cfg: SimulateConfig) -> tuple[SimulateConfig, str, dict[str, float], 
 def run(cfg: SimulateConfig) -> tuple[str, list[str]]:
     """Simulate every mode of ``cfg`` (of the run ``cfg.from_run`` measured, when set); the markdown report and the
     files written."""
-    from .engine import simulate
-    from .from_run import error_pct
-    from .report import fastest_rank, render, summarize, write
+    from flodl_exp.simulate.engine import simulate
+    from flodl_exp.simulate.from_run import error_pct
+    from flodl_exp.simulate.report import fastest_rank, render, summarize, write
 
     header, footer = "", ""
     if cfg.from_run:
@@ -140,7 +140,7 @@ def main(dcfg: DictConfig) -> None:
 
 def cli(argv: Optional[list[str]] = None) -> None:
     sys.argv = [sys.argv[0], *translate_argv(list(sys.argv[1:] if argv is None else argv))]
-    from ..config_errors import one_line_config_errors
+    from flodl_exp.config_errors import one_line_config_errors
 
     with one_line_config_errors():  # a misspelt key or preset: one config error line, exit 2, as the main app
         main()

@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import events as ev
-from ..mode import Mode, known_modes
-from .topology import MODES, SimulateConfig, measured_rig_config, run_config
+from flodl_exp import events as ev
+from flodl_exp.mode import Mode, known_modes
+from flodl_exp.simulate.topology import MODES, SimulateConfig, measured_rig_config, run_config
 
 PROBE_STEPS = 4
 """Steps each rank times; the first is warm-up (allocations, lazy initialisation) and is left out."""
@@ -116,7 +116,7 @@ def prepare(modes: Sequence[str], *, world_size: int, batch_size: int, epochs: i
     each of ``modes``: the run's world size, batch, epochs, knobs, guard, outer and seed are all in it, the rig's
     times and data size are not), so that only the simulations themselves follow the probe's last answer. Also
     imports the engine (a coordinator's first simulation would otherwise pay for it)."""
-    from . import engine, report  # noqa: F401
+    from flodl_exp.simulate import engine, report  # noqa: F401
 
     out = Prepared(dict(batch_size=batch_size, epochs=epochs, knobs=dict(knobs), base=base, guard=guard, outer=outer,
                         seed=seed))
@@ -135,8 +135,8 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
     """Simulate every candidate on ``rig``; the best predicted samples/s among those whose windows stay within
     ``max_window`` batches (``configured`` kept unless beaten by :data:`KEEP_MARGIN`). ``runs``: the candidates' run
     configs built beforehand (:attr:`Prepared.runs`, for the same rig but its measurements)."""
-    from .engine import simulate
-    from .report import fastest_rank, summarize
+    from flodl_exp.simulate.engine import simulate
+    from flodl_exp.simulate.report import fastest_rank, summarize
 
     fast = fastest_rank(rig)
     per_epoch = rig.samples // rig.batch_size

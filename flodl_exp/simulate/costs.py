@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .topology import LinkConfig
+from flodl_exp.simulate.topology import LinkConfig
 
 
 @dataclass(frozen=True)

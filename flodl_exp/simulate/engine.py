@@ -37,17 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .. import events as ev
-from ..config import Config, RunShape
-from ..control.averager import Consensus
-from ..control.commands import Broadcast, Event, RankJoined, RankMessage, Send, Tick, TrainingStarts
-from ..control.core import ControlCore
-from ..control.cpu_averager import TorchAverager
-from ..control.cycle import Reduce, ReduceOutcome
-from ..control.lifecycle import Phase
-from ..control.ports import NullObserver
-from ..mode import Mode
-from ..protocol import (
+from flodl_exp import events as ev
+from flodl_exp.config import Config, RunShape
+from flodl_exp.control.averager import Consensus
+from flodl_exp.control.commands import Broadcast, Event, RankJoined, RankMessage, Send, Tick, TrainingStarts
+from flodl_exp.control.core import ControlCore
+from flodl_exp.control.cpu_averager import TorchAverager
+from flodl_exp.control.cycle import Reduce, ReduceOutcome
+from flodl_exp.control.lifecycle import Phase
+from flodl_exp.control.ports import NullObserver
+from flodl_exp.mode import Mode
+from flodl_exp.protocol import (
     Batch,
     ChunkMetrics,
     ExtendPartition,
@@ -62,10 +62,10 @@ from ..protocol import (
     Throttle,
     Update,
 )
-from .clock import EventQueue, SimClock
-from .costs import Costs
-from .fast import SimDispatcher
-from .topology import SimulateConfig, lr_factor, rank_steps, run_config
+from flodl_exp.simulate.clock import EventQueue, SimClock
+from flodl_exp.simulate.costs import Costs
+from flodl_exp.simulate.fast import SimDispatcher
+from flodl_exp.simulate.topology import SimulateConfig, lr_factor, rank_steps, run_config
 
 RANK_MSG, BATCH_END, COLL_DONE, COORD_MSG, COORD_FINISH = range(5)
 IDLE, BUSY, COLLECTIVE, BARRIER, THROTTLED = range(5)
@@ -386,7 +386,7 @@ class _ModelledDrift:
         self._engine = engine
 
     def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool) -> Consensus:
-        from ..averaging import mass
+        from flodl_exp.averaging import mass
 
         eng = self._engine
         if eng._model_drift:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..control.dispatch import Dispatcher
+from flodl_exp.control.dispatch import Dispatcher
 
 
 class SimDispatcher(Dispatcher):

@@ -37,9 +37,9 @@ import os
 import re
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from ..config import GuardConfig, ModeConfig, OuterConfig
-from ..mode import known_modes
-from .topology import SimulateConfig, _preset, measured_rig_config
+from flodl_exp.config import GuardConfig, ModeConfig, OuterConfig
+from flodl_exp.mode import known_modes
+from flodl_exp.simulate.topology import SimulateConfig, _preset, measured_rig_config
 
 History = Mapping[str, Sequence[tuple[int, float, int]]]
 """metric key -> its points ``(step, value, timestamp_ms)`` as MLflow holds them (step = epoch)."""
@@ -166,9 +166,9 @@ def measured_rig(params: Mapping[str, str], history: History, result: Optional[M
     cfg.lr_schedule = "cosine" if scheduler is not None and "cosine" in str(scheduler).lower() else "none"
     cfg.modes = [mode]
     if calibrate and m["syncs"] > 0 and m["sync_ms"] > 0:
-        from .engine import simulate
-        from .report import summarize
-        from .topology import run_config
+        from flodl_exp.simulate.engine import simulate
+        from flodl_exp.simulate.report import summarize
+        from flodl_exp.simulate.topology import run_config
 
         run = run_config(cfg, mode, w)  # the link is not in it: one for every round
         fixed = 0.0
@@ -185,8 +185,8 @@ def measured_rig(params: Mapping[str, str], history: History, result: Optional[M
 def predict(rig: SimulateConfig, mode: str) -> dict[str, float]:
     """``mode`` on ``rig``: ``predicted/samples_per_s``, ``predicted/syncs``, ``predicted/share.rank<r>`` (and
     ``predicted/wall_s``, ``predicted/sync_ms``)."""
-    from .engine import simulate
-    from .report import fastest_rank, summarize
+    from flodl_exp.simulate.engine import simulate
+    from flodl_exp.simulate.report import fastest_rank, summarize
 
     row = summarize(simulate(rig, mode), fastest_rank(rig))
     out = {f"{PREFIX}samples_per_s": float(row["samples_per_s"]), f"{PREFIX}syncs": float(row["syncs"]),
@@ -213,7 +213,7 @@ def base_config() -> SimulateConfig:
     """conf/simulate/config.yaml's values on the schema, without Hydra (the launcher runs inside a Hydra app)."""
     from omegaconf import OmegaConf
 
-    from ..package_conf import CONF_DIR
+    from flodl_exp.package_conf import CONF_DIR
 
     raw = OmegaConf.load(os.path.join(CONF_DIR, "simulate", "config.yaml"))
     body = {k: v for k, v in OmegaConf.to_container(raw).items() if k not in ("defaults", "hydra")}  # type: ignore[union-attr]

@@ -15,9 +15,9 @@ import json
 import os
 from typing import Any, Optional
 
-from .costs import Costs
-from .engine import RunStats
-from .topology import SimulateConfig, rank_steps
+from flodl_exp.simulate.costs import Costs
+from flodl_exp.simulate.engine import RunStats
+from flodl_exp.simulate.topology import SimulateConfig, rank_steps
 
 
 def summarize(st: RunStats, fast: int) -> dict[str, Any]:

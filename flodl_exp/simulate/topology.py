@@ -17,18 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..config import (
-    CheckpointConfig,
-    ClusterConfig,
-    Config,
-    EvalConfig,
-    ExperimentConfig,
-    GuardConfig,
-    ModeConfig,
-    OuterConfig,
-)
-from ..config_rules import validate
-from ..mode import Mode, known_modes
+from flodl_exp.config import CheckpointConfig, ClusterConfig, Config, EvalConfig, ExperimentConfig, GuardConfig, ModeConfig, OuterConfig
+from flodl_exp.config_rules import validate
+from flodl_exp.mode import Mode, known_modes
 
 SCHEMA_GROUP = "flodl_simulate"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
@@ -192,7 +183,7 @@ def _preset(name: str) -> dict[str, Any]:
 
 @functools.cache
 def _read_preset(name: str) -> dict[str, Any]:
-    from ..package_conf import CONF_DIR
+    from flodl_exp.package_conf import CONF_DIR
 
     path = os.path.join(CONF_DIR, "mode", f"{name}.yaml")
     if os.path.exists(path):

@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from ..package_conf import CONF_DIR
-from .topology import RankGroupConfig, SimulateConfig, register
+from flodl_exp.package_conf import CONF_DIR
+from flodl_exp.simulate.topology import RankGroupConfig, SimulateConfig, register
 
 CONF = os.path.join(CONF_DIR, "simulate")
 
@@ -69,8 +69,8 @@ def predict(rig: str, mode: str, m: dict[str, Any], overrides: Sequence[str] = (
     overrides of the preset, e.g. ``link.collective_fixed_ms=12`` to try another calibration)."""
     from hydra import compose, initialize_config_dir
 
-    from .engine import simulate
-    from .report import summarize
+    from flodl_exp.simulate.engine import simulate
+    from flodl_exp.simulate.report import summarize
 
     register()
     with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base="1.3"):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .digits import DigitsDataset
+from flodl_exp.zoo.digits import DigitsDataset
 
 
 class SlowDigits(DigitsDataset):

@@ -97,6 +97,6 @@ def warmup_cosine(total_steps: int, world_size: int, warmup_frac: float = 0.2, b
     """Linear warm-up over ``warmup_frac`` of the steps, then cosine from ``base_lr`` down to ``min_lr``
     (GPT-nano's); returned as a factor of the optimizer's base LR: digits' schedule with the floor
     ``min_lr / base_lr``."""
-    from .digits import cosine_schedule
+    from flodl_exp.zoo.digits import cosine_schedule
 
     return cosine_schedule(total_steps, world_size, warmup_frac=warmup_frac, floor=min_lr / base_lr)

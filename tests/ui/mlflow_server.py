@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .cdp import group_alive, kill_group
+from ui.cdp import group_alive, kill_group
 
 
 def free_port() -> int:

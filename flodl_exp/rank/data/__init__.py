@@ -6,6 +6,6 @@
 - ``cache``: ``SampleCache``, exact batches from the fastest tier holding each sample.
 - ``pipeline``: ``DataPipeline`` (per rank) and ``Feed`` (per chunk), reader threads.
 """
-from .pipeline import DataPipeline, Delivered, Feed, build_pipeline
+from flodl_exp.rank.data.pipeline import DataPipeline, Delivered, Feed, build_pipeline
 
 __all__ = ["DataPipeline", "Delivered", "Feed", "build_pipeline"]

@@ -27,10 +27,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ...experiment import fetch_batch
-from . import budget as B
-from .layout import Layout, flatten, to_device, unflatten
-from .stores import DiskStage, SlabStore, device_pool
+from flodl_exp.experiment import fetch_batch
+from flodl_exp.rank.data import budget as B
+from flodl_exp.rank.data.layout import Layout, flatten, to_device, unflatten
+from flodl_exp.rank.data.stores import DiskStage, SlabStore, device_pool
 
 log = logging.getLogger("flodl_exp.data")
 

@@ -39,11 +39,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...partition import decode_pick
-from . import budget as B
-from .cache import SampleCache
-from .layout import flatten, to_device
-from .probe import READERS_ENV, VRAM_POOL_ENV, cuda_memory, forced_ram_budget, mem_available
+from flodl_exp.partition import decode_pick
+from flodl_exp.rank.data import budget as B
+from flodl_exp.rank.data.cache import SampleCache
+from flodl_exp.rank.data.layout import flatten, to_device
+from flodl_exp.rank.data.probe import READERS_ENV, VRAM_POOL_ENV, cuda_memory, forced_ram_budget, mem_available
 
 log = logging.getLogger("flodl_exp.data")
 

@@ -27,8 +27,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .budget import MIB, VRAM_POOL_SLAB
-from .layout import Layout, to_device
+from flodl_exp.rank.data.budget import MIB, VRAM_POOL_SLAB
+from flodl_exp.rank.data.layout import Layout, to_device
 
 log = logging.getLogger("flodl_exp.data")
 
