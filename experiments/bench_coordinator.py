@@ -2,7 +2,7 @@
 
 ``python experiments/bench_coordinator.py [--quick] [--sizes 8,64,256,1024] [--reps 3]``
 
-The coordinator is started as the job's task 0 starts it (``flodl_exp.control.main`` on a job folder with a
+The coordinator is started as the job's task 0 starts it (``flodl_exp.coordinator.main`` on a job folder with a
 ``spec.json``: ``mode=cpu_cadence``, one epoch, an MLflow run in a scratch sqlite store), inside a thin wrapper
 (``--coordinator``) that only times it: the main loop's turns, the timing messages (``batch``) it absorbs,
 and each reduce trigger. The ranks are simulated: ``k`` processes (``--procs``, default 4), each driving
@@ -58,8 +58,8 @@ def _time_reduce_phases(st: dict[str, Any]) -> Any:
     """Timers on a reduce's phases (see :func:`_reduce_phases`): the first and last snapshot handled, the updates
     sent and the main thread's CPU for the finish. ``$BENCH_FINISH_PROFILE=<file>``: cProfile the finishes
     (a developer's look at the main thread's share; returns the profiler, dumped at the end)."""
-    from flodl_exp.control.cycle import AveragingCycle
-    from flodl_exp.control.reduces import Reduces
+    from flodl_exp.core.cycle import AveragingCycle
+    from flodl_exp.core.reduces import Reduces
 
     mono = time.monotonic
     on_snapshot, finish_one = AveragingCycle.on_snapshot, Reduces._finish_one
@@ -94,13 +94,13 @@ def _time_reduce_phases(st: dict[str, Any]) -> Any:
 
 # ------------------------------------------------------------------ the coordinator, timed
 def coordinator_entry(argv: list[str]) -> None:
-    """``--coordinator <spec.json> <host>``: flodl_exp.control.main with timers on the loop (writes $FLODL_BENCH_STATS)."""
+    """``--coordinator <spec.json> <host>``: flodl_exp.coordinator.main with timers on the loop (writes $FLODL_BENCH_STATS)."""
     import array
 
-    from flodl_exp.control import main as cmain
-    from flodl_exp.control.coordinator import Coordinator
-    from flodl_exp.control.core import ControlCore
-    from flodl_exp.control.cycle import AveragingCycle
+    from flodl_exp.coordinator import main as cmain
+    from flodl_exp.coordinator.coordinator import Coordinator
+    from flodl_exp.core.control_core import ControlCore
+    from flodl_exp.core.cycle import AveragingCycle
 
     clock, mono = time.perf_counter, time.monotonic
     st: dict[str, Any] = {"batches": 0, "events": 0, "t_first": None, "t_last": None, "triggers": [], "finishes": []}
@@ -189,9 +189,9 @@ class SimProcess:
                  max_batches: Optional[int], coalesce_ms: float = 0.0) -> None:
         import torch
 
-        from flodl_exp import wire
-        from flodl_exp.codec import encode
-        from flodl_exp.hello import Hello
+        from flodl_exp.protocol import wire
+        from flodl_exp.protocol.codec import encode
+        from flodl_exp.protocol.hello import Hello
         from flodl_exp.rank.backends import CoordinatorBackend, snapshot_nbytes
         from flodl_exp.rank.report_pacer import BatchReportPacer
 
@@ -224,13 +224,13 @@ class SimProcess:
 
     # -- coordinator -> rank ------------------------------------------------
     def on_message(self, sim: SimRank, msg: Any) -> None:
-        from flodl_exp import codec
+        from flodl_exp.protocol import codec
 
         for part in codec.unbundle(msg):  # a bundle frame holds several messages, in order
             self.on_payload(sim, codec.decode(part))
 
     def on_payload(self, sim: SimRank, m: Any) -> None:
-        from flodl_exp import protocol as p
+        from flodl_exp.protocol import messages as p
 
         out = self.out
         if isinstance(m, (p.StartEpoch, p.ExtendPartition)):
@@ -287,7 +287,7 @@ class SimProcess:
     # -- rank -> coordinator ---------------------------------------------------
     def step(self, sim: SimRank, now: float) -> bool:
         """Report one batch (or a finished chunk) if this rank has work; True when it sent something."""
-        from flodl_exp.protocol import Batch, ChunkMetrics
+        from flodl_exp.protocol.messages import Batch, ChunkMetrics
 
         if sim.done or sim.waiting or now < sim.next_t:
             return False
@@ -321,7 +321,7 @@ class SimProcess:
         return True
 
     def beat(self) -> None:
-        from flodl_exp.protocol import Heartbeat, Telemetry
+        from flodl_exp.protocol.messages import Heartbeat, Telemetry
 
         for sim in self.sims:
             if not sim.done:
@@ -443,7 +443,7 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
     """One coordinator and ``n`` simulated ranks until the run ends (or ``timeout_s``); the measurements."""
     raise_nofile(n + 256)
     from flodl_exp import tracking
-    from flodl_exp.jobs.spec import JobSpec
+    from flodl_exp.job_spec import JobSpec
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="bench-coord-"))
     tmp.mkdir(parents=True, exist_ok=True)

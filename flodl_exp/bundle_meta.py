@@ -1,9 +1,9 @@
 """A checkpoint bundle's meta (``<stem>.meta.json``) as a typed value, and the resume point that carries it.
 
-The coordinator's bundle writer builds the meta as a :class:`BundleMeta` (control/checkpoints.py) and
+The coordinator's bundle writer builds the meta as a :class:`BundleMeta` (core/checkpoints.py) and
 ``checkpoint.write_meta`` writes its :meth:`BundleMeta.to_dict`. Every reader takes it through
 :meth:`BundleMeta.from_dict`: the launcher's resume check and task 0's requeue (``checkpoint.load_meta``), the
-job spec's ``resume`` (jobs/spec.py), and through it the coordinator's and the ranks' restore. A meta that cannot
+job spec's ``resume`` (job_spec.py), and through it the coordinator's and the ranks' restore. A meta that cannot
 resume is refused there, in one line naming the key, before any process starts.
 
 Older metas read: ``pieces``, ``total_picks``, ``guard_kind``, ``unix_time`` and ``experiment`` came later

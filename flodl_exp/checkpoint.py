@@ -102,7 +102,7 @@ def save_rank_pieces(stem: str, model: nn.Module, optimizer: Any, *, rank: int,
 
 
 def write_meta(stem: str, meta: BundleMeta) -> None:
-    """Write the bundle writer's meta (control/checkpoints.py) as JSON, atomically; readers take it back through
+    """Write the bundle writer's meta (core/checkpoints.py) as JSON, atomically; readers take it back through
     :func:`load_meta` as the same :class:`~flodl_exp.bundle_meta.BundleMeta`."""
     atomic_json(meta.to_dict(), meta_path(stem))
 

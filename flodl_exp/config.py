@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from omegaconf import MISSING
 
-from flodl_exp.mode import Mode
+from flodl_exp.policy.mode import Mode
 
 GUARDS = ("none", "trend", "msf")
 EXECUTORS = ("local", "slurm")
@@ -501,7 +501,7 @@ class RunShape:
     """Values derived from the config, computed once (every process reads them from here)."""
 
     mode: Mode
-    """The policy and backend as one value (flodl_exp/mode.py)."""
+    """The policy and backend as one value (flodl_exp/policy/mode.py)."""
     world_size: int
     progressive: bool
     """Progressive dispatch (chunks from a pool), only meaningful with 2+ ranks."""

@@ -30,7 +30,7 @@ from flodl_exp.config import (
     parse_callback_rank,
     world_size,
 )
-from flodl_exp.mode import Backend, Mode
+from flodl_exp.policy.mode import Backend, Mode
 from flodl_exp.policy.registry import policy_names
 
 _SCHEMA: Any = None

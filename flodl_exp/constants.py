@@ -21,3 +21,7 @@ LOST_GRACE_S = 10.0
 """After the coordinator's connection breaks (or it exits), a rank's main thread has this long to end before
 the process is ended without it: it may sit in a call that reads no control (a TCPStore connect to a store
 gone with task 0 retries for minutes)."""
+
+NODE_DEVICES_ENV = "FLODL_NODE_DEVICES"
+"""Set by ``jobs/executor.restore_visible_devices`` when it gave each local task one MIG slice: how many slices the
+node's ranks are spread over (rank/data/budget.ranks_sharing_device counts the ranks on this task's slice from it)."""

@@ -9,7 +9,7 @@ Fields marked with :func:`flat` hold a mapping whose items become top-level keys
 results); fields marked with :func:`optional` are left out while they are None, so a record keeps the shape the
 log had before these types existed.
 
-Pure data, no I/O: the event log (control/event_log.py) writes records, the simulator reads them in memory.
+Pure data, no I/O: the event log (coordinator/event_log.py) writes records, the simulator reads them in memory.
 """
 from __future__ import annotations
 

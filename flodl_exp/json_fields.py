@@ -1,7 +1,7 @@
 """Typed reads of a JSON object's fields: each refusal is one line naming the key, the value and what is allowed.
 
 The values that cross a file or process boundary as JSON and come back as dataclasses (the job spec,
-flodl_exp/jobs/spec.py; the rank's hello, flodl_exp/hello.py; the bundle meta, flodl_exp/bundle_meta.py)
+flodl_exp/job_spec.py; the rank's hello, flodl_exp/protocol/hello.py; the bundle meta, flodl_exp/bundle_meta.py)
 read their fields through :class:`Fields`, so a bad file or peer is refused as
 ``<where> <key> <value> is not <what>`` (or ``<where> <key> is missing``) and never as a ``KeyError`` or an
 ``int()`` deep inside a run. Stdlib only: the CLI and the coordinator read these before torch loads.

@@ -201,7 +201,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s records-relay %(levelname)s %(message)s")
-    from flodl_exp.jobs.spec import JobSpec, RunIdMissing, read_run_id
+    from flodl_exp.job_spec import JobSpec, RunIdMissing, read_run_id
     from flodl_exp.tracking import live_uri
 
     try:

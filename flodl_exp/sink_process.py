@@ -243,7 +243,7 @@ def start_sink(uri: str, run_id: str, job_dir: str, import_paths: Sequence[str] 
 
 
 def _wait_run_id(job_dir: str) -> str:
-    from flodl_exp.jobs.spec import wait_run_id
+    from flodl_exp.job_spec import wait_run_id
 
     return wait_run_id(job_dir)
 

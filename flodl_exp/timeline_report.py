@@ -1,6 +1,6 @@
 """Timeline artifacts of one run: ``timeline.json``, ``timeline.csv`` and a self-contained ``timeline.html``.
 
-The recorder (``control/timeline.py``) holds the spans; this module turns them into files. The HTML is
+The recorder (``coordinator/timeline.py``) holds the spans; this module turns them into files. The HTML is
 one document with the data inline, a canvas per rank lane drawn by a little inline script (wheel to
 zoom around the cursor, drag to pan, double-click to reset, hover for a span's details), a legend, the
 epoch table and the idle analysis. Like the dashboard, it must open years later from a cluster share or
@@ -19,7 +19,7 @@ import math
 import os
 from typing import Any, Optional
 
-from flodl_exp.control.timeline import CAUSES, KINDS, TimelineRecorder
+from flodl_exp.coordinator.timeline import CAUSES, KINDS, TimelineRecorder
 from flodl_exp.fsio import atomic_text
 
 COLUMNS = ("rank", "kind", "start_s", "end_s", "epoch", "window", "n", "busy_ms", "data_ms", "note")

@@ -175,7 +175,7 @@ class RecordSurface(abc.ABC):
     each call becomes one ``_put(kind, payload)`` record, stamped here, so all three carry the same records.
     Metric points get strictly increasing timestamps in ms (the SQL store drops a point equal in key, step, value
     and time), stamped when logged, not when delivered; ``timestamp_ms`` is the caller's own stamp
-    (control/prediction.py keeps the points it stamped)."""
+    (coordinator/prediction.py keeps the points it stamped)."""
 
     _last_ts = 0
 

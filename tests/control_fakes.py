@@ -9,12 +9,12 @@ import torch
 from omegaconf import OmegaConf
 
 from flodl_exp.bundle_meta import Resume
-from flodl_exp.codec import decode, encode, unbundle
 from flodl_exp.config import Config
-from flodl_exp.control.coordinator import Coordinator
-from flodl_exp.hello import Hello
-from flodl_exp.jobs.spec import JobSpec
-from flodl_exp.protocol import (
+from flodl_exp.coordinator.coordinator import Coordinator
+from flodl_exp.job_spec import JobSpec
+from flodl_exp.protocol.codec import decode, encode, unbundle
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import (
     Batch,
     ChunkMetrics,
     ExecuteEval,
@@ -32,7 +32,7 @@ from flodl_exp.protocol import (
     SyncNow,
     Update,
 )
-from flodl_exp.wire import Message
+from flodl_exp.protocol.wire import Message
 
 SAMPLES = 96
 BATCH = 8

@@ -8,11 +8,11 @@ from typing import Any, Optional
 
 import torch
 
-from flodl_exp.codec import decode, encode
-from flodl_exp.protocol import Payload
+from flodl_exp.protocol.codec import decode, encode
+from flodl_exp.protocol.messages import Payload
+from flodl_exp.protocol.wire import Message
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.inbox import ControlInbox
-from flodl_exp.wire import Message
 
 
 class Sent(list):

@@ -13,8 +13,8 @@ from test_trainer import _trainer
 
 from flodl_exp.config import ConfigError
 from flodl_exp.config_rules import validate
-from flodl_exp.control.lifecycle import Phase
-from flodl_exp.protocol import Probe, ProbeResult, StartEpoch
+from flodl_exp.core.lifecycle import Phase
+from flodl_exp.protocol.messages import Probe, ProbeResult, StartEpoch
 from flodl_exp.simulate.auto import (
     KEEP_MARGIN,
     PROBE_STEPS,
@@ -168,7 +168,7 @@ def test_a_run_without_auto_sends_no_probe(tmp_path: Path):
 
 def _join_and_start(h: Harness) -> list[tuple[int, Any]]:
     """Every rank says hello and the coordinator starts (with auto: it probes): what it sent."""
-    from flodl_exp.hello import Hello
+    from flodl_exp.protocol.hello import Hello
 
     for r in range(h.world):
         h.co.on_event(("join", r, Hello(rank=r, samples=96, host="h", pid=100 + r)))
@@ -211,8 +211,8 @@ def test_a_resumed_auto_run_trains_on_in_the_mode_its_bundle_was_saved_in(tmp_pa
 
     from flodl_exp import checkpoint as ck
     from flodl_exp.bundle_meta import Resume
-    from flodl_exp.control.coordinator import Coordinator
-    from flodl_exp.protocol import EvalResult, SaveResult
+    from flodl_exp.coordinator.coordinator import Coordinator
+    from flodl_exp.protocol.messages import EvalResult, SaveResult
 
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
     evals, saves = h.final_saves()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_exp import wire
-from flodl_exp.wire import Message
+from flodl_exp.protocol import wire
+from flodl_exp.protocol.wire import Message
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 
 from flodl_exp import checkpoint as ck
 from flodl_exp.bundle_meta import BundleMeta
-from flodl_exp.control.event_log import EventLog
-from flodl_exp.control.lifecycle import Phase, Status
-from flodl_exp.control.records import RecordLog, RingLog
+from flodl_exp.coordinator.event_log import EventLog
+from flodl_exp.coordinator.records import RecordLog, RingLog
+from flodl_exp.core.lifecycle import Phase, Status
 from flodl_exp.events import Epoch
-from flodl_exp.protocol import EvalResult, SaveResult
+from flodl_exp.protocol.messages import EvalResult, SaveResult
 
 ENOSPC = f"OSError: [Errno {errno.ENOSPC}] No space left on device"
 
@@ -93,7 +93,7 @@ class _Server:
 
 def test_a_failed_final_bundle_ends_the_run_failed_with_the_reason(tmp_path):
     from flodl_exp.config import load_config
-    from flodl_exp.control.main import _close
+    from flodl_exp.coordinator.main import _close
 
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
     evals, saves = h.final_saves()

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from flodl_exp.control.callback_slack import EWMA_ALPHA, CallbackSlack
-from flodl_exp.control.cpu_averager import TorchAverager
-from flodl_exp.control.cycle import AveragingCycle
-from flodl_exp.control.elche import ElChe
-from flodl_exp.control.guards import build_guard
-from flodl_exp.mode import Mode
-from flodl_exp.protocol import Batch, Snapshot
+from flodl_exp.core.callback_slack import EWMA_ALPHA, CallbackSlack
+from flodl_exp.core.cycle import AveragingCycle
+from flodl_exp.policy.elche import ElChe
+from flodl_exp.policy.guards import build_guard
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.messages import Batch, Snapshot
+from flodl_exp.torch_averager import TorchAverager
 
 
 def test_the_ewma_follows_the_measured_evals():

@@ -14,11 +14,11 @@ from rank_fakes import rank_control
 from test_control_core import Bare, Ranks, cfg_of, emitted, play, sent
 from torch import nn
 
-from flodl_exp.control.checkpoint_fn import CheckpointFnRole
-from flodl_exp.control.cohort import Cohort
-from flodl_exp.control.commands import Command, CommandOutbox, Record, RecordingObserver, Send
-from flodl_exp.control.lifecycle import Phase, Status
-from flodl_exp.protocol import Checkpoint, CheckpointResult, Payload, Save, StartEpoch
+from flodl_exp.core.checkpoint_fn import CheckpointFnRole
+from flodl_exp.core.cohort import Cohort
+from flodl_exp.core.commands import Command, CommandOutbox, Record, RecordingObserver, Send
+from flodl_exp.core.lifecycle import Phase, Status
+from flodl_exp.protocol.messages import Checkpoint, CheckpointResult, Payload, Save, StartEpoch
 
 FN = {"experiment.checkpoint_fn": "flodl_exp.zoo.digits.export_checkpoint"}
 

@@ -1,4 +1,4 @@
-"""Tests for flodl_exp.control.chunk_pool (algorithms.md §5.1/5.3/5.5/5.8, 7.2, 8.3/8.4)."""
+"""Tests for flodl_exp.core.chunk_pool (algorithms.md §5.1/5.3/5.5/5.8, 7.2, 8.3/8.4)."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from flodl_exp.control.actions import STABLE, SUPPRESS_GROWTH, nudge_down
-from flodl_exp.control.chunk_pool import (
+from flodl_exp.core.chunk_pool import (
     ChunkPool,
     FinalWindowPlan,
     OvershootTuner,
@@ -18,6 +17,7 @@ from flodl_exp.control.chunk_pool import (
     refresh_final_window_plan,
     reservation_span_batches,
 )
+from flodl_exp.policy.actions import STABLE, SUPPRESS_GROWTH, nudge_down
 from flodl_exp.policy.base import AveragingPolicy
 from flodl_exp.policy.builtin import ASYNC, CADENCE
 
@@ -495,7 +495,7 @@ def test_reopen_serves_a_completed_range_again_before_anything_else():
 
 
 def test_subtract_ranges():
-    from flodl_exp.control.chunk_pool import subtract_ranges
+    from flodl_exp.core.chunk_pool import subtract_ranges
 
     assert subtract_ranges([(0, 100)], [(10, 20), (50, 10)]) == [(0, 10), (30, 20), (60, 40)]
     assert subtract_ranges([(0, 10), (20, 10)], [(5, 20)]) == [(0, 5), (25, 5)]
@@ -508,7 +508,7 @@ def test_remaining_is_kept_exactly_through_every_way_the_pool_moves() -> None:
     equals the recount."""
     import random
 
-    from flodl_exp.control.chunk_pool import ChunkPool
+    from flodl_exp.core.chunk_pool import ChunkPool
 
     rng = random.Random(7)
     for trial in range(30):

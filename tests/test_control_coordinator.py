@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from control_fakes import BATCH, SAMPLES, Harness
 
-from flodl_exp.control.lifecycle import Phase, Status
-from flodl_exp.control.preemption import PREEMPT_SAVE_DEADLINE_S, TERM_GRACE_S, Stage
-from flodl_exp.hello import Hello
-from flodl_exp.protocol import (
+from flodl_exp.core.lifecycle import Phase, Status
+from flodl_exp.core.preemption import PREEMPT_SAVE_DEADLINE_S, TERM_GRACE_S, Stage
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import (
     EvalResult,
     ExecuteEval,
     Exiting,
@@ -158,7 +158,7 @@ def test_a_preemption_with_no_reduce_coming_fires_one_for_a_coverage_granular_bu
     """Both ranks wait mid-chunk (a gate, a slow read) when the time limit comes: no reduce would finish on its
     own. The coordinator fires one after PREEMPT_ARM_FALLBACK_S, so the bundle records what the open epoch
     trained; an epoch-granular bundle would retrain those picks on resume (CI: the SLURM time-limit test)."""
-    from flodl_exp.control.preemption import PREEMPT_ARM_FALLBACK_S
+    from flodl_exp.core.preemption import PREEMPT_ARM_FALLBACK_S
 
     h = Harness(tmp_path, "cpu_cadence", world=2)
     plans = h.start()
@@ -288,7 +288,7 @@ def test_the_final_eval_moves_when_its_rank_dies(tmp_path):
 
 @pytest.mark.parametrize("kind", ["closed", "stale"])
 def test_a_rank_lost_while_connecting_fails_the_run_naming_it(tmp_path, kind):
-    from flodl_exp.control.lifecycle import RunFailure
+    from flodl_exp.core.lifecycle import RunFailure
 
     h = Harness(tmp_path, "nccl_sync", world=2)
     h.co.on_event(("join", 0, Hello(rank=0, samples=SAMPLES)))
@@ -523,8 +523,8 @@ def test_a_rank_lost_before_it_joined_is_named_at_once(tmp_path):
     import subprocess
     import sys
 
-    from flodl_exp.control.lifecycle import RunFailure
-    from flodl_exp.jobs.rendezvous import rank_marker_path, write_rank_marker
+    from flodl_exp.core.lifecycle import RunFailure
+    from flodl_exp.rendezvous import rank_marker_path, write_rank_marker
 
     h = Harness(tmp_path, "nccl_sync", world=2)
     h.co.on_event(("join", 0, Hello(rank=0, samples=SAMPLES)))
@@ -549,8 +549,8 @@ def test_a_rank_lost_during_start_up_leads_the_error_before_a_collateral_close(t
     import subprocess
     import sys
 
-    from flodl_exp.control.lifecycle import RunFailure
-    from flodl_exp.jobs.rendezvous import rank_marker_path, write_rank_marker
+    from flodl_exp.core.lifecycle import RunFailure
+    from flodl_exp.rendezvous import rank_marker_path, write_rank_marker
 
     h = Harness(tmp_path, "nccl_sync", world=3)
     for r in (0, 2):
@@ -578,8 +578,8 @@ def test_a_rank_lost_during_start_up_leads_the_error_before_a_collateral_close(t
 def test_a_close_while_a_rank_is_missing_is_blamed_after_the_grace(tmp_path):
     """No rank found lost (its task on another host, say) within LOST_PEER_GRACE_S: the first close is blamed,
     the missing ranks named, later closes after it."""
-    from flodl_exp.control.coordinator import LOST_PEER_GRACE_S
-    from flodl_exp.control.lifecycle import RunFailure
+    from flodl_exp.coordinator.coordinator import LOST_PEER_GRACE_S
+    from flodl_exp.core.lifecycle import RunFailure
 
     h = Harness(tmp_path, "nccl_sync", world=3)
     for r in (0, 2):
@@ -642,7 +642,7 @@ def test_a_cpu_async_run_with_periodic_checkpoints_trains_exactly_like_one_witho
 def test_a_silent_or_dead_regroup_generator_is_passed_over(tmp_path):
     """algorithms.md 7.4: a generator that died or gave no session within 5 s is replaced by the next
     survivor; answers from a passed-over rank are ignored; no reduce fires while the regroup is pending."""
-    from flodl_exp.control.faults import REGROUP_RETRY_S
+    from flodl_exp.core.faults import REGROUP_RETRY_S
 
     h = Harness(tmp_path, "nccl_cadence", world=4)
     h.start()
@@ -667,8 +667,8 @@ def test_the_regroup_generator_is_the_lowest_live_rank_on_the_coordinators_host(
     """algorithms.md 7.4, tier 1: the lowest live rank co-located with the coordinator, however fast its
     co-located peers are; tier 2 (none co-located): the smallest per-batch compute wall, ties to the lower
     rank. Retries walk the same order."""
-    from flodl_exp.control.faults import REGROUP_RETRY_S, generator_order
-    from flodl_exp.protocol import Batch
+    from flodl_exp.core.faults import REGROUP_RETRY_S, generator_order
+    from flodl_exp.protocol.messages import Batch
 
     assert generator_order([0, 1, 2, 4], [False, True, True, False, True], [1.0, 9.0, 2.0, None, 0.5]) == [1, 2, 4, 0]
     assert generator_order([0, 1, 2], [False] * 3, [3.0, None, 2.0]) == [2, 0, 1]
@@ -695,7 +695,7 @@ def test_the_regroup_generator_is_the_lowest_live_rank_on_the_coordinators_host(
 
 
 def test_no_generator_left_ends_the_run_with_a_bundle(tmp_path):
-    from flodl_exp.control.faults import REGROUP_RETRY_S
+    from flodl_exp.core.faults import REGROUP_RETRY_S
 
     h = Harness(tmp_path, "nccl_cadence", world=3)
     h.start()
@@ -720,7 +720,7 @@ def test_cpu_ranks_wait_for_the_update_unless_it_is_blended(tmp_path, mode, barr
 def test_batches_trained_after_an_nccl_ack_count_toward_the_next_reduce(tmp_path):
     """A rank that acked trains on while its peer finishes the collective: those batches are in no
     consensus, so they must keep the final reduce due (it was skipped, leaving replicas apart)."""
-    from flodl_exp.protocol import SyncAck
+    from flodl_exp.protocol.messages import SyncAck
 
     h = Harness(tmp_path, "nccl_sync", world=2)
     plans = h.start()
@@ -741,7 +741,7 @@ def test_a_dead_ranks_forfeit_in_an_epoch_the_survivors_left_is_trained_first(tm
     """cpu_async streams ahead: survivors may be epochs past the one a stuck rank held a chunk of. When it dies,
     its forfeit reopens that older pool, and the survivors must take it before anything newer, else that
     epoch never completes (the run stalled at a fixed global step, seen in CI)."""
-    from flodl_exp.control.chunk_pool import ChunkPool
+    from flodl_exp.core.chunk_pool import ChunkPool
 
     h = Harness(tmp_path, "cpu_async", world=3, epochs=4)
     plans = h.start(samples=480)
@@ -776,7 +776,7 @@ def test_a_cold_start_probe_hands_the_fast_rank_the_rest_of_a_window_sized_by_sp
     """Before any reduce, the first window is [anchor] * W: on a 3:1 rig the fast rank would idle through two
     thirds of it. Once every rank has timed its first steps, ElChe re-sizes the window in progress and the
     fast rank is handed the rest of its (larger) share; the reduce waits for it."""
-    from flodl_exp.protocol import Batch, ChunkMetrics
+    from flodl_exp.protocol.messages import Batch, ChunkMetrics
 
     h = Harness(tmp_path, mode, world=2, epochs=2)
     plans = h.start(samples=960)  # 120 batches of 8
@@ -814,8 +814,8 @@ def test_a_fast_rank_does_not_idle_while_the_probe_waits_for_the_slow_rank(tmp_p
     its probe steps. It is handed more work at once (it used to idle until the probe landed); once the probe
     sizes the window it trains exactly its share (cadence) and the reduce still waits for the slow rank's count.
     With no probe coming, the extra work stops after PROBE_EXTRA_WINDOWS windows' worth."""
-    from flodl_exp.control.dispatch import PROBE_EXTRA_WINDOWS
-    from flodl_exp.protocol import Batch
+    from flodl_exp.core.dispatch import PROBE_EXTRA_WINDOWS
+    from flodl_exp.protocol.messages import Batch
 
     h = Harness(tmp_path, mode, world=2, epochs=2)
     plans = h.start(samples=1920)  # 240 batches of 8
@@ -946,7 +946,7 @@ def _paced_play(h: Harness, speeds: list[int], samples: int, ticks: int = 1000) 
     throttles sent (``("throttle", rank, steps, count)``) and the ticks taken; stops at the run's end."""
     from collections import deque
 
-    from flodl_exp.protocol import Batch, ChunkMetrics, Throttle
+    from flodl_exp.protocol.messages import Batch, ChunkMetrics, Throttle
 
     w = len(speeds)
     chunks: dict[int, deque[list[int]]] = {r: deque() for r in range(w)}
@@ -1009,7 +1009,7 @@ def test_the_references_gate_wedges_on_a_throttled_rank_short_of_its_count(tmp_p
     run above never reduces. A Throttle holds a rank until the next update, so the fast rank held short of
     its count can never reach it, and the slow rank, stepping on, gets held too once it leads the frozen one:
     both held below their counts with a chunk in flight (not quiesced), the gate shut for good."""
-    from flodl_exp.control.cycle import AveragingCycle
+    from flodl_exp.core.cycle import AveragingCycle
 
     def reference_gate(self: AveragingCycle, alive: list[int], quiesced: Any, working: Any = None) -> bool:
         if self.world_size < 2 or self.in_flight is not None:

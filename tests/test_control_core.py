@@ -14,10 +14,10 @@ import torch
 from control_fakes import FakeClock, FakeSink, FakeTransport, make_config, make_spec
 from omegaconf import OmegaConf
 
-from flodl_exp.codec import encode
 from flodl_exp.config import Config, RunShape, load_config
-from flodl_exp.control.bundle_store import MemoryBundles
-from flodl_exp.control.commands import (
+from flodl_exp.coordinator.coordinator import Coordinator
+from flodl_exp.core.bundle_store import MemoryBundles
+from flodl_exp.core.commands import (
     Broadcast,
     Command,
     Event,
@@ -28,13 +28,12 @@ from flodl_exp.control.commands import (
     Tick,
     TrainingStarts,
 )
-from flodl_exp.control.coordinator import Coordinator
-from flodl_exp.control.core import ControlCore, recording_core
-from flodl_exp.control.cpu_averager import TorchAverager
-from flodl_exp.control.lifecycle import Phase, Status
-from flodl_exp.hello import Hello
-from flodl_exp.mode import Mode
-from flodl_exp.protocol import (
+from flodl_exp.core.control_core import ControlCore, recording_core
+from flodl_exp.core.lifecycle import Phase, Status
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.codec import encode
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import (
     Batch,
     ChunkMetrics,
     CoordHeartbeat,
@@ -59,6 +58,7 @@ from flodl_exp.protocol import (
 )
 from flodl_exp.simulate.engine import Engine
 from flodl_exp.simulate.topology import LinkConfig, RankGroupConfig, SimulateConfig, run_config
+from flodl_exp.torch_averager import TorchAverager
 
 BATCH = 8
 

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from flodl_exp.control.lifecycle import ALLOWED, IllegalTransition, Lifecycle, Phase, Status
+from flodl_exp.core.lifecycle import ALLOWED, IllegalTransition, Lifecycle, Phase, Status
 
 
 def _at(phase: Phase) -> Lifecycle:

@@ -13,9 +13,19 @@ import pytest
 import torch
 from rank_fakes import Sent, rank_control
 
-from flodl_exp.codec import decode, encode
 from flodl_exp.experiment import Experiment
-from flodl_exp.protocol import Batch, ChunkMetrics, EpochAggregated, EvalBroadcast, Intent, LoopNotice, RankError, Shutdown, StartEpoch
+from flodl_exp.protocol.codec import decode, encode
+from flodl_exp.protocol.messages import (
+    Batch,
+    ChunkMetrics,
+    EpochAggregated,
+    EvalBroadcast,
+    Intent,
+    LoopNotice,
+    RankError,
+    Shutdown,
+    StartEpoch,
+)
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.cooperative import CooperativeWorker, LoopMisuse, worker
 from flodl_exp.rank.trainer import OptimizerSet, RankTrainer
@@ -228,7 +238,7 @@ def test_worker_outside_a_rank_says_how_to_run_a_loop():
 def test_an_eval_intent_is_folded_into_the_next_epoch_boundary(tmp_path, monkeypatch):
     from control_fakes import Harness
 
-    from flodl_exp.wire import Message
+    from flodl_exp.protocol.wire import Message
 
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
     evals: list[Any] = []
@@ -280,7 +290,7 @@ def test_a_late_eval_intent_runs_at_once_and_duplicates_are_dropped(tmp_path):
     at once for that epoch, and the other ranks' same intent does not run it again."""
     from control_fakes import Harness
 
-    from flodl_exp.protocol import ExecuteEval
+    from flodl_exp.protocol.messages import ExecuteEval
 
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=3)
     plans = h.start()
@@ -295,7 +305,7 @@ def test_a_late_eval_intent_runs_at_once_and_duplicates_are_dropped(tmp_path):
 def test_a_loop_error_ends_the_run_failed_with_its_traceback(tmp_path):
     from control_fakes import Harness
 
-    from flodl_exp.control.lifecycle import Status
+    from flodl_exp.core.lifecycle import Status
 
     fail: dict[str, Any] = {"cluster.loop_error": "fail"}
     h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2, **fail)
@@ -312,7 +322,7 @@ def test_a_loop_error_loses_the_rank_by_default_and_the_survivors_go_on(tmp_path
     process exits, and its closed connection is a death the survivors recover from, as in the managed tier."""
     from control_fakes import Harness
 
-    from flodl_exp.control.lifecycle import Phase, Status
+    from flodl_exp.core.lifecycle import Phase, Status
 
     h = Harness(tmp_path, "cpu_cadence", world=3, epochs=2)
     h.start()
@@ -375,7 +385,7 @@ def test_setup_scales_each_learning_rate_once():
 
 
 def test_the_epoch_loss_counts_only_steps_with_a_loss():
-    from flodl_exp.control.epoch_metrics import EpochAccumulator
+    from flodl_exp.core.epoch_metrics import EpochAccumulator
 
     acc = EpochAccumulator(0, 2, started=0.0)
     acc.add_chunk(0, ChunkMetrics(epoch=0, chunk=0, avg_loss=2.0, batches=4, samples=32, epoch_ms=1, share_complete_ms=1,

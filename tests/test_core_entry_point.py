@@ -4,7 +4,7 @@ only through ``core.view``; it names none of the core's components.
 Read from source (``ast``): in each shell module below, an attribute of the core (``self.core.X``, ``engine.core.X``)
 must be ``handle`` or ``view``, and no attribute anywhere may be one of the core's components (``.cycle``,
 ``.cohort``, ``.dispatch``, ...), so a component cannot be reached through an alias either: the simulator, the
-coordinator and its process entry (``control/main.py``).
+coordinator and its process entry (``coordinator/main.py``).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from conftest import ROOT
 
-SHELLS = [*sorted((ROOT / "flodl_exp" / "simulate").glob("*.py")), ROOT / "flodl_exp" / "control" / "coordinator.py",
-          ROOT / "flodl_exp" / "control" / "main.py"]
+SHELLS = [*sorted((ROOT / "flodl_exp" / "simulate").glob("*.py")), ROOT / "flodl_exp" / "coordinator" / "coordinator.py",
+          ROOT / "flodl_exp" / "coordinator" / "main.py"]
 """The modules held to the rule."""
 
 ENTRY = {"handle", "view"}

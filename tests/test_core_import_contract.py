@@ -1,6 +1,6 @@
 """The control core's import contract (issue 50, item 1): the core is sans-I/O.
 
-The core is ``flodl_exp.control.core`` and every flodl_exp module it can load: its closure is read from source
+The core is ``flodl_exp.core.control_core`` and every flodl_exp module it can load: its closure is read from source
 (``ast``), following every import at any depth, lazy ones inside functions included, since a lazy import runs
 as soon as the core calls that function. A package's ``__init__`` is read at its top level only: importing a
 submodule runs that, not the package's functions (``flodl_exp.launch`` is the public facade, never the core's).
@@ -19,21 +19,21 @@ from pathlib import Path
 
 from conftest import ROOT
 
-FORBIDDEN = ("time", "os", "socket", "select", "threading", "torch", "mlflow", "flodl_exp.wire")
+FORBIDDEN = ("time", "os", "socket", "select", "threading", "torch", "mlflow", "flodl_exp.protocol.wire")
 """What the core may not import: the clock comes from the shell; tensors, files and sockets are behind ports."""
 
-SHELL = ("flodl_exp.wire", "flodl_exp.codec", "flodl_exp.control.wire_outbox", "flodl_exp.control.event_log",
-         "flodl_exp.control.records", "flodl_exp.control.watchdog", "flodl_exp.control.server",
-         "flodl_exp.control.coordinator", "flodl_exp.control.main", "flodl_exp.control.timeline",
-         "flodl_exp.control.disk_bundles", "flodl_exp.control.cpu_averager", "flodl_exp.averaging",
+SHELL = ("flodl_exp.protocol.wire", "flodl_exp.protocol.codec", "flodl_exp.coordinator.wire_outbox", "flodl_exp.coordinator.event_log",
+         "flodl_exp.coordinator.records", "flodl_exp.coordinator.watchdog", "flodl_exp.coordinator.server",
+         "flodl_exp.coordinator.coordinator", "flodl_exp.coordinator.main", "flodl_exp.coordinator.timeline",
+         "flodl_exp.coordinator.disk_bundles", "flodl_exp.torch_averager", "flodl_exp.averaging",
          "flodl_exp.outer", "flodl_exp.checkpoint", "flodl_exp.config_rules", "flodl_exp.package_conf",
          "flodl_exp.scalars", "flodl_exp.tracking", "flodl_exp.fsio", "flodl_exp.jobs", "flodl_exp.rank",
          "flodl_exp.simulate")
-"""Modules of the shell: the core reaches none of them. The payloads (``protocol.py``), the bundle's piece names
+"""Modules of the shell: the core reaches none of them. The payloads (``protocol/messages.py``), the bundle's piece names
 (``bundle_names.py``) and the config's schemas (``config.py``) are the core's; their codec, the files, the
 validation pass that reads the environment, torch's averaging and the outer optimizer are the shell's."""
 
-ROOTS = ("flodl_exp.control.core", "flodl_exp.control.commands")
+ROOTS = ("flodl_exp.core.control_core", "flodl_exp.core.commands")
 
 
 def _source(module: str) -> Path:
@@ -66,7 +66,7 @@ def imports_of(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 base = node.module or ""
-            else:  # from ..wire import Message -> flodl_exp.wire
+            else:  # from ..wire import Message -> flodl_exp.protocol.wire
                 base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names if _source(f"{base}.{a.name}").exists())
@@ -94,7 +94,7 @@ def _hits(names: set[str], prefixes: tuple[str, ...]) -> set[str]:
 
 def test_the_core_imports_no_clock_file_socket_thread_or_tensor() -> None:
     closure = static_closure()
-    assert "flodl_exp.control.cycle" in closure and len(closure) > 30  # the reader saw the core
+    assert "flodl_exp.core.cycle" in closure and len(closure) > 30  # the reader saw the core
     found = {m: sorted(f) for m, names in closure.items() if (f := _hits(names, FORBIDDEN))}
     assert not found, f"the core imports what must come through a port or with its events: {found}"
 
@@ -110,17 +110,17 @@ def test_importing_the_core_loads_no_module_of_the_shell() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.split())
-    assert "flodl_exp.control.core" in loaded
+    assert "flodl_exp.core.control_core" in loaded
     assert not _hits(loaded, SHELL), f"importing the core loads the shell's {sorted(_hits(loaded, SHELL))}"
     assert not _hits(loaded, ("torch", "mlflow", "socket", "select")), "importing the core loads I/O libraries"
 
 
 def test_the_reader_sees_relative_and_lazy_imports() -> None:
     """Guards the contract against passing on a reader that sees nothing."""
-    assert "flodl_exp.wire" in imports_of("flodl_exp.codec")  # from .wire import Message
-    assert "torch" not in imports_of("flodl_exp.protocol")  # only under TYPE_CHECKING
-    assert "torch" in imports_of("flodl_exp.control.cpu_averager")  # inside a method
-    assert "time" in imports_of("flodl_exp.control.coordinator")
-    assert "socket" in imports_of("flodl_exp.wire")
+    assert "flodl_exp.protocol.wire" in imports_of("flodl_exp.protocol.codec")  # from .wire import Message
+    assert "torch" not in imports_of("flodl_exp.protocol.messages")  # only under TYPE_CHECKING
+    assert "torch" in imports_of("flodl_exp.torch_averager")  # inside a method
+    assert "time" in imports_of("flodl_exp.coordinator.coordinator")
+    assert "socket" in imports_of("flodl_exp.protocol.wire")
     assert "flodl_exp.jobs.launcher" not in imports_of("flodl_exp")  # a package's functions are not its top level
-    assert _hits(set(static_closure(("flodl_exp.control.coordinator",))), SHELL)  # the shell's closure has it
+    assert _hits(set(static_closure(("flodl_exp.coordinator.coordinator",))), SHELL)  # the shell's closure has it

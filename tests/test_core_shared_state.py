@@ -1,4 +1,4 @@
-"""State the core's components share, built once from the config: the run's epoch count (control/epoch_plan.py: a
+"""State the core's components share, built once from the config: the run's epoch count (core/epoch_plan.py: a
 stop lowers it once and every component reads it) and srun's --kill-on-bad-exit (read by the core, not set on it)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from flodl_exp.control.epoch_plan import EpochPlan
+from flodl_exp.core.epoch_plan import EpochPlan
 
 
 def test_a_stop_only_lowers_the_plan():
@@ -36,10 +36,10 @@ def test_every_component_of_the_core_reads_the_one_plan():
 
 
 def test_the_core_reads_srun_kill_on_bad_exit_from_the_config():
-    """It used to be set on the built core from control/main.py, so a core rebuilt by mode=auto lost it."""
+    """It used to be set on the built core from coordinator/main.py, so a core rebuilt by mode=auto lost it."""
     from test_control_core import Bare, FakeClock, cfg_of
 
-    from flodl_exp.control.preemption import kills_on_bad_exit
+    from flodl_exp.core.preemption import kills_on_bad_exit
 
     plain = cfg_of("cpu_cadence", 2)
     srun: dict[str, Any] = {"cluster.executor": "slurm", "cluster.slurm.srun_args": ["-K1"]}

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flodl_exp.control.cycle import AveragingCycle, Ledger
-from flodl_exp.control.guards import build_guard
-from flodl_exp.mode import Mode
-from flodl_exp.protocol import Throttle
+from flodl_exp.core.cycle import AveragingCycle, Ledger
+from flodl_exp.policy.guards import build_guard
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.messages import Throttle
 
 
 class _Out:

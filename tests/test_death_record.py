@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from flodl_exp.jobs.rendezvous import DEATH_RECORD_SCHEMA, death_record_path, write_death_record
+from flodl_exp.rendezvous import DEATH_RECORD_SCHEMA, death_record_path, write_death_record
 
 
 def test_the_record_names_the_rank_its_error_and_when(tmp_path: Path) -> None:

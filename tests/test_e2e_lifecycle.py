@@ -69,7 +69,7 @@ def _hostile_peers(h) -> None:
     rdv = json.loads(open(rdv_path).read())
     assert oct(os.stat(rdv_path).st_mode & 0o777) == "0o600"
     _wait_for(lambda: any(e.get("event") == "started" for e in h.poll_events() + h.events), what="run start")
-    from flodl_exp import wire
+    from flodl_exp.protocol import wire
 
     # 1. random bytes: the server speaks first (a challenge frame), then drops us on the garbage
     s = socket.create_connection((rdv["host"], rdv["port"]), timeout=5)

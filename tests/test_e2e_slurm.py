@@ -71,7 +71,7 @@ def test_coordinator_address_and_stale_rendezvous(tmp_path, monkeypatch):
 
     from flodl_exp.config import load_cluster
     from flodl_exp.jobs.job import coordinator_host
-    from flodl_exp.jobs.rendezvous import RendezvousTimeout, incarnation, wait_rendezvous, write_rendezvous
+    from flodl_exp.rendezvous import RendezvousTimeout, incarnation, wait_rendezvous, write_rendezvous
 
     assert coordinator_host(load_cluster({"executor": "slurm", "nodes": 1, "host": None})) == socket.gethostname()
     assert coordinator_host(load_cluster({"executor": "slurm", "nodes": 1, "host": "10.1.2.3"})) == "10.1.2.3"

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from flodl_exp.control.actions import STABLE, SUPPRESS_GROWTH, nudge_down
-from flodl_exp.control.elche import (
+from flodl_exp.policy.actions import STABLE, SUPPRESS_GROWTH, nudge_down
+from flodl_exp.policy.elche import (
     GROWTH_REARM_STABLE,
     MAX_SPEED_RATIO,
     ElChe,

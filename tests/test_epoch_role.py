@@ -9,9 +9,9 @@ from typing import Any
 from control_fakes import Harness
 from rank_fakes import rank_control
 
-from flodl_exp.control.cohort import Cohort
-from flodl_exp.hello import Hello
-from flodl_exp.protocol import EpochAggregated, EpochFnResult, SetEpochRole
+from flodl_exp.core.cohort import Cohort
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import EpochAggregated, EpochFnResult, SetEpochRole
 
 
 def _rank(fn, rank: int = 1):

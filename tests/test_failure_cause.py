@@ -141,7 +141,7 @@ def test_a_ranks_record_gains_the_users_terms(tmp_path: Path, monkeypatch: pytes
     """The rank's task adds the user's error, frame and traceback file to the death record it wrote, or writes one
     (phase ``task``) when it had none; the launcher reads this attempt's records."""
     from flodl_exp.jobs.job import keep_rank_traceback
-    from flodl_exp.jobs.rendezvous import death_record_path, read_death_records, write_death_record
+    from flodl_exp.rendezvous import death_record_path, read_death_records, write_death_record
 
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     ns = _user_module(tmp_path, "my_model", USER)

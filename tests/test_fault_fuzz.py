@@ -16,8 +16,8 @@ from typing import Any, Optional
 import pytest
 from control_fakes import BATCH, Harness
 
-from flodl_exp import protocol
-from flodl_exp.control.lifecycle import Status
+from flodl_exp.core.lifecycle import Status
+from flodl_exp.protocol import messages as protocol
 
 MODES = ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
 SEEDS = 25

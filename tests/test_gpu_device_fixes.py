@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flodl_exp.control.devices import CollectiveRefused, RankDevice, arch_runs_on, choose_collective
-from flodl_exp.hello import Hello
-from flodl_exp.jobs.executor import NODE_DEVICES_ENV, VISIBLE, restore_visible_devices
+from flodl_exp.constants import NODE_DEVICES_ENV
+from flodl_exp.devices import CollectiveRefused, RankDevice, arch_runs_on, choose_collective
+from flodl_exp.jobs.executor import VISIBLE, restore_visible_devices
+from flodl_exp.protocol.hello import Hello
 from flodl_exp.rank import worker
 from flodl_exp.rank.data.budget import ranks_sharing_device
 

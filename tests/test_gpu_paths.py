@@ -18,11 +18,11 @@ from rank_fakes import rank_control
 
 from flodl_exp.config import ConfigError
 from flodl_exp.config_rules import validate
-from flodl_exp.control.devices import CollectiveRefused, RankDevice, choose_collective, shared_devices
-from flodl_exp.control.lifecycle import RunFailure
-from flodl_exp.hello import Hello
+from flodl_exp.core.lifecycle import RunFailure
+from flodl_exp.devices import CollectiveRefused, RankDevice, choose_collective, shared_devices
 from flodl_exp.jobs.executor import restore_visible_devices
-from flodl_exp.protocol import (
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import (
     CoordHeartbeat,
     EvalResult,
     ExecuteEval,

@@ -22,10 +22,10 @@ import torch
 from rank_fakes import DIGITS_MLP, spy_clip_norms
 
 from flodl_exp import experiment as experiment_mod
-from flodl_exp.codec import encode
 from flodl_exp.experiment import Experiment, build_experiment, rank_seed
 from flodl_exp.outer import OuterOptimizer, OuterSpec
-from flodl_exp.protocol import CoordHeartbeat, EvalResult, ExecuteEval, Regroup, SyncNow
+from flodl_exp.protocol.codec import encode
+from flodl_exp.protocol.messages import CoordHeartbeat, EvalResult, ExecuteEval, Regroup, SyncNow
 from flodl_exp.rank import backends
 from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, nccl_environment
 from flodl_exp.rank.control import RankControl
@@ -207,7 +207,7 @@ def test_the_outer_state_exists_before_the_first_sync():
 
 
 def test_the_group_allocates_the_syncs_buffers_when_it_forms():
-    from flodl_exp.protocol import FormGroup
+    from flodl_exp.protocol.messages import FormGroup
 
     prepared: list[Any] = []
     collective = SimpleNamespace(prepare=prepared.append)
@@ -447,7 +447,7 @@ def test_a_cpu_replica_adopts_the_consensus_as_before():
     model = _linear()
     want = [torch.full_like(p, 0.5) for p in model.parameters()]
     bufs = [torch.full_like(b, 2.0) for b in model.buffers() if b.is_floating_point()]
-    from flodl_exp.protocol import Update
+    from flodl_exp.protocol.messages import Update
 
     tensors = {f"p{i}": t for i, t in enumerate(want)} | {f"b{j}": t for j, t in enumerate(bufs)}
     CoordinatorBackend().adopt_update(model, Update(n=1, tensors=tensors), None)

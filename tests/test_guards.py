@@ -6,8 +6,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from flodl_exp.control.actions import STABLE, SUPPRESS_GROWTH, nudge_down
-from flodl_exp.control.guards import (
+from flodl_exp.policy.actions import STABLE, SUPPRESS_GROWTH, nudge_down
+from flodl_exp.policy.guards import (
     DivergenceReport,
     LambdaEstimator,
     MsfGuard,

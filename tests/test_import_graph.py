@@ -4,7 +4,7 @@ naming the circle, edge by edge, with the line of each import.
 What counts as an edge ``a -> b``: every import of a flodl_exp module ``b`` written in ``a``:
 * at module level (including under ``try``/``if`` at module level);
 * under ``if TYPE_CHECKING:``: it never runs, but ``a``'s annotations still name ``b``; a circle kept
-  only for annotations is broken with a small Protocol on the reading side (see control/records.py);
+  only for annotations is broken with a small Protocol on the reading side (see coordinator/records.py);
 * inside a function (a lazy import): it cannot fail at import time, but two modules that need each
   other are one module in two files all the same; lazy imports exist here to keep torch and MLflow
   off the CLI's import, not to hide a circle.
@@ -166,10 +166,10 @@ def test_the_parser_sees_every_kind_of_import():
     """Guards the test above against passing on an empty graph."""
     graph = import_graph()
     assert len(graph) > 50
-    assert graph["flodl_exp.control.event_log"]["flodl_exp.control.records"].kind == "module"
+    assert graph["flodl_exp.coordinator.event_log"]["flodl_exp.coordinator.records"].kind == "module"
     assert graph["flodl_exp"]["flodl_exp.jobs.launcher"].kind == "type_checking"  # first seen under TYPE_CHECKING
     assert graph["flodl_exp.checkpoint"]["flodl_exp.config"].kind == "local"  # validate_resume's lazy import
-    assert graph["flodl_exp.control.records"]["flodl_exp.fsio"].kind == "module"  # from ..fsio import name
+    assert graph["flodl_exp.coordinator.records"]["flodl_exp.fsio"].kind == "module"  # from ..fsio import name
 
 
 def test_a_circle_is_named_edge_by_edge():

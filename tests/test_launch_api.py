@@ -37,7 +37,7 @@ def _import_every_submodule() -> list[str]:
 
 def test_launch_twice_in_one_process_after_importing_every_submodule(store):
     names = _import_every_submodule()
-    assert {"flodl_exp.jobs.launcher", "flodl_exp.control.coordinator", "flodl_exp.rank.worker"} <= set(names)
+    assert {"flodl_exp.jobs.launcher", "flodl_exp.coordinator.coordinator", "flodl_exp.rank.worker"} <= set(names)
     # No submodule import may shadow the public function (e.g. a flodl_exp.launch module bound on the package).
     assert inspect.isfunction(flodl_exp.launch), type(flodl_exp.launch)
     cfg = compose([*base_overrides(store, "launch_api"), "experiment=digits_logistic", "cluster.ranks_per_node=1",

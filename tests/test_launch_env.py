@@ -132,7 +132,7 @@ def test_the_job_is_submitted_before_the_run_is_created_and_its_id_follows_in_th
     assert order == ["submit", "create_run"]
     assert h.run_id == "run0123456789"
     # the submitted spec has no run id yet; the launcher published it beside it, where the tasks read it
-    from flodl_exp.jobs.spec import JobSpec, read_run_id
+    from flodl_exp.job_spec import JobSpec, read_run_id
 
     spec = JobSpec.load(os.path.join(h.job_dir, "spec.json"))
     assert spec.run_id == "" and read_run_id(h.job_dir) == "run0123456789"
@@ -145,7 +145,7 @@ def test_the_job_is_submitted_before_the_run_is_created_and_its_id_follows_in_th
 
 
 def test_a_run_that_cannot_be_created_after_the_submission_cancels_the_job_and_says_why(fakes, tmp_path, monkeypatch):
-    from flodl_exp.jobs.spec import JobSpec, RunIdMissing
+    from flodl_exp.job_spec import JobSpec, RunIdMissing
 
     def create_run(*a: Any, **k: Any) -> str:
         raise RuntimeError("the store is read-only")
@@ -163,7 +163,7 @@ def test_a_run_that_cannot_be_created_after_the_submission_cancels_the_job_and_s
 def test_a_spec_without_a_run_id_waits_for_the_launchers(tmp_path):
     import threading
 
-    from flodl_exp.jobs.spec import JobSpec, RunIdMissing, publish_run_id
+    from flodl_exp.job_spec import JobSpec, RunIdMissing, publish_run_id
 
     spec = JobSpec(config={"seed": 0}, run_id="", tracking_uri="sqlite:///x.db", job_dir=str(tmp_path),
                    checkpoint_stem=str(tmp_path / "final"), shuffle_seed=0)

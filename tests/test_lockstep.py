@@ -20,7 +20,7 @@ from control_fakes import FakeClock
 from rank_fakes import rank_control
 from test_control_core import Bare, Ranks, cfg_of, coverage_is_exact, play, sent
 
-from flodl_exp.protocol import Batch, Lockstep, Payload, SyncAck, SyncNow
+from flodl_exp.protocol.messages import Batch, Lockstep, Payload, SyncAck, SyncNow
 from flodl_exp.rank.backends import lockstep_aligned
 
 # -- the rank's side ------------------------------------------------------------------------------------------------

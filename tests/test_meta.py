@@ -5,8 +5,8 @@ import enum
 
 import pytest
 
-from flodl_exp.control.actions import STABLE, SUPPRESS_GROWTH, nudge_down
-from flodl_exp.control.meta import LrEventMeta, LrEventMetaConfig
+from flodl_exp.policy.actions import STABLE, SUPPRESS_GROWTH, nudge_down
+from flodl_exp.policy.meta import LrEventMeta, LrEventMetaConfig
 
 NUDGE = nudge_down(0.5)
 
@@ -197,7 +197,7 @@ def test_config_validation():
 
 
 def test_accepts_elche_phase_enum():
-    from flodl_exp.control.elche import Phase as ElChePhase
+    from flodl_exp.policy.elche import Phase as ElChePhase
 
     m = LrEventMeta()
     assert m.observe(0.1, 100, NUDGE, ElChePhase.PROBE) is None

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from flodl_exp.bundle_meta import BundleMeta, Resume
-from flodl_exp.control.cpu_averager import TorchAverager
-from flodl_exp.control.cycle import AveragingCycle
-from flodl_exp.control.epoch_metrics import EpochAccumulator
-from flodl_exp.control.guards import build_guard
-from flodl_exp.mode import Mode
+from flodl_exp.core.cycle import AveragingCycle
+from flodl_exp.core.epoch_metrics import EpochAccumulator
 from flodl_exp.outer import OuterOptimizer, OuterSpec
-from flodl_exp.protocol import Snapshot, Update
+from flodl_exp.policy.guards import build_guard
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.messages import Snapshot, Update
+from flodl_exp.torch_averager import TorchAverager
 
 from conftest import run_spawned
 
@@ -329,8 +329,8 @@ def test_a_stateful_outer_optimizer_puts_its_sidecar_in_the_bundle(tmp_path, mod
     from control_fakes import Harness
 
     from flodl_exp import checkpoint as ck
-    from flodl_exp.control.lifecycle import Status
-    from flodl_exp.protocol import EvalResult, SaveResult
+    from flodl_exp.core.lifecycle import Status
+    from flodl_exp.protocol.messages import EvalResult, SaveResult
 
     slowmo: dict[str, Any] = {"outer.kind": "slowmo"}
     h = Harness(tmp_path, mode, world=2, epochs=1, **slowmo)

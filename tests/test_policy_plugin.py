@@ -16,11 +16,11 @@ from control_fakes import FakeClock
 from test_control_core import BATCH, AsCoordinator, AsSimulator, Bare, Ranks, _final_eval_asked, play
 
 from flodl_exp.config import ConfigError, is_progressive
-from flodl_exp.control.lifecycle import Phase
-from flodl_exp.mode import Backend, Mode, known_modes
+from flodl_exp.core.lifecycle import Phase
 from flodl_exp.policy.base import AveragingPolicy
+from flodl_exp.policy.mode import Backend, Mode, known_modes
 from flodl_exp.policy.registry import policy_names, register_policy, unregister_policy
-from flodl_exp.protocol import Snapshot
+from flodl_exp.protocol.messages import Snapshot
 from flodl_exp.simulate.engine import simulate
 from flodl_exp.simulate.report import summarize
 from flodl_exp.simulate.topology import LinkConfig, RankGroupConfig, SimulateConfig, run_config

@@ -8,10 +8,10 @@ import pytest
 import torch
 from control_fakes import Harness
 
-from flodl_exp import wire
-from flodl_exp.codec import encode
-from flodl_exp.control.cohort import ProgressWatch
-from flodl_exp.protocol import Evict, Heartbeat
+from flodl_exp.core.cohort import ProgressWatch
+from flodl_exp.protocol import wire
+from flodl_exp.protocol.codec import encode
+from flodl_exp.protocol.messages import Evict, Heartbeat
 from flodl_exp.rank import fault_inject
 from flodl_exp.rank.backends import CoordinatorBackend, snapshot_nbytes
 
@@ -97,7 +97,7 @@ def test_the_frame_ceiling_covers_a_snapshot_with_large_float_buffers():
 
 
 def test_heartbeats_without_state_still_decode():
-    from flodl_exp.codec import decode
+    from flodl_exp.protocol.codec import decode
 
     assert decode(encode(Heartbeat())) == Heartbeat()
     assert decode(encode(Evict(reason="x"))) == Evict(reason="x")

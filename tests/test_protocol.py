@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from flodl_exp import codec, wire
-from flodl_exp.codec import decode, encode
-from flodl_exp.protocol import (
+from flodl_exp.protocol import codec, wire
+from flodl_exp.protocol.codec import decode, encode
+from flodl_exp.protocol.messages import (
     PAYLOADS,
     Batch,
     ChunkMetrics,
@@ -81,8 +81,8 @@ def test_every_payload_round_trips_through_a_frame(kind):
 
 
 def test_a_bundle_holds_several_messages_and_refuses_what_it_cannot_hold():
-    from flodl_exp.codec import BUNDLE, bundle, decode, unbundle
-    from flodl_exp.protocol import ProtocolError, SetGlobalStep, StartEpoch, Update
+    from flodl_exp.protocol.codec import BUNDLE, bundle, decode, unbundle
+    from flodl_exp.protocol.messages import ProtocolError, SetGlobalStep, StartEpoch, Update
 
     t = {"p0": torch.ones(2)}
     frame = wire.decode(wire.encode(bundle([Update(n=1, tensors=t), SetGlobalStep(global_step=3)])), 1 << 20)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from rank_fakes import Sent, rank_control
 
-from flodl_exp.codec import encode
-from flodl_exp.protocol import CoordHeartbeat, Save, SaveResult, Shutdown, StartEpoch, Update
+from flodl_exp.protocol.codec import encode
+from flodl_exp.protocol.messages import CoordHeartbeat, Save, SaveResult, Shutdown, StartEpoch, Update
+from flodl_exp.protocol.wire import Message
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.inbox import ControlInbox, CoordinatorLost
-from flodl_exp.wire import Message
 
 
 def _control(steps_since_avg: int) -> tuple[RankControl, Sent]:
@@ -78,8 +78,8 @@ def test_the_inbox_hands_out_deferred_work_first_and_drops_what_it_cannot_read()
 
 def test_a_bundle_frame_hands_out_its_messages_in_order_before_the_next_frame():
     """The cpu reduce's flush sends a rank's update and what follows it in one frame (codec.bundle)."""
-    from flodl_exp.codec import bundle
-    from flodl_exp.protocol import SetGlobalStep, StageAdvisory, Update
+    from flodl_exp.protocol.codec import bundle
+    from flodl_exp.protocol.messages import SetGlobalStep, StageAdvisory, Update
 
     inbox = ControlInbox(coord_timeout=30.0)
     consensus = {"p0": torch.arange(3.0)}

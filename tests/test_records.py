@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import os
 
-from flodl_exp.control.epoch_metrics import EpochAccumulator
-from flodl_exp.control.records import RecordLog, RingLog, WindowReporter
-from flodl_exp.protocol import ChunkMetrics
+from flodl_exp.coordinator.records import RecordLog, RingLog, WindowReporter
+from flodl_exp.core.epoch_metrics import EpochAccumulator
+from flodl_exp.protocol.messages import ChunkMetrics
 
 
 def test_window_reporter_fires_once_per_slice_and_flushes_the_rest():

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from flodl_exp import journal_sink, tracking
-from flodl_exp.jobs.spec import JobSpec, publish_run_id
+from flodl_exp.job_spec import JobSpec, publish_run_id
 from flodl_exp.journal_sink import JournalSink, relayed_by_launcher
 from flodl_exp.records_journal import JOURNAL_FILE, LEASE_FILE, TAKEN_FILE, read_lease, read_lines
 from flodl_exp.records_relay import RecordsRelay

@@ -12,10 +12,10 @@ import pytest
 from control_fakes import FakeClock
 from test_control_core import AsCoordinator, Bare, Ranks, cfg_of, play, sent
 
-from flodl_exp.codec import decode, encode
-from flodl_exp.control.report_pace import flush_index, pace_enabled
-from flodl_exp.mode import Mode
-from flodl_exp.protocol import Batch, Batches, ChunkMetrics, Heartbeat, Payload, ReportPace
+from flodl_exp.core.report_pace import flush_index, pace_enabled
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.codec import decode, encode
+from flodl_exp.protocol.messages import Batch, Batches, ChunkMetrics, Heartbeat, Payload, ReportPace
 from flodl_exp.rank.report_pacer import MAX_HELD, BatchReportPacer
 
 

@@ -15,14 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flodl_exp import wire
-from flodl_exp.codec import encode
-from flodl_exp.control.server import MAX_HANDSHAKES, RankServer
-from flodl_exp.hello import Hello
+from flodl_exp.coordinator.server import MAX_HANDSHAKES, RankServer
 from flodl_exp.jobs.collective_store import start_store
-from flodl_exp.protocol import CoordHeartbeat, RankError
+from flodl_exp.protocol import wire
+from flodl_exp.protocol.codec import encode
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import CoordHeartbeat, RankError
+from flodl_exp.protocol.wire import Message
 from flodl_exp.store_names import group_prefix, is_loopback_host, loopback_ifname, pin_gloo_to_loopback
-from flodl_exp.wire import Message
 
 pytestmark = pytest.mark.timeout(60)
 HOST = "127.0.0.1"

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flodl_exp.experiment import ExperimentSetupError, build_experiment, root_cause
+from flodl_exp.job_spec import JobSpec
 from flodl_exp.jobs.job import RankSetupFailed, _setup_failed, setup_error_path
-from flodl_exp.jobs.rendezvous import death_record_path, setup_failure, write_death_record
-from flodl_exp.jobs.spec import JobSpec
+from flodl_exp.rendezvous import death_record_path, setup_failure, write_death_record
 
 CPU = torch.device("cpu")
 LINEAR = {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 1}

@@ -15,7 +15,7 @@ import pytest
 
 from flodl_exp import tracking
 from flodl_exp.background import BACKGROUND_NICE
-from flodl_exp.jobs.spec import publish_run_id
+from flodl_exp.job_spec import publish_run_id
 from flodl_exp.sink_process import ProcessSink
 
 

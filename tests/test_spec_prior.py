@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 from control_fakes import SAMPLES, Harness
 
-from flodl_exp.control.devices import RankDevice, device_score, spec_prior_anchor
-from flodl_exp.hello import Hello
+from flodl_exp.devices import RankDevice, device_score, spec_prior_anchor
+from flodl_exp.protocol.hello import Hello
 
 GiB = 2**30
 

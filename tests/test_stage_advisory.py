@@ -8,10 +8,10 @@ import numpy as np
 from control_fakes import Harness
 from test_data_plane import Synth, drain, make_trainer
 
-from flodl_exp.control.chunk_pool import ChunkPool, stage_advisory
-from flodl_exp.hello import Hello
+from flodl_exp.core.chunk_pool import ChunkPool, stage_advisory
 from flodl_exp.partition import make_partition
-from flodl_exp.protocol import StageAdvisory
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import StageAdvisory
 from flodl_exp.rank.data.cache import SampleCache
 
 
@@ -95,7 +95,7 @@ def test_the_schedule_rides_an_advisory_only_when_it_changed_since_the_ranks_las
 def test_an_advisory_names_at_most_eight_peers_the_largest_residues() -> None:
     """At a thousand ranks an advisory naming every peer was O(W) each, O(W^2) a round: it names the
     ADVISORY_DONORS largest residues (what take_chunk steals from first); up to 9 ranks, every peer as before."""
-    from flodl_exp.control.chunk_pool import ADVISORY_DONORS, ChunkPool, advisory_donors, stage_advisory
+    from flodl_exp.core.chunk_pool import ADVISORY_DONORS, ChunkPool, advisory_donors, stage_advisory
 
     w = 20
     pool = ChunkPool(0, 8 * 400, 8, [1] * w)

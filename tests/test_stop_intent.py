@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from test_control_core import Bare, FakeClock, Ranks, cfg_of, emitted, play
 
-from flodl_exp.control.lifecycle import Status
-from flodl_exp.protocol import ExecuteEval, Intent, StartEpoch
+from flodl_exp.core.lifecycle import Status
+from flodl_exp.protocol.messages import ExecuteEval, Intent, StartEpoch
 
 EPOCHS = 6
 

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
+from flodl_exp.protocol.wire import Message
 from flodl_exp.rank import telemetry as T
-from flodl_exp.wire import Message
 
 from conftest import base_overrides, run_cli, run_id_of, wait_for
 

@@ -1,4 +1,4 @@
-"""Per-rank timelines (control/timeline.py, timeline_report.py): spans from a scripted sequence on a fake
+"""Per-rank timelines (coordinator/timeline.py, timeline_report.py): spans from a scripted sequence on a fake
 clock, the bound, the idle classification rule, the three files, and the coordinator feeding its recorder."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import pytest
 from control_fakes import FakeClock, Harness
 
-from flodl_exp.control.lifecycle import Phase
-from flodl_exp.control.timeline import CAUSES, TimelineRecorder
+from flodl_exp.coordinator.timeline import CAUSES, TimelineRecorder
+from flodl_exp.core.lifecycle import Phase
 from flodl_exp.dashboard import render_dashboard
 from flodl_exp.timeline_report import FILES, read_csv, render_html, timeline_data, write_timeline
 

@@ -23,9 +23,11 @@ _SCRIPT = textwrap.dedent("""
     blocker = _NoTorch()
     sys.meta_path.insert(0, blocker)
 
-    import flodl_exp.control.main, flodl_exp.control.coordinator, flodl_exp.control.server
+    import flodl_exp.coordinator.main, flodl_exp.coordinator.coordinator, flodl_exp.coordinator.server
     import flodl_exp.jobs.collective_store, flodl_exp.checkpoint
-    from flodl_exp import codec, protocol, wire
+    from flodl_exp.protocol import codec
+    from flodl_exp.protocol import messages as protocol
+    from flodl_exp.protocol import wire
     msg = wire.decode(wire.encode(codec.encode(protocol.SyncNow(version=3, divergence=True))), 1 << 20)
     assert codec.decode(msg) == protocol.SyncNow(version=3, divergence=True)
     print("control frame", "torch" in sys.modules)
@@ -44,7 +46,7 @@ _SCRIPT = textwrap.dedent("""
 def _tensor_frame() -> bytes:
     import torch
 
-    from flodl_exp import wire
+    from flodl_exp.protocol import wire
 
     return wire.encode(wire.Message("snapshot", {"n": 1}, {"p0": torch.tensor([1.5, -2.0])}))
 

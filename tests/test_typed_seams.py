@@ -13,13 +13,13 @@ from control_fakes import SAMPLES, FakeSink, FakeTransport, Harness, make_config
 
 from flodl_exp import checkpoint as ck
 from flodl_exp.bundle_meta import META_SCHEMA_VERSION, BundleMeta, MetaCoverage, Resume
-from flodl_exp.control.coordinator import Coordinator
-from flodl_exp.control.devices import RankDevice
-from flodl_exp.control.lifecycle import Status
-from flodl_exp.hello import Hello, HelloError
-from flodl_exp.jobs.spec import JobSpec
+from flodl_exp.coordinator.coordinator import Coordinator
+from flodl_exp.core.lifecycle import Status
+from flodl_exp.devices import RankDevice
+from flodl_exp.job_spec import JobSpec
 from flodl_exp.json_fields import FieldError
-from flodl_exp.protocol import EvalResult, SaveResult
+from flodl_exp.protocol.hello import Hello, HelloError
+from flodl_exp.protocol.messages import EvalResult, SaveResult
 
 
 def _json(d: Any) -> Any:
@@ -165,7 +165,7 @@ def test_the_meta_round_trips():
 
 
 def test_the_writers_meta_reads_back_as_written_and_resumes_a_coordinator(tmp_path):
-    """The bundle writer's BundleMeta (control/checkpoints.py, through checkpoint.write_meta) is what load_meta reads;
+    """The bundle writer's BundleMeta (core/checkpoints.py, through checkpoint.write_meta) is what load_meta reads;
     a coordinator built on a spec resuming from it restores its counters."""
     h = Harness(tmp_path, "cpu_sync", world=2, epochs=1)
     stem = h.co.core.writer.stem

@@ -9,10 +9,10 @@ import torch
 from control_fakes import BATCH, Harness
 from rank_fakes import rank_control
 
-from flodl_exp.codec import decode, unbundle
-from flodl_exp.control.wire_outbox import WireOutbox as Outbox
-from flodl_exp.protocol import ExtendPartition, Payload, RequestParams, Save, SetGlobalStep, StartEpoch, Update
-from flodl_exp.wire import Message
+from flodl_exp.coordinator.wire_outbox import WireOutbox as Outbox
+from flodl_exp.protocol.codec import decode, unbundle
+from flodl_exp.protocol.messages import ExtendPartition, Payload, RequestParams, Save, SetGlobalStep, StartEpoch, Update
+from flodl_exp.protocol.wire import Message
 
 
 class _Transport:

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from flodl_exp import wire
-from flodl_exp.wire import (
+from flodl_exp.protocol import wire
+from flodl_exp.protocol.wire import (
     HANDSHAKE_MAX_FRAME,
     AuthError,
     Connection,

@@ -1,8 +1,8 @@
 """Property-based fuzzing of the wire and the protocol (issue 26).
 
-Whatever bytes or values arrive, the only failures are :class:`~flodl_exp.wire.WireError` (and its
-subclass :class:`~flodl_exp.protocol.ProtocolError`), nothing hangs, a frame costs no more memory before
-its MAC than :func:`~flodl_exp.wire.recv_allocation_bound` allows, and whatever decodes re-encodes to
+Whatever bytes or values arrive, the only failures are :class:`~flodl_exp.protocol.wire.WireError` (and its
+subclass :class:`~flodl_exp.protocol.messages.ProtocolError`), nothing hangs, a frame costs no more memory before
+its MAC than :func:`~flodl_exp.protocol.wire.recv_allocation_bound` allows, and whatever decodes re-encodes to
 itself. Seeded (``derandomize``) and bounded, so it runs in ``make test-fast`` and fails the same way twice.
 """
 from __future__ import annotations
@@ -24,9 +24,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flodl_exp import codec, protocol, wire
-from flodl_exp.protocol import PAYLOADS, Len, Num, ProtocolError
-from flodl_exp.wire import Connection, Message, WireError
+from flodl_exp.protocol import codec, wire
+from flodl_exp.protocol import messages as protocol
+from flodl_exp.protocol.messages import PAYLOADS, Len, Num, ProtocolError
+from flodl_exp.protocol.wire import Connection, Message, WireError
 
 MiB = 2**20
 CEILING = 4 * MiB
@@ -340,7 +341,7 @@ def valid_values(hint: typing.Any) -> st.SearchStrategy[typing.Any]:
 
 def _payload_strategy(cls: type) -> st.SearchStrategy[typing.Any]:
     """Valid payloads of ``cls``: every required field, each optional one or not. Built once per class.
-    :class:`~flodl_exp.protocol.Batches` holds one invariant the hints do not say: its columns are one length."""
+    :class:`~flodl_exp.protocol.messages.Batches` holds one invariant the hints do not say: its columns are one length."""
     hints = typing.get_type_hints(cls, include_extras=True)
     if cls is protocol.Batches:
         def columns(n: int) -> st.SearchStrategy[typing.Any]:

@@ -100,7 +100,7 @@ def make_row(tags: dict[str, str], status: str, history: dict[str, list[tuple[in
         row.anchors = (anchors_from_log(coordinator_log, first) if coordinator_log is not None
                        else [v for _, v in history["anchor"]])
         p = params or {}
-        # The coordinator throttles only on the cpu backend with mode.max_batch_diff set (control/cycle.py);
+        # The coordinator throttles only on the cpu backend with mode.max_batch_diff set (core/cycle.py);
         # otherwise there are none by construction. With it set, the count is not recorded: unknown.
         row.throttles = 0 if p.get("mode.backend") != "cpu" or p.get("mode.max_batch_diff") in (None, "None") else None
     if timeline is not None:

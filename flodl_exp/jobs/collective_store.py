@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from flodl_exp.config import ClusterConfig, cluster_size
-from flodl_exp.mode import Mode
-from flodl_exp.wire import listen
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.wire import listen
 
 
 @dataclass

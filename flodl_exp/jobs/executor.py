@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any, Optional
 
+from flodl_exp.constants import NODE_DEVICES_ENV
+
 MAX_REQUEUES = 3
 """How many time-limit requeues a job may take (submitit's ``max_num_timeout``)."""
 
@@ -55,9 +57,6 @@ def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
 
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
-NODE_DEVICES_ENV = "FLODL_NODE_DEVICES"
-"""Set by :func:`restore_visible_devices` when it gave each local task one MIG slice: how many slices the node's
-ranks are spread over (rank/data/budget.ranks_sharing_device counts the ranks on this task's slice from it)."""
 
 
 def restore_visible_devices(executor: str, saved: Optional[str], env: MutableMapping[str, str], local_rank: int = 0) -> None:

@@ -46,9 +46,9 @@ import submitit
 
 from flodl_exp.config import ClusterConfig, load_cluster
 from flodl_exp.constants import COORDINATOR_LOG, FAULT_ENV, JOB_DIR_ENV, LOST_GRACE_S, PREEMPT_EXIT, PREEMPT_MARK, RANK_ENV
+from flodl_exp.job_spec import JobSpec
 from flodl_exp.jobs.collective_store import bind_store_socket, needs_store, serve_store
 from flodl_exp.jobs.executor import restore_visible_devices
-from flodl_exp.jobs.spec import JobSpec
 
 PREEMPT_WAIT_S = 120.0
 """How long task 0 waits for the coordinator's preemption bundle before giving up."""
@@ -180,7 +180,7 @@ def spawn_coordinator(spec_path: str, host: str, store_port: Optional[int] = Non
     job_dir = os.path.dirname(os.path.abspath(spec_path))
     log_fh = open(os.path.join(job_dir, COORDINATOR_LOG), "ab")
     store_arg = [] if store_port is None else [str(store_port)]
-    return subprocess.Popen([sys.executable, "-m", "flodl_exp.control.main", spec_path, host, *store_arg],
+    return subprocess.Popen([sys.executable, "-m", "flodl_exp.coordinator.main", spec_path, host, *store_arg],
                             stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
 
 
@@ -226,7 +226,7 @@ def fail_run_if_running(tracking_uri: str, run_id: str, error: str, tags: Option
 def _fail_run(spec: JobSpec, error: str, tags: Optional[dict[str, Any]] = None) -> None:
     """:func:`fail_run_if_running` on the spec's run, its id read from the job folder where the submitted spec has
     none yet (the launcher creates the run after submitting: :meth:`JobSpec.with_run_id`)."""
-    from flodl_exp.jobs.spec import RunIdMissing
+    from flodl_exp.job_spec import RunIdMissing
 
     try:
         spec = spec.with_run_id(RUN_ID_FAIL_WAIT_S)
@@ -459,7 +459,7 @@ class RunTask(submitit.helpers.Checkpointable):
         from flodl_exp.bundle_meta import Resume
         from flodl_exp.checkpoint import check_pieces, load_meta
         from flodl_exp.fsio import atomic_json
-        from flodl_exp.jobs.spec import RunIdMissing
+        from flodl_exp.job_spec import RunIdMissing
 
         spec: JobSpec = live["spec"]
         job_dir, attempt = live["job_dir"], live["attempt"]
@@ -543,8 +543,8 @@ def submitit_succeeded(result_pickle: str, returned_at: float) -> bool:
 
 def _run_rank(spec: JobSpec, rank: int, local_rank: int, job_dir: str, attempt: int,
               coord_dead: Optional[Callable[[], Optional[str]]]) -> dict:
-    from flodl_exp.jobs.rendezvous import wait_rendezvous, write_rank_marker
     from flodl_exp.rank.fault_inject import CONNECT_STEP, inject_fault, parse_fault
+    from flodl_exp.rendezvous import wait_rendezvous, write_rank_marker
 
     write_rank_marker(job_dir, rank, attempt)
     os.environ[RANK_ENV], os.environ[JOB_DIR_ENV] = str(rank), job_dir  # for user code (experiment.checkpoint_fn)
@@ -596,7 +596,7 @@ def _setup_failed(spec: JobSpec, rank: int, job_dir: str, attempt: int, e: BaseE
 
     from flodl_exp.experiment import ExperimentSetupError, root_cause
     from flodl_exp.fsio import atomic_text
-    from flodl_exp.jobs.rendezvous import write_death_record
+    from flodl_exp.rendezvous import write_death_record
 
     what = str(e) if isinstance(e, ExperimentSetupError) else root_cause(e)
     cause = e.cause if isinstance(e, ExperimentSetupError) else e
@@ -623,7 +623,7 @@ def keep_rank_traceback(job_dir: str, rank: int, attempt: int, e: BaseException)
 
     from flodl_exp.failure_cause import user_error
     from flodl_exp.fsio import atomic_text
-    from flodl_exp.jobs.rendezvous import note_user_error, rank_traceback_path
+    from flodl_exp.rendezvous import note_user_error, rank_traceback_path
 
     try:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))

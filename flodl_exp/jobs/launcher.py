@@ -189,7 +189,7 @@ def kill_tree(root: int) -> set[int]:
 
 def _alive(pid: int) -> bool:
     """Alive and not a zombie (a killed child of a dead parent waits for init to reap it)."""
-    from flodl_exp.jobs.rendezvous import process_state
+    from flodl_exp.rendezvous import process_state
 
     return process_state(pid) not in (None, "Z", "X")
 
@@ -428,7 +428,7 @@ class RunHandle:
         the coordinator's first line; without a coordinator's word, the task's error line."""
         from flodl_exp.constants import COORDINATOR_LOG
         from flodl_exp.failure_cause import headline
-        from flodl_exp.jobs.rendezvous import read_death_records
+        from flodl_exp.rendezvous import read_death_records
 
         attempt = result.get("attempt")
         records = read_death_records(self.job_dir, world_size(self.cfg), None if attempt is None else int(attempt))
@@ -471,7 +471,7 @@ class RunHandle:
 
     def _log_prediction(self, result: dict) -> None:
         """The simulator's prediction for this run's mode on its measured rig: the coordinator made it and logged
-        ``predicted/*`` (flodl_exp/control/prediction.py); here it is only read from result.json for the summary.
+        ``predicted/*`` (flodl_exp/coordinator/prediction.py); here it is only read from result.json for the summary.
         One that failed is one warning line, never the run's failure."""
         if not self._predicts():
             return
@@ -527,7 +527,7 @@ class RunHandle:
         import glob
 
         from flodl_exp.jobs.job import setup_error_path
-        from flodl_exp.jobs.rendezvous import incarnation, read_death_records
+        from flodl_exp.rendezvous import incarnation, read_death_records
 
         timed: list[tuple[float, str]] = []
         for rank, rec in read_death_records(self.job_dir, world_size(self.cfg)).items():
@@ -561,7 +561,7 @@ class RunHandle:
                 return None
         except Exception:
             return None
-        from flodl_exp.jobs.rendezvous import rank_marker_path
+        from flodl_exp.rendezvous import rank_marker_path
 
         who = "pid unknown"
         try:
@@ -605,7 +605,7 @@ class RunHandle:
 
     def _attempt(self) -> int:
         """The attempt the job was on (a requeue bumps it; rank 0's marker names it)."""
-        from flodl_exp.jobs.rendezvous import rank_marker_path
+        from flodl_exp.rendezvous import rank_marker_path
 
         try:
             with open(rank_marker_path(self.job_dir, 0)) as fh:
@@ -817,8 +817,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
 
         with importable_from(import_paths):  # it builds the experiment's model to compare shapes
             resume = validate_resume(cfg)
+    from flodl_exp.job_spec import JobSpec
     from flodl_exp.jobs.executor import make_executor
-    from flodl_exp.jobs.spec import JobSpec
     from flodl_exp.tracking import URI_ENV, redact_uri, resolve_tracking
 
     full_uri, art = resolve_tracking(cfg.tracking, root)
@@ -885,7 +885,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         from flodl_exp.records_relay import RecordsRelay
 
         handle.relay = RecordsRelay(job_dir, full_uri)
-    from flodl_exp.jobs.spec import publish_run_id
+    from flodl_exp.job_spec import publish_run_id
 
     try:
         run_id = _nicer(lambda: new_run(extra), late=lambda rid: _end_run(full_uri, rid, "KILLED", "cancelled by the user"))

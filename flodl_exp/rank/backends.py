@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from flodl_exp.averaging import adopt, float_buffers, mass, pack_into, unpack_from
-from flodl_exp.protocol import Snapshot, Update
+from flodl_exp.protocol.messages import Snapshot, Update
 from flodl_exp.store_names import group_prefix
 from flodl_exp.torch_version import check_torch_version
 
@@ -120,7 +120,7 @@ class CollectiveBackend:
     collective-consistent. Float buffers are averaged equally among movers.
 
     ``backend`` is the cohort's (the coordinator chose it from every rank's hello,
-    control/devices.py): NCCL reduces on the rank's GPU; Gloo reduces on the host (a
+    devices.py): NCCL reduces on the rank's GPU; Gloo reduces on the host (a
     CUDA replica is staged through CPU tensors), which is how ranks sharing a GPU or a
     mixed CPU/GPU cohort average.
 

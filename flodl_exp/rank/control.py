@@ -31,8 +31,8 @@ from flodl_exp.averaging import consensus_state
 from flodl_exp.bundle_meta import Resume
 from flodl_exp.outer import OuterOptimizer, OuterSpec
 from flodl_exp.outer_step import OuterStep
-from flodl_exp.protocol import Batch as BatchReport
-from flodl_exp.protocol import (
+from flodl_exp.protocol.messages import Batch as BatchReport
+from flodl_exp.protocol.messages import (
     Checkpoint,
     CheckpointResult,
     CoordHeartbeat,

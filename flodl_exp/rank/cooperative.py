@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from flodl_exp.protocol import Intent, LoopNotice
+from flodl_exp.protocol.messages import Intent, LoopNotice
 from flodl_exp.rank.trainer import Batch, OptimizerSet
 from flodl_exp.scalars import record_scalar as _record_scalar
 
 if TYPE_CHECKING:
-    from flodl_exp.jobs.spec import JobSpec
+    from flodl_exp.job_spec import JobSpec
     from flodl_exp.rank.control import RankControl
 
 

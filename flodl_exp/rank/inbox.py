@@ -14,9 +14,9 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from flodl_exp.codec import decode, unbundle
-from flodl_exp.protocol import Payload, ProtocolError
-from flodl_exp.wire import Message
+from flodl_exp.protocol.codec import decode, unbundle
+from flodl_exp.protocol.messages import Payload, ProtocolError
+from flodl_exp.protocol.wire import Message
 
 log = logging.getLogger("flodl_exp.rank")
 

@@ -4,8 +4,8 @@ At 1,024 ranks the coordinator's cost is per frame (read, MAC, decode, one event
 batch per rank is what saturated it (issue 30). Between two reduces the coordinator books a rank's batches but
 decides nothing on them until the one that completes the rank's count; that one triggers the reduce and must
 not wait. So the coordinator tells each rank, as a window's counts are set, which of its reports completes
-the count (:class:`~flodl_exp.protocol.ReportPace`): the reports before it wait here, at most ``interval_s``,
-and leave together as one :class:`~flodl_exp.protocol.Batches` frame; that report and every later one go at
+the count (:class:`~flodl_exp.protocol.messages.ReportPace`): the reports before it wait here, at most ``interval_s``,
+and leave together as one :class:`~flodl_exp.protocol.messages.Batches` frame; that report and every later one go at
 once, with whatever waited before it. Any other message flushes what waited first, so the coordinator reads
 every Batch before a chunk's metrics, a sync ack, a snapshot or an exit, as it did without coalescing.
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
-from flodl_exp.protocol import Batch, Batches, Payload
+from flodl_exp.protocol.messages import Batch, Batches, Payload
 
 log = logging.getLogger("flodl_exp.rank")
 

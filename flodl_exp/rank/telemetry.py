@@ -325,7 +325,7 @@ class Telemetry:
         return out
 
     def _run(self) -> None:
-        from flodl_exp.wire import Message
+        from flodl_exp.protocol.wire import Message
 
         next_report = time.monotonic() + self.report_s
         while not self._stop.wait(self.sample_s):
@@ -354,7 +354,7 @@ class Telemetry:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
         if flush and not already:
-            from flodl_exp.wire import Message
+            from flodl_exp.protocol.wire import Message
 
             self.add(self.sample())
             fields = self.report()

@@ -39,9 +39,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from flodl_exp import protocol
 from flodl_exp.experiment import AMP_DTYPES, Experiment
 from flodl_exp.partition import make_partition
+from flodl_exp.protocol import messages as protocol
 from flodl_exp.scalars import drain_scalars
 
 

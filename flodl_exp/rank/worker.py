@@ -21,16 +21,16 @@ from typing import Any, Optional
 
 import torch
 
-from flodl_exp import wire
 from flodl_exp.averaging import float_buffers
-from flodl_exp.codec import encode
 from flodl_exp.config import RunShape, load_config
 from flodl_exp.constants import FAULT_ENV, LOST_GRACE_S
 from flodl_exp.experiment import build_experiment
-from flodl_exp.hello import Hello
-from flodl_exp.jobs.spec import JobSpec
+from flodl_exp.job_spec import JobSpec
 from flodl_exp.outer import OuterOptimizer
-from flodl_exp.protocol import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError
+from flodl_exp.protocol import wire
+from flodl_exp.protocol.codec import encode
+from flodl_exp.protocol.hello import Hello
+from flodl_exp.protocol.messages import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError
 from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.fault_inject import parse_fault
@@ -51,7 +51,7 @@ COORDINATOR_LOST_EXIT = 76
 
 def pick_device(device: str, local_rank: int) -> torch.device:
     """``cuda:<local_rank mod usable GPUs>`` (ranks beyond the GPU count share; the coordinator then
-    averages through Gloo, control/devices.py), else the CPU.
+    averages through Gloo, devices.py), else the CPU.
 
     A GPU this torch build has no kernels for (its compute capability is not covered by
     ``torch.cuda.get_arch_list()``: an older card in a mixed box) would kill the rank at its first
@@ -61,7 +61,7 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     if device == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        from flodl_exp.control.devices import arch_runs_on
+        from flodl_exp.devices import arch_runs_on
 
         arch = list(torch.cuda.get_arch_list())
         usable: list[int] = []
@@ -112,7 +112,7 @@ def device_uuid(device: torch.device) -> Optional[str]:
 
     A MIG slice's carries NVML's ``MIG-`` prefix (torch reports the bare UUID; the slice shows in the device's
     name, ``... MIG 1g.10gb``, or in its CUDA_VISIBLE_DEVICES entry): the coordinator then averages through
-    Gloo, NCCL does not run on MIG (control/devices.py)."""
+    Gloo, NCCL does not run on MIG (devices.py)."""
     if device.type != "cuda":
         return None
     try:
@@ -130,11 +130,11 @@ def device_uuid(device: torch.device) -> Optional[str]:
 
 
 def cuda_device_score(device: torch.device) -> Optional[float]:
-    """The spec prior's score of this rank's GPU (control/devices.device_score); None on CPU or a failed query."""
+    """The spec prior's score of this rank's GPU (devices.device_score); None on CPU or a failed query."""
     if device.type != "cuda":
         return None
     try:
-        from flodl_exp.control.devices import device_score
+        from flodl_exp.devices import device_score
 
         props = torch.cuda.get_device_properties(device)
         return device_score(props.major, props.total_memory)
@@ -332,7 +332,7 @@ class RankWorker:
         ``loop``: the exception came out of the user's own training loop (the cooperative tier; cluster.loop_error)."""
         import traceback
 
-        from flodl_exp.jobs.rendezvous import write_death_record
+        from flodl_exp.rendezvous import write_death_record
 
         error, tb = f"{type(e).__name__}: {e}", traceback.format_exc()[-4000:]
         write_death_record(self.spec.job_dir, self.rank, self.world_size, error, tb, attempt=self.spec.attempt)

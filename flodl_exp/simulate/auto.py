@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from flodl_exp import events as ev
-from flodl_exp.mode import Mode, known_modes
+from flodl_exp.policy.mode import Mode, known_modes
 from flodl_exp.simulate.topology import MODES, SimulateConfig, measured_rig_config, run_config
 
 PROBE_STEPS = 4

@@ -2,7 +2,7 @@
 
 What is real and what is modelled:
 
-* **Real**: the coordinator's own :class:`~flodl_exp.control.core.ControlCore`, every decision of the
+* **Real**: the coordinator's own :class:`~flodl_exp.core.control_core.ControlCore`, every decision of the
   run (the reduce gate, throttle, ElChe and its cold-start probe, the guard, the LR meta-controller,
   dispatch, chunk pools, final-window plans, async overshoot, in-order epoch aggregation and its metrics,
   the final consensus), built from the rig's run config by the same ``ControlCore.from_config``, with the
@@ -39,15 +39,14 @@ from typing import Any, Callable, Optional
 
 from flodl_exp import events as ev
 from flodl_exp.config import Config, RunShape
-from flodl_exp.control.averager import Consensus
-from flodl_exp.control.commands import Broadcast, Event, RankJoined, RankMessage, Send, Tick, TrainingStarts
-from flodl_exp.control.core import ControlCore
-from flodl_exp.control.cpu_averager import TorchAverager
-from flodl_exp.control.cycle import Reduce, ReduceOutcome
-from flodl_exp.control.lifecycle import Phase
-from flodl_exp.control.ports import NullObserver
-from flodl_exp.mode import Mode
-from flodl_exp.protocol import (
+from flodl_exp.core.averager import Consensus
+from flodl_exp.core.commands import Broadcast, Event, RankJoined, RankMessage, Send, Tick, TrainingStarts
+from flodl_exp.core.control_core import ControlCore
+from flodl_exp.core.cycle import Reduce, ReduceOutcome
+from flodl_exp.core.lifecycle import Phase
+from flodl_exp.core.ports import NullObserver
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.messages import (
     Batch,
     ChunkMetrics,
     ExtendPartition,
@@ -66,6 +65,7 @@ from flodl_exp.simulate.clock import EventQueue, SimClock
 from flodl_exp.simulate.costs import Costs
 from flodl_exp.simulate.fast import SimDispatcher
 from flodl_exp.simulate.topology import SimulateConfig, lr_factor, rank_steps, run_config
+from flodl_exp.torch_averager import TorchAverager
 
 RANK_MSG, BATCH_END, COLL_DONE, COORD_MSG, COORD_FINISH = range(5)
 IDLE, BUSY, COLLECTIVE, BARRIER, THROTTLED = range(5)

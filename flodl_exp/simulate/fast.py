@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flodl_exp.control.dispatch import Dispatcher
+from flodl_exp.core.dispatch import Dispatcher
 
 
 class SimDispatcher(Dispatcher):

@@ -38,7 +38,7 @@ import re
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from flodl_exp.config import GuardConfig, ModeConfig, OuterConfig
-from flodl_exp.mode import known_modes
+from flodl_exp.policy.mode import known_modes
 from flodl_exp.simulate.topology import SimulateConfig, _preset, measured_rig_config
 
 History = Mapping[str, Sequence[tuple[int, float, int]]]

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from flodl_exp.config import CheckpointConfig, ClusterConfig, Config, EvalConfig, ExperimentConfig, GuardConfig, ModeConfig, OuterConfig
 from flodl_exp.config_rules import validate
-from flodl_exp.mode import Mode, known_modes
+from flodl_exp.policy.mode import Mode, known_modes
 
 SCHEMA_GROUP = "flodl_simulate"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")

@@ -210,7 +210,7 @@ def _listed_uuids() -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_the_rank_reports_the_device_the_driver_lists():
-    from flodl_exp.control.devices import arch_runs_on
+    from flodl_exp.devices import arch_runs_on
     from flodl_exp.rank.worker import device_uuid, pick_device, use_device
 
     listed = _listed_uuids()

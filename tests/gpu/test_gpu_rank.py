@@ -38,7 +38,7 @@ def no_device_sync() -> Iterator[None]:
 
 
 def _control(trainer: Any, messages: tuple = (), **kw: Any) -> tuple[Any, list]:
-    from flodl_exp.codec import encode
+    from flodl_exp.protocol.codec import encode
     from flodl_exp.rank.control import RankControl
     from flodl_exp.rank.inbox import ControlInbox
 
@@ -103,7 +103,7 @@ def test_syncs_and_outer_steps_allocate_nothing_after_the_first(master_store, mo
     import os
 
     from flodl_exp.outer import OuterOptimizer, OuterSpec
-    from flodl_exp.protocol import SyncNow
+    from flodl_exp.protocol.messages import SyncNow
     from flodl_exp.rank.backends import CollectiveBackend
 
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # inherited from a DDP guide: overridden (item 5)
@@ -139,7 +139,7 @@ def test_syncs_and_outer_steps_allocate_nothing_after_the_first(master_store, mo
 
 # ---------------------------------------------------------------- 11: the consensus in one transfer; heartbeats
 def test_the_consensus_is_adopted_through_one_pinned_transfer_without_a_sync():
-    from flodl_exp.protocol import Update
+    from flodl_exp.protocol.messages import Update
     from flodl_exp.rank.backends import CoordinatorBackend
 
     tr = _trainer()
@@ -157,7 +157,7 @@ def test_the_consensus_is_adopted_through_one_pinned_transfer_without_a_sync():
 
 
 def test_a_heartbeat_does_not_wait_for_a_busy_stream():
-    from flodl_exp.protocol import CoordHeartbeat
+    from flodl_exp.protocol.messages import CoordHeartbeat
     from flodl_exp.rank.trainer import PendingStep
 
     ctl, _ = _control(SimpleNamespace(model=None, optimizer=None), messages=(CoordHeartbeat(),))

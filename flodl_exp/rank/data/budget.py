@@ -261,7 +261,7 @@ def node_devices(env: Mapping[str, str]) -> int:
     ``FLODL_NODE_DEVICES`` (the local launcher gave each task one MIG slice), else SLURM's per-task binding:
     ``--gpus-per-task`` (every task its own GPUs: as many as tasks, ``sys.maxsize``) or the step's GPUs
     (``SLURM_STEP_GPUS``, ``SLURM_JOB_GPUS``) when ``--gpu-bind`` gave each task a part of them."""
-    from flodl_exp.jobs.executor import NODE_DEVICES_ENV
+    from flodl_exp.constants import NODE_DEVICES_ENV
 
     if (env.get(NODE_DEVICES_ENV) or "").strip().isdigit():
         return int(env[NODE_DEVICES_ENV])

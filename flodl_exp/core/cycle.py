@@ -1,0 +1,511 @@
+"""The averaging cycle, coordinator side (algorithms.md 3.2-3.11): the owner of the window
+ledger, the reduce in flight, the version and global step, and the controllers fed at each
+reduce (ElChe, the convergence guard, the LR meta-controller).
+
+Both backends finish when every live member answered:
+* nccl: broadcast ``sync_now``; ranks all_reduce in place and ``sync_ack``.
+* cpu: broadcast ``request_params``; ranks send ``snapshot``; the coordinator
+  averages (work weights ``n^gamma``) and sends ``update`` to each rank.
+
+:meth:`AveragingCycle.try_finish` returns a :class:`ReduceOutcome`; what the rest of
+the run does with it (epoch metrics, window records, dispatch, checkpoints) is the
+coordinator's business.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from flodl_exp.config import OuterSpec
+from flodl_exp.core.averager import Averager
+from flodl_exp.core.outbox import Outbox
+from flodl_exp.outer_step import OuterStep
+from flodl_exp.policy.actions import STABLE, ConvergenceAction
+from flodl_exp.policy.elche import ElChe, WindowReport
+from flodl_exp.policy.guards import ConvergenceGuard, DivergenceReport
+from flodl_exp.policy.meta import LrEventMeta
+from flodl_exp.policy.mode import Backend, Mode
+from flodl_exp.protocol.messages import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
+
+log = logging.getLogger("flodl_exp.coordinator")
+
+PROBE_STEPS = 3
+"""Steps each rank is timed before ElChe re-sizes the first window (the first PROBE_WARMUP are left out)."""
+PROBE_WARMUP = 1
+"""Leading probe steps left out of the probe's median: warm-up (allocations, lazy initialisation)."""
+
+
+@dataclass
+class Ledger:
+    """Per-rank window ledger since the last finished reduce (algorithms.md 3.2)."""
+
+    steps: int = 0
+    wall_ms: float = 0.0
+    first_ms: Optional[float] = None
+    delivered_ms: float = 0.0
+    delivered_batches: int = 0
+    window_batches: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    throttled: bool = False
+    """A Throttle was sent this window (cpu backend, max_batch_diff); cleared at every finish."""
+
+    def add(self, batch_ms: float, data_ms: float, loss: Optional[float] = None) -> None:
+        if loss is not None and math.isfinite(loss):
+            self.loss_sum += loss
+            self.loss_count += 1
+        self.steps += 1
+        self.window_batches += 1
+        self.wall_ms += batch_ms
+        if self.first_ms is None:
+            self.first_ms = batch_ms + data_ms
+        else:
+            self.delivered_ms += batch_ms + data_ms
+            self.delivered_batches += 1
+
+    def fill_excess(self) -> float:
+        if self.first_ms is None or self.delivered_batches == 0:
+            return 0.0
+        return max(self.first_ms - self.delivered_ms / self.delivered_batches, 0.0)
+
+    def reset_timing(self) -> None:
+        self.wall_ms, self.first_ms, self.delivered_ms, self.delivered_batches, self.window_batches = 0.0, None, 0.0, 0, 0
+        self.loss_sum, self.loss_count = 0.0, 0
+        self.throttled = False
+
+
+@dataclass
+class Reduce:
+    """A reduce in flight: who must answer, and what they answered."""
+
+    backend: Backend
+    started: float
+    members: set[int]
+    final: bool = False
+    """A consensus reduce (end of training, epoch-boundary bundle, preemption): no EASGD blend."""
+    lockstep: bool = False
+    """Opened by the coordinator for the ranks' own reduce (a Lockstep license): its time runs from its first answer."""
+    acks: dict[int, SyncAck] = field(default_factory=dict)
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+
+
+@dataclass
+class ReduceOutcome:
+    n: dict[int, int]
+    """Steps of each member that went into the consensus."""
+    k_used: int
+    sync_ms: float
+    divergence: dict[int, Optional[float]]
+    action: ConvergenceAction
+    anchor_before: int
+    anchor_after: int
+    window_loss: float
+    """Mean training loss over the window (NaN when no batch reported a finite loss)."""
+    window_s: float
+    """Wall time since the previous reduce finished."""
+    final: bool
+    outer: Optional[OuterStep] = None
+    """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
+    dead_in: list[int] = field(default_factory=list)
+    """nccl: members that answered and died since, whose share the survivors' collective holds (same generation)."""
+    dead_out: list[int] = field(default_factory=list)
+    """nccl: members that answered and died since, whose share is not in the consensus: the survivors redid the
+    collective without them in a later generation (their answered batches must be trained again)."""
+
+    @property
+    def d_max(self) -> Optional[float]:
+        return max((float(v) for v in self.divergence.values() if v is not None), default=None)
+
+
+class AveragingCycle:
+    def __init__(self, *, world_size: int, mode: Mode, gamma: float, alpha: Optional[float],
+                 progressive: bool, elche: Optional[ElChe], guard: ConvergenceGuard, meta: Optional[LrEventMeta],
+                 relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float],
+                 outer: Optional[OuterSpec] = None, lockstep_ahead: int = 0, averager: Optional[Averager] = None) -> None:
+        self.world_size = world_size
+        self.mode = mode
+        self.policy, self.backend = mode.policy, mode.backend
+        self.gamma = gamma
+        self.alpha = alpha
+        self.progressive = progressive
+        self.elche = elche
+        self.guard = guard
+        self.meta = meta
+        self.relax_up = relax_up
+        self.max_batch_diff = max_batch_diff
+        self._out = outbox
+        self._clock = clock
+        self.ledger = [Ledger() for _ in range(world_size)]
+        self.in_flight: Optional[Reduce] = None
+        self.version = 0
+        """Finished reduces (the bundle's ``sync_round``)."""
+        self.global_step = 0
+        """Batches averaged into the consensus so far, all ranks together."""
+        self.lr_seen: Optional[float] = None
+        self.window_t0 = clock()
+        self.slack_source: Callable[[], dict[int, float]] = dict
+        """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
+        self.outer_spec = outer or OuterSpec()
+        self.averager = averager
+        """cpu backend: the consensus arithmetic and the outer optimizer's state (the shell's port; nccl: None,
+        the ranks average and hold the outer optimizer themselves)."""
+        self._probe: Optional[list[list[float]]] = (
+            [[] for _ in range(world_size)] if elche is not None and mode.window_grows else None)
+        """Compute ms of each rank's first steps, until the cold-start probe has been taken (then None)."""
+        self.probe_full = 0
+        """Ranks that have timed PROBE_STEPS steps (the probe is due when every live rank has)."""
+        self._ones = [1] * world_size
+        self.lockstep_ahead = lockstep_ahead if mode.lockstep_capable and world_size >= 2 else 0
+        """nccl_sync: how many reduces the ranks may run ahead on their own (``mode.lockstep_ahead``; 0: off)."""
+        self.lockstep_until = 0
+        """The license granted so far (Lockstep): the ranks start every reduce below this version on their own, and
+        the coordinator never sends a sync_now below it."""
+        self._early: dict[int, dict[int, SyncAck]] = {}
+        """Lockstep answers to reduces after the one in flight (version -> rank -> ack), applied as each opens."""
+        self._early_t: dict[int, float] = {}
+        """When each of those reduces' first answer came (its start, for sync_ms and the stall ceiling)."""
+        self._left: Optional[int] = None
+        """The fewest steps any member's chunk had left at the last finished reduce (None: unknown)."""
+        self.lockstep_syncs = 0
+        """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
+
+    # -- state ------------------------------------------------------------
+    @property
+    def counts(self) -> list[int]:
+        return self.elche.batch_counts if self.elche is not None else [1] * self.world_size
+
+    @property
+    def anchor(self) -> Optional[int]:
+        """ElChe's anchor (the slowest rank's window length); None without ElChe (one rank)."""
+        return self.elche.anchor if self.elche is not None else None
+
+    @property
+    def counts_view(self) -> Sequence[int]:
+        """:attr:`counts` without the copy, for per-chunk reads (see ElChe.counts_view)."""
+        return self.elche.counts_view if self.elche is not None else self._ones
+
+    @property
+    def probing(self) -> bool:
+        """The cold-start probe is still open (every rank's first steps being timed)."""
+        return self._probe is not None
+
+    def restore(self, global_step: int, version: int) -> None:
+        self.global_step, self.version = global_step, version
+
+    def steps(self, r: int) -> int:
+        return self.ledger[r].steps
+
+    def any_steps(self, ranks: Iterable[int]) -> bool:
+        return any(self.ledger[r].steps > 0 for r in ranks)
+
+    def window_loss(self) -> float:
+        n = sum(led.loss_count for led in self.ledger)
+        return sum(led.loss_sum for led in self.ledger) / n if n else float("nan")
+
+    def stalled(self, now: float, ceiling_s: float) -> bool:
+        return self.in_flight is not None and now - self.in_flight.started > ceiling_s
+
+    # -- rank reports -------------------------------------------------------
+    def on_batch(self, r: int, b: Batch, *, speaks_for_lr: bool) -> None:
+        self.ledger[r].add(b.ms, b.data_ms, b.loss)
+        if speaks_for_lr and b.lr is not None:
+            self.lr_seen = b.lr
+        if self._probe is not None and len(self._probe[r]) < PROBE_STEPS:
+            self._probe[r].append(b.ms)
+            if len(self._probe[r]) == PROBE_STEPS:
+                self.probe_full += 1
+
+    def seed_from_probe(self, alive: list[int]) -> Optional[list[float]]:
+        """Cold start (once per run): when every live rank has timed :data:`PROBE_STEPS` steps and no reduce
+        has calibrated ElChe yet, ElChe re-sizes the window in progress by those speeds (the median of each
+        rank's steps after its first), so the fast ranks do not idle through an equal first window. Returns
+        the per-rank ms it used when it did (the caller then hands the fast ranks the rest of their window),
+        None otherwise."""
+        probe, elche = self._probe, self.elche
+        if probe is None or elche is None or not alive or any(len(probe[r]) < PROBE_STEPS for r in alive):
+            return None
+        self._probe = None
+        ms = {r: statistics.median(probe[r][PROBE_WARMUP:]) for r in alive}
+        slowest = max(ms.values())
+        per_rank = [ms.get(r, slowest) for r in range(self.world_size)]  # a dead rank weighs as the slowest
+        return per_rank if elche.seed_from_probe(per_rank) else None
+
+    def on_ack(self, r: int, ack: SyncAck) -> bool:
+        """Book an answer; True when it answers the reduce in flight (a lockstep answer to a later reduce waits
+        for that one to open; one to a reduce already finished, or that no license covers, is dropped)."""
+        red = self.in_flight
+        v = ack.version
+        if v is not None and v != self.version:
+            if self.answers_ahead(v):
+                self._early.setdefault(v, {})[r] = ack
+                self._early_t.setdefault(v, self._clock())
+            else:
+                log.debug("rank %d answered reduce %d while %d is the current one: dropped", r, v, self.version)
+            return False
+        if red is not None and red.backend is Backend.NCCL and r in red.members:
+            if red.lockstep and not red.acks:  # a lockstep reduce's time runs from its first answer, not its opening
+                red.started = self._clock()
+            red.acks[r] = ack
+            return True
+        return False
+
+    def answers_ahead(self, version: Optional[int]) -> bool:
+        """An answer to ``version`` is one to a later lockstep reduce (kept until that one opens)."""
+        return version is not None and self.version < version < self.lockstep_until
+
+    def open_lockstep(self, alive: list[int]) -> list[int]:
+        """The ranks start the next reduce on their own (it is below the license): open it here without a sync_now,
+        over the live ranks and any that answered it before dying, with the answers that came early. Returns the
+        ranks whose answers it holds already."""
+        if self.in_flight is not None or self.version >= self.lockstep_until:
+            raise RuntimeError(f"no lockstep reduce to open at version {self.version} (license {self.lockstep_until})")
+        early = self._early.pop(self.version, {})
+        started = self._early_t.pop(self.version, self._clock())
+        self.lockstep_syncs += 1
+        self.in_flight = Reduce(self.backend, started, set(alive) | set(early), lockstep=True)
+        self.in_flight.acks.update(early)
+        return sorted(early)
+
+    def extend_lockstep(self, allowed: bool) -> Optional[int]:
+        """After a finish: raise the license to ``ahead`` reduces past the current one, within the steps every
+        member's chunk has left, once half of it is used (not every step: a message per rank each time). Returns
+        the new license to broadcast, or None. Not ``allowed`` (a bundle, a preemption, a death, an eval wants the
+        cohort held): the license runs out by itself, at most ``ahead`` steps later."""
+        if not allowed or self.lockstep_ahead <= 0 or not self._left:
+            return None
+        if self.lockstep_until - self.version > self.lockstep_ahead // 2:
+            return None
+        target = self.version + min(self.lockstep_ahead, self._left)
+        if target <= self.lockstep_until:
+            return None
+        self.lockstep_until = target
+        return target
+
+    def on_snapshot(self, r: int, snap: Snapshot) -> None:
+        red = self.in_flight
+        if red is not None and red.backend is Backend.CPU and r in red.members:
+            red.snapshots[r] = snap
+
+    def acked_steps(self, r: int) -> int:
+        """Steps of ``r`` in its answer to the nccl reduce in flight (0: none in flight, or not answered)."""
+        red = self.in_flight
+        return min(red.acks[r].n, self.ledger[r].steps) if red is not None and red.backend is Backend.NCCL and r in red.acks else 0
+
+    def unreduced_steps(self, r: int) -> int:
+        """Steps of ``r`` that are in no finished reduce nor in its answer to the one in flight (an nccl ack holds
+        its share, if the survivors' collective holds it: see :attr:`ReduceOutcome.dead_out`)."""
+        return max(0, self.ledger[r].steps - self.acked_steps(r))
+
+    def forget(self, r: int) -> None:
+        """A dead rank's unreduced steps never reach the consensus. Its answers to reduces after the one in flight
+        are dropped too: the death counted their steps as unreduced (its picks go to the survivors), so booking them
+        when their reduce opens would count those steps twice."""
+        self.ledger[r].steps = 0
+        for acks in self._early.values():
+            acks.pop(r, None)
+
+    # -- the gate -------------------------------------------------------------
+    def should_average(self, alive: list[int], quiesced: Callable[[int], bool],
+                       working: Callable[[int], bool] = lambda r: True) -> bool:
+        """Every live rank reached its count (sync: stepped once), is throttled, or has no work left (``working``:
+        a chunk in flight)."""
+        if self.world_size < 2 or self.in_flight is not None:
+            return False
+        any_mover = False
+        counts = self.counts
+        target = self.mode.window_target
+        held = self.max_batch_diff is not None and any(self.ledger[r].throttled for r in alive)  # throttles need it
+        for r in alive:
+            s = self.ledger[r].steps
+            if s > 0:
+                any_mover = True
+            hit = s >= target(counts[r])
+            # A throttled rank is held at max_batch_diff ahead of the slowest on purpose: it waits for
+            # this reduce, so it counts as arrived (else the gate and the throttle wait on each other).
+            # The reference fires on the count only (or quiesced): held short of its count, with its chunk
+            # in flight, a rank can never arrive there (README, "Differences from flodl 0.7.0").
+            hit = hit or self.ledger[r].throttled
+            # With ranks held by a throttle, a rank with nothing in flight (its epoch share done) counts as arrived
+            # too: it steps again only after this reduce or the epoch's end, and the held ranks' chunks keep the
+            # epoch open. cpu_sync with 3+ ranks wedged so in most runs (tests/test_fault_fuzz.py).
+            hit = hit or (held and not working(r))
+            if not (hit or (self.progressive and quiesced(r))):
+                return False
+        return any_mover
+
+    def throttle(self, alive: list[int], working: Callable[[int], bool] = lambda r: True) -> None:
+        """cpu backend, ``max_batch_diff``: hold ranks that ran that far ahead of the slowest (full cohort only).
+
+        The slowest among the ranks still ``working`` (a chunk in flight): a rank without one (its epoch share
+        done, or at its count waiting for the reduce) steps again only after the reduce or the epoch's end,
+        which a rank held behind it would block. The reference takes the minimum over every rank, and
+        cpu_sync wedged: the fast rank done with its share at 0 steps this window, the slow one held at
+        ``max_batch_diff + 1`` with its share unfinished, the sync gate waiting for the fast rank's step."""
+        mbd = self.max_batch_diff
+        if not self.mode.is_cpu or mbd is None or len(alive) < self.world_size or self.world_size < 2:
+            return
+        busy = [r for r in alive if working(r)]
+        if not busy:
+            return
+        low = min(self.ledger[r].steps for r in busy)
+        for r in alive:
+            led = self.ledger[r]
+            if led.steps > low + int(mbd) and not led.throttled:
+                led.throttled = True
+                self._out.send(r, Throttle())
+
+    def trigger(self, members: list[int], *, final: bool = False) -> None:
+        """Start a reduce over ``members``. Only the control core calls this (ControlCore.fire_reduce), and
+        never with one in flight: a second would overwrite the first's answers."""
+        if self.in_flight is not None:
+            raise RuntimeError(f"a reduce is already in flight (version {self.version}): one at a time")
+        if self.version < self.lockstep_until:
+            raise RuntimeError(f"reduce {self.version} is the ranks' own (lockstep license {self.lockstep_until}): "
+                               "a sync_now for it would pair it twice")
+        self.in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
+        if self.mode.is_nccl:
+            self._out.broadcast(SyncNow(version=self.version, divergence=True))
+        else:
+            # Ranks wait for the update unless EASGD blends it in: under a full overwrite a batch trained
+            # after the snapshot would be overwritten, trained but in no consensus (lost work). In cadence the
+            # wait costs nothing (a rank at its count has no chunk left); async streams on by design, its
+            # post-snapshot batches surviving at weight (1 - alpha) (algorithms.md 3.9).
+            barrier = final or not self.progressive or self.alpha is None
+            self._out.broadcast(RequestParams(version=self.version, barrier=barrier))
+
+    # -- the finish -----------------------------------------------------------
+    def try_finish(self, alive: Callable[[int], bool]) -> Optional[ReduceOutcome]:
+        """Finish the reduce in flight once every live member answered (None: not yet, or none in flight)."""
+        red = self.in_flight
+        if red is None:
+            return None
+        live = sorted(r for r in red.members if alive(r))
+        if red.backend is Backend.NCCL:
+            if not set(live).issubset(red.acks):
+                return None
+            # A member that acked and died since completed the collective of its generation. Its share is in the
+            # consensus when the survivors completed that same one; when they redid it in a later generation
+            # (regrouped without it), it is not: not counted, and its answered batches are trained again.
+            gen = max((red.acks[r].generation for r in live), default=None)
+            dead_acked = sorted(set(red.acks) - set(live))
+            dead_out = [r for r in dead_acked if gen is not None and red.acks[r].generation != gen]
+            dead_in = [r for r in dead_acked if r not in dead_out]
+            live = sorted(set(live) | set(dead_in))
+            n = {r: red.acks[r].n for r in live}
+            lefts = [red.acks[r].left for r in live if r in red.acks]
+            self._left = min(lefts) if lefts and all(x is not None for x in lefts) else None  # type: ignore[type-var]
+            div: dict[int, Optional[float]] = {r: red.acks[r].d for r in live}
+            pre: dict[int, Optional[float]] = {r: red.acks[r].pre for r in live}
+            post = next((red.acks[r].post for r in live if red.acks[r].post is not None), None)
+            # Every rank stepped the same outer optimizer on the same consensus: any ack speaks for all.
+            outer = next((OuterStep(a.outer_step, a.outer_momentum or 0.0, seeded=False)
+                          for a in (red.acks[r] for r in live) if a.outer_step is not None), None)
+        else:
+            if not set(live).issubset(red.snapshots):
+                return None
+            n, div, pre, post, outer = self._average_cpu(red, live)
+            dead_in, dead_out = [], []
+        out = self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
+        out.dead_in, out.dead_out = dead_in, dead_out
+        return out
+
+    def _average_cpu(self, red: Reduce, ranks: list[int]) -> tuple[dict[int, int], dict[int, Optional[float]],
+                                                                   dict[int, Optional[float]], Optional[float],
+                                                                   Optional[OuterStep]]:
+        snaps = [red.snapshots[r] for r in ranks]
+        n = {r: s.n for r, s in zip(ranks, snaps)}
+        div: dict[int, Optional[float]] = {}
+        pre: dict[int, Optional[float]] = {}
+        if not ranks:
+            return n, div, pre, None, None
+        if self.averager is None:
+            raise RuntimeError("the cpu backend's reduce needs an Averager: the shell builds the core with one "
+                               "(flodl_exp.torch_averager.TorchAverager)")
+        # EASGD leaves replicas apart even when nobody stepped: the final consensus is then their plain mean.
+        res = self.averager.average(snaps, gamma=self.gamma, idle_mean=red.final and self.alpha is not None)
+        alpha = None if red.final else self.alpha
+        if res.tensors is None:  # nobody moved: release barrier waits; each rank keeps its own state
+            for r in ranks:
+                div[r], pre[r] = 0.0, None
+                self._out.send(r, Update(n=n[r], skip=True))
+            return n, div, pre, None, None
+        tensors = dict(res.tensors)  # one frame object for every rank: encoded once (sharing_tensors)
+        with self._out.sharing_tensors():
+            for r, (d, pre_n) in zip(ranks, res.drift):
+                div[r], pre[r] = d, pre_n
+                self._out.send(r, Update(n=n[r], alpha=alpha, tensors=tensors))
+        return n, div, pre, res.post, res.outer
+
+    def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
+                post: Optional[float], sync_ms: float, alive: Callable[[int], bool],
+                outer: Optional[OuterStep] = None) -> ReduceOutcome:
+        action = STABLE
+        anchor_before = self.elche.anchor if self.elche is not None else 0
+        if self.elche is not None:
+            action = self._feed_controllers(n, div, pre, post, sync_ms, alive)
+        now = self._clock()
+        k_used = sum(n.values())
+        outcome = ReduceOutcome(n=n, k_used=k_used, sync_ms=sync_ms, divergence=div, action=action,
+                                anchor_before=anchor_before, anchor_after=self.elche.anchor if self.elche else 0,
+                                window_loss=self.window_loss(), window_s=max(now - self.window_t0, 1e-6), final=red.final,
+                                outer=outer)
+        self.version += 1
+        self.global_step += k_used
+        for r in n:
+            if red.backend is Backend.NCCL:
+                # A rank trains on after its ack while its peers finish the collective: those batches are
+                # in no consensus yet and count toward the next window (else the final reduce may be skipped
+                # with replicas apart).
+                self.ledger[r].steps = max(0, self.ledger[r].steps - n[r])
+            else:
+                # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
+                # were overwritten (or blended away) by the update, so they count toward no later window.
+                self.ledger[r].steps = 0
+        for led in self.ledger:
+            led.reset_timing()
+        self.in_flight = None
+        self.window_t0 = now
+        self._out.broadcast(SetGlobalStep(global_step=self.global_step))
+        if outcome.anchor_after != anchor_before:
+            log.info("anchor %d -> %d", anchor_before, outcome.anchor_after)
+        return outcome
+
+    def _feed_controllers(self, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
+                          post: Optional[float], sync_ms: float, alive: Callable[[int], bool]) -> ConvergenceAction:
+        """ElChe's timing feed, the guard's verdict, the meta-controller's veto, in the reference's order."""
+        elche = self.elche
+        assert elche is not None
+        led = self.ledger
+        w = range(self.world_size)
+        movers = [r for r in w if alive(r) and led[r].window_batches > 0]
+        capable = self.mode.guard_capable
+        for r, ms in self.slack_source().items():
+            elche.stage_callback_slack(r, ms)
+        elche.report_window(WindowReport(
+            wall_ms=[led[r].wall_ms if alive(r) else 0.0 for r in w],
+            steps=[led[r].window_batches if alive(r) else 0 for r in w],
+            delivered_ms=[led[r].delivered_ms for r in w],
+            delivered_batches=[led[r].delivered_batches for r in w],
+            fill_ms=[led[r].fill_excess() for r in w],
+            sync_ms=sync_ms,
+            delivered_coherent=capable and bool(movers) and all(led[r].delivered_batches >= 1 for r in movers),
+        ))
+        pres = [pre.get(r) for r in w]
+        report = DivergenceReport([float(div.get(r) or 0.0) for r in w],
+                                  pres if all(p is not None for p in pres) else None, post)  # type: ignore[arg-type]
+        action = self.guard.report(report, sum(n.values()), max(n.values(), default=0))
+        if self.meta is not None and self.lr_seen is not None:
+            meta_action = self.meta.observe(self.lr_seen, elche.anchor, action, elche.phase)
+            if meta_action is not None:
+                elche.nudge_anchor_down(meta_action.factor)
+                elche.discard_proposed_anchor()
+        elche.apply_verdict(action, relax_up=self.mode.streams and self.relax_up)
+        return action
+
+    def trajectory(self) -> tuple[int, int]:
+        """(global_step, sync_round): where the averaged trajectory stands, as a bundle's meta records it."""
+        return self.global_step, self.version

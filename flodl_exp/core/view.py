@@ -1,0 +1,196 @@
+"""What the shells may read of the control core: one small read-only view.
+
+The coordinator and the simulator drive the core only through :meth:`~.core.ControlCore.handle` and read it only
+through :class:`CoreView` (``core.view``), so the core's components stay its own: a shell that needs to know more
+asks for a query here, not for a component. Everything here is a value or a copy; nothing hands out a component.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from flodl_exp.core.checkpoints import BundleWriter
+from flodl_exp.core.cohort import Cohort
+from flodl_exp.core.cycle import AveragingCycle
+from flodl_exp.core.dispatch import Dispatcher
+from flodl_exp.core.lifecycle import Lifecycle, Phase, Status
+from flodl_exp.core.preemption import Preemption
+from flodl_exp.core.run_end import EvalState
+from flodl_exp.policy.mode import Mode
+
+
+class _Core(Protocol):
+    """What the view reads of :class:`~.core.ControlCore` (a Protocol: the core imports the view)."""
+
+    life: Lifecycle
+    cohort: Cohort
+    cycle: AveragingCycle
+    dispatch: Dispatcher
+    anchor_seeded: bool
+    evals: EvalState
+    writer: BundleWriter
+    preemption: Preemption
+    mode: Mode
+
+    def outcome(self) -> dict[str, Any]: ...
+    def current_epoch(self) -> int: ...
+    def stall_state(self, now: float) -> dict[str, Any]: ...
+    @property
+    def saved_stem(self) -> Optional[str]: ...
+    @property
+    def wants_outer_state(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ReduceInFlight:
+    """The reduce in flight, as the simulator's cost model needs it."""
+
+    members: frozenset[int]
+    snapshot_steps: Mapping[int, int]
+    """cpu backend: each snapshot received so far, its rank's steps in the window."""
+
+
+class CoreView:
+    """A read-only window on a :class:`~.core.ControlCore` (see the module docstring)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: _Core) -> None:
+        self._core = core
+
+    # -- the run's phase and end ----------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._core.life.phase
+
+    def is_(self, *phases: Phase) -> bool:
+        return self._core.life.is_(*phases)
+
+    @property
+    def status(self) -> Status:
+        return self._core.life.status
+
+    @property
+    def ending(self) -> bool:
+        """The run is on its way out (a ShutdownWithSave, a failure): no new work."""
+        return self._core.life.ending
+
+    @property
+    def failure(self) -> Optional[str]:
+        return self._core.life.failure
+
+    @property
+    def end_reason(self) -> Optional[str]:
+        return self._core.life.end_reason
+
+    # -- progress ----------------------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """Batches averaged into the consensus so far, all ranks together."""
+        return self._core.cycle.global_step
+
+    @property
+    def syncs(self) -> int:
+        """Finished reduces."""
+        return self._core.cycle.version
+
+    @property
+    def epochs_aggregated(self) -> int:
+        return self._core.dispatch.last_aggregated + 1
+
+    def current_epoch(self) -> int:
+        """The newest epoch a rank started."""
+        return self._core.current_epoch()
+
+    @property
+    def eval_pending(self) -> Optional[int]:
+        """The periodic eval in flight (its epoch), if any."""
+        return self._core.evals.pending
+
+    # the averaging window, as the window records read it (records.CycleView)
+    @property
+    def anchor(self) -> Optional[int]:
+        return self._core.cycle.anchor
+
+    @property
+    def window_t0(self) -> float:
+        return self._core.cycle.window_t0
+
+    def window_loss(self) -> float:
+        return self._core.cycle.window_loss()
+
+    def reduce_in_flight(self) -> Optional[ReduceInFlight]:
+        red = self._core.cycle.in_flight
+        if red is None:
+            return None
+        return ReduceInFlight(frozenset(red.members), {r: s.n for r, s in red.snapshots.items()})
+
+    # -- the cohort --------------------------------------------------------------------------------
+    def alive(self, r: int) -> bool:
+        return self._core.cohort.alive(r)
+
+    def alive_ranks(self) -> list[int]:
+        return self._core.cohort.alive_ranks()
+
+    def all_joined(self) -> bool:
+        return self._core.cohort.all_joined()
+
+    def missing(self) -> list[int]:
+        """Ranks not (or no longer) in the cohort."""
+        return self._core.cohort.missing()
+
+    def exited(self, r: int) -> bool:
+        """Whether the rank said it exits cleanly."""
+        return self._core.cohort.exited(r)
+
+    def error_of(self, r: int) -> Optional[str]:
+        """The error the rank reported before failing, if any."""
+        err = (self._core.cohort.errors.get(r) or {}).get("error")
+        return str(err) if err else None
+
+    def stale(self, now: float, timeout: float) -> list[int]:
+        """Working ranks heard from last more than ``timeout`` s before ``now``."""
+        return self._core.cohort.stale(now, timeout)
+
+    # -- the result --------------------------------------------------------------------------------
+    @property
+    def anchor_seeded(self) -> bool:
+        """Whether the last :class:`~.commands.AnchorHint` set ElChe's cold-start anchor."""
+        return self._core.anchor_seeded
+
+    def outcome(self) -> dict[str, Any]:
+        return self._core.outcome()
+
+    def stall_state(self, now: float) -> dict[str, Any]:
+        """What the stall watchdog dumps."""
+        return self._core.stall_state(now)
+
+    @property
+    def is_nccl(self) -> bool:
+        return bool(self._core.mode.is_nccl)
+
+    @property
+    def wants_outer_state(self) -> bool:
+        """A resumed run's ``.outer.pt`` is the core's to load (cpu backend, a stateful outer optimizer)."""
+        return self._core.wants_outer_state
+
+    @property
+    def saved_stem(self) -> Optional[str]:
+        """The bundle the run ended on other than its final one (failure or preemption), if any."""
+        return self._core.saved_stem
+
+    @property
+    def bundle_stem(self) -> str:
+        """The run's checkpoint stem (its final bundle)."""
+        return str(self._core.writer.stem)
+
+    @property
+    def failed_bundles(self) -> dict[str, str]:
+        """stem -> why, for every bundle that failed (a copy)."""
+        return dict(self._core.writer.failed)
+
+    @property
+    def terminated(self) -> bool:
+        """SIGTERM was carried out (the job step is ending)."""
+        return bool(self._core.preemption.terminated)
