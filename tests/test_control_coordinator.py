@@ -535,9 +535,11 @@ def test_a_rank_lost_before_it_joined_is_named_at_once(tmp_path):
     json.dump(marker, open(rank_marker_path(h.job_dir, 1), "w"))
     with pytest.raises(RunFailure, match=rf"rank 1 was lost before training started: its process {marker['pid']} .* exited"):
         h.co.run(connect_timeout=600.0)
-    # A joined rank that then fails (its process-group setup timed out) does not take the blame.
-    with pytest.raises(RunFailure, match="rank 1 was lost before training started"):
-        h.co.on_event(("closed", 0, "closed"))
+    # The core decided it (core/startup.py): a joined rank that then fails (its process-group setup timed out)
+    # does not take the blame.
+    h.co.on_event(("closed", 0, "closed"))
+    assert h.co.view.status is Status.FAILED
+    assert (h.co.view.failure or "").startswith("rank 1 was lost before training started")
 
 
 def test_a_rank_lost_during_start_up_leads_the_error_before_a_collateral_close(tmp_path):
@@ -578,8 +580,8 @@ def test_a_rank_lost_during_start_up_leads_the_error_before_a_collateral_close(t
 def test_a_close_while_a_rank_is_missing_is_blamed_after_the_grace(tmp_path):
     """No rank found lost (its task on another host, say) within LOST_PEER_GRACE_S: the first close is blamed,
     the missing ranks named, later closes after it."""
-    from flodl_exp.coordinator.coordinator import LOST_PEER_GRACE_S
     from flodl_exp.core.lifecycle import RunFailure
+    from flodl_exp.core.startup import LOST_PEER_GRACE_S
 
     h = Harness(tmp_path, "nccl_sync", world=3)
     for r in (0, 2):
@@ -587,7 +589,7 @@ def test_a_close_while_a_rank_is_missing_is_blamed_after_the_grace(tmp_path):
     h.co.on_event(("closed", 2, "closed"))
     h.co.on_event(("closed", 0, "RuntimeError: store timeout"))
     h.clock.advance(LOST_PEER_GRACE_S - 0.5)
-    h.co._check_connect_closes()  # within the grace: still waiting for rank 1 to be found lost
+    h.co.check_startup()  # within the grace: still waiting for rank 1 to be found lost
     h.clock.advance(1.0)
     with pytest.raises(RunFailure, match=r"^rank 2 failed before training started \(ranks \[1\] never connected\): "
                        r"closed; then rank 0 failed: RuntimeError: store timeout$"):

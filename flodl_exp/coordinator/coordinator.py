@@ -39,7 +39,10 @@ from flodl_exp.coordinator.wire_outbox import Transport, WireOutbox
 from flodl_exp.core.cohort import Cohort, ProgressWatch
 from flodl_exp.core.commands import (
     AnchorHint,
+    AwaitingRanks,
+    ClosedBeforeStart,
     Closing,
+    LostBeforeJoin,
     PreemptAsked,
     RankDeath,
     RankEvicted,
@@ -49,6 +52,7 @@ from flodl_exp.core.commands import (
     Resumed,
     RunFailed,
     SaveAndStop,
+    StartupCheck,
     Stop,
     TerminateAsked,
     Tick,
@@ -71,12 +75,6 @@ from flodl_exp.torch_averager import TorchAverager
 log = logging.getLogger("flodl_exp.coordinator")
 
 COORD_HEARTBEAT_S = 1.0
-LOST_PEER_GRACE_S = 3.0
-"""Start-up: how long a joined rank's failure waits for a rank that never connected to be found lost before
-the failure is blamed on the joined rank. A task's death ends its joined peers' setup at once (collateral
-closes), often before its own process reads as gone (a zombie until the task manager reaps it; 24 polls a
-second under submitit's local executor)."""
-
 ServerEvent = tuple[Any, ...]
 """From the rank server: ``("join", rank, Hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
 
@@ -171,10 +169,6 @@ class Coordinator:
         if self.resume is not None:
             self._resume(self.resume)
         self._inputs_logged = False
-        self._connect_closes: list[tuple[int, str]] = []
-        """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
-        self._blame_by: Optional[float] = None
-        """When the first of those closes is blamed if no rank that never connected was found lost by then."""
 
     def _build_core(self) -> None:
         """The core for ``self.cfg`` (again after mode.auto chose a mode: nothing has happened in the first one)."""
@@ -315,74 +309,56 @@ class Coordinator:
 
     # -- main loop ----------------------------------------------------------
     def run(self, connect_timeout: float) -> Status:
-        deadline = self.clock() + connect_timeout
+        self._handle(AwaitingRanks(connect_timeout, self.clock()))
         next_check = self.clock()
         while self.view.is_(Phase.CONNECTING):
             self.pump(0.1)
-            if self._connect_closes:
-                self._check_connect_closes()
+            if self.view.closed_before_start():
+                self._find_lost_before_join()
             elif self.view.all_joined():
                 self.start()
-            elif self.clock() > deadline:
-                raise RunFailure(f"ranks {self.view.missing()} did not connect within {connect_timeout:.0f}s")
             elif self.clock() >= next_check:
                 next_check = self.clock() + 1.0
-                self._check_lost_before_join()
+                self._find_lost_before_join()
+            self.check_startup()
         while not self.view.is_(Phase.DONE):
             self.pump(0.02)
             self.tick()
         return self.view.status
 
-    def _check_lost_before_join(self) -> None:
-        """A task whose process is gone before its rank said hello can never join: fail now, naming it (its
-        pid and host) first, then any joined rank that failed since (collateral: its setup waited for it)."""
+    def check_startup(self) -> None:
+        """The core's start-up verdict now (a close past its grace, the connect deadline): RunFailure when the run
+        cannot start."""
+        if self.view.is_(Phase.CONNECTING):
+            self._handle(StartupCheck(self.clock()))
+        self._raise_if_failed_to_start()
+
+    def _raise_if_failed_to_start(self) -> None:
+        failure = self.view.startup_failure
+        if failure is not None:
+            raise RunFailure(failure)
+
+    def _find_lost_before_join(self) -> None:
+        """A task whose process is gone before its rank said hello can never join: each such rank found in the job
+        folder (its death record, or its marker's process gone) goes to the core, which blames it first."""
         from flodl_exp.rendezvous import lost_before_join, setup_failure
 
-        closed = {q for q, _ in self._connect_closes}
         for r in self.view.missing():
-            if r in closed:
-                continue
-            after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._connect_closes)
             cause = setup_failure(self.job_dir, r, self.spec.attempt)
             if cause is not None:  # the rank said why (its death record), alive or not (rank 0 is a thread of task 0)
-                raise RunFailure(f"rank {r} could not set up: {cause}{after}")
-            why = lost_before_join(self.job_dir, r, self.spec.attempt)
-            if why:
-                raise RunFailure(f"rank {r} was lost before training started: {why}{after}")
+                self._handle(LostBeforeJoin(r, cause, True, self.clock()))
+            else:
+                why = lost_before_join(self.job_dir, r, self.spec.attempt)
+                if why:
+                    self._handle(LostBeforeJoin(r, why, False, self.clock()))
+            self._raise_if_failed_to_start()
 
     def _on_close_while_connecting(self, r: int, err: str) -> None:
-        """A rank's connection closed before training started: the run cannot start. When another rank never
-        connected, its loss is the likelier first cause (its death ends the joined ranks' setup at once): the
-        failure waits up to LOST_PEER_GRACE_S for it to be found lost (``_check_connect_closes``), then
-        blames this close."""
-        self._connect_closes.append((r, err))
-        self._check_lost_before_join()
-        closed = {q for q, _ in self._connect_closes}
-        others = [q for q in self.view.missing() if q not in closed]
-        if not others:
-            raise self._connect_failure()
-        if self._blame_by is None:
-            self._blame_by = self.clock() + LOST_PEER_GRACE_S
-            log.warning("rank %d failed before training started (%s); ranks %s never connected: waiting up to "
-                        "%.0fs for one of them to be found lost (the likelier first cause)", r, err, others,
-                        LOST_PEER_GRACE_S)
-
-    def _check_connect_closes(self) -> None:
-        """Connecting with a close pending: a rank found lost leads the failure; past the grace, or once every
-        rank joined after all, the first close is blamed."""
-        self._check_lost_before_join()
-        assert self._blame_by is not None
-        if self.clock() >= self._blame_by or self.view.all_joined():
-            raise self._connect_failure()
-
-    def _connect_failure(self) -> RunFailure:
-        """The first close before training started, blamed; any later ones after it."""
-        (r, err), later = self._connect_closes[0], self._connect_closes[1:]
-        closed = {q for q, _ in self._connect_closes}
-        missing = [q for q in self.view.missing() if q not in closed]
-        cause = f" (ranks {missing} never connected)" if missing else ""
-        after = "".join(f"; then rank {q} failed: {e}" for q, e in later)
-        return RunFailure(f"rank {r} failed before training started{cause}: {err}{after}")
+        """A rank's connection closed before training started: the run cannot start; the core decides whom to
+        blame (a missing rank found lost within the grace leads: core/startup.py)."""
+        self._handle(ClosedBeforeStart(r, err, self.clock()))
+        self._raise_if_failed_to_start()
+        self._find_lost_before_join()
 
     def pump(self, timeout: float) -> None:
         """Handle every queued rank event (waiting up to ``timeout`` for the first)."""

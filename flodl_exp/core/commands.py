@@ -222,5 +222,43 @@ class Closing:
     now: float
 
 
+@dataclass(frozen=True)
+class AwaitingRanks:
+    """The shell started waiting for the ranks to join: every rank must have said hello within ``timeout_s``."""
+
+    timeout_s: float
+    now: float
+
+
+@dataclass(frozen=True)
+class ClosedBeforeStart:
+    """A joined rank's connection closed before training started (its setup failed): the run cannot start, and
+    the core decides whom the failure blames (core/startup.py)."""
+
+    rank: int
+    error: str
+    now: float
+
+
+@dataclass(frozen=True)
+class LostBeforeJoin:
+    """A rank that never joined was found lost: its task's death record says why its setup failed
+    (``set_up_failed``), or its process is gone (``cause`` names its pid and host)."""
+
+    rank: int
+    cause: str
+    set_up_failed: bool
+    now: float
+
+
+@dataclass(frozen=True)
+class StartupCheck:
+    """A turn of the shell's loop while the ranks connect: the core fails the run when a start-up failure is due
+    (a close past its grace, the connect deadline)."""
+
+    now: float
+
+
 Event = Union[RankJoined, TrainingStarts, RankMessage, RankDeath, RankEvicted, Tick, RunFailed, SaveAndStop, Stop,
-              AnchorHint, RankHeard, Resumed, PreemptAsked, TerminateAsked, Closing]
+              AnchorHint, RankHeard, Resumed, PreemptAsked, TerminateAsked, Closing, AwaitingRanks, ClosedBeforeStart,
+              LostBeforeJoin, StartupCheck]

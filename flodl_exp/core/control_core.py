@@ -47,10 +47,13 @@ from flodl_exp.core.checkpoints import BundleWriter, Checkpoints, MetaFacts
 from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.commands import (
     AnchorHint,
+    AwaitingRanks,
+    ClosedBeforeStart,
     Closing,
     Command,
     CommandOutbox,
     Event,
+    LostBeforeJoin,
     PreemptAsked,
     RankDeath,
     RankEvicted,
@@ -61,6 +64,7 @@ from flodl_exp.core.commands import (
     Resumed,
     RunFailed,
     SaveAndStop,
+    StartupCheck,
     Stop,
     TerminateAsked,
     Tick,
@@ -82,6 +86,7 @@ from flodl_exp.core.report_pace import ReportPacing, pace_enabled
 from flodl_exp.core.reports import RankReports
 from flodl_exp.core.run_end import RunEnd
 from flodl_exp.core.run_state import run_state
+from flodl_exp.core.startup import StartupBlame
 from flodl_exp.core.view import CoreView
 from flodl_exp.policy.controllers import build_elche, build_run_guard
 from flodl_exp.policy.meta import LrEventMeta
@@ -209,6 +214,8 @@ class ControlCore:
             outbox=self.outbox, obs=observer, enter=self.enter, shutdown=self.shutdown, fire_reduce=self.fire_reduce)
         """Evals, the user's eval and stop intents, the final consensus and the run's end (core/run_end.py)."""
         self.evals = self.run_end.evals
+        self.startup = StartupBlame()
+        """Whom a run that cannot start blames (core/startup.py)."""
         self.reduces = Reduces(
             mode=self.mode, fold_updates=self.mode.folds_updates(shape.progressive), life=self.life,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, checkpoints=self.checkpoints,
@@ -332,6 +339,12 @@ class ControlCore:
             "retrained_picks": self.dispatch.retrained_picks,
             "saved_stem": self.saved_stem,
         }
+
+    def startup_failed(self, failure: Optional[str]) -> None:
+        """The start-up blame's verdict (core/startup.py), while the ranks connect: a failure ends the run."""
+        if failure is not None and self.life.is_(Phase.CONNECTING):
+            self.startup.failure = failure
+            self.fail(failure)
 
     def fail(self, failure: str) -> None:
         """The shell's loop raised (RunFailure or a crash): the run ends FAILED and the ranks are told."""
@@ -597,6 +610,10 @@ _HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
     SaveAndStop: lambda c, e: c.shutdown_with_save(e.reason, e.detail),
     Stop: lambda c, e: c.shutdown(),
     AnchorHint: ControlCore._on_hint,
+    AwaitingRanks: lambda c, e: c.startup.awaiting(e.timeout_s, e.now),
+    ClosedBeforeStart: lambda c, e: c.startup_failed(c.startup.on_close(e.rank, e.error, c.cohort.missing(), e.now)),
+    LostBeforeJoin: lambda c, e: c.startup_failed(c.startup.on_lost(e.rank, e.cause, e.set_up_failed)),
+    StartupCheck: lambda c, e: c.startup_failed(c.startup.check(c.cohort.missing(), e.now)),
 }
 """Each event kind's handler (:meth:`ControlCore.handle`)."""
 

@@ -17,6 +17,7 @@ from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.lifecycle import Lifecycle, Phase, Status
 from flodl_exp.core.preemption import Preemption
 from flodl_exp.core.run_end import EvalState
+from flodl_exp.core.startup import StartupBlame
 from flodl_exp.policy.mode import Mode
 
 
@@ -28,6 +29,7 @@ class _Core(Protocol):
     cycle: AveragingCycle
     dispatch: Dispatcher
     anchor_seeded: bool
+    startup: StartupBlame
     evals: EvalState
     writer: BundleWriter
     preemption: Preemption
@@ -135,6 +137,15 @@ class CoreView:
 
     def all_joined(self) -> bool:
         return self._core.cohort.all_joined()
+
+    def closed_before_start(self) -> bool:
+        """A joined rank's connection closed while the ranks connect (the core waits to decide whom to blame)."""
+        return bool(self._core.startup.closes)
+
+    @property
+    def startup_failure(self) -> Optional[str]:
+        """Why the core failed the run before training started (core/startup.py), or None."""
+        return self._core.startup.failure
 
     def missing(self) -> list[int]:
         """Ranks not (or no longer) in the cohort."""
