@@ -36,7 +36,7 @@ def _cycle(policy: str, steps: list[int], counts: list[int], throttled: list[boo
                      elche=None, guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=max_batch_diff,
                      outbox=_Out(), clock=lambda: 0.0)  # type: ignore[arg-type]
     c.fixed = counts
-    c.ledger = [Ledger(steps=s, throttled=t) for s, t in zip(steps, throttled)]
+    c._ledger = [Ledger(steps=s, throttled=t) for s, t in zip(steps, throttled)]
     return c
 
 

@@ -88,7 +88,7 @@ def test_a_role_that_moves_mid_run_starts_after_the_newest_epoch_begun(tmp_path)
     h = Harness(tmp_path, "cpu_cadence", world=2, epochs=4, **EPOCH_PROBE)
     h.start(samples=960)
     h.co.core.dispatch.rank_epoch[0] = 1  # rank 0 began epoch 1
-    h.co.core.cohort.callback_rank = 1  # the election moved the role
+    h.co.core.cohort._callback_rank = 1  # the election moved the role (set as the election would)
     h.co.core.push_epoch_role()
     (moved,) = {p.from_epoch for _, p in h.transport.take(SetEpochRole)}
     assert moved == 2

@@ -56,7 +56,7 @@ class MetaFacts:
 class BundleWriter:
     def __init__(self, *, stem: str, facts: MetaFacts, plan: EpochPlan, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
                  outbox: Outbox, obs: CoreObserver, store: BundleStore, wall_clock: Callable[[], float]) -> None:
-        self.stem = stem
+        self._stem = stem
         self._wall_clock = wall_clock
         """Unix time, for the meta's ``unix_time`` (the shell's clock: the core reads none itself)."""
         self.facts = facts
@@ -71,10 +71,10 @@ class BundleWriter:
         self._pending: Counter[int] = Counter()
         """rank -> ``save_result``s outstanding for the bundle in progress (a retried piece adds one)."""
         self.stem_in_progress: Optional[str] = None
-        self.model_rank: Optional[int] = None
+        self._model_rank: Optional[int] = None
         """The rank writing the bundle's model piece (a failed write moves to another live rank)."""
         self.model_tried: set[int] = set()
-        self.failed: dict[str, str] = {}
+        self._failed: dict[str, str] = {}
         """stem -> why the bundle failed (no meta was written for it)."""
         self._expected: dict[int, deque[list[str]]] = {}
         """rank -> the pieces each of its outstanding saves writes (file names), in send order."""
@@ -88,16 +88,28 @@ class BundleWriter:
         self.completed: set[str] = set()
         """Stems whose meta this writer wrote."""
 
+    @property
+    def stem(self) -> str:
+        return self._stem
+
+    @property
+    def failed(self) -> dict[str, str]:
+        return self._failed
+
+    @property
+    def model_rank(self) -> Optional[int]:
+        return self._model_rank
+
     def stem_for(self, kind: str, epoch: Optional[int] = None) -> str:
         if kind == "final":
-            return self.stem
+            return self._stem
         if kind == "epoch":
-            return f"{self.stem}_epoch{epoch}"
+            return f"{self._stem}_epoch{epoch}"
         if kind == "at_epoch":
-            return f"{self.stem}_at{epoch}"
+            return f"{self._stem}_at{epoch}"
         if kind == "requested":
-            return f"{self.stem}_requested{epoch}"
-        return f"{self.stem}_{kind}"
+            return f"{self._stem}_requested{epoch}"
+        return f"{self._stem}_{kind}"
 
     @property
     def settled(self) -> bool:
@@ -109,7 +121,7 @@ class BundleWriter:
         return sorted(r for r, n in self._pending.items() if n > 0)
 
     def _pieces(self, r: int, primary: bool, model: bool) -> list[str]:
-        stem = self.stem_in_progress or self.stem
+        stem = self.stem_in_progress or self._stem
         names = [optim_path(stem, r, primary)]
         if model:
             names.insert(0, model_path(stem))
@@ -144,9 +156,9 @@ class BundleWriter:
         primary = self._cohort.primary() if model_rank is None else model_rank
         self._pending = Counter()
         self._expected = {}
-        self.stem_in_progress, self.model_rank, self.model_tried = stem, primary, {primary}
+        self.stem_in_progress, self._model_rank, self.model_tried = stem, primary, {primary}
         self._written, self._errors, self._model_error, self._concluded = set(), [], None, None
-        self.failed.pop(stem, None)
+        self._failed.pop(stem, None)
         self.completed.discard(stem)
         try:
             gone = self._store.remove_bundle(stem)  # before any piece is written: old and new pieces never mix
@@ -171,14 +183,14 @@ class BundleWriter:
             log.warning("rank %d could not save %s: %s", r, res.stem, res.error)
             self._obs.set_tags({f"save_error.rank{r}": str(res.error)[:2000]})
             if current:
-                if r == self.model_rank:
+                if r == self._model_rank:
                     self._model_error = f"rank {r}: {res.error}"  # recovered if another rank writes the model
                 else:
                     self._errors.append(f"rank {r}: {res.error}")
         elif current:
             self._written.update(pieces)
         self._settle(r)
-        if res.error and r == self.model_rank and current:
+        if res.error and r == self._model_rank and current:
             self._retry_model_piece(res.stem, res.error)
         self._maybe_conclude()
 
@@ -189,10 +201,10 @@ class BundleWriter:
         if not left:
             log.error("bundle %s: no live rank could write the model piece (last error: %s)", stem, error)
             self._obs.set_tags({"save_failed": stem[-200:]})
-            self.model_rank = None
+            self._model_rank = None
             return
         q = left[0]
-        self.model_rank = q
+        self._model_rank = q
         self.model_tried.add(q)
         self.expect(q)
         log.warning("bundle %s: the model piece goes to rank %d instead", stem, q)
@@ -206,7 +218,7 @@ class BundleWriter:
     def on_rank_dead(self, r: int) -> None:
         """``r`` died with saves outstanding: they are forfeit, the bundle never waits for them; when it owed
         the model piece, that piece goes to another live rank (every replica holds the same consensus)."""
-        owed_model = self._pending.get(r, 0) > 0 and r == self.model_rank and self.stem_in_progress is not None
+        owed_model = self._pending.get(r, 0) > 0 and r == self._model_rank and self.stem_in_progress is not None
         self._pending.pop(r, None)
         self._expected.pop(r, None)
         if owed_model:
@@ -229,7 +241,7 @@ class BundleWriter:
             self._write(stem, self._deferred.pop(stem))
 
     def _fail(self, stem: str, error: str) -> None:
-        self.failed[stem] = error
+        self._failed[stem] = error
         self._deferred.pop(stem, None)
         log.error("bundle %s FAILED, no meta written (not resumable): %s", stem, error)
         self._obs.set_tags({f"bundle_failed.{file_name(stem)[:200]}": f"{stem}: {error}"[:5000]})
@@ -248,7 +260,7 @@ class BundleWriter:
         settle when they are still to come (ShutdownWithSave asks first), never for a failed bundle."""
         from flodl_exp.partition import PERMUTATION_ALGORITHM
 
-        stem = stem or self.stem
+        stem = stem or self._stem
         f = self.facts
         guard = self._cycle.guard
         elche = self._cycle.elche
@@ -262,14 +274,14 @@ class BundleWriter:
             guard_kind=f.guard_kind, guard_state=guard.state_dict(),
             coverage=MetaCoverage(seed=f.shuffle_seed, algorithm=PERMUTATION_ALGORITHM, batch_size=f.batch_size,
                                   per_epoch=tuple(coverage_epochs or ())))
-        if stem in self.failed:
-            log.error("bundle %s: no meta (%s)", stem, self.failed[stem])
+        if stem in self._failed:
+            log.error("bundle %s: no meta (%s)", stem, self._failed[stem])
             return
         if stem != self.stem_in_progress or not self.settled:
             self._deferred[stem] = meta
             return
         self._maybe_conclude()
-        if stem in self.failed:
+        if stem in self._failed:
             return
         self._write(stem, meta)
 
@@ -323,7 +335,7 @@ class Checkpoints:
         self.every = every
         self.at_epoch = at_epoch if progressive else None
         self._plan = EpochPlan.of(epochs)
-        self.progressive = progressive
+        self._progressive = progressive
         self.world_size = world_size
         self._writer = writer
         self._cohort = cohort
@@ -347,6 +359,10 @@ class Checkpoints:
             dispatch.hold_after(self.at_epoch)
 
     @property
+    def progressive(self) -> bool:
+        return self._progressive
+
+    @property
     def epochs(self) -> int:
         """The run's epoch count (the shared :class:`EpochPlan`: lowered once by a stop)."""
         return self._plan.epochs
@@ -357,7 +373,7 @@ class Checkpoints:
 
     def periodic_due(self, e: int) -> bool:
         """Non-progressive: after aggregating epoch e, hold and write the boundary bundle."""
-        return not self.progressive and self.every > 0 and (e + 1) % self.every == 0 and e + 1 < self.epochs
+        return not self._progressive and self.every > 0 and (e + 1) % self.every == 0 and e + 1 < self.epochs
 
     def begin_periodic(self, e: int) -> None:
         """Hold dispatch of epoch e+1 (the caller moves to CHECKPOINTING) until the bundle of epoch e is written."""
@@ -403,7 +419,7 @@ class Checkpoints:
 
     def maybe_coverage_bundle(self) -> None:
         """At a reduce finish, before any new chunk is dispatched: an at_epoch or periodic bundle when due."""
-        if not self.progressive or self.busy:
+        if not self._progressive or self.busy:
             return
         alive = self._cohort.alive_ranks()
         reached = max((self._dispatch.rank_epoch[r] for r in alive), default=-1)

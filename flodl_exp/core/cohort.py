@@ -43,8 +43,8 @@ class Cohort:
         self.world_size = world_size
         self._wall_clock = wall_clock
         """Unix time, for a death's ``unix_time`` (the shell's clock; 0.0 where none is given: the tests')."""
-        self.fixed_callback = fixed_callback
-        self.callback_rank = fixed_callback if fixed_callback is not None else 0
+        self._fixed_callback = fixed_callback
+        self._callback_rank = fixed_callback if fixed_callback is not None else 0
         self.roles_elected = False
         """Fastest-rank election happened (sticky until a death)."""
         self._alive = [False] * world_size
@@ -52,15 +52,39 @@ class Cohort:
         self._alive_list: Optional[list[int]] = None
         self._exited = [False] * world_size
         self._last_seen = [now] * world_size
-        self.finals: dict[int, dict[str, Any]] = {}
+        self._finals: dict[int, dict[str, Any]] = {}
         """rank -> its clean-exit report (hash, steps, global_step)."""
-        self.errors: dict[int, dict[str, Any]] = {}
+        self._errors: dict[int, dict[str, Any]] = {}
         """rank -> the error it reported before failing."""
-        self.deaths: list[Death] = []
+        self._deaths: list[Death] = []
         self.batches = [0] * world_size
         """Batches each rank reported trained (its last step, for death records and stall dumps)."""
-        self.generation = 0
+        self._generation = 0
         """Process-group generation (nccl): bumped at each regroup, the store prefix of the new group."""
+
+    @property
+    def deaths(self) -> list[Death]:
+        return self._deaths
+
+    @property
+    def errors(self) -> dict[int, dict[str, Any]]:
+        return self._errors
+
+    @property
+    def callback_rank(self) -> int:
+        return self._callback_rank
+
+    @property
+    def fixed_callback(self) -> Optional[int]:
+        return self._fixed_callback
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def finals(self) -> dict[int, dict[str, Any]]:
+        return self._finals
 
     # -- queries ----------------------------------------------------------
     def alive(self, r: int) -> bool:
@@ -114,10 +138,10 @@ class Cohort:
 
     def primary(self) -> int:
         """The rank that writes the model and the primary optimizer piece: the callback rank, else the lowest live one."""
-        if self._alive[self.callback_rank]:
-            return self.callback_rank
+        if self._alive[self._callback_rank]:
+            return self._callback_rank
         low = self.lowest_alive()
-        return self.callback_rank if low is None else low
+        return self._callback_rank if low is None else low
 
     # -- events -----------------------------------------------------------
     def join(self, r: int, now: float) -> None:
@@ -131,11 +155,11 @@ class Cohort:
         self._last_seen[r] = now
 
     def record_error(self, r: int, report: dict[str, Any]) -> None:
-        self.errors[r] = report
+        self._errors[r] = report
 
     def mark_exited(self, r: int, final: dict[str, Any]) -> None:
         self._exited[r] = True
-        self.finals[r] = final
+        self._finals[r] = final
 
     def mark_dead(self, r: int, reason: str, *, epoch: int, global_step: int, unreduced_steps: int = 0,
                   acked_steps: int = 0) -> Optional[Death]:
@@ -147,17 +171,17 @@ class Cohort:
         self._alive_list = None
         if self._exited[r]:
             return None
-        report = self.errors.get(r) or {}
+        report = self._errors.get(r) or {}
         err = report.get("error")
         death = Death(r, f"{reason}: {err}" if err else reason, epoch, global_step, last_step=self.batches[r],
                       unix_time=self._wall_clock(), traceback=str(report.get("traceback") or ""), unreduced_steps=unreduced_steps,
                       acked_steps=acked_steps)
-        self.deaths.append(death)
+        self._deaths.append(death)
         return death
 
     def next_generation(self) -> int:
-        self.generation += 1
-        return self.generation
+        self._generation += 1
+        return self._generation
 
     def on_batch(self, r: int) -> None:
         self.batches[r] += 1
@@ -165,7 +189,7 @@ class Cohort:
     def elect_fastest_once(self, smoothed_ms: Callable[[int], Optional[float]]) -> None:
         """ElChe calibrated: the fastest rank takes the callback roles, once (sticky: re-elected only on a
         death), unless ``eval.callback_rank`` pinned them."""
-        if self.fixed_callback is None and not self.roles_elected:
+        if self._fixed_callback is None and not self.roles_elected:
             self.roles_elected = True
             self.elect_callback(smoothed_ms)
 
@@ -177,13 +201,13 @@ class Cohort:
         alive = self.alive_ranks()
         if not alive:
             return
-        if self.fixed_callback is not None:
-            self.callback_rank = self.fixed_callback
+        if self._fixed_callback is not None:
+            self._callback_rank = self._fixed_callback
             return
         if smoothed_ms is not None:
-            self.callback_rank = min(alive, key=lambda q: (smoothed_ms(q) or math.inf, q))
-        elif force or not self._alive[self.callback_rank]:
-            self.callback_rank = alive[0]
+            self._callback_rank = min(alive, key=lambda q: (smoothed_ms(q) or math.inf, q))
+        elif force or not self._alive[self._callback_rank]:
+            self._callback_rank = alive[0]
 
 
 class ProgressWatch:

@@ -343,7 +343,7 @@ class ControlCore:
     def startup_failed(self, failure: Optional[str]) -> None:
         """The start-up blame's verdict (core/startup.py), while the ranks connect: a failure ends the run."""
         if failure is not None and self.life.is_(Phase.CONNECTING):
-            self.startup.failure = failure
+            self.startup.failed(failure)
             self.fail(failure)
 
     def fail(self, failure: str) -> None:

@@ -127,41 +127,41 @@ class AveragingCycle:
                  relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float],
                  outer: Optional[OuterSpec] = None, lockstep_ahead: int = 0, averager: Optional[Averager] = None) -> None:
         self.world_size = world_size
-        self.mode = mode
+        self._mode = mode
         self.policy, self.backend = mode.policy, mode.backend
         self.gamma = gamma
         self.alpha = alpha
         self.progressive = progressive
-        self.elche = elche
-        self.guard = guard
+        self._elche = elche
+        self._guard = guard
         self.meta = meta
         self.relax_up = relax_up
         self.max_batch_diff = max_batch_diff
         self._out = outbox
         self._clock = clock
-        self.ledger = [Ledger() for _ in range(world_size)]
-        self.in_flight: Optional[Reduce] = None
-        self.version = 0
+        self._ledger = [Ledger() for _ in range(world_size)]
+        self._in_flight: Optional[Reduce] = None
+        self._version = 0
         """Finished reduces (the bundle's ``sync_round``)."""
-        self.global_step = 0
+        self._global_step = 0
         """Batches averaged into the consensus so far, all ranks together."""
         self.lr_seen: Optional[float] = None
         self.window_t0 = clock()
         self.slack_source: Callable[[], dict[int, float]] = dict
         """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
-        self.outer_spec = outer or OuterSpec()
-        self.averager = averager
+        self._outer_spec = outer or OuterSpec()
+        self._averager = averager
         """cpu backend: the consensus arithmetic and the outer optimizer's state (the shell's port; nccl: None,
         the ranks average and hold the outer optimizer themselves)."""
         self._probe: Optional[list[list[float]]] = (
             [[] for _ in range(world_size)] if elche is not None and mode.window_grows else None)
         """Compute ms of each rank's first steps, until the cold-start probe has been taken (then None)."""
-        self.probe_full = 0
+        self._probe_full = 0
         """Ranks that have timed PROBE_STEPS steps (the probe is due when every live rank has)."""
         self._ones = [1] * world_size
-        self.lockstep_ahead = lockstep_ahead if mode.lockstep_capable and world_size >= 2 else 0
+        self._lockstep_ahead = lockstep_ahead if mode.lockstep_capable and world_size >= 2 else 0
         """nccl_sync: how many reduces the ranks may run ahead on their own (``mode.lockstep_ahead``; 0: off)."""
-        self.lockstep_until = 0
+        self._lockstep_until = 0
         """The license granted so far (Lockstep): the ranks start every reduce below this version on their own, and
         the coordinator never sends a sync_now below it."""
         self._early: dict[int, dict[int, SyncAck]] = {}
@@ -170,23 +170,75 @@ class AveragingCycle:
         """When each of those reduces' first answer came (its start, for sync_ms and the stall ceiling)."""
         self._left: Optional[int] = None
         """The fewest steps any member's chunk had left at the last finished reduce (None: unknown)."""
-        self.lockstep_syncs = 0
+        self._lockstep_syncs = 0
         """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
+
+    @property
+    def elche(self) -> Optional[ElChe]:
+        return self._elche
+
+    @property
+    def in_flight(self) -> Optional[Reduce]:
+        return self._in_flight
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def outer_spec(self) -> OuterSpec:
+        return self._outer_spec
+
+    @property
+    def averager(self) -> Optional[Averager]:
+        return self._averager
+
+    @property
+    def guard(self) -> ConvergenceGuard:
+        return self._guard
+
+    @property
+    def ledger(self) -> list[Ledger]:
+        return self._ledger
+
+    @property
+    def lockstep_ahead(self) -> int:
+        return self._lockstep_ahead
+
+    @property
+    def lockstep_until(self) -> int:
+        return self._lockstep_until
+
+    @property
+    def probe_full(self) -> int:
+        return self._probe_full
+
+    @property
+    def lockstep_syncs(self) -> int:
+        return self._lockstep_syncs
 
     # -- state ------------------------------------------------------------
     @property
     def counts(self) -> list[int]:
-        return self.elche.batch_counts if self.elche is not None else [1] * self.world_size
+        return self._elche.batch_counts if self._elche is not None else [1] * self.world_size
 
     @property
     def anchor(self) -> Optional[int]:
         """ElChe's anchor (the slowest rank's window length); None without ElChe (one rank)."""
-        return self.elche.anchor if self.elche is not None else None
+        return self._elche.anchor if self._elche is not None else None
 
     @property
     def counts_view(self) -> Sequence[int]:
         """:attr:`counts` without the copy, for per-chunk reads (see ElChe.counts_view)."""
-        return self.elche.counts_view if self.elche is not None else self._ones
+        return self._elche.counts_view if self._elche is not None else self._ones
 
     @property
     def probing(self) -> bool:
@@ -194,30 +246,30 @@ class AveragingCycle:
         return self._probe is not None
 
     def restore(self, global_step: int, version: int) -> None:
-        self.global_step, self.version = global_step, version
+        self._global_step, self._version = global_step, version
 
     def steps(self, r: int) -> int:
-        return self.ledger[r].steps
+        return self._ledger[r].steps
 
     def any_steps(self, ranks: Iterable[int]) -> bool:
-        return any(self.ledger[r].steps > 0 for r in ranks)
+        return any(self._ledger[r].steps > 0 for r in ranks)
 
     def window_loss(self) -> float:
-        n = sum(led.loss_count for led in self.ledger)
-        return sum(led.loss_sum for led in self.ledger) / n if n else float("nan")
+        n = sum(led.loss_count for led in self._ledger)
+        return sum(led.loss_sum for led in self._ledger) / n if n else float("nan")
 
     def stalled(self, now: float, ceiling_s: float) -> bool:
-        return self.in_flight is not None and now - self.in_flight.started > ceiling_s
+        return self._in_flight is not None and now - self._in_flight.started > ceiling_s
 
     # -- rank reports -------------------------------------------------------
     def on_batch(self, r: int, b: Batch, *, speaks_for_lr: bool) -> None:
-        self.ledger[r].add(b.ms, b.data_ms, b.loss)
+        self._ledger[r].add(b.ms, b.data_ms, b.loss)
         if speaks_for_lr and b.lr is not None:
             self.lr_seen = b.lr
         if self._probe is not None and len(self._probe[r]) < PROBE_STEPS:
             self._probe[r].append(b.ms)
             if len(self._probe[r]) == PROBE_STEPS:
-                self.probe_full += 1
+                self._probe_full += 1
 
     def seed_from_probe(self, alive: list[int]) -> Optional[list[float]]:
         """Cold start (once per run): when every live rank has timed :data:`PROBE_STEPS` steps and no reduce
@@ -225,7 +277,7 @@ class AveragingCycle:
         rank's steps after its first), so the fast ranks do not idle through an equal first window. Returns
         the per-rank ms it used when it did (the caller then hands the fast ranks the rest of their window),
         None otherwise."""
-        probe, elche = self._probe, self.elche
+        probe, elche = self._probe, self._elche
         if probe is None or elche is None or not alive or any(len(probe[r]) < PROBE_STEPS for r in alive):
             return None
         self._probe = None
@@ -237,14 +289,14 @@ class AveragingCycle:
     def on_ack(self, r: int, ack: SyncAck) -> bool:
         """Book an answer; True when it answers the reduce in flight (a lockstep answer to a later reduce waits
         for that one to open; one to a reduce already finished, or that no license covers, is dropped)."""
-        red = self.in_flight
+        red = self._in_flight
         v = ack.version
-        if v is not None and v != self.version:
+        if v is not None and v != self._version:
             if self.answers_ahead(v):
                 self._early.setdefault(v, {})[r] = ack
                 self._early_t.setdefault(v, self._clock())
             else:
-                log.debug("rank %d answered reduce %d while %d is the current one: dropped", r, v, self.version)
+                log.debug("rank %d answered reduce %d while %d is the current one: dropped", r, v, self._version)
             return False
         if red is not None and red.backend is Backend.NCCL and r in red.members:
             if red.lockstep and not red.acks:  # a lockstep reduce's time runs from its first answer, not its opening
@@ -255,19 +307,19 @@ class AveragingCycle:
 
     def answers_ahead(self, version: Optional[int]) -> bool:
         """An answer to ``version`` is one to a later lockstep reduce (kept until that one opens)."""
-        return version is not None and self.version < version < self.lockstep_until
+        return version is not None and self._version < version < self._lockstep_until
 
     def open_lockstep(self, alive: list[int]) -> list[int]:
         """The ranks start the next reduce on their own (it is below the license): open it here without a sync_now,
         over the live ranks and any that answered it before dying, with the answers that came early. Returns the
         ranks whose answers it holds already."""
-        if self.in_flight is not None or self.version >= self.lockstep_until:
-            raise RuntimeError(f"no lockstep reduce to open at version {self.version} (license {self.lockstep_until})")
-        early = self._early.pop(self.version, {})
-        started = self._early_t.pop(self.version, self._clock())
-        self.lockstep_syncs += 1
-        self.in_flight = Reduce(self.backend, started, set(alive) | set(early), lockstep=True)
-        self.in_flight.acks.update(early)
+        if self._in_flight is not None or self._version >= self._lockstep_until:
+            raise RuntimeError(f"no lockstep reduce to open at version {self._version} (license {self._lockstep_until})")
+        early = self._early.pop(self._version, {})
+        started = self._early_t.pop(self._version, self._clock())
+        self._lockstep_syncs += 1
+        self._in_flight = Reduce(self.backend, started, set(alive) | set(early), lockstep=True)
+        self._in_flight.acks.update(early)
         return sorted(early)
 
     def extend_lockstep(self, allowed: bool) -> Optional[int]:
@@ -275,36 +327,36 @@ class AveragingCycle:
         member's chunk has left, once half of it is used (not every step: a message per rank each time). Returns
         the new license to broadcast, or None. Not ``allowed`` (a bundle, a preemption, a death, an eval wants the
         cohort held): the license runs out by itself, at most ``ahead`` steps later."""
-        if not allowed or self.lockstep_ahead <= 0 or not self._left:
+        if not allowed or self._lockstep_ahead <= 0 or not self._left:
             return None
-        if self.lockstep_until - self.version > self.lockstep_ahead // 2:
+        if self._lockstep_until - self._version > self._lockstep_ahead // 2:
             return None
-        target = self.version + min(self.lockstep_ahead, self._left)
-        if target <= self.lockstep_until:
+        target = self._version + min(self._lockstep_ahead, self._left)
+        if target <= self._lockstep_until:
             return None
-        self.lockstep_until = target
+        self._lockstep_until = target
         return target
 
     def on_snapshot(self, r: int, snap: Snapshot) -> None:
-        red = self.in_flight
+        red = self._in_flight
         if red is not None and red.backend is Backend.CPU and r in red.members:
             red.snapshots[r] = snap
 
     def acked_steps(self, r: int) -> int:
         """Steps of ``r`` in its answer to the nccl reduce in flight (0: none in flight, or not answered)."""
-        red = self.in_flight
-        return min(red.acks[r].n, self.ledger[r].steps) if red is not None and red.backend is Backend.NCCL and r in red.acks else 0
+        red = self._in_flight
+        return min(red.acks[r].n, self._ledger[r].steps) if red is not None and red.backend is Backend.NCCL and r in red.acks else 0
 
     def unreduced_steps(self, r: int) -> int:
         """Steps of ``r`` that are in no finished reduce nor in its answer to the one in flight (an nccl ack holds
         its share, if the survivors' collective holds it: see :attr:`ReduceOutcome.dead_out`)."""
-        return max(0, self.ledger[r].steps - self.acked_steps(r))
+        return max(0, self._ledger[r].steps - self.acked_steps(r))
 
     def forget(self, r: int) -> None:
         """A dead rank's unreduced steps never reach the consensus. Its answers to reduces after the one in flight
         are dropped too: the death counted their steps as unreduced (its picks go to the survivors), so booking them
         when their reduce opens would count those steps twice."""
-        self.ledger[r].steps = 0
+        self._ledger[r].steps = 0
         for acks in self._early.values():
             acks.pop(r, None)
 
@@ -313,14 +365,14 @@ class AveragingCycle:
                        working: Callable[[int], bool] = lambda r: True) -> bool:
         """Every live rank reached its count (sync: stepped once), is throttled, or has no work left (``working``:
         a chunk in flight)."""
-        if self.world_size < 2 or self.in_flight is not None:
+        if self.world_size < 2 or self._in_flight is not None:
             return False
         any_mover = False
         counts = self.counts
-        target = self.mode.window_target
-        held = self.max_batch_diff is not None and any(self.ledger[r].throttled for r in alive)  # throttles need it
+        target = self._mode.window_target
+        held = self.max_batch_diff is not None and any(self._ledger[r].throttled for r in alive)  # throttles need it
         for r in alive:
-            s = self.ledger[r].steps
+            s = self._ledger[r].steps
             if s > 0:
                 any_mover = True
             hit = s >= target(counts[r])
@@ -328,7 +380,7 @@ class AveragingCycle:
             # this reduce, so it counts as arrived (else the gate and the throttle wait on each other).
             # The reference fires on the count only (or quiesced): held short of its count, with its chunk
             # in flight, a rank can never arrive there (README, "Differences from flodl 0.7.0").
-            hit = hit or self.ledger[r].throttled
+            hit = hit or self._ledger[r].throttled
             # With ranks held by a throttle, a rank with nothing in flight (its epoch share done) counts as arrived
             # too: it steps again only after this reduce or the epoch's end, and the held ranks' chunks keep the
             # epoch open. cpu_sync with 3+ ranks wedged so in most runs (tests/test_fault_fuzz.py).
@@ -346,14 +398,14 @@ class AveragingCycle:
         cpu_sync wedged: the fast rank done with its share at 0 steps this window, the slow one held at
         ``max_batch_diff + 1`` with its share unfinished, the sync gate waiting for the fast rank's step."""
         mbd = self.max_batch_diff
-        if not self.mode.is_cpu or mbd is None or len(alive) < self.world_size or self.world_size < 2:
+        if not self._mode.is_cpu or mbd is None or len(alive) < self.world_size or self.world_size < 2:
             return
         busy = [r for r in alive if working(r)]
         if not busy:
             return
-        low = min(self.ledger[r].steps for r in busy)
+        low = min(self._ledger[r].steps for r in busy)
         for r in alive:
-            led = self.ledger[r]
+            led = self._ledger[r]
             if led.steps > low + int(mbd) and not led.throttled:
                 led.throttled = True
                 self._out.send(r, Throttle())
@@ -361,26 +413,26 @@ class AveragingCycle:
     def trigger(self, members: list[int], *, final: bool = False) -> None:
         """Start a reduce over ``members``. Only the control core calls this (ControlCore.fire_reduce), and
         never with one in flight: a second would overwrite the first's answers."""
-        if self.in_flight is not None:
-            raise RuntimeError(f"a reduce is already in flight (version {self.version}): one at a time")
-        if self.version < self.lockstep_until:
-            raise RuntimeError(f"reduce {self.version} is the ranks' own (lockstep license {self.lockstep_until}): "
+        if self._in_flight is not None:
+            raise RuntimeError(f"a reduce is already in flight (version {self._version}): one at a time")
+        if self._version < self._lockstep_until:
+            raise RuntimeError(f"reduce {self._version} is the ranks' own (lockstep license {self._lockstep_until}): "
                                "a sync_now for it would pair it twice")
-        self.in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
-        if self.mode.is_nccl:
-            self._out.broadcast(SyncNow(version=self.version, divergence=True))
+        self._in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
+        if self._mode.is_nccl:
+            self._out.broadcast(SyncNow(version=self._version, divergence=True))
         else:
             # Ranks wait for the update unless EASGD blends it in: under a full overwrite a batch trained
             # after the snapshot would be overwritten, trained but in no consensus (lost work). In cadence the
             # wait costs nothing (a rank at its count has no chunk left); async streams on by design, its
             # post-snapshot batches surviving at weight (1 - alpha) (algorithms.md 3.9).
             barrier = final or not self.progressive or self.alpha is None
-            self._out.broadcast(RequestParams(version=self.version, barrier=barrier))
+            self._out.broadcast(RequestParams(version=self._version, barrier=barrier))
 
     # -- the finish -----------------------------------------------------------
     def try_finish(self, alive: Callable[[int], bool]) -> Optional[ReduceOutcome]:
         """Finish the reduce in flight once every live member answered (None: not yet, or none in flight)."""
-        red = self.in_flight
+        red = self._in_flight
         if red is None:
             return None
         live = sorted(r for r in red.members if alive(r))
@@ -422,11 +474,11 @@ class AveragingCycle:
         pre: dict[int, Optional[float]] = {}
         if not ranks:
             return n, div, pre, None, None
-        if self.averager is None:
+        if self._averager is None:
             raise RuntimeError("the cpu backend's reduce needs an Averager: the shell builds the core with one "
                                "(flodl_exp.torch_averager.TorchAverager)")
         # EASGD leaves replicas apart even when nobody stepped: the final consensus is then their plain mean.
-        res = self.averager.average(snaps, gamma=self.gamma, idle_mean=red.final and self.alpha is not None)
+        res = self._averager.average(snaps, gamma=self.gamma, idle_mean=red.final and self.alpha is not None)
         alpha = None if red.final else self.alpha
         if res.tensors is None:  # nobody moved: release barrier waits; each rank keeps its own state
             for r in ranks:
@@ -444,32 +496,32 @@ class AveragingCycle:
                 post: Optional[float], sync_ms: float, alive: Callable[[int], bool],
                 outer: Optional[OuterStep] = None) -> ReduceOutcome:
         action = STABLE
-        anchor_before = self.elche.anchor if self.elche is not None else 0
-        if self.elche is not None:
+        anchor_before = self._elche.anchor if self._elche is not None else 0
+        if self._elche is not None:
             action = self._feed_controllers(n, div, pre, post, sync_ms, alive)
         now = self._clock()
         k_used = sum(n.values())
         outcome = ReduceOutcome(n=n, k_used=k_used, sync_ms=sync_ms, divergence=div, action=action,
-                                anchor_before=anchor_before, anchor_after=self.elche.anchor if self.elche else 0,
+                                anchor_before=anchor_before, anchor_after=self._elche.anchor if self._elche else 0,
                                 window_loss=self.window_loss(), window_s=max(now - self.window_t0, 1e-6), final=red.final,
                                 outer=outer)
-        self.version += 1
-        self.global_step += k_used
+        self._version += 1
+        self._global_step += k_used
         for r in n:
             if red.backend is Backend.NCCL:
                 # A rank trains on after its ack while its peers finish the collective: those batches are
                 # in no consensus yet and count toward the next window (else the final reduce may be skipped
                 # with replicas apart).
-                self.ledger[r].steps = max(0, self.ledger[r].steps - n[r])
+                self._ledger[r].steps = max(0, self._ledger[r].steps - n[r])
             else:
                 # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
                 # were overwritten (or blended away) by the update, so they count toward no later window.
-                self.ledger[r].steps = 0
-        for led in self.ledger:
+                self._ledger[r].steps = 0
+        for led in self._ledger:
             led.reset_timing()
-        self.in_flight = None
+        self._in_flight = None
         self.window_t0 = now
-        self._out.broadcast(SetGlobalStep(global_step=self.global_step))
+        self._out.broadcast(SetGlobalStep(global_step=self._global_step))
         if outcome.anchor_after != anchor_before:
             log.info("anchor %d -> %d", anchor_before, outcome.anchor_after)
         return outcome
@@ -477,12 +529,12 @@ class AveragingCycle:
     def _feed_controllers(self, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
                           post: Optional[float], sync_ms: float, alive: Callable[[int], bool]) -> ConvergenceAction:
         """ElChe's timing feed, the guard's verdict, the meta-controller's veto, in the reference's order."""
-        elche = self.elche
+        elche = self._elche
         assert elche is not None
-        led = self.ledger
+        led = self._ledger
         w = range(self.world_size)
         movers = [r for r in w if alive(r) and led[r].window_batches > 0]
-        capable = self.mode.guard_capable
+        capable = self._mode.guard_capable
         for r, ms in self.slack_source().items():
             elche.stage_callback_slack(r, ms)
         elche.report_window(WindowReport(
@@ -497,15 +549,15 @@ class AveragingCycle:
         pres = [pre.get(r) for r in w]
         report = DivergenceReport([float(div.get(r) or 0.0) for r in w],
                                   pres if all(p is not None for p in pres) else None, post)  # type: ignore[arg-type]
-        action = self.guard.report(report, sum(n.values()), max(n.values(), default=0))
+        action = self._guard.report(report, sum(n.values()), max(n.values(), default=0))
         if self.meta is not None and self.lr_seen is not None:
             meta_action = self.meta.observe(self.lr_seen, elche.anchor, action, elche.phase)
             if meta_action is not None:
                 elche.nudge_anchor_down(meta_action.factor)
                 elche.discard_proposed_anchor()
-        elche.apply_verdict(action, relax_up=self.mode.streams and self.relax_up)
+        elche.apply_verdict(action, relax_up=self._mode.streams and self.relax_up)
         return action
 
     def trajectory(self) -> tuple[int, int]:
         """(global_step, sync_round): where the averaged trajectory stands, as a bundle's meta records it."""
-        return self.global_step, self.version
+        return self._global_step, self._version

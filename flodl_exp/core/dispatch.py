@@ -153,13 +153,13 @@ class Dispatcher:
         self.gate = Gate.CLOSED
         self.epoch_ceiling: Optional[int] = None
         """Set while an at_epoch bundle is pending: no chunk beyond this epoch, and it is not aggregated."""
-        self.total = 0
+        self._total = 0
         """Picks per epoch (samples x augment views), known once the ranks said hello."""
-        self.last_aggregated = -1
+        self._last_aggregated = -1
         self.accs: dict[int, EpochAccumulator] = {}
         self.pools: dict[int, ChunkPool] = {}
         self.final_plans: dict[int, Optional[FinalWindowPlan]] = {}
-        self.chunks = ChunkBook()
+        self._chunks = ChunkBook()
         """chunk id -> every chunk sent and not yet reported."""
         self.progress: list[dict[int, int]] = [{} for _ in range(world_size)]
         self.answered: list[dict[int, int]] = [{} for _ in range(world_size)]
@@ -170,22 +170,50 @@ class Dispatcher:
         """rank -> (epoch, trained ranges) of each chunk it finished since its last reduce."""
         self._answered_chunks = [0] * world_size
         """rank -> how many of its unreduced_chunks it had finished when it answered the reduce in flight."""
-        self.lost_picks = 0
+        self._lost_picks = 0
         """Trained picks of dead ranks that no reduce holds and no survivor could retrain (epoch already aggregated)."""
-        self.retrained_picks = 0
+        self._retrained_picks = 0
         """Trained picks of dead ranks that no reduce held, of an epoch already aggregated, handed to the survivors."""
         self.held: dict[int, list[tuple[int, int, int, int]]] = {}
         """Dead rank -> (epoch, offset, size, last picks) it trained and answered the reduce in flight with: in the
         consensus only if that reduce finishes with its share (see on_rank_dead)."""
-        self.coverage: dict[int, list[list[int]]] = {}
+        self._coverage: dict[int, list[list[int]]] = {}
         """Aggregated epoch -> the [offset, size] ranges its chunks covered."""
-        self.rank_epoch = [0] * self.W
+        self._rank_epoch = [0] * self.W
         self.extensions: list[list[int]] = [[] for _ in range(world_size)]
         """rank -> ExtendPartition chunk ids sent to it, in order (see _extension_in_training)."""
         self._steps = _Steps(cycle, world_size)
         self._ids = itertools.count()
         self.probe_extra = [0] * world_size
         """Batches a rank may train past its count while the cold-start probe is open (see :meth:`_counts`)."""
+
+    @property
+    def rank_epoch(self) -> list[int]:
+        return self._rank_epoch
+
+    @property
+    def chunks(self) -> ChunkBook:
+        return self._chunks
+
+    @property
+    def lost_picks(self) -> int:
+        return self._lost_picks
+
+    @property
+    def retrained_picks(self) -> int:
+        return self._retrained_picks
+
+    @property
+    def last_aggregated(self) -> int:
+        return self._last_aggregated
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    @property
+    def coverage(self) -> dict[int, list[list[int]]]:
+        return self._coverage
 
     @property
     def epochs(self) -> int:
@@ -196,16 +224,16 @@ class Dispatcher:
         if e not in self.accs:
             self.accs[e] = EpochAccumulator(e, self.W, self._clock())
             if self._cycle.elche is not None:
-                self._cycle.elche.set_max_total_batches(self.total // self.bs)
+                self._cycle.elche.set_max_total_batches(self._total // self.bs)
         return self.accs[e]
 
     def _send_chunk(self, r: int, e: int, offset: int, size: int) -> bool:
         cid = next(self._ids)
-        self.chunks[cid] = Chunk(r, e, offset, size)
-        self.rank_epoch[r] = e
+        self._chunks[cid] = Chunk(r, e, offset, size)
+        self._rank_epoch[r] = e
         ok = self._out.send(r, StartEpoch(epoch=e, offset=offset, size=size, chunk=cid))
         if not ok:
-            del self.chunks[cid]
+            del self._chunks[cid]
         return ok
 
     def set_gate(self, gate: Gate) -> None:
@@ -217,31 +245,31 @@ class Dispatcher:
         self.epoch_ceiling = epoch
 
     def current_epoch(self) -> int:
-        return self.last_aggregated + 1
+        return self._last_aggregated + 1
 
     def in_flight(self, r: int) -> bool:
-        return self.chunks.by_rank[r] > 0
+        return self._chunks.by_rank[r] > 0
 
     # -- starting epochs ------------------------------------------------
     def start(self, total_picks: int, resume_meta: Optional[dict[str, Any]]) -> None:
-        self.total = total_picks
+        self._total = total_picks
         meta = resume_meta
         start = int(meta["epoch"]) if meta else 0
         recorded = ((meta.get("coverage") or {}).get("per_epoch") or []) if meta else []
         if recorded and self.progressive:
             # Coverage-granular resume: only the picks the bundle had not covered.
             lowest = min(int(p["epoch"]) for p in recorded)
-            self.last_aggregated = lowest - 1
+            self._last_aggregated = lowest - 1
             for p in recorded:
                 e = int(p["epoch"])
                 self._open(e)
                 self.pools[e] = ChunkPool.from_coverage(e, int(p["total_samples"]), self.bs, self.W,
                                                         [tuple(rg) for rg in p["uncovered_ranges"]])
             for r in self._cohort.alive_ranks():
-                self.rank_epoch[r] = lowest
+                self._rank_epoch[r] = lowest
                 self.dispatch_next(r)
             return
-        self.last_aggregated = start - 1
+        self._last_aggregated = start - 1
         if start >= self.epochs:
             return
         if self.progressive:
@@ -264,8 +292,8 @@ class Dispatcher:
         survivors = self._cohort.alive_ranks()
         held: list[tuple[int, int, int, int]] = []
         counts = [0, 0]  # retrained, lost
-        for cid, ch in sorted(((c, ch) for c, ch in self.chunks.items() if ch.rank == r), key=lambda x: x[0], reverse=True):
-            del self.chunks[cid]
+        for cid, ch in sorted(((c, ch) for c, ch in self._chunks.items() if ch.rank == r), key=lambda x: x[0], reverse=True):
+            del self._chunks[cid]
             trained = min(self.progress[r].get(cid, 0) * self.bs, ch.size)
             undo = min(back, trained)
             back -= undo
@@ -274,7 +302,7 @@ class Dispatcher:
             hold -= h
             if h:
                 held.append((ch.epoch, ch.offset, keep, h))
-            if ch.epoch <= self.last_aggregated:
+            if ch.epoch <= self._last_aggregated:
                 # A retrain chunk (another dead rank's picks of an aggregated epoch, whose books already count
                 # them): what it did not get into a reduce goes to the survivors again, as it came.
                 if ch.size > keep:
@@ -309,7 +337,7 @@ class Dispatcher:
 
     def _give_back(self, r: int, epoch: int, off: int, n: int, undo: int, survivors: list[int], counts: list[int]) -> None:
         """The last ``undo`` picks of r's reported range [off, off+n) are in no consensus: trained again."""
-        if epoch <= self.last_aggregated:
+        if epoch <= self._last_aggregated:
             # Already aggregated (its metrics and coverage logged, counting these picks as trained): the
             # survivors retrain them as a chunk of that epoch, so the consensus holds each pick once and the
             # books stay true. Only with no survivor are they lost (counted, never hidden).
@@ -328,11 +356,11 @@ class Dispatcher:
     def _log_given_back(self, r: int, counts: list[int]) -> None:
         retrained, lost = counts
         if retrained:
-            self.retrained_picks += retrained
+            self._retrained_picks += retrained
             log.warning("rank %d died with %d trained picks of an aggregated epoch in no reduce: the survivors retrain them",
                         r, retrained)
         if lost:
-            self.lost_picks += lost
+            self._lost_picks += lost
             log.error("rank %d died with %d trained picks of an aggregated epoch in no reduce and no survivor: they are lost",
                       r, lost)
 
@@ -376,16 +404,16 @@ class Dispatcher:
 
     def _extend(self, r: int, e: int, offset: int, size: int) -> None:
         cid = next(self._ids)
-        self.chunks[cid] = Chunk(r, e, offset, size)
+        self._chunks[cid] = Chunk(r, e, offset, size)
         if not self._out.send(r, ExtendPartition(epoch=e, offset=offset, size=size, chunk=cid)):
-            del self.chunks[cid]
+            del self._chunks[cid]
             return
-        self.extensions[r] = [x for x in self.extensions[r] if x in self.chunks] + [cid]
+        self.extensions[r] = [x for x in self.extensions[r] if x in self._chunks] + [cid]
 
     def _dispatch_plans(self, e: int) -> None:
         self._open(e)
         alive = self._cohort.alive_ranks()
-        n_batches = self.total // self.bs
+        n_batches = self._total // self.bs
         ratios = self.partition_ratios
         elche = self._cycle.elche
         if ratios:
@@ -409,10 +437,10 @@ class Dispatcher:
         self._open(e)
         elche = self._cycle.elche
         counts = self._cycle.counts if elche is not None and (elche.is_calibrated or elche.has_speed_hint()) else [1] * self.W
-        self.pools[e] = ChunkPool(e, self.total, self.bs, counts, now_ms=self._clock() * 1e3)
+        self.pools[e] = ChunkPool(e, self._total, self.bs, counts, now_ms=self._clock() * 1e3)
         for r in self._cohort.alive_ranks():
             if not self.in_flight(r):
-                self.rank_epoch[r] = e
+                self._rank_epoch[r] = e
                 self.dispatch_next(r)
         self.send_advisories()
 
@@ -421,7 +449,7 @@ class Dispatcher:
         open epoch's pool, then from the next epoch's layout predicted with today's counts."""
         if not self.advise:
             return
-        open_pools = sorted(e for e, pool in self.pools.items() if e > self.last_aggregated and pool.remaining() > 0)
+        open_pools = sorted(e for e, pool in self.pools.items() if e > self._last_aggregated and pool.remaining() > 0)
         if not open_pools:
             return
         e = open_pools[0]
@@ -429,7 +457,7 @@ class Dispatcher:
         alive = self._cohort.alive_mask
         layouts = [(e, self.pools[e])]
         if e + 1 < self.epochs:
-            layouts.append((e + 1, self.pools.get(e + 1) or ChunkPool(e + 1, self.total, self.bs, counts)))
+            layouts.append((e + 1, self.pools.get(e + 1) or ChunkPool(e + 1, self._total, self.bs, counts)))
         donors = [advisory_donors(pool, alive) for _, pool in layouts]
         # The schedule rides along when it changed since the rank's last advisory (empty: unchanged, latest
         # wins): W counts to each of W ranks every reduce was O(W^2) bytes to encode and send, for a value
@@ -487,7 +515,7 @@ class Dispatcher:
             rank=r, rem_batches=pool.remaining() // self.bs, counts=self._counts(),
             steps=self._steps, policy=self.mode.policy,
             max_overshoot=self.overshoot.value, calibrated=elche.is_calibrated, has_speed_hint=elche.has_speed_hint(),
-            total_samples=self.total, world_size=self.W, batch_size=self.bs, final_alloc=self._final_alloc(e))
+            total_samples=self._total, world_size=self.W, batch_size=self.bs, final_alloc=self._final_alloc(e))
         if nb <= 0:
             return False
         rng = pool.take_chunk(nb * self.bs, r)
@@ -507,8 +535,8 @@ class Dispatcher:
         b = reduce_budget(r, self._counts(), self.mode.policy, self.overshoot.value)
         if b > 0 and self._cycle.steps(r) >= b and not self._extend_while_probing(r):
             return
-        e = self.rank_epoch[r]
-        first_live = self.last_aggregated + 1
+        e = self._rank_epoch[r]
+        first_live = self._last_aggregated + 1
         # A dead rank's forfeit reopens the pool of an epoch this rank may have left (async streams ahead):
         # the oldest open work first, or that epoch never completes.
         for q in sorted(self.pools):
@@ -527,14 +555,14 @@ class Dispatcher:
             return
         if nxt not in self.pools:
             self._open(nxt)
-            self.pools[nxt] = ChunkPool(nxt, self.total, self.bs, self._cycle.counts, now_ms=self._clock() * 1e3)
-        self.rank_epoch[r] = nxt
+            self.pools[nxt] = ChunkPool(nxt, self._total, self.bs, self._cycle.counts, now_ms=self._clock() * 1e3)
+        self._rank_epoch[r] = nxt
         self._chunk_from(r, nxt)
 
     def quiesced(self, r: int) -> bool:
         if self.in_flight(r):
             return False
-        e = self.rank_epoch[r]
+        e = self._rank_epoch[r]
         pool = self.pools.get(e)
         if pool is None:
             return False
@@ -546,7 +574,7 @@ class Dispatcher:
     # -- reports ----------------------------------------------------------
     def on_batch(self, r: int, chunk: int) -> None:
         if self.extensions[r]:  # the per-batch path looks at the chunk only while the rank has an extension out
-            ch = self.chunks.get(chunk)
+            ch = self._chunks.get(chunk)
             if ch is not None and self.progress[r].get(chunk, 0) * self.bs >= ch.size:
                 chunk = self._extension_in_training(r, ch.epoch, chunk)
         self.progress[r][chunk] = self.progress[r].get(chunk, 0) + 1
@@ -557,7 +585,7 @@ class Dispatcher:
         death hands back exactly what the extension did not get into a reduce (booked on the full chunk they
         were clamped away, and an extension already reduced went back to the survivors whole: trained twice)."""
         for ext in self.extensions[r]:
-            ec = self.chunks.get(ext)
+            ec = self._chunks.get(ext)
             if ec is not None and ec.epoch == epoch and self.progress[r].get(ext, 0) * self.bs < ec.size:
                 return ext
         return chunk
@@ -587,12 +615,12 @@ class Dispatcher:
             self._answered_chunks[r] = 0
 
     def on_metrics(self, r: int, m: ChunkMetrics) -> None:
-        chunk = self.chunks.pop(m.chunk, None)
+        chunk = self._chunks.pop(m.chunk, None)
         if m.ranges:
             self.unreduced_chunks[r].append((m.epoch, [(int(o), int(n)) for o, n in m.ranges]))
         for extra in m.extra_chunks:
-            self.chunks.pop(int(extra), None)
-        if m.epoch <= self.last_aggregated:
+            self._chunks.pop(int(extra), None)
+        if m.epoch <= self._last_aggregated:
             # A dead rank's picks retrained after their epoch aggregated (on_rank_dead): that epoch's metrics
             # and coverage already count them; the chunk only has to reach the next reduce.
             if self.progressive and chunk is not None:
@@ -612,7 +640,7 @@ class Dispatcher:
         reduce at the boundary): ``rank`` (the callback rank) has no more of it left than its current window
         count, so the next window crosses the boundary."""
         if self.progressive:
-            return min((e for e, pool in self.pools.items() if e > self.last_aggregated and pool.remaining() == 0),
+            return min((e for e, pool in self.pools.items() if e > self._last_aggregated and pool.remaining() == 0),
                        default=None)
         e = self._open_epoch()
         if e is None or rank is None:
@@ -621,13 +649,13 @@ class Dispatcher:
 
     def batches_left(self, r: int, e: int) -> int:
         """Batches of epoch ``e`` handed to rank ``r`` and not reported trained yet (its chunks, extensions too)."""
-        if not self.chunks.by_rank[r]:
+        if not self._chunks.by_rank[r]:
             return 0
         return sum(max(0, ch.size // self.bs - self.progress[r].get(cid, 0))
-                   for cid, ch in self.chunks.items() if ch.rank == r and ch.epoch == e)
+                   for cid, ch in self._chunks.items() if ch.rank == r and ch.epoch == e)
 
     def _open_epoch(self) -> Optional[int]:
-        return min((e for e in self.accs if e > self.last_aggregated), default=None)
+        return min((e for e in self.accs if e > self._last_aggregated), default=None)
 
     def on_telemetry(self, r: int, t: Telemetry) -> Optional[int]:
         """Attribute a report by arrival time to the epoch in progress; returns that epoch, or None
@@ -654,7 +682,7 @@ class Dispatcher:
             self.send_advisories()
 
     def _ready(self, e: int) -> bool:
-        if e not in self.accs or self.chunks.by_epoch[e] > 0:
+        if e not in self.accs or self._chunks.by_epoch[e] > 0:
             return False
         if self.progressive:
             pool = self.pools.get(e)
@@ -666,19 +694,19 @@ class Dispatcher:
 
     def pop_aggregated(self) -> Optional[AggregatedEpoch]:
         """The next epoch in order once every pick of it is reported; None when it is not ready."""
-        e = self.last_aggregated + 1
+        e = self._last_aggregated + 1
         if e >= self.epochs or not self._ready(e) or (self.epoch_ceiling is not None and e >= self.epoch_ceiling):
             return None
         acc = self.accs[e]
         metrics = acc.summary(self._clock() - acc.started, self.scalar_reductions)
-        self.last_aggregated = e
-        self.coverage[e] = acc.ranges
+        self._last_aggregated = e
+        self._coverage[e] = acc.ranges
         self.pools.pop(e - 1, None)
         return AggregatedEpoch(e, metrics, acc.ranges)
 
     def advance(self) -> None:
         """After an aggregation: start the next epoch (or keep streaming into it)."""
-        e = self.last_aggregated
+        e = self._last_aggregated
         if e + 1 >= self.epochs or self.gate is not Gate.OPEN:
             return
         if self.epoch_ceiling is not None and e + 1 > self.epoch_ceiling:
@@ -697,17 +725,17 @@ class Dispatcher:
         consensus the bundle saves: resuming would train it twice)."""
         out = []
         for e, pool in sorted(self.pools.items()):
-            if e <= self.last_aggregated:
+            if e <= self._last_aggregated:
                 continue
             trained = [(ch.offset, min(self.answered[ch.rank].get(cid, 0) * self.bs, ch.size))
-                       for cid, ch in self.chunks.items() if ch.epoch == e]
+                       for cid, ch in self._chunks.items() if ch.epoch == e]
             uncovered = subtract_ranges(pool.uncovered_ranges(), [t for t in trained if t[1] > 0])
             out.append({"epoch": e, "total_samples": pool.total_samples, "uncovered_ranges": [list(rg) for rg in uncovered]})
         return out
 
     def all_aggregated(self) -> bool:
-        return self.last_aggregated >= self.epochs - 1
+        return self._last_aggregated >= self.epochs - 1
 
     def any_in_flight(self) -> bool:
         """Some chunk is out and not reported (after the last aggregation: a dead rank's picks being retrained)."""
-        return len(self.chunks) > 0
+        return len(self._chunks) > 0

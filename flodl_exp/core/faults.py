@@ -105,11 +105,19 @@ class FaultHandler:
         self._store = store
         self._clock = clock
         self._is_local = is_local
-        self.regroup: Optional[PendingRegroup] = None
+        self._regroup: Optional[PendingRegroup] = None
         """A regroup waiting for its generator's session id."""
-        self.failure_stem: Optional[str] = None
+        self._failure_stem: Optional[str] = None
         """ShutdownWithSave: the stem of the failure bundle."""
         self.save_deadline = 0.0
+
+    @property
+    def regroup(self) -> Optional[PendingRegroup]:
+        return self._regroup
+
+    @property
+    def failure_stem(self) -> Optional[str]:
+        return self._failure_stem
 
     def record_death(self, r: int, reason: str) -> Optional[Death]:
         """Take ``r`` out of the cohort and the gate; None when it was already gone or had exited cleanly."""
@@ -148,21 +156,21 @@ class FaultHandler:
             elche = self._cycle.elche
             self._cohort.elect_callback(elche.smoothed_ms if elche is not None and elche.is_calibrated else None, force=True)
         if self._cycle.mode.is_nccl:
-            self._regroup()
+            self._start_regroup()
         return True
 
-    def _regroup(self) -> None:
+    def _start_regroup(self) -> None:
         """Survivors re-form the process group: a generator makes the session id, then every survivor
         gets its new rank and the session (a fresh store prefix). One regroup at a time: a death while
         one is pending is folded in when the session arrives (the survivors are counted then)."""
-        if self.regroup is not None or len(self._cohort.alive_ranks()) < 2:
+        if self._regroup is not None or len(self._cohort.alive_ranks()) < 2:
             return
         gen = self._cohort.next_generation()
-        self.regroup = PendingRegroup(gen, -1, self._clock())
+        self._regroup = PendingRegroup(gen, -1, self._clock())
         self._ask_next_generator()
 
     def _ask_next_generator(self) -> None:
-        pr = self.regroup
+        pr = self._regroup
         assert pr is not None
         alive = self._cohort.alive_ranks()
         w = self.world_size
@@ -171,7 +179,7 @@ class FaultHandler:
                                           for r in range(w)]
         order = [r for r in generator_order(alive, [self._is_local(r) for r in range(w)], step_ms) if r not in pr.tried]
         if len(alive) < 2 or not order:
-            self.regroup = None
+            self._regroup = None
             self.shutdown_with_save("single_survivor", f"no survivor produced a session for regroup generation {pr.generation}"
                                     f" (asked ranks {pr.tried})")
             return
@@ -181,19 +189,19 @@ class FaultHandler:
 
     def tick(self, now: float) -> None:
         """A generator that died or stayed silent for 5 s is passed over."""
-        pr = self.regroup
+        pr = self._regroup
         if pr is not None and (not self._cohort.alive(pr.generator) or now - pr.asked_at > REGROUP_RETRY_S):
             log.warning("regroup generation %d: rank %d gave no session; asking the next survivor", pr.generation, pr.generator)
             self._ask_next_generator()
 
     def on_session_ready(self, r: int, m: SessionReady) -> None:
-        pr = self.regroup
+        pr = self._regroup
         if pr is None or m.generation != pr.generation or r != pr.generator:
             return  # an answer from a rank that was passed over, or for an old generation
         survivors = self._cohort.alive_ranks()
         if len(survivors) < 2:
             return  # the death that got here already decided the run's end
-        self.regroup = None
+        self._regroup = None
         for q, msg in regroup_plan(survivors, pr.generation, m.session).items():
             self._out.send(q, msg)
         self._obs.emit(ev.Regroup(generation=pr.generation, ranks=survivors, generator=r))
@@ -202,11 +210,11 @@ class FaultHandler:
 
     def shutdown_with_save(self, reason: str, detail: str) -> None:
         """Unrecoverable: every survivor saves its bundle pieces, the meta records why, the run ends FAILED."""
-        if self.failure_stem is not None or self._life.ending:
+        if self._failure_stem is not None or self._life.ending:
             return
         self._life.end(Status.FAILED, f"{reason}: {detail}")
         stem = self._writer.stem_for("failure")
-        self.failure_stem = stem
+        self._failure_stem = stem
         self._obs.set_tags({"save_reason": reason})
         self._obs.emit(ev.ShutdownWithSave(reason=reason, stem=stem))
         log.error("ShutdownWithSave (%s): %s", reason, detail)
@@ -225,6 +233,6 @@ class FaultHandler:
         return True
 
     def on_saves_settled(self) -> None:
-        if self._life.is_(Phase.SAVING) and self.failure_stem is not None:
-            self._writer.log_bundle(self.failure_stem, "checkpoints/failure")
+        if self._life.is_(Phase.SAVING) and self._failure_stem is not None:
+            self._writer.log_bundle(self._failure_stem, "checkpoints/failure")
             self._shutdown()

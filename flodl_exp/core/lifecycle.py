@@ -71,9 +71,13 @@ class Lifecycle:
         self._status = Status.RUNNING
         self._failure: Optional[str] = None
         self._end_reason: Optional[str] = None
-        self.shutdown_at: Optional[float] = None
+        self._shutdown_at: Optional[float] = None
         """Monotonic time the shutdown was broadcast (the ranks get a bounded time to exit)."""
         self.history: list[Phase] = [Phase.CONNECTING]
+
+    @property
+    def shutdown_at(self) -> Optional[float]:
+        return self._shutdown_at
 
     @property
     def phase(self) -> Phase:
@@ -106,7 +110,7 @@ class Lifecycle:
     def move(self, to: Phase, *, at: Optional[float] = None) -> None:
         """Change the phase (an allowed transition only); ``at``: when, recorded for SHUTDOWN (its grace)."""
         if to is Phase.SHUTDOWN and at is not None and self._phase is not Phase.SHUTDOWN:
-            self.shutdown_at = at
+            self._shutdown_at = at
         if to is self._phase:
             return
         if to not in ALLOWED[self._phase]:

@@ -103,21 +103,33 @@ class Preemption:
         self._obs = obs
         """Tags and events (the core's observer)."""
         self._clock = clock
-        self.request: Optional[PreemptRequest] = None
-        self.terminate_at: Optional[float] = None
-        self.terminated = False
+        self._request: Optional[PreemptRequest] = None
+        self._terminate_at: Optional[float] = None
+        self._terminated = False
         """The SIGTERM path ended the run (no waiting for the ranks: SIGKILL follows)."""
         self.kill_on_bad_exit = kill_on_bad_exit
         """srun --kill-on-bad-exit=1: a dead rank's task exit ends the step, so no recovery is attempted."""
 
+    @property
+    def request(self) -> Optional[PreemptRequest]:
+        return self._request
+
+    @property
+    def terminate_at(self) -> Optional[float]:
+        return self._terminate_at
+
+    @property
+    def terminated(self) -> bool:
+        return self._terminated
+
     # -- signal handlers (flags only) ------------------------------------
     def request_preempt(self) -> None:
-        if self.request is None:
-            self.request = PreemptRequest(self._clock())
+        if self._request is None:
+            self._request = PreemptRequest(self._clock())
 
     def request_terminate(self) -> None:
-        if self.terminate_at is None:
-            self.terminate_at = self._clock()
+        if self._terminate_at is None:
+            self._terminate_at = self._clock()
 
     # -- the tick ---------------------------------------------------------
     def tick(self) -> None:
@@ -126,11 +138,11 @@ class Preemption:
             d = self._cohort.deaths[0]
             self._shutdown_with_save("task_failed", f"rank {d.rank} {d.reason} (srun --kill-on-bad-exit=1 ends the job)")
             return
-        if self.terminate_at is not None and not self.terminated:
+        if self._terminate_at is not None and not self._terminated:
             self._tick_terminate()
             if self._life.is_(Phase.DONE):
                 return
-        p = self.request
+        p = self._request
         if p is None:
             return
         now = self._clock()
@@ -171,14 +183,14 @@ class Preemption:
 
     def on_reduce_finished(self) -> bool:
         """At a reduce finish, before dispatch: an armed request snapshots coverage now. True = it did."""
-        p = self.request
+        p = self._request
         if p is not None and p.stage is Stage.ARMED:
             self._save(p, coverage=True)
             return True
         return False
 
     def on_saves_settled(self) -> None:
-        p = self.request
+        p = self._request
         if p is None or p.stage is not Stage.SAVING or not self._life.is_(Phase.PREEMPTING):
             return
         self._writer.write_meta("preempted", p.stem, epoch=p.epoch, coverage_epochs=p.coverage)
@@ -193,7 +205,7 @@ class Preemption:
 
     @property
     def saved_stem(self) -> Optional[str]:
-        return self.request.stem if self.request is not None and self.request.stage is Stage.DONE else None
+        return self._request.stem if self._request is not None and self._request.stage is Stage.DONE else None
 
     # -- steps ------------------------------------------------------------
     def _begin(self, p: PreemptRequest) -> None:
@@ -231,29 +243,29 @@ class Preemption:
         return "; ".join(f"rank {r}: {e.get('error')}" for r, e in sorted(self._cohort.errors.items()))
 
     def _tick_terminate(self) -> None:
-        assert self.terminate_at is not None
+        assert self._terminate_at is not None
         now = self._clock()
-        p = self.request
+        p = self._request
         in_preempt = p is not None and p.stage in IN_PROGRESS
         if p is not None and p.stage is Stage.DONE:
-            self.terminated = True  # PREEMPTED: the requeue is under way
+            self._terminated = True  # PREEMPTED: the requeue is under way
             return
         life = self._life
         if life.status is Status.FAILED or self._cohort.deaths or self._cohort.errors:
             base = life.failure or self._rank_failures() or "a rank failed"
             status, failure, why = Status.FAILED, f"{base} (then the job step was terminated: SIGTERM)", "rank_failure"
-        elif in_preempt and p is not None and p.requested_at <= self.terminate_at:
+        elif in_preempt and p is not None and p.requested_at <= self._terminate_at:
             status, why = Status.FAILED, "time_limit"
             failure = "time limit reached: the job was terminated before the preemption bundle was complete"
         elif in_preempt:
-            self.terminated = True  # preemption sequence (SIGTERM, then USR2): the bundle goes on
+            self._terminated = True  # preemption sequence (SIGTERM, then USR2): the bundle goes on
             return
-        elif now - self.terminate_at < TERM_GRACE_S:
+        elif now - self._terminate_at < TERM_GRACE_S:
             return  # a preemption request may still follow
         else:
             status, why = Status.KILLED, "cancelled"
             failure = "cancelled: the job was terminated (SIGTERM: scancel or the cluster)"
-        self.terminated = True
+        self._terminated = True
         life.end(status, failure, end_reason=why, overwrite=True)
         log.error("terminated: %s", failure)
         self._obs.emit(ev.Terminated(status=status.value, reason=why))

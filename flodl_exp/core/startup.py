@@ -24,26 +24,38 @@ gone (a zombie until the task manager reaps it; 24 polls a second under submitit
 class StartupBlame:
     def __init__(self, grace_s: float = LOST_PEER_GRACE_S) -> None:
         self.grace_s = grace_s
-        self.closes: list[tuple[int, str]] = []
+        self._closes: list[tuple[int, str]] = []
         """Joined ranks whose connection closed before training started (rank, error), in arrival order."""
         self.blame_by: Optional[float] = None
         """When the first close is blamed if no rank that never connected was found lost by then."""
         self.deadline: Optional[float] = None
         self.timeout_s = 0.0
-        self.failure: Optional[str] = None
+        self._failure: Optional[str] = None
         """The verdict that ended the run before training started (set by the core when it fails the run)."""
+
+    @property
+    def failure(self) -> Optional[str]:
+        return self._failure
+
+    def failed(self, failure: str) -> None:
+        """The run could not start, for this reason (the core fails the run with it)."""
+        self._failure = failure
+
+    @property
+    def closes(self) -> list[tuple[int, str]]:
+        return self._closes
 
     def awaiting(self, timeout_s: float, now: float) -> None:
         """The shell started waiting for the ranks: every rank must have joined within ``timeout_s``."""
         self.timeout_s, self.deadline = timeout_s, now + timeout_s
 
     def _closed(self) -> set[int]:
-        return {q for q, _ in self.closes}
+        return {q for q, _ in self._closes}
 
     def on_close(self, r: int, error: str, missing: Sequence[int], now: float) -> Optional[str]:
         """A joined rank's connection closed: the failure at once when no other rank is missing, else None (the
         grace starts)."""
-        self.closes.append((r, error))
+        self._closes.append((r, error))
         closed = self._closed()
         others = [q for q in missing if q not in closed]
         if not others:
@@ -60,7 +72,7 @@ class StartupBlame:
         failed): it leads the failure, the closes so far after it. None for a rank whose own close came first."""
         if r in self._closed():
             return None
-        after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self.closes)
+        after = "".join(f"; after it, rank {q} failed: {err}" for q, err in self._closes)
         if set_up_failed:
             return f"rank {r} could not set up: {cause}{after}"
         return f"rank {r} was lost before training started: {cause}{after}"
@@ -68,7 +80,7 @@ class StartupBlame:
     def check(self, missing: Sequence[int], now: float) -> Optional[str]:
         """The failure due by now, if any: a close past its grace (or with every rank joined), or the deadline
         with ranks still missing and nothing closed."""
-        if self.closes:
+        if self._closes:
             if not missing or (self.blame_by is not None and now >= self.blame_by):
                 return self._close_failure(missing)
             return None
@@ -78,7 +90,7 @@ class StartupBlame:
 
     def _close_failure(self, missing: Sequence[int]) -> str:
         """The first close before training started, blamed; any later ones after it."""
-        (r, err), later = self.closes[0], self.closes[1:]
+        (r, err), later = self._closes[0], self._closes[1:]
         closed = self._closed()
         still = [q for q in missing if q not in closed]
         cause = f" (ranks {still} never connected)" if still else ""
