@@ -96,7 +96,7 @@ def test_slack_shrinks_the_wait_of_the_other_ranks_at_the_reduce_after_an_eval()
     for enabled in (False, True):
         cycle = _calibrated_cycle()
         slack.enabled = enabled
-        cycle.slack_source = lambda: slack.due(3, 0)  # epoch 3's last chunk is out; an eval on rank 0 follows
+        cycle.stage_slack_from(lambda: slack.due(3, 0))  # epoch 3's last chunk is out; an eval on rank 0 follows
         before = list(cycle.counts)
         _window(cycle)  # the reduce that sizes the window in which the eval runs
         during = list(cycle.counts)

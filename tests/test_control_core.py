@@ -403,7 +403,7 @@ def test_the_run_ends_in_consensus_then_the_final_eval(mode: str) -> None:
         assert [c.payload.barrier for c in sent(log, RequestParams)][-1] is True, "the final overwrite waits"
     assert not w.core.cycle.any_steps([0, 1]), "the final eval sees replicas in consensus"
     assert kinds[-1] == "Shutdown" and w.core.life.status is Status.FINISHED
-    assert w.core.evals.final == {"eval/acc": 0.9}
+    assert w.core.outcome()["final_eval"] == {"eval/acc": 0.9}
 
 
 def test_a_nccl_eval_holds_the_next_collective_until_it_answers() -> None:
@@ -411,7 +411,7 @@ def test_a_nccl_eval_holds_the_next_collective_until_it_answers() -> None:
     w = Bare(cfg_of("nccl_sync", 2, **{"eval.every": 1}), clock)
     ranks = Ranks(2)
     play(w, ranks, clock, until=lambda: any(not e.final for rk in ranks.r for e in rk.evals))
-    assert w.core.evals.pending is not None and w.core.eval_holds_sync()
+    assert w.core.view.eval_pending is not None and w.core.eval_holds_sync()
     # every rank steps once more: the gate would fire, but the eval runs
     for _ in range(4):
         msg = ranks.next()
@@ -419,7 +419,7 @@ def test_a_nccl_eval_holds_the_next_collective_until_it_answers() -> None:
         w.send(*msg)
         w.tick()
     assert sent(w.commands, SyncNow) == []
-    w.send(w.core.evals.pending, EvalResult(epoch=0, metrics={"acc": 0.5}, elapsed_ms=30.0))
+    w.send(w.core.view.eval_pending, EvalResult(epoch=0, metrics={"acc": 0.5}, elapsed_ms=30.0))
     (told,) = sent(w.commands, EvalBroadcast)
     assert told.to == (0, 1) and told.payload.epoch == 0 and told.payload.metrics == {"acc": 0.5}, "every rank hears it"
     w.tick()

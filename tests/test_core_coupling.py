@@ -23,15 +23,16 @@ PACKAGES = ("flodl_exp/core", "flodl_exp/policy")
 COMPONENTS = {
     "boundaries": "EpochBoundaries", "callback_slack": "CallbackSlack", "checkpoint_fn": "CheckpointFnRole",
     "checkpoints": "Checkpoints", "cohort": "Cohort", "core": "ControlCore", "cycle": "AveragingCycle",
-    "deaths": "Deaths", "dispatch": "Dispatcher", "elche": "ElChe", "evals": "EvalState", "faults": "FaultHandler",
+    "deaths": "Deaths", "dispatch": "Dispatcher", "elche": "ElChe", "faults": "FaultHandler",
     "guard": "ConvergenceGuard", "intents": "Intents", "life": "Lifecycle", "meta": "LrEventMeta", "obs": "CoreObserver",
     "pace": "ReportPacing", "pacing": "ReportPacing", "plan": "EpochPlan", "preemption": "Preemption",
     "reduces": "Reduces", "reports": "RankReports", "run_end": "RunEnd", "slack": "CallbackSlack",
     "startup": "StartupBlame", "store": "BundleStore", "writer": "BundleWriter",
 }
-"""The names the core's components are held under (with or without a leading underscore), and their classes."""
+"""The names the core's components are held under (with or without a leading underscore), and their classes.
+(RunEnd's ``EvalState`` is not here: it is RunEnd's own record, which nothing else holds.)"""
 
-CEILING = 85
+CEILING = 0
 """The count on main; a change that adds reads fails here, one that removes them lowers it."""
 
 

@@ -37,6 +37,7 @@ from flodl_exp.core.epoch_plan import EpochPlan
 from flodl_exp.core.intents import Intents
 from flodl_exp.core.outbox import Outbox
 from flodl_exp.core.ports import CoreObserver
+from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.messages import Save, SaveResult
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -51,6 +52,8 @@ class MetaFacts:
     guard_kind: str
     batch_size: int
     shuffle_seed: int
+    mode: Mode
+    """The run's policy and backend (the meta's ``mode``; the cpu backend's saves are of the consensus)."""
 
 
 class BundleWriter:
@@ -125,17 +128,17 @@ class BundleWriter:
         names = [optim_path(stem, r, primary)]
         if model:
             names.insert(0, model_path(stem))
-            if self._cycle.mode.is_nccl and self._cycle.outer_spec.stateful:
+            if self._cycle.ranks_keep_outer_state:
                 names.insert(1, outer_path(stem))  # the outer optimizer is replicated on the ranks
         return [file_name(n) for n in names]
 
     def _write_outer_sidecar(self, stem: str) -> None:
         """cpu backend: the outer optimizer's state lives here, so its sidecar is written here."""
-        averager = self._cycle.averager
-        if not self._cycle.mode.is_cpu or not self._cycle.outer_spec.stateful or averager is None:
+        state = self._cycle.outer_state()
+        if state is None:
             return
         try:
-            name = self._store.save_outer(averager.outer_state(), stem)
+            name = self._store.save_outer(state, stem)
         except OSError as e:
             self._errors.append(f"the outer optimizer's sidecar could not be written ({e})")
             return
@@ -173,7 +176,7 @@ class BundleWriter:
 
     @property
     def _consensus(self) -> bool:
-        return self._cycle.mode.is_cpu  # the consensus frame, not a blended replica
+        return self.facts.mode.is_cpu  # the consensus frame, not a blended replica
 
     def on_result(self, r: int, res: SaveResult) -> None:
         q = self._expected.get(r)
@@ -262,16 +265,13 @@ class BundleWriter:
 
         stem = stem or self._stem
         f = self.facts
-        guard = self._cycle.guard
-        elche = self._cycle.elche
-        trend = guard.state_dict().get("trend_history") or None
+        elche_state, guard_state = self._cycle.controller_state()
         global_step, sync_round = self._cycle.trajectory()
         meta = BundleMeta(
             epoch=self._plan.epochs if epoch is None else int(epoch), global_step=global_step, sync_round=sync_round,
-            world_size_at_save=f.world_size, mode=self._cycle.mode.name, save_reason=reason,
+            world_size_at_save=f.world_size, mode=f.mode.name, save_reason=reason,
             unix_time=self._wall_clock(), experiment=f.experiment, total_picks=self._dispatch.total,
-            elche_state=dict(elche.state_dict(), trend_history=trend) if elche else None,
-            guard_kind=f.guard_kind, guard_state=guard.state_dict(),
+            elche_state=elche_state, guard_kind=f.guard_kind, guard_state=guard_state,
             coverage=MetaCoverage(seed=f.shuffle_seed, algorithm=PERMUTATION_ALGORITHM, batch_size=f.batch_size,
                                   per_epoch=tuple(coverage_epochs or ())))
         if stem in self._failed:

@@ -86,6 +86,27 @@ class Cohort:
     def finals(self) -> dict[int, dict[str, Any]]:
         return self._finals
 
+    def error_of(self, r: int) -> Optional[str]:
+        """The error the rank reported before failing, if any."""
+        err = (self._errors.get(r) or {}).get("error")
+        return str(err) if err else None
+
+    def failure_summary(self) -> str:
+        """What went wrong with the ranks, in one line: the deaths, else the errors they reported."""
+        if self._deaths:
+            return "; ".join(f"rank {d.rank} {d.reason}" for d in self._deaths)
+        return "; ".join(f"rank {r}: {e.get('error')}" for r, e in sorted(self._errors.items()))
+
+    def outcome(self) -> dict[str, Any]:
+        """The cohort's part of the run's outcome (result.json): final reports, roles, deaths, errors, regroups."""
+        return {
+            "finals": {str(r): v for r, v in self._finals.items()},
+            "callback_rank": self._callback_rank,
+            "deaths": [d.as_dict() for d in self._deaths],
+            "errors": {str(r): v for r, v in self._errors.items()},
+            "regroups": self._generation,
+        }
+
     # -- queries ----------------------------------------------------------
     def alive(self, r: int) -> bool:
         return self._alive[r]

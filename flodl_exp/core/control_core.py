@@ -149,7 +149,7 @@ class ControlCore:
         self._commands: list[Command] = commands if commands is not None else []
         """What :meth:`handle` returns: the payloads of a core built without an outbox port, and the
         observations of one whose observer records into the same list (:func:`recording_core`)."""
-        self.anchor_seeded = False
+        self._anchor_seeded = False
         """Whether the last :class:`AnchorHint` set ElChe's cold-start anchor."""
         self.obs = observer
         self.epoch_fn = cfg.experiment.epoch_fn is not None
@@ -172,8 +172,8 @@ class ControlCore:
             world_size=w, batch_size=cfg.experiment.batch_size, epochs=plan, mode=self.mode,
             progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
             partition_ratios=cfg.mode.partition_ratios, scalar_reductions=dict(cfg.scalar_reductions),
-            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock)
-        self.dispatch.advise = shape.progressive and cfg.data_plane.stage_advisories
+            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock,
+            advise=cfg.data_plane.stage_advisories)
         self.intents = Intents()
         """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (core/intents.py)."""
         self.slack = CallbackSlack(enabled=cfg.eval.callback_slack, eval_every=cfg.eval.every,
@@ -184,7 +184,7 @@ class ControlCore:
             outbox=self.outbox, obs=observer, store=store, plan=plan, wall_clock=wall_clock,
             facts=MetaFacts(world_size=w, experiment=cfg.experiment.name,
                             guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
-                            shuffle_seed=facts.shuffle_seed))
+                            shuffle_seed=facts.shuffle_seed, mode=self.mode))
         self.checkpoint_fn = CheckpointFnRole(cohort=self.cohort, outbox=self.outbox, obs=observer,
                                               consensus=self.mode.is_cpu)
         """``experiment.checkpoint_fn``: run with periodic and requested bundles, failing over (core/checkpoint_fn.py)."""
@@ -198,7 +198,7 @@ class ControlCore:
                         "(checkpoint.every=%d of %d epochs takes none) and with w.request_checkpoint() of a "
                         "cooperative loop (experiment.loop is not set)", cfg.checkpoint.every, epochs)
         self.faults = FaultHandler(
-            world_size=w, max_failure=shape.max_failure, life=self.life, enter=self.enter, shutdown=self.shutdown,
+            world_size=w, max_failure=shape.max_failure, backend=self.mode.backend, life=self.life, enter=self.enter, shutdown=self.shutdown,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
             obs=observer, store=store, clock=self.clock, is_local=is_local)
         self.preemption = Preemption(
@@ -213,7 +213,6 @@ class ControlCore:
             checkpoints=self.checkpoints, checkpoint_fn=self.checkpoint_fn, slack=self.slack, intents=self.intents,
             outbox=self.outbox, obs=observer, enter=self.enter, shutdown=self.shutdown, fire_reduce=self.fire_reduce)
         """Evals, the user's eval and stop intents, the final consensus and the run's end (core/run_end.py)."""
-        self.evals = self.run_end.evals
         self.startup = StartupBlame()
         """Whom a run that cannot start blames (core/startup.py)."""
         self.reduces = Reduces(
@@ -240,10 +239,12 @@ class ControlCore:
             world_size=w, cycle=self.cycle, outbox=self.outbox)
         """Which Batch report of each rank completes its count: the ranks coalesce the others (core/report_pace.py)."""
         self._handlers = self._message_routes()
-        self.cycle.slack_source = self.run_end.callback_slack
+        self.cycle.stage_slack_from(self.run_end.callback_slack)
         self._epoch_role_sent: Optional[int] = None
         self._first_batch_seen = False
-        self._view = CoreView(self)
+        self._view = CoreView(self, life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
+                              writer=self.writer, preemption=self.preemption, startup=self.startup, run_end=self.run_end,
+                              mode=self.mode)
 
     @classmethod
     def from_config(cls, cfg: Config, *, wall_clock: Callable[[], float],
@@ -263,6 +264,11 @@ class ControlCore:
         return self._now
 
     @property
+    def anchor_seeded(self) -> bool:
+        """Whether the last :class:`AnchorHint` set ElChe's cold-start anchor."""
+        return self._anchor_seeded
+
+    @property
     def view(self) -> CoreView:
         """What the shells may read of the core: one small read-only view (core/view.py)."""
         return self._view
@@ -274,35 +280,25 @@ class ControlCore:
 
     # -- resume ---------------------------------------------------------------------
     def restore(self, meta: BundleMeta, guard_kind: str) -> None:
-        """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history."""
+        """Seed the trajectory from a bundle's meta: step counters, ElChe, guard history (a bundle of another
+        guard kind leaves the guard fresh)."""
         self.cycle.restore(meta.global_step, meta.sync_round)
-        if self.cycle.elche is not None and meta.elche_state:
-            st = dict(meta.elche_state)
-            st.pop("trend_history", None)
-            self.cycle.elche.load_state_dict(st)
-        if meta.guard_state and meta.guard_kind == guard_kind:
-            self.cycle.guard.load_state_dict(meta.guard_state)
+        self.cycle.restore_controllers(meta.elche_state,
+                                       meta.guard_state if meta.guard_kind == guard_kind else None)
 
     def restore_outer(self, state: dict[str, Any]) -> Optional[float]:
         """cpu backend: the outer optimizer's momentum from a bundle's sidecar; its norm (None when this
         mode keeps none here: the nccl ranks hold theirs, ``outer=avg`` has none)."""
-        averager = self.cycle.averager
-        if not self.mode.is_cpu or not self.cycle.outer_spec.stateful or averager is None:
-            return None
-        return averager.restore_outer(state)
+        return self.cycle.restore_outer(state)
 
     @property
     def wants_outer_state(self) -> bool:
-        return self.mode.is_cpu and self.cycle.outer_spec.stateful
+        return self.cycle.wants_outer_state
 
     def seed_anchor(self, r: int) -> bool:
         """A cold-start anchor from the hellos (the slowest device's rank), unless a speed hint, partition
         ratios or a resumed ElChe state already set one; True when it took."""
-        elche = self.cycle.elche
-        if elche is None or elche.anchor_rank is not None:
-            return False
-        elche.with_initial_anchor(r)
-        return True
+        return self.cycle.seed_anchor(r)
 
     @property
     def global_step(self) -> int:
@@ -320,23 +316,15 @@ class ControlCore:
     def outcome(self) -> dict[str, Any]:
         """The run's result as the core knows it (result.json's decisions part)."""
         return {
-            "status": self.life.status.value,
-            "failure": self.life.failure,
+            **self.life.outcome(),
             "epochs": self.epochs,
             "global_step": self.cycle.global_step,
             "syncs": self.cycle.version,
             "lockstep_syncs": self.cycle.lockstep_syncs,
-            "final_eval": self.evals.final,
-            "evals": self.evals.history,
-            "finals": {str(r): v for r, v in self.cohort.finals.items()},
-            "coverage": {str(e): v for e, v in self.dispatch.coverage.items()},
-            "callback_rank": self.cohort.callback_rank,
+            **self.run_end.eval_outcome(),
+            **self.cohort.outcome(),
+            **self.dispatch.outcome(),
             "stem": self.writer.stem,
-            "deaths": [d.as_dict() for d in self.cohort.deaths],
-            "errors": {str(r): v for r, v in self.cohort.errors.items()},
-            "regroups": self.cohort.generation,
-            "lost_picks": self.dispatch.lost_picks,
-            "retrained_picks": self.dispatch.retrained_picks,
             "saved_stem": self.saved_stem,
         }
 
@@ -417,8 +405,7 @@ class ControlCore:
             self._first_batch_seen = True
             self.obs.emit(ev.FirstBatch(rank=r))
         self.cohort.on_batch(r)
-        chunk = self.dispatch.chunks.get(b.chunk)
-        self.obs.on_batch(r, b, chunk.epoch if chunk else None, self.cycle.version)
+        self.obs.on_batch(r, b, self.dispatch.chunk_epoch(b.chunk), self.cycle.version)
         self.cycle.on_batch(r, b, speaks_for_lr=self.cohort.lowest_alive() == r)
         self.dispatch.on_batch(r, b.chunk)
         probe_ms = (self.cycle.seed_from_probe(self.cohort.alive_ranks())
@@ -562,7 +549,7 @@ class ControlCore:
         return out
 
     def _on_hint(self, e: AnchorHint) -> None:
-        self.anchor_seeded = self.seed_anchor(e.rank)
+        self._anchor_seeded = self.seed_anchor(e.rank)
 
     def _on_message(self, e: RankMessage) -> None:
         self.cohort.seen(e.rank, e.now)

@@ -18,7 +18,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from flodl_exp.config import OuterSpec
 from flodl_exp.core.averager import Averager
@@ -146,8 +146,8 @@ class AveragingCycle:
         self._global_step = 0
         """Batches averaged into the consensus so far, all ranks together."""
         self.lr_seen: Optional[float] = None
-        self.window_t0 = clock()
-        self.slack_source: Callable[[], dict[int, float]] = dict
+        self._window_t0 = clock()
+        self._slack_source: Callable[[], dict[int, float]] = dict
         """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
         self._outer_spec = outer or OuterSpec()
         self._averager = averager
@@ -244,6 +244,98 @@ class AveragingCycle:
     def probing(self) -> bool:
         """The cold-start probe is still open (every rank's first steps being timed)."""
         return self._probe is not None
+
+    # -- ElChe, the guard and the averager, asked through the cycle (nothing reaches past it to them) ----------
+    @property
+    def window_t0(self) -> float:
+        """When the current averaging window began (the last reduce's finish, or the start)."""
+        return self._window_t0
+
+    def stage_slack_from(self, source: Callable[[], dict[int, float]]) -> None:
+        """Where each reduce's callback slack comes from (RunEnd.callback_slack: built after the cycle)."""
+        self._slack_source = source
+
+    @property
+    def has_elche(self) -> bool:
+        """ElChe sizes the windows (2+ ranks)."""
+        return self._elche is not None
+
+    def calibrated(self) -> bool:
+        """ElChe has measured every rank (its speeds are the ranks' own, not a guess)."""
+        return self._elche is not None and self._elche.is_calibrated
+
+    def has_speed_hint(self) -> bool:
+        """ElChe was given the ranks' relative speeds (mode.speed_hint) before measuring them."""
+        return self._elche is not None and self._elche.has_speed_hint()
+
+    def speed_known(self) -> bool:
+        """The ranks' relative speeds are known, measured or hinted: windows and epochs are sized by them."""
+        return self.calibrated() or self.has_speed_hint()
+
+    def calibrated_speeds(self) -> Optional[Callable[[int], Optional[float]]]:
+        """Each rank's smoothed ms per batch once ElChe is calibrated (for electing the fastest), else None."""
+        return self._elche.smoothed_ms if self._elche is not None and self._elche.is_calibrated else None
+
+    def ms_per_batch(self) -> list[float]:
+        """Each rank's time per batch as the sizes of an epoch's plans weigh it: measured when calibrated, else
+        the inverse of the hinted counts (a rank with twice the count takes half the time)."""
+        elche = self._elche
+        assert elche is not None and self.speed_known(), "ms_per_batch needs ElChe's speeds (speed_known)"
+        return [max(elche.smoothed_ms(r), 1e-3) if elche.is_calibrated else 1.0 / c
+                for r, c in enumerate(elche.batch_counts)]
+
+    def set_max_total_batches(self, n: int) -> None:
+        """An epoch's batch count caps ElChe's windows (no window longer than an epoch)."""
+        if self._elche is not None:
+            self._elche.set_max_total_batches(n)
+
+    def seed_anchor(self, r: int) -> bool:
+        """A cold-start anchor (the slowest device's rank) unless ElChe has one already; True when it took."""
+        elche = self._elche
+        if elche is None or elche.anchor_rank is not None:
+            return False
+        elche.with_initial_anchor(r)
+        return True
+
+    def controller_state(self) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
+        """What a bundle keeps of ElChe (with the guard's trend history) and of the guard."""
+        guard_state = self._guard.state_dict()
+        trend = guard_state.get("trend_history") or None
+        elche_state = dict(self._elche.state_dict(), trend_history=trend) if self._elche is not None else None
+        return elche_state, guard_state
+
+    def restore_controllers(self, elche_state: Optional[dict[str, Any]], guard_state: Optional[dict[str, Any]]) -> None:
+        """ElChe's and the guard's state from a bundle (either may be absent: a bundle of another guard)."""
+        if self._elche is not None and elche_state:
+            st = dict(elche_state)
+            st.pop("trend_history", None)
+            self._elche.load_state_dict(st)
+        if guard_state:
+            self._guard.load_state_dict(guard_state)
+
+    @property
+    def wants_outer_state(self) -> bool:
+        """The core's averager keeps an outer optimizer's state (cpu backend, a stateful outer): a bundle's
+        ``.outer.pt`` sidecar is the core's to take, and to restore on resume."""
+        return self._mode.is_cpu and self._outer_spec.stateful
+
+    def outer_state(self) -> Optional[dict[str, Any]]:
+        """The outer optimizer's state for a bundle's sidecar, when the core keeps it (:attr:`wants_outer_state`)."""
+        if not self.wants_outer_state or self._averager is None:
+            return None
+        return self._averager.outer_state()
+
+    @property
+    def ranks_keep_outer_state(self) -> bool:
+        """nccl backend with a stateful outer optimizer: each rank holds it, and a bundle has its sidecar."""
+        return self._mode.is_nccl and self._outer_spec.stateful
+
+    def restore_outer(self, state: dict[str, Any]) -> Optional[float]:
+        """cpu backend: the outer optimizer's momentum from a bundle's sidecar; its norm (None when this mode
+        keeps none here: the nccl ranks hold theirs, ``outer=avg`` has none)."""
+        if not self.wants_outer_state or self._averager is None:
+            return None
+        return self._averager.restore_outer(state)
 
     def restore(self, global_step: int, version: int) -> None:
         self._global_step, self._version = global_step, version
@@ -503,7 +595,7 @@ class AveragingCycle:
         k_used = sum(n.values())
         outcome = ReduceOutcome(n=n, k_used=k_used, sync_ms=sync_ms, divergence=div, action=action,
                                 anchor_before=anchor_before, anchor_after=self._elche.anchor if self._elche else 0,
-                                window_loss=self.window_loss(), window_s=max(now - self.window_t0, 1e-6), final=red.final,
+                                window_loss=self.window_loss(), window_s=max(now - self._window_t0, 1e-6), final=red.final,
                                 outer=outer)
         self._version += 1
         self._global_step += k_used
@@ -520,7 +612,7 @@ class AveragingCycle:
         for led in self._ledger:
             led.reset_timing()
         self._in_flight = None
-        self.window_t0 = now
+        self._window_t0 = now
         self._out.broadcast(SetGlobalStep(global_step=self._global_step))
         if outcome.anchor_after != anchor_before:
             log.info("anchor %d -> %d", anchor_before, outcome.anchor_after)
@@ -535,7 +627,7 @@ class AveragingCycle:
         w = range(self.world_size)
         movers = [r for r in w if alive(r) and led[r].window_batches > 0]
         capable = self._mode.guard_capable
-        for r, ms in self.slack_source().items():
+        for r, ms in self._slack_source().items():
             elche.stage_callback_slack(r, ms)
         elche.report_window(WindowReport(
             wall_ms=[led[r].wall_ms if alive(r) else 0.0 for r in w],

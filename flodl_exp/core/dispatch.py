@@ -129,13 +129,14 @@ class AggregatedEpoch:
 class Dispatcher:
     def __init__(self, *, world_size: int, batch_size: int, epochs: Union[int, EpochPlan], mode: Mode, progressive: bool,
                  max_overshoot: Optional[int], partition_ratios: Optional[list[float]], scalar_reductions: dict[str, str],
-                 cohort: Cohort, cycle: AveragingCycle, outbox: Outbox, clock: Callable[[], float]) -> None:
+                 cohort: Cohort, cycle: AveragingCycle, outbox: Outbox, clock: Callable[[], float],
+                 advise: bool = False) -> None:
         self.W = world_size
         self.bs = batch_size
         self._plan = EpochPlan.of(epochs)
         self.mode = mode
         self.progressive = progressive
-        self.advise = False
+        self.advise = advise and progressive
         """Send staging advisories (``data_plane.stage_advisories``, progressive modes only)."""
         self._advised_counts: tuple[int, ...] = ()
         """The schedule the advisories carry; ``_advised_to[r]``: the one rank r has (the same object, or None)."""
@@ -195,6 +196,21 @@ class Dispatcher:
     def chunks(self) -> ChunkBook:
         return self._chunks
 
+    def chunk_epoch(self, cid: int) -> Optional[int]:
+        """The epoch of a chunk in flight (None once it is done or unknown)."""
+        ch = self._chunks.get(cid)
+        return ch.epoch if ch is not None else None
+
+    @property
+    def chunks_by_rank(self) -> Counter[int]:
+        """Chunks in flight per rank (indexed: the gate's O(1) test reads it every batch)."""
+        return self._chunks.by_rank
+
+    def outcome(self) -> dict[str, Any]:
+        """The dispatcher's part of the run's outcome: each epoch's coverage, the picks lost and retrained."""
+        return {"coverage": {str(e): v for e, v in self._coverage.items()},
+                "lost_picks": self._lost_picks, "retrained_picks": self._retrained_picks}
+
     @property
     def lost_picks(self) -> int:
         return self._lost_picks
@@ -223,8 +239,7 @@ class Dispatcher:
     def _open(self, e: int) -> EpochAccumulator:
         if e not in self.accs:
             self.accs[e] = EpochAccumulator(e, self.W, self._clock())
-            if self._cycle.elche is not None:
-                self._cycle.elche.set_max_total_batches(self._total // self.bs)
+            self._cycle.set_max_total_batches(self._total // self.bs)
         return self.accs[e]
 
     def _send_chunk(self, r: int, e: int, offset: int, size: int) -> bool:
@@ -415,12 +430,10 @@ class Dispatcher:
         alive = self._cohort.alive_ranks()
         n_batches = self._total // self.bs
         ratios = self.partition_ratios
-        elche = self._cycle.elche
         if ratios:
             sizes = ratio_to_sizes(ratios, n_batches)
-        elif self.mode.window_grows and elche is not None and (elche.is_calibrated or elche.has_speed_hint()):
-            sizes = throughput_sizes([max(elche.smoothed_ms(r), 1e-3) if elche.is_calibrated else 1.0 / c
-                                      for r, c in enumerate(elche.batch_counts)], n_batches)
+        elif self.mode.window_grows and self._cycle.speed_known():
+            sizes = throughput_sizes(self._cycle.ms_per_batch(), n_batches)
         else:
             sizes = equal_sizes(self.W, n_batches)
         # Dead ranks get nothing; their share is split over the living in rank order.
@@ -435,8 +448,7 @@ class Dispatcher:
 
     def _start_progressive(self, e: int) -> None:
         self._open(e)
-        elche = self._cycle.elche
-        counts = self._cycle.counts if elche is not None and (elche.is_calibrated or elche.has_speed_hint()) else [1] * self.W
+        counts = self._cycle.counts if self._cycle.speed_known() else [1] * self.W
         self.pools[e] = ChunkPool(e, self._total, self.bs, counts, now_ms=self._clock() * 1e3)
         for r in self._cohort.alive_ranks():
             if not self.in_flight(r):
@@ -498,8 +510,7 @@ class Dispatcher:
         to :data:`PROBE_EXTRA_WINDOWS` of them. The probe's seed then sets the counts (the fast rank's is larger
         than what it trained, by the speed ratio the probe waited for); the gate still waits for every rank's
         count, so the slow ranks' share is not cut. Nothing changes once ElChe is calibrated or has a speed hint."""
-        elche = self._cycle.elche
-        if not self._cycle.probing or elche is None or elche.is_calibrated or elche.has_speed_hint():
+        if not self._cycle.probing or not self._cycle.has_elche or self._cycle.speed_known():
             return False
         c = self._cycle.counts_view[r]
         if c <= 0 or self.probe_extra[r] >= PROBE_EXTRA_WINDOWS * c:
@@ -509,12 +520,12 @@ class Dispatcher:
 
     def _chunk_from(self, r: int, e: int) -> bool:
         pool = self.pools[e]
-        elche = self._cycle.elche
-        assert elche is not None, "progressive dispatch needs ElChe (2+ ranks)"
+        assert self._cycle.has_elche, "progressive dispatch needs ElChe (2+ ranks)"
         nb = compute_chunk_batches(
             rank=r, rem_batches=pool.remaining() // self.bs, counts=self._counts(),
             steps=self._steps, policy=self.mode.policy,
-            max_overshoot=self.overshoot.value, calibrated=elche.is_calibrated, has_speed_hint=elche.has_speed_hint(),
+            max_overshoot=self.overshoot.value, calibrated=self._cycle.calibrated(),
+            has_speed_hint=self._cycle.has_speed_hint(),
             total_samples=self._total, world_size=self.W, batch_size=self.bs, final_alloc=self._final_alloc(e))
         if nb <= 0:
             return False

@@ -14,16 +14,20 @@ from typing import Union
 class EpochPlan:
     """How many epochs the run trains: the config's, or fewer once a loop asked to stop."""
 
-    __slots__ = ("epochs",)
+    __slots__ = ("_epochs",)
 
     def __init__(self, epochs: int) -> None:
         if int(epochs) < 1:
             raise ValueError(f"a run trains at least one epoch (got {epochs})")
-        self.epochs = int(epochs)
+        self._epochs = int(epochs)
+
+    @property
+    def epochs(self) -> int:
+        return self._epochs
 
     def end_after(self, last_epoch: int) -> None:
         """``last_epoch`` becomes the run's last (only ever lowered: a later, larger stop asks for nothing)."""
-        self.epochs = min(self.epochs, int(last_epoch) + 1)
+        self._epochs = min(self._epochs, int(last_epoch) + 1)
 
     @staticmethod
     def of(epochs: Union[int, EpochPlan]) -> EpochPlan:
@@ -31,4 +35,4 @@ class EpochPlan:
         return epochs if isinstance(epochs, EpochPlan) else EpochPlan(epochs)
 
     def __repr__(self) -> str:
-        return f"EpochPlan(epochs={self.epochs})"
+        return f"EpochPlan(epochs={self._epochs})"

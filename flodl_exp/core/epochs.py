@@ -56,8 +56,9 @@ class EpochBoundaries:
     def _on_epoch_aggregated(self, e: int, metrics: dict[str, float]) -> None:
         metrics["global_step"] = float(self._cycle.global_step)
         metrics["alive_ranks"] = float(self._cohort.alive_count())
-        if self._cycle.elche is not None:
-            metrics["anchor"] = float(self._cycle.elche.anchor)
+        anchor = self._cycle.anchor
+        if anchor is not None:
+            metrics["anchor"] = float(anchor)
         self._obs.on_epoch_aggregated(e, metrics)
         self._out.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
         self._obs.emit(ev.Epoch(epoch=e, metrics={k: v for k, v in metrics.items()

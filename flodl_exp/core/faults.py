@@ -86,12 +86,14 @@ class FaultHandler:
     """Applies the rules above: records a death, recovers from it, or ends the run with a bundle.
     Owns the ShutdownWithSave state (the failure bundle's stem and its deadline)."""
 
-    def __init__(self, *, world_size: int, max_failure: Optional[int], life: Lifecycle, enter: Callable[[Phase], None],
+    def __init__(self, *, world_size: int, max_failure: Optional[int], backend: Backend, life: Lifecycle, enter: Callable[[Phase], None],
                  shutdown: Callable[[], None], cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
                  writer: BundleWriter, outbox: Outbox, obs: CoreObserver, store: BundleStore, clock: Callable[[], float],
                  is_local: Callable[[int], bool] = lambda r: False) -> None:
         self.world_size = world_size
         self.max_failure = max_failure
+        self._backend = backend
+        """nccl: a death regroups the survivors' collective; what survives a death depends on it."""
         self._life = life
         self._enter = enter
         self._shutdown = shutdown
@@ -146,16 +148,15 @@ class FaultHandler:
         """The run goes on without the rank (True), or ends with ShutdownWithSave (False)."""
         r = death.rank
         why = unrecoverable_reason(world_size=self.world_size, alive=len(self._cohort.alive_ranks()),
-                                   dead=self._cohort.dead_count(), max_failure=self.max_failure, backend=self._cycle.backend)
+                                   dead=self._cohort.dead_count(), max_failure=self.max_failure, backend=self._backend)
         if why:
             self.shutdown_with_save(why, f"rank {r} {death.reason}")
             return False
         if not self._life.is_(Phase.CONNECTING):
             self._dispatch.on_rank_dead(r, death.unreduced_steps, death.acked_steps)
         if self._cohort.fixed_callback is None or self._cohort.callback_rank == r:
-            elche = self._cycle.elche
-            self._cohort.elect_callback(elche.smoothed_ms if elche is not None and elche.is_calibrated else None, force=True)
-        if self._cycle.mode.is_nccl:
+            self._cohort.elect_callback(self._cycle.calibrated_speeds(), force=True)
+        if self._backend is Backend.NCCL:
             self._start_regroup()
         return True
 

@@ -95,6 +95,10 @@ class Lifecycle:
     def end_reason(self) -> Optional[str]:
         return self._end_reason
 
+    def outcome(self) -> dict[str, Optional[str]]:
+        """The run's end as result.json records it: the status and the failure, if any."""
+        return {"status": self._status.value, "failure": self._failure}
+
     @property
     def live(self) -> bool:
         """Training, or on its way to a clean end (no shutdown sent yet)."""

@@ -238,9 +238,7 @@ class Preemption:
             self._writer.send_saves(p.stem)
 
     def _rank_failures(self) -> str:
-        if self._cohort.deaths:
-            return "; ".join(f"rank {d.rank} {d.reason}" for d in self._cohort.deaths)
-        return "; ".join(f"rank {r}: {e.get('error')}" for r, e in sorted(self._cohort.errors.items()))
+        return self._cohort.failure_summary()
 
     def _tick_terminate(self) -> None:
         assert self._terminate_at is not None

@@ -73,7 +73,7 @@ class Reduces:
         led = self._cycle.ledger
         target = self._mode.window_target
         counts = self._cycle.counts_view
-        out = self._dispatch.chunks.by_rank  # chunks in flight per rank (Dispatcher.in_flight, indexed)
+        out = self._dispatch.chunks_by_rank  # chunks in flight per rank (Dispatcher.in_flight, indexed)
         b = self._blocker
         if (b is not None and self._cohort.alive(b) and out[b] > 0 and not led[b].throttled
                 and led[b].steps < target(counts[b])):
@@ -139,10 +139,10 @@ class Reduces:
             log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
                         "generation without its share: its %d picks are trained again", r, picks)
             self._obs.emit(ev.Retrain(rank=r, picks=picks, why="answer_not_in_consensus"))
-        elche = self._cycle.elche
-        if elche is not None and elche.is_calibrated:
-            self._cohort.elect_fastest_once(elche.smoothed_ms)
-        if elche is not None:
+        speeds = self._cycle.calibrated_speeds()
+        if speeds is not None:
+            self._cohort.elect_fastest_once(speeds)
+        if self._cycle.has_elche:
             d.on_verdict(out.action)
         d.on_reduce_finished(out.n, keep_after_answer=self._mode.is_nccl)
         self._obs.on_reduce_finished(red, out, version, averaging_from, d.current_epoch())

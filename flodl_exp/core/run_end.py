@@ -59,7 +59,7 @@ class RunEnd:
                  fire_reduce: Callable[..., bool]) -> None:
         self._plan = epochs
         """The run's epoch count, shared with dispatch, slack, checkpoints and the writer (core/epoch_plan.py)."""
-        self.evals = EvalState()
+        self._evals = EvalState()
         self._w = world_size
         self._blended = blended
         """EASGD: replicas are blends of the average, so the final consensus is taken even with no step since."""
@@ -91,23 +91,32 @@ class RunEnd:
         cb = self._cohort.callback_rank
         if not self._cohort.alive(cb):
             return False
-        self.evals.pending, self.evals.pending_epoch = cb, e
+        self._evals.pending, self._evals.pending_epoch = cb, e
         self._obs.on_eval_sent(cb, e)
         self._out.send(cb, ExecuteEval(epoch=e))
         return True
 
+    @property
+    def eval_pending(self) -> Optional[int]:
+        """The periodic eval in flight (its epoch), if any."""
+        return self._evals.pending
+
+    def eval_outcome(self) -> dict[str, Any]:
+        """The evals' part of the run's outcome: the final eval's metrics and every periodic eval's."""
+        return {"final_eval": self._evals.final, "evals": self._evals.history}
+
     def eval_holds_sync(self) -> bool:
         """nccl: a periodic eval is running on a live rank, so no collective may start yet."""
-        r = self.evals.pending
+        r = self._evals.pending
         return self._mode.is_nccl and r is not None and self._cohort.alive(r)
 
     def callback_slack(self) -> dict[int, float]:
-        """The slack to stage at this reduce (``AveragingCycle.slack_source``)."""
+        """The slack to stage at this reduce (``AveragingCycle.stage_slack_from``)."""
         # The epoch whose last chunk is out; or, when it aggregated before this reduce finished (its chunks
         # done first, as in nccl cadence), the epoch whose eval is running now: the next window overlaps it.
         e = self._dispatch.closing_epoch(self._cohort.callback_rank)
-        if e is None and self.evals.pending is not None:
-            e = self.evals.pending_epoch
+        if e is None and self._evals.pending is not None:
+            e = self._evals.pending_epoch
         due = self._slack.due(e, self._cohort.callback_rank)
         for r, ms in due.items():
             log.info("callback slack: rank %d gets %.0f ms less work in the window of the eval after epoch %s", r, ms, e)
@@ -115,7 +124,7 @@ class RunEnd:
         return due
 
     def on_eval(self, r: int, f: EvalResult) -> None:
-        state = self.evals
+        state = self._evals
         self._obs.on_eval_result(r, f.epoch, f.final)
         if not f.final:
             self._slack.on_elapsed(r, f.elapsed_ms, kind="eval")
@@ -155,7 +164,7 @@ class RunEnd:
             # evaluate now, not an epoch late
             e = self._dispatch.last_aggregated
             self._intents.answer("eval", e)
-            if e != self.epochs - 1 and self.evals.pending is None:
+            if e != self.epochs - 1 and self._evals.pending is None:
                 self.send_eval(e)
 
     def stop_early(self, r: int, asked: int) -> None:
@@ -179,9 +188,9 @@ class RunEnd:
         if not self._checkpoint_fn.settled:
             return  # a bundle's checkpoint_fn is owed (a failover): the final bundle does not start under it
         alive = self._cohort.alive_ranks()
-        blended = self._blended and not self.evals.final_overwrite_done
+        blended = self._blended and not self._evals.final_overwrite_done
         if self._w > 1 and (blended or self._cycle.any_steps(alive)):
-            self.evals.final_overwrite_done = True
+            self._evals.final_overwrite_done = True
             self._fire_reduce(final=True)
         else:
             self.finish_run()
@@ -190,7 +199,7 @@ class RunEnd:
         """Every epoch aggregated and the last reduce settled: final eval and bundle, then shutdown."""
         self._enter(Phase.FINISHING)
         cb = self._cohort.primary()
-        self.evals.final_rank = cb
+        self._evals.final_rank = cb
         self._obs.on_eval_sent(cb, self.epochs - 1, final=True)
         self._out.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
         self._writer.send_saves(self._writer.stem, model_rank=cb)
@@ -199,13 +208,13 @@ class RunEnd:
         """Rank ``r`` died while finishing: when it ran the final eval and owed the consensus model, both move
         to another survivor (True); False when it did not (its pieces are the writer's to settle)."""
         alive = self._cohort.alive_ranks()
-        if not (self._life.is_(Phase.FINISHING) and self.evals.final_rank == r and alive):
+        if not (self._life.is_(Phase.FINISHING) and self._evals.final_rank == r and alive):
             return False
         w = self._writer
         w.drop(r)
         cb = alive[0]
         w.expect(cb)
-        self.evals.final_rank = cb
+        self._evals.final_rank = cb
         self._obs.on_eval_sent(cb, self.epochs - 1, final=True)
         self._out.send(cb, ExecuteEval(epoch=self.epochs - 1, final=True))
         self._out.send(cb, Save(stem=w.stem, primary=True, model=True))
@@ -214,7 +223,7 @@ class RunEnd:
     def maybe_complete(self) -> bool:
         """Finishing, the final eval reported and every save settled: the run ends and the ranks are told (True)."""
         w = self._writer
-        if not (self._life.is_(Phase.FINISHING) and self.evals.final_rank is None and w.settled):
+        if not (self._life.is_(Phase.FINISHING) and self._evals.final_rank is None and w.settled):
             return False
         w.write_meta("completed", w.stem, epoch=self.epochs)
         err = w.failed.get(w.stem)

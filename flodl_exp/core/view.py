@@ -16,25 +16,16 @@ from flodl_exp.core.cycle import AveragingCycle
 from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.lifecycle import Lifecycle, Phase, Status
 from flodl_exp.core.preemption import Preemption
-from flodl_exp.core.run_end import EvalState
+from flodl_exp.core.run_end import RunEnd
 from flodl_exp.core.startup import StartupBlame
 from flodl_exp.policy.mode import Mode
 
 
 class _Core(Protocol):
-    """What the view reads of :class:`~.core.ControlCore` (a Protocol: the core imports the view)."""
+    """What the view asks of :class:`~.core.ControlCore` itself (a Protocol: the core imports the view)."""
 
-    life: Lifecycle
-    cohort: Cohort
-    cycle: AveragingCycle
-    dispatch: Dispatcher
-    anchor_seeded: bool
-    startup: StartupBlame
-    evals: EvalState
-    writer: BundleWriter
-    preemption: Preemption
-    mode: Mode
-
+    @property
+    def anchor_seeded(self) -> bool: ...
     def outcome(self) -> dict[str, Any]: ...
     def current_epoch(self) -> int: ...
     def stall_state(self, now: float) -> dict[str, Any]: ...
@@ -56,50 +47,56 @@ class ReduceInFlight:
 class CoreView:
     """A read-only window on a :class:`~.core.ControlCore` (see the module docstring)."""
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "_life", "_cohort", "_cycle", "_dispatch", "_writer", "_preemption", "_startup", "_run_end",
+                 "_is_nccl")
 
-    def __init__(self, core: _Core) -> None:
+    def __init__(self, core: _Core, *, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
+                 writer: BundleWriter, preemption: Preemption, startup: StartupBlame, run_end: RunEnd,
+                 mode: Mode) -> None:
         self._core = core
+        self._life, self._cohort, self._cycle, self._dispatch = life, cohort, cycle, dispatch
+        self._writer, self._preemption, self._startup, self._run_end = writer, preemption, startup, run_end
+        self._is_nccl = bool(mode.is_nccl)
 
     # -- the run's phase and end ----------------------------------------------------------------
     @property
     def phase(self) -> Phase:
-        return self._core.life.phase
+        return self._life.phase
 
     def is_(self, *phases: Phase) -> bool:
-        return self._core.life.is_(*phases)
+        return self._life.is_(*phases)
 
     @property
     def status(self) -> Status:
-        return self._core.life.status
+        return self._life.status
 
     @property
     def ending(self) -> bool:
         """The run is on its way out (a ShutdownWithSave, a failure): no new work."""
-        return self._core.life.ending
+        return self._life.ending
 
     @property
     def failure(self) -> Optional[str]:
-        return self._core.life.failure
+        return self._life.failure
 
     @property
     def end_reason(self) -> Optional[str]:
-        return self._core.life.end_reason
+        return self._life.end_reason
 
     # -- progress ----------------------------------------------------------------------------------
     @property
     def global_step(self) -> int:
         """Batches averaged into the consensus so far, all ranks together."""
-        return self._core.cycle.global_step
+        return self._cycle.global_step
 
     @property
     def syncs(self) -> int:
         """Finished reduces."""
-        return self._core.cycle.version
+        return self._cycle.version
 
     @property
     def epochs_aggregated(self) -> int:
-        return self._core.dispatch.last_aggregated + 1
+        return self._dispatch.last_aggregated + 1
 
     def current_epoch(self) -> int:
         """The newest epoch a rank started."""
@@ -108,61 +105,60 @@ class CoreView:
     @property
     def eval_pending(self) -> Optional[int]:
         """The periodic eval in flight (its epoch), if any."""
-        return self._core.evals.pending
+        return self._run_end.eval_pending
 
     # the averaging window, as the window records read it (records.CycleView)
     @property
     def anchor(self) -> Optional[int]:
-        return self._core.cycle.anchor
+        return self._cycle.anchor
 
     @property
     def window_t0(self) -> float:
-        return self._core.cycle.window_t0
+        return self._cycle.window_t0
 
     def window_loss(self) -> float:
-        return self._core.cycle.window_loss()
+        return self._cycle.window_loss()
 
     def reduce_in_flight(self) -> Optional[ReduceInFlight]:
-        red = self._core.cycle.in_flight
+        red = self._cycle.in_flight
         if red is None:
             return None
         return ReduceInFlight(frozenset(red.members), {r: s.n for r, s in red.snapshots.items()})
 
     # -- the cohort --------------------------------------------------------------------------------
     def alive(self, r: int) -> bool:
-        return self._core.cohort.alive(r)
+        return self._cohort.alive(r)
 
     def alive_ranks(self) -> list[int]:
-        return self._core.cohort.alive_ranks()
+        return self._cohort.alive_ranks()
 
     def all_joined(self) -> bool:
-        return self._core.cohort.all_joined()
+        return self._cohort.all_joined()
 
     def closed_before_start(self) -> bool:
         """A joined rank's connection closed while the ranks connect (the core waits to decide whom to blame)."""
-        return bool(self._core.startup.closes)
+        return bool(self._startup.closes)
 
     @property
     def startup_failure(self) -> Optional[str]:
         """Why the core failed the run before training started (core/startup.py), or None."""
-        return self._core.startup.failure
+        return self._startup.failure
 
     def missing(self) -> list[int]:
         """Ranks not (or no longer) in the cohort."""
-        return self._core.cohort.missing()
+        return self._cohort.missing()
 
     def exited(self, r: int) -> bool:
         """Whether the rank said it exits cleanly."""
-        return self._core.cohort.exited(r)
+        return self._cohort.exited(r)
 
     def error_of(self, r: int) -> Optional[str]:
         """The error the rank reported before failing, if any."""
-        err = (self._core.cohort.errors.get(r) or {}).get("error")
-        return str(err) if err else None
+        return self._cohort.error_of(r)
 
     def stale(self, now: float, timeout: float) -> list[int]:
         """Working ranks heard from last more than ``timeout`` s before ``now``."""
-        return self._core.cohort.stale(now, timeout)
+        return self._cohort.stale(now, timeout)
 
     # -- the result --------------------------------------------------------------------------------
     @property
@@ -179,7 +175,7 @@ class CoreView:
 
     @property
     def is_nccl(self) -> bool:
-        return bool(self._core.mode.is_nccl)
+        return self._is_nccl
 
     @property
     def wants_outer_state(self) -> bool:
@@ -194,14 +190,14 @@ class CoreView:
     @property
     def bundle_stem(self) -> str:
         """The run's checkpoint stem (its final bundle)."""
-        return str(self._core.writer.stem)
+        return str(self._writer.stem)
 
     @property
     def failed_bundles(self) -> dict[str, str]:
         """stem -> why, for every bundle that failed (a copy)."""
-        return dict(self._core.writer.failed)
+        return dict(self._writer.failed)
 
     @property
     def terminated(self) -> bool:
         """SIGTERM was carried out (the job step is ending)."""
-        return bool(self._core.preemption.terminated)
+        return bool(self._preemption.terminated)
