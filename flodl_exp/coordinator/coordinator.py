@@ -36,12 +36,13 @@ from flodl_exp.coordinator.records import RecordLog, WindowRecorder
 from flodl_exp.coordinator.timeline import TimelineRecorder
 from flodl_exp.coordinator.watchdog import StallWatchdog
 from flodl_exp.coordinator.wire_outbox import Transport, WireOutbox
-from flodl_exp.core.cohort import Cohort, ProgressWatch
+from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.commands import (
     AnchorHint,
     AwaitingRanks,
     ClosedBeforeStart,
     Closing,
+    HeartbeatFrom,
     LostBeforeJoin,
     PreemptAsked,
     RankDeath,
@@ -143,10 +144,8 @@ class Coordinator:
         self._rejected = rejected
         self.W = shape.world_size
         self.epochs = cfg.experiment.epochs
-        self.hb_timeout = cfg.cluster.heartbeat_timeout_s
         self.t_start = clock()
         self._node = os.uname().nodename
-        self.progress = ProgressWatch(cfg.cluster.progress_timeout_s)
         self.records = RecordLog(os.path.abspath(cfg.record_log.dir) if cfg.record_log.dir else None, cfg.record_log.max_bytes)
         self.events = EventLog(job_dir, self.records, clock)
         self.timeline = TimelineRecorder(self.W, clock)
@@ -177,7 +176,7 @@ class Coordinator:
             shape=self.shape, cfg=cfg, outbox_for=self._outbox_for, clock=clock,
             wall_clock=time.time, observer=self.observer, store=DiskBundles(self.job_dir, self.sink),
             averager=TorchAverager(self.shape.outer) if Mode.of(cfg).is_cpu else None,
-            is_local=self._is_local, start=clock(),
+            is_local=self._is_local, start=clock(), watch_liveness=True,
             facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
         self.view = self.core.view
         """What the coordinator reads of the core (core/view.py): it names none of its components."""
@@ -378,16 +377,7 @@ class Coordinator:
         now = self.clock()
         self._deliver_signals(now)
         self._beacon(now)                                    # 2. coordinator -> rank heartbeat
-        for r in self.view.stale(now, self.hb_timeout):      # 3. dead ranks, before any gate
-            self.declare_dead(r, f"no heartbeat for {self.hb_timeout:.0f}s")
-        for r, idle in self.progress.stuck(now):             #    stuck main threads (heartbeat alive)
-            if self.progress.states.get(r) == "loop":
-                self.evict(r, f"its training loop held a batch for {idle:.0f}s without calling w.step() "
-                              "(cluster.progress_timeout_s)")
-                continue
-            self.evict(r, f"no training step for {idle:.0f}s with a chunk in progress while its heartbeat "
-                          "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
-        self._handle(Tick(now))                              # 4-11: the core's decisions
+        self._handle(Tick(now))                              # 3-11: the core's decisions (dead and stuck ranks first)
         if self.view.phase in TRAINING_PHASES and self.watchdog.check(self.view.global_step, self.stall_state):
             self.events.emit(ev.Stall(global_step=self.view.global_step, dump=self.watchdog.paths[-1]))
 
@@ -446,9 +436,7 @@ class Coordinator:
             self._handle(RankHeard(r, now))
             return
         if isinstance(payload, Heartbeat):
-            self._handle(RankHeard(r, now))
-            if self.view.alive(r):
-                self.progress.on_heartbeat(r, payload.state, payload.steps, now)
+            self._handle(HeartbeatFrom(r, payload.state, payload.steps, now))
             return
         if isinstance(payload, ProbeResult):
             self._handle(RankHeard(r, now))
@@ -463,11 +451,9 @@ class Coordinator:
 
     # -- deaths -----------------------------------------------------------------
     def declare_dead(self, r: int, reason: str) -> None:
-        self.progress.forget(r)
         self._handle(RankDeath(r, reason, self.clock()))
 
     def evict(self, r: int, reason: str) -> None:
-        self.progress.forget(r)
         self._handle(RankEvicted(r, reason, self.clock()))
 
     def shutdown(self) -> None:

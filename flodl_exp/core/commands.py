@@ -189,6 +189,17 @@ class RankHeard:
 
 
 @dataclass(frozen=True)
+class HeartbeatFrom:
+    """A heartbeat from the rank: it is alive, and its main thread is in ``state`` at ``steps`` training steps
+    (a core that watches liveness evicts a rank whose steps stop moving while it trains: ProgressWatch)."""
+
+    rank: int
+    state: Optional[str]
+    steps: Optional[int]
+    now: float
+
+
+@dataclass(frozen=True)
 class Resumed:
     """The run resumes from a bundle: its meta seeds the trajectory (step counters, ElChe, the guard's history when
     ``guard_kind`` matches) and, on the cpu backend, ``outer_state`` (its ``.outer.pt``) the outer optimizer."""
@@ -260,5 +271,5 @@ class StartupCheck:
 
 
 Event = Union[RankJoined, TrainingStarts, RankMessage, RankDeath, RankEvicted, Tick, RunFailed, SaveAndStop, Stop,
-              AnchorHint, RankHeard, Resumed, PreemptAsked, TerminateAsked, Closing, AwaitingRanks, ClosedBeforeStart,
+              AnchorHint, RankHeard, HeartbeatFrom, Resumed, PreemptAsked, TerminateAsked, Closing, AwaitingRanks, ClosedBeforeStart,
               LostBeforeJoin, StartupCheck]

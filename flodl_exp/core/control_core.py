@@ -44,7 +44,7 @@ from flodl_exp.core.bundle_store import BundleStore, MemoryBundles
 from flodl_exp.core.callback_slack import CallbackSlack
 from flodl_exp.core.checkpoint_fn import CheckpointFnRole
 from flodl_exp.core.checkpoints import BundleWriter, Checkpoints, MetaFacts
-from flodl_exp.core.cohort import Cohort
+from flodl_exp.core.cohort import Cohort, ProgressWatch
 from flodl_exp.core.commands import (
     AnchorHint,
     AwaitingRanks,
@@ -53,6 +53,7 @@ from flodl_exp.core.commands import (
     Command,
     CommandOutbox,
     Event,
+    HeartbeatFrom,
     LostBeforeJoin,
     PreemptAsked,
     RankDeath,
@@ -135,7 +136,7 @@ class ControlCore:
                  store: BundleStore, facts: RunFacts = RunFacts(), averager: Optional[Averager] = None,
                  is_local: Callable[[int], bool] = lambda r: False,
                  dispatcher: Callable[..., Dispatcher] = Dispatcher, start: float = 0.0,
-                 commands: Optional[list[Command]] = None) -> None:
+                 commands: Optional[list[Command]] = None, watch_liveness: bool = False) -> None:
         w = shape.world_size
         epochs = cfg.experiment.epochs
         plan = self.plan = EpochPlan(epochs)
@@ -157,6 +158,12 @@ class ControlCore:
         self.mode = Mode.of(cfg)
         """The policy and backend as one value, resolved once (flodl_exp/policy/mode.py)."""
         self.life = Lifecycle()
+        self._watch_liveness = watch_liveness
+        """The shell reports heartbeats (the coordinator; the simulator models none): each tick, a working rank
+        silent for ``cluster.heartbeat_timeout_s`` is dead, and one whose steps stopped while it trains is
+        evicted (``cluster.progress_timeout_s``)."""
+        self._hb_timeout = float(cfg.cluster.heartbeat_timeout_s)
+        self.progress = ProgressWatch(cfg.cluster.progress_timeout_s)
         self.cohort = Cohort(w, shape.fixed_callback_rank, start, wall_clock)
         self.outbox: Outbox = (outbox_for(self.cohort) if outbox_for is not None
                                else CommandOutbox(self.cohort, self._commands))
@@ -252,13 +259,15 @@ class ControlCore:
                     observer: Optional[CoreObserver] = None, store: Optional[BundleStore] = None,
                     facts: RunFacts = RunFacts(), is_local: Callable[[int], bool] = lambda r: False,
                     dispatcher: Callable[..., Dispatcher] = Dispatcher, averager: Optional[Averager] = None,
-                    start: Optional[float] = None, commands: Optional[list[Command]] = None) -> ControlCore:
+                    start: Optional[float] = None, commands: Optional[list[Command]] = None,
+                    watch_liveness: bool = False) -> ControlCore:
         """The core of a run config (the coordinator's, or the simulator's run_config of a rig). Without
         ``outbox_for`` what it sends is returned by :meth:`handle`; without ``clock`` it runs on its events' time."""
         t0 = start if start is not None else clock() if clock is not None else 0.0
         return cls(shape=RunShape.of(cfg), cfg=cfg, outbox_for=outbox_for, clock=clock, wall_clock=wall_clock,
                    observer=observer or NullObserver(), store=store or MemoryBundles(), facts=facts,
-                   is_local=is_local, dispatcher=dispatcher, start=t0, averager=averager, commands=commands)
+                   is_local=is_local, dispatcher=dispatcher, start=t0, averager=averager, commands=commands,
+                   watch_liveness=watch_liveness)
 
     def _event_time(self) -> float:
         return self._now
@@ -421,6 +430,8 @@ class ControlCore:
         the stall ceiling, then in the training phases the epoch role, the throttle (5), the reduce gate (8),
         aggregation (10) and the end of training (11)."""
         now = self.clock() if now is None else now
+        if self._watch_liveness:
+            self._check_liveness(now)                         # 3. dead and stuck ranks, before any gate
         self.faults.tick(now)                                 # 4. regroup retries (a silent generator)
         self.preemption.tick()                                #    signals (SLURM, time limit)
         if self._tick_ending(now):
@@ -472,9 +483,28 @@ class ControlCore:
         self.preemption.request_terminate()
 
     # -- deaths ---------------------------------------------------------------------------
+    def _check_liveness(self, now: float) -> None:
+        """Step 3 of the tick: a working rank not heard from for the heartbeat timeout is dead; one whose heartbeat
+        arrives but whose training steps stopped (a hung data read, a loop holding a batch) is evicted."""
+        for r in self.cohort.stale(now, self._hb_timeout):
+            self.on_death(r, f"no heartbeat for {self._hb_timeout:.0f}s")
+        for r, idle in self.progress.stuck(now):
+            if self.progress.states.get(r) == "loop":
+                self.evict(r, f"its training loop held a batch for {idle:.0f}s without calling w.step() "
+                              "(cluster.progress_timeout_s)")
+                continue
+            self.evict(r, f"no training step for {idle:.0f}s with a chunk in progress while its heartbeat "
+                          "still arrives (its main thread is stuck; cluster.progress_timeout_s)")
+
+    def _on_heartbeat(self, e: HeartbeatFrom) -> None:
+        self.cohort.seen(e.rank, e.now)
+        if self.cohort.alive(e.rank):
+            self.progress.on_heartbeat(e.rank, e.state, e.steps, e.now)
+
     def on_death(self, r: int, reason: str) -> None:
         """Rank ``r`` is gone (its connection closed, its heartbeat went stale, it was evicted): recover without
         it, or end the run with a bundle when the loss is unrecoverable (algorithms.md 7; core/deaths.py)."""
+        self.progress.forget(r)
         self.deaths.on_death(r, reason)
 
     def evict(self, r: int, reason: str) -> None:
@@ -586,6 +616,7 @@ _HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
     TrainingStarts: lambda c, e: c.start(e.total_picks, e.resume_meta),
     RankMessage: ControlCore._on_message,
     RankHeard: lambda c, e: c.cohort.seen(e.rank, e.now),
+    HeartbeatFrom: ControlCore._on_heartbeat,
     Resumed: ControlCore._on_resumed,
     PreemptAsked: lambda c, e: c.request_preempt(),
     TerminateAsked: lambda c, e: c.request_terminate(),
