@@ -3,6 +3,8 @@
 whose steps stopped while its heartbeat goes on. The simulator's core (no heartbeats modelled) watches nothing."""
 from __future__ import annotations
 
+from typing import Any
+
 from test_control_core import cfg_of
 
 from flodl_exp.core.commands import HeartbeatFrom, RankJoined, Send, Tick, TrainingStarts
@@ -14,7 +16,8 @@ PROGRESS = 100.0
 
 
 def _core(watch: bool) -> ControlCore:
-    cfg = cfg_of("cpu_cadence", 3, **{"cluster.heartbeat_timeout_s": HB, "cluster.progress_timeout_s": PROGRESS})
+    timeouts: dict[str, Any] = {"cluster.heartbeat_timeout_s": HB, "cluster.progress_timeout_s": PROGRESS}
+    cfg = cfg_of("cpu_cadence", 3, **timeouts)
     core = ControlCore.from_config(cfg, wall_clock=lambda: 0.0, start=0.0, watch_liveness=watch)
     for r in range(3):
         core.handle(RankJoined(r, 0.0))
@@ -44,8 +47,8 @@ def test_a_rank_whose_steps_stop_while_it_trains_is_evicted_and_told() -> None:
             core.handle(HeartbeatFrom(r, "train", 5 if r == 1 else t, float(t)))
         out += core.handle(Tick(float(t)))
     assert [core.view.alive(r) for r in range(3)] == [True, False, True]
-    evicts = [c for c in out if isinstance(c, Send) and isinstance(c.payload, Evict)]
-    assert [c.rank for c in evicts] == [1] and "cluster.progress_timeout_s" in evicts[0].payload.reason
+    evicts = [(c.rank, c.payload) for c in out if isinstance(c, Send) and isinstance(c.payload, Evict)]
+    assert [r for r, _ in evicts] == [1] and "cluster.progress_timeout_s" in evicts[0][1].reason
 
 
 def test_a_core_that_does_not_watch_liveness_declares_nobody() -> None:
