@@ -4,8 +4,8 @@ Every decision of the run is the :class:`~.core.ControlCore`'s (core/control_cor
 what arrives into the core's inputs and carries out what the core decides through its ports:
 
 * the rank server's events become the core's events, through :meth:`ControlCore.handle` alone (rank messages,
-  after the record log took each chunk's metrics; deaths: a closed connection, a stale heartbeat; evictions: a
-  stuck main thread; ticks, signals, the run's end); it reads the core only through ``core.view``;
+  after the record log took each chunk's metrics; heartbeats, from which the core finds dead and stuck ranks; deaths:
+  a closed connection; ticks, signals, the run's end); it reads the core only through ``core.view``;
 * the core's messages go out through a :class:`~.wire_outbox.WireOutbox` onto the rank sockets;
 * what the core decides is recorded by :class:`ShellObserver` (timeline, window records, MLflow, events.jsonl);
 * bundle files go through :class:`~.disk_bundles.DiskBundles`.
@@ -46,7 +46,6 @@ from flodl_exp.core.commands import (
     LostBeforeJoin,
     PreemptAsked,
     RankDeath,
-    RankEvicted,
     RankHeard,
     RankJoined,
     RankMessage,
@@ -452,9 +451,6 @@ class Coordinator:
     # -- deaths -----------------------------------------------------------------
     def declare_dead(self, r: int, reason: str) -> None:
         self._handle(RankDeath(r, reason, self.clock()))
-
-    def evict(self, r: int, reason: str) -> None:
-        self._handle(RankEvicted(r, reason, self.clock()))
 
     def shutdown(self) -> None:
         self._handle(Stop(self.clock()))

@@ -82,10 +82,6 @@ class Cohort:
     def generation(self) -> int:
         return self._generation
 
-    @property
-    def finals(self) -> dict[int, dict[str, Any]]:
-        return self._finals
-
     def error_of(self, r: int) -> Optional[str]:
         """The error the rank reported before failing, if any."""
         err = (self._errors.get(r) or {}).get("error")

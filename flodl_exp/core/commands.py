@@ -132,15 +132,6 @@ class RankDeath:
 
 
 @dataclass(frozen=True)
-class RankEvicted:
-    """The rank is alive but may not go on (its main thread is stuck): it is told to stop and counted dead."""
-
-    rank: int
-    reason: str
-    now: float
-
-
-@dataclass(frozen=True)
 class Tick:
     """One turn of the loop (algorithms.md 3.1, steps 4-11)."""
 
@@ -270,6 +261,6 @@ class StartupCheck:
     now: float
 
 
-Event = Union[RankJoined, TrainingStarts, RankMessage, RankDeath, RankEvicted, Tick, RunFailed, SaveAndStop, Stop,
+Event = Union[RankJoined, TrainingStarts, RankMessage, RankDeath, Tick, RunFailed, SaveAndStop, Stop,
               AnchorHint, RankHeard, HeartbeatFrom, Resumed, PreemptAsked, TerminateAsked, Closing, AwaitingRanks, ClosedBeforeStart,
               LostBeforeJoin, StartupCheck]

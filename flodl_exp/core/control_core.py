@@ -57,7 +57,6 @@ from flodl_exp.core.commands import (
     LostBeforeJoin,
     PreemptAsked,
     RankDeath,
-    RankEvicted,
     RankHeard,
     RankJoined,
     RankMessage,
@@ -294,15 +293,6 @@ class ControlCore:
         self.cycle.restore(meta.global_step, meta.sync_round)
         self.cycle.restore_controllers(meta.elche_state,
                                        meta.guard_state if meta.guard_kind == guard_kind else None)
-
-    def restore_outer(self, state: dict[str, Any]) -> Optional[float]:
-        """cpu backend: the outer optimizer's momentum from a bundle's sidecar; its norm (None when this
-        mode keeps none here: the nccl ranks hold theirs, ``outer=avg`` has none)."""
-        return self.cycle.restore_outer(state)
-
-    @property
-    def wants_outer_state(self) -> bool:
-        return self.cycle.wants_outer_state
 
     def seed_anchor(self, r: int) -> bool:
         """A cold-start anchor from the hellos (the slowest device's rank), unless a speed hint, partition
@@ -591,7 +581,7 @@ class ControlCore:
         self.restore(e.meta, e.guard_kind)
         if e.outer_state is None:
             return
-        norm = self.restore_outer(e.outer_state)
+        norm = self.cycle.restore_outer(e.outer_state)
         if norm is not None:
             log.info("outer optimizer %s resumed from %s (momentum norm %.6g)", self.shape.outer.describe(), e.stem,
                      norm)
@@ -622,7 +612,6 @@ _HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
     TerminateAsked: lambda c, e: c.request_terminate(),
     Closing: lambda c, e: c.settle_status(),
     RankDeath: lambda c, e: c.on_death(e.rank, e.reason),
-    RankEvicted: lambda c, e: c.evict(e.rank, e.reason),
     Tick: lambda c, e: c.tick(e.now),
     RunFailed: lambda c, e: c.fail(e.failure),
     SaveAndStop: lambda c, e: c.shutdown_with_save(e.reason, e.detail),

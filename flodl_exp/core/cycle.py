@@ -194,10 +194,6 @@ class AveragingCycle:
         return self._version
 
     @property
-    def outer_spec(self) -> OuterSpec:
-        return self._outer_spec
-
-    @property
     def averager(self) -> Optional[Averager]:
         return self._averager
 

@@ -31,8 +31,6 @@ class _Core(Protocol):
     def stall_state(self, now: float) -> dict[str, Any]: ...
     @property
     def saved_stem(self) -> Optional[str]: ...
-    @property
-    def wants_outer_state(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -180,7 +178,7 @@ class CoreView:
     @property
     def wants_outer_state(self) -> bool:
         """A resumed run's ``.outer.pt`` is the core's to load (cpu backend, a stateful outer optimizer)."""
-        return self._core.wants_outer_state
+        return self._cycle.wants_outer_state
 
     @property
     def saved_stem(self) -> Optional[str]:
