@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flodl_exp.core.callback_slack import EWMA_ALPHA, CallbackSlack
-from flodl_exp.core.cycle import AveragingCycle
+from flodl_exp.core.cycle import AveragingCycle, CycleSettings
 from flodl_exp.policy.elche import ElChe
 from flodl_exp.policy.guards import build_guard
 from flodl_exp.policy.mode import Mode
@@ -59,8 +59,9 @@ EVAL_MS = 400.0
 def _calibrated_cycle() -> AveragingCycle:
     elche = ElChe(2, 10, overhead_target=0.05, max_anchor=1000, min_anchor=None, max_batch_diff=None,
                   window_growth_applicable=True)
-    cycle = AveragingCycle(world_size=2, mode=Mode.parse("cadence", "cpu"), gamma=1.0, alpha=None, progressive=True,
-                           elche=elche, guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=None,
+    cycle = AveragingCycle(settings=CycleSettings(world_size=2, mode=Mode.parse("cadence", "cpu"), gamma=1.0, alpha=None,
+                                                  progressive=True),
+                           elche=elche, guard=build_guard("none"), meta=None,
                            outbox=_Outbox(), clock=lambda: 0.0, averager=TorchAverager())  # type: ignore[arg-type]
     for _ in range(40):
         if elche.is_calibrated:

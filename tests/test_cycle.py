@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flodl_exp.core.cycle import AveragingCycle, Ledger
+from flodl_exp.core.cycle import AveragingCycle, CycleSettings, Ledger
 from flodl_exp.policy.guards import build_guard
 from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.messages import Throttle
@@ -32,9 +32,9 @@ class _FixedCounts(AveragingCycle):
 
 
 def _cycle(policy: str, steps: list[int], counts: list[int], throttled: list[bool], max_batch_diff: Any = None) -> _FixedCounts:
-    c = _FixedCounts(world_size=len(steps), mode=Mode.parse(policy, "cpu"), gamma=1.0, alpha=None, progressive=False,
-                     elche=None, guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=max_batch_diff,
-                     outbox=_Out(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    c = _FixedCounts(settings=CycleSettings(world_size=len(steps), mode=Mode.parse(policy, "cpu"), gamma=1.0, alpha=None,
+                                            progressive=False, max_batch_diff=max_batch_diff),
+                     elche=None, guard=build_guard("none"), meta=None, outbox=_Out(), clock=lambda: 0.0)  # type: ignore[arg-type]
     c.fixed = counts
     c._ledger = [Ledger(steps=s, throttled=t) for s, t in zip(steps, throttled)]
     return c

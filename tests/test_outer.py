@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flodl_exp.bundle_meta import BundleMeta, Resume
-from flodl_exp.core.cycle import AveragingCycle
+from flodl_exp.core.cycle import AveragingCycle, CycleSettings
 from flodl_exp.core.epoch_metrics import EpochAccumulator
 from flodl_exp.outer import OuterOptimizer, OuterSpec
 from flodl_exp.policy.guards import build_guard
@@ -151,9 +151,10 @@ class _Outbox:
 
 def _cycle(spec: OuterSpec) -> tuple[AveragingCycle, _Outbox]:
     out = _Outbox()
-    c = AveragingCycle(world_size=2, mode=Mode.parse("cadence", "cpu"), gamma=1.0, alpha=None, progressive=True, elche=None,
-                       guard=build_guard("none"), meta=None, relax_up=False, max_batch_diff=None, outbox=out,  # type: ignore[arg-type]
-                       clock=lambda: 0.0, outer=spec, averager=TorchAverager(spec))
+    c = AveragingCycle(settings=CycleSettings(world_size=2, mode=Mode.parse("cadence", "cpu"), gamma=1.0, alpha=None,
+                                              progressive=True, outer=spec),
+                       elche=None, guard=build_guard("none"), meta=None, outbox=out,  # type: ignore[arg-type]
+                       clock=lambda: 0.0, averager=TorchAverager(spec))
     return c, out
 
 

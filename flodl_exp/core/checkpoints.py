@@ -21,22 +21,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from flodl_exp import events as ev
 from flodl_exp.bundle_meta import BundleMeta, MetaCoverage
 from flodl_exp.bundle_names import file_name, model_path, optim_path, outer_path
-from flodl_exp.core.bundle_store import BundleStore
 from flodl_exp.core.checkpoint_fn import CheckpointFnRole
 from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.cycle import AveragingCycle
 from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.epoch_plan import EpochPlan
 from flodl_exp.core.intents import Intents
-from flodl_exp.core.outbox import Outbox
-from flodl_exp.core.ports import CoreObserver
+from flodl_exp.core.seams import Ports, RunControl
 from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.messages import Save, SaveResult
 
@@ -58,18 +55,18 @@ class MetaFacts:
 
 class BundleWriter:
     def __init__(self, *, stem: str, facts: MetaFacts, plan: EpochPlan, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 outbox: Outbox, obs: CoreObserver, store: BundleStore, wall_clock: Callable[[], float]) -> None:
+                 ports: Ports) -> None:
         self._stem = stem
-        self._wall_clock = wall_clock
+        self._wall_clock = ports.wall_clock
         """Unix time, for the meta's ``unix_time`` (the shell's clock: the core reads none itself)."""
         self.facts = facts
         self._plan = plan
         self._cohort = cohort
         self._cycle = cycle
         self._dispatch = dispatch
-        self._out = outbox
-        self._obs = obs
-        self._store = store
+        self._out = ports.out
+        self._obs = ports.obs
+        self._store = ports.store
         """The files: pieces removed, the outer sidecar and the meta written, artifacts logged."""
         self._pending: Counter[int] = Counter()
         """rank -> ``save_result``s outstanding for the bundle in progress (a retried piece adds one)."""
@@ -314,6 +311,16 @@ class CoverageBundle:
     """Its saves settled and its meta was written (the user's checkpoint_fn may still be running)."""
 
 
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """``checkpoint.*`` as the core reads it."""
+
+    every: int
+    at_epoch: Optional[int]
+    progressive: bool
+    world_size: int
+
+
 class Checkpoints:
     """Periodic and at_epoch bundles.
 
@@ -328,20 +335,20 @@ class Checkpoints:
     save, resume): exact, and harmless there since those modes never blend.
     """
 
-    def __init__(self, *, every: int, at_epoch: Optional[int], epochs: Union[int, EpochPlan], progressive: bool, world_size: int,
-                 writer: BundleWriter, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, obs: CoreObserver,
-                 intents: Intents, fire_reduce: Callable[..., bool],
-                 checkpoint_fn: Optional[CheckpointFnRole] = None) -> None:
+    def __init__(self, *, settings: CheckpointSettings, epochs: Union[int, EpochPlan], writer: BundleWriter,
+                 cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher, intents: Intents, ports: Ports,
+                 run: RunControl, checkpoint_fn: Optional[CheckpointFnRole] = None) -> None:
+        every, progressive = settings.every, settings.progressive
         self.every = every
-        self.at_epoch = at_epoch if progressive else None
+        self.at_epoch = settings.at_epoch if progressive else None
         self._plan = EpochPlan.of(epochs)
         self._progressive = progressive
-        self.world_size = world_size
+        self.world_size = settings.world_size
         self._writer = writer
         self._cohort = cohort
         self._cycle = cycle
         self._dispatch = dispatch
-        self._obs = obs
+        self._obs = ports.obs
         self.periodic: Optional[PeriodicBundle] = None
         """Non-progressive: the epoch-boundary bundle in progress."""
         self.next_periodic: Optional[int] = every if progressive and 0 < every < self._plan.epochs else None
@@ -350,9 +357,9 @@ class Checkpoints:
         """A coverage bundle whose pieces are being written (its meta follows)."""
         self.at_epoch_done = False
         self._intents = intents
-        self._fire_reduce = fire_reduce
-        """The core's one way to start a reduce (ControlCore.fire_reduce): asked for a bundle's consensus."""
         """Progressive: a cooperative loop's ``w.request_checkpoint()`` is taken at the next reduce finish."""
+        self._run = run
+        """The core's run-wide actions: its one way to start a reduce, asked for a bundle's consensus."""
         self.checkpoint_fn = checkpoint_fn
         """``experiment.checkpoint_fn`` is set: periodic and requested bundles run it (None: not set)."""
         if self.at_epoch is not None:
@@ -387,7 +394,7 @@ class Checkpoints:
         if not ck.saving:
             alive = self._cohort.alive_ranks()
             if self.world_size > 1 and self._cycle.any_steps(alive):
-                self._fire_reduce(final=True)
+                self._run.fire_reduce(final=True)
                 return False
             ck.saving = True
             self._writer.send_saves(ck.stem)

@@ -43,7 +43,7 @@ from flodl_exp.core.averager import Averager
 from flodl_exp.core.bundle_store import BundleStore, MemoryBundles
 from flodl_exp.core.callback_slack import CallbackSlack
 from flodl_exp.core.checkpoint_fn import CheckpointFnRole
-from flodl_exp.core.checkpoints import BundleWriter, Checkpoints, MetaFacts
+from flodl_exp.core.checkpoints import BundleWriter, Checkpoints, CheckpointSettings, MetaFacts
 from flodl_exp.core.cohort import Cohort, ProgressWatch
 from flodl_exp.core.commands import (
     AnchorHint,
@@ -70,22 +70,23 @@ from flodl_exp.core.commands import (
     Tick,
     TrainingStarts,
 )
-from flodl_exp.core.cycle import AveragingCycle
+from flodl_exp.core.cycle import AveragingCycle, CycleSettings
 from flodl_exp.core.deaths import Deaths
-from flodl_exp.core.dispatch import Dispatcher, Gate
+from flodl_exp.core.dispatch import Dispatcher, DispatchSettings, Gate
 from flodl_exp.core.epoch_plan import EpochPlan
 from flodl_exp.core.epochs import EpochBoundaries
-from flodl_exp.core.faults import SHUTDOWN_GRACE_S, FaultHandler
+from flodl_exp.core.faults import SHUTDOWN_GRACE_S, FaultHandler, FaultSettings
 from flodl_exp.core.intents import Intents
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
 from flodl_exp.core.outbox import Outbox
 from flodl_exp.core.ports import CoreObserver, NullObserver
-from flodl_exp.core.preemption import Preemption, kills_on_bad_exit
+from flodl_exp.core.preemption import Preemption, PreemptionSettings, kills_on_bad_exit
 from flodl_exp.core.reduces import Reduces
 from flodl_exp.core.report_pace import ReportPacing, pace_enabled
 from flodl_exp.core.reports import RankReports
-from flodl_exp.core.run_end import RunEnd
+from flodl_exp.core.run_end import RunEnd, RunEndSettings
 from flodl_exp.core.run_state import run_state
+from flodl_exp.core.seams import Ports
 from flodl_exp.core.startup import StartupBlame
 from flodl_exp.core.view import CoreView
 from flodl_exp.policy.controllers import build_elche, build_run_guard
@@ -166,79 +167,82 @@ class ControlCore:
         self.cohort = Cohort(w, shape.fixed_callback_rank, start, wall_clock)
         self.outbox: Outbox = (outbox_for(self.cohort) if outbox_for is not None
                                else CommandOutbox(self.cohort, self._commands))
+        ports = Ports(out=self.outbox, obs=observer, clock=self.clock, wall_clock=wall_clock, store=store,
+                      is_local=is_local)
+        """The shell's side, handed to each component as one value (core/seams.py); the core itself is each
+        component's :class:`~.seams.RunControl` (enter, shutdown, shutdown_with_save, fire_reduce)."""
         elche = build_elche(cfg.mode, w) if w >= 2 else None
         self.cycle = AveragingCycle(
-            world_size=w, mode=self.mode, gamma=cfg.mode.gamma,
-            alpha=shape.easgd_alpha, progressive=shape.progressive, elche=elche,
-            guard=build_run_guard(cfg.guard, shape.easgd_alpha),
+            settings=CycleSettings(world_size=w, mode=self.mode, gamma=cfg.mode.gamma, alpha=shape.easgd_alpha,
+                                   progressive=shape.progressive, relax_up=cfg.mode.relax_up,
+                                   max_batch_diff=cfg.mode.max_batch_diff, outer=shape.outer,
+                                   lockstep_ahead=cfg.mode.lockstep_ahead),
+            elche=elche, guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
-            relax_up=cfg.mode.relax_up, max_batch_diff=cfg.mode.max_batch_diff, outbox=self.outbox, clock=self.clock,
-            outer=shape.outer, lockstep_ahead=cfg.mode.lockstep_ahead, averager=averager)
+            outbox=self.outbox, clock=self.clock, averager=averager)
         self.dispatch = dispatcher(
-            world_size=w, batch_size=cfg.experiment.batch_size, epochs=plan, mode=self.mode,
-            progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
-            partition_ratios=cfg.mode.partition_ratios, scalar_reductions=dict(cfg.scalar_reductions),
-            cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock,
-            advise=cfg.data_plane.stage_advisories)
+            settings=DispatchSettings(world_size=w, batch_size=cfg.experiment.batch_size, mode=self.mode,
+                                      progressive=shape.progressive, max_overshoot=cfg.mode.max_overshoot,
+                                      partition_ratios=cfg.mode.partition_ratios,
+                                      scalar_reductions=dict(cfg.scalar_reductions),
+                                      advise=cfg.data_plane.stage_advisories),
+            epochs=plan, cohort=self.cohort, cycle=self.cycle, outbox=self.outbox, clock=self.clock)
         self.intents = Intents()
         """``w.request_eval()`` / ``w.request_checkpoint()``: which boundary answers them (core/intents.py)."""
         self.slack = CallbackSlack(enabled=cfg.eval.callback_slack, eval_every=cfg.eval.every,
                                    epochs=plan, epoch_fn=self.epoch_fn)
         self.store = store
         self.writer = BundleWriter(
-            stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
-            outbox=self.outbox, obs=observer, store=store, plan=plan, wall_clock=wall_clock,
-            facts=MetaFacts(world_size=w, experiment=cfg.experiment.name,
-                            guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
-                            shuffle_seed=facts.shuffle_seed, mode=self.mode))
+            stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, ports=ports,
+            plan=plan, facts=MetaFacts(world_size=w, experiment=cfg.experiment.name,
+                                       guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
+                                       shuffle_seed=facts.shuffle_seed, mode=self.mode))
         self.checkpoint_fn = CheckpointFnRole(cohort=self.cohort, outbox=self.outbox, obs=observer,
                                               consensus=self.mode.is_cpu)
         """``experiment.checkpoint_fn``: run with periodic and requested bundles, failing over (core/checkpoint_fn.py)."""
         self.checkpoints = Checkpoints(
-            every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch, epochs=plan,
-            progressive=shape.progressive, world_size=w, writer=self.writer, cohort=self.cohort, cycle=self.cycle,
-            dispatch=self.dispatch, obs=observer, intents=self.intents, fire_reduce=self.fire_reduce,
+            settings=CheckpointSettings(every=cfg.checkpoint.every, at_epoch=cfg.checkpoint.at_epoch,
+                                        progressive=shape.progressive, world_size=w),
+            epochs=plan, writer=self.writer, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
+            intents=self.intents, ports=ports, run=self,
             checkpoint_fn=self.checkpoint_fn if cfg.experiment.checkpoint_fn else None)
         if cfg.experiment.checkpoint_fn and not (0 < cfg.checkpoint.every < epochs) and not cfg.experiment.loop:
             log.warning("experiment.checkpoint_fn is set but will not run: it runs with periodic bundles "
                         "(checkpoint.every=%d of %d epochs takes none) and with w.request_checkpoint() of a "
                         "cooperative loop (experiment.loop is not set)", cfg.checkpoint.every, epochs)
         self.faults = FaultHandler(
-            world_size=w, max_failure=shape.max_failure, backend=self.mode.backend, life=self.life, enter=self.enter, shutdown=self.shutdown,
-            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer, outbox=self.outbox,
-            obs=observer, store=store, clock=self.clock, is_local=is_local)
+            settings=FaultSettings(world_size=w, max_failure=shape.max_failure, backend=self.mode.backend),
+            life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
+            ports=ports, run=self)
         self.preemption = Preemption(
-            attempt=facts.attempt, progressive=shape.progressive, world_size=w, store=store, life=self.life,
-            enter=self.enter, shutdown=self.shutdown, shutdown_with_save=self.faults.shutdown_with_save,
-            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
-            checkpoints=self.checkpoints, outbox=self.outbox, obs=observer, clock=self.clock, fire_reduce=self.fire_reduce,
-            kill_on_bad_exit=kills_on_bad_exit(cfg.cluster))
+            settings=PreemptionSettings(attempt=facts.attempt, progressive=shape.progressive, world_size=w,
+                                        kill_on_bad_exit=kills_on_bad_exit(cfg.cluster)),
+            life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
+            checkpoints=self.checkpoints, ports=ports, run=self)
         self.run_end = RunEnd(
-            world_size=w, epochs=plan, blended=shape.easgd_alpha is not None, mode=self.mode, life=self.life,
-            cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, writer=self.writer,
-            checkpoints=self.checkpoints, checkpoint_fn=self.checkpoint_fn, slack=self.slack, intents=self.intents,
-            outbox=self.outbox, obs=observer, enter=self.enter, shutdown=self.shutdown, fire_reduce=self.fire_reduce)
+            settings=RunEndSettings(world_size=w, blended=shape.easgd_alpha is not None, mode=self.mode),
+            epochs=plan, life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
+            writer=self.writer, checkpoint_fn=self.checkpoint_fn, slack=self.slack, intents=self.intents,
+            ports=ports, run=self)
         """Evals, the user's eval and stop intents, the final consensus and the run's end (core/run_end.py)."""
         self.startup = StartupBlame()
         """Whom a run that cannot start blames (core/startup.py)."""
         self.reduces = Reduces(
             mode=self.mode, fold_updates=self.mode.folds_updates(shape.progressive), life=self.life,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, checkpoints=self.checkpoints,
-            outbox=self.outbox, obs=observer, clock=self.clock, preempt_snapshot=self.preemption.on_reduce_finished,
-            may_run_ahead=self._may_run_ahead)
+            ports=ports, preempt_snapshot=self.preemption.on_reduce_finished, may_run_ahead=self._may_run_ahead)
         """The one place a reduce fires, and what its finish sets going (core/reduces.py)."""
         self.boundaries = EpochBoundaries(
             eval_every=cfg.eval.every, life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
-            checkpoints=self.checkpoints, intents=self.intents, run_end=self.run_end, outbox=self.outbox,
-            obs=observer, enter=self.enter)
+            checkpoints=self.checkpoints, intents=self.intents, run_end=self.run_end, ports=ports, run=self)
         """Epoch aggregation and what each boundary runs: an eval, a bundle (core/epochs.py)."""
         self.deaths = Deaths(
             life=self.life, faults=self.faults, dispatch=self.dispatch, writer=self.writer,
-            checkpoint_fn=self.checkpoint_fn, run_end=self.run_end, obs=observer, after_saves=self.after_saves,
-            try_finish_reduce=self.reduces.try_finish)
+            checkpoint_fn=self.checkpoint_fn, run_end=self.run_end, obs=observer, reduces=self.reduces,
+            after_saves=self.after_saves)
         """What a death does to the work in progress, after FaultHandler's recovery (core/deaths.py)."""
         self.reports = RankReports(loop_error=str(cfg.cluster.loop_error), cohort=self.cohort, dispatch=self.dispatch,
-                                   slack=self.slack, obs=observer, shutdown_with_save=self.faults.shutdown_with_save)
+                                   slack=self.slack, obs=observer, run=self)
         """Errors, the epoch hook's result, exits, telemetry, loop notices (core/reports.py)."""
         self.pacing = ReportPacing(
             enabled=pace_enabled(self.mode, cfg.cluster.report_coalesce_ms, cfg.mode.max_batch_diff, w),

@@ -121,22 +121,39 @@ class ReduceOutcome:
         return max((float(v) for v in self.divergence.values() if v is not None), default=None)
 
 
+@dataclass(frozen=True)
+class CycleSettings:
+    """The averaging cycle's settings: the mode and its ``mode.*`` knobs, resolved once (RunShape, config.py)."""
+
+    world_size: int
+    mode: Mode
+    gamma: float
+    """``mode.gamma``: the weight of the consensus in a cpu reduce's update."""
+    alpha: Optional[float]
+    """EASGD's elastic alpha (None: plain averaging)."""
+    progressive: bool
+    relax_up: bool = False
+    max_batch_diff: Optional[int] = None
+    outer: Optional[OuterSpec] = None
+    lockstep_ahead: int = 0
+
+
 class AveragingCycle:
-    def __init__(self, *, world_size: int, mode: Mode, gamma: float, alpha: Optional[float],
-                 progressive: bool, elche: Optional[ElChe], guard: ConvergenceGuard, meta: Optional[LrEventMeta],
-                 relax_up: bool, max_batch_diff: Optional[int], outbox: Outbox, clock: Callable[[], float],
-                 outer: Optional[OuterSpec] = None, lockstep_ahead: int = 0, averager: Optional[Averager] = None) -> None:
+    def __init__(self, *, settings: CycleSettings, elche: Optional[ElChe], guard: ConvergenceGuard,
+                 meta: Optional[LrEventMeta], outbox: Outbox, clock: Callable[[], float],
+                 averager: Optional[Averager] = None) -> None:
+        world_size, mode = settings.world_size, settings.mode
         self.world_size = world_size
         self._mode = mode
         self.policy, self.backend = mode.policy, mode.backend
-        self.gamma = gamma
-        self.alpha = alpha
-        self.progressive = progressive
+        self.gamma = settings.gamma
+        self.alpha = settings.alpha
+        self.progressive = settings.progressive
         self._elche = elche
         self._guard = guard
         self.meta = meta
-        self.relax_up = relax_up
-        self.max_batch_diff = max_batch_diff
+        self.relax_up = settings.relax_up
+        self.max_batch_diff = settings.max_batch_diff
         self._out = outbox
         self._clock = clock
         self._ledger = [Ledger() for _ in range(world_size)]
@@ -149,7 +166,7 @@ class AveragingCycle:
         self._window_t0 = clock()
         self._slack_source: Callable[[], dict[int, float]] = dict
         """Callback slack (ms per rank) to stage before ElChe sizes the next window (the coordinator's)."""
-        self._outer_spec = outer or OuterSpec()
+        self._outer_spec = settings.outer or OuterSpec()
         self._averager = averager
         """cpu backend: the consensus arithmetic and the outer optimizer's state (the shell's port; nccl: None,
         the ranks average and hold the outer optimizer themselves)."""
@@ -159,7 +176,7 @@ class AveragingCycle:
         self._probe_full = 0
         """Ranks that have timed PROBE_STEPS steps (the probe is due when every live rank has)."""
         self._ones = [1] * world_size
-        self._lockstep_ahead = lockstep_ahead if mode.lockstep_capable and world_size >= 2 else 0
+        self._lockstep_ahead = settings.lockstep_ahead if mode.lockstep_capable and world_size >= 2 else 0
         """nccl_sync: how many reduces the ranks may run ahead on their own (``mode.lockstep_ahead``; 0: off)."""
         self._lockstep_until = 0
         """The license granted so far (Lockstep): the ranks start every reduce below this version on their own, and

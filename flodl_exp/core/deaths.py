@@ -19,6 +19,7 @@ from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.faults import FaultHandler
 from flodl_exp.core.lifecycle import Lifecycle, Phase
 from flodl_exp.core.ports import CoreObserver
+from flodl_exp.core.reduces import Reduces
 from flodl_exp.core.run_end import RunEnd
 
 
@@ -26,8 +27,8 @@ class Deaths:
     """What a death does to the work in progress; see the module docstring."""
 
     def __init__(self, *, life: Lifecycle, faults: FaultHandler, dispatch: Dispatcher, writer: BundleWriter,
-                 checkpoint_fn: CheckpointFnRole, run_end: RunEnd, obs: CoreObserver,
-                 after_saves: Callable[[], None], try_finish_reduce: Callable[[], None]) -> None:
+                 checkpoint_fn: CheckpointFnRole, run_end: RunEnd, obs: CoreObserver, reduces: Reduces,
+                 after_saves: Callable[[], None]) -> None:
         self._life = life
         self._faults = faults
         self._dispatch = dispatch
@@ -37,7 +38,7 @@ class Deaths:
         self._obs = obs
         self._after_saves = after_saves
         """The core's ``after_saves``: a bundle whose pieces are all in (or forfeit) is concluded."""
-        self._try_finish_reduce = try_finish_reduce
+        self._reduces = reduces
 
     def on_death(self, r: int, reason: str) -> None:
         """Rank ``r`` is gone (its connection closed, its heartbeat went stale, it was evicted): recover
@@ -59,7 +60,7 @@ class Deaths:
             self._after_saves()
         elif owed_fn:
             self._after_saves()
-        self._try_finish_reduce()
+        self._reduces.try_finish()
 
     def _report_picks_of_the_dead(self, r: int, lost_before: int, retrained_before: int) -> None:
         """What a death did to trained picks of epochs already aggregated: retrained by the survivors (an event),

@@ -20,7 +20,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from flodl_exp.core.chunk_pool import (
@@ -126,17 +126,33 @@ class AggregatedEpoch:
     ranges: list[list[int]]
 
 
+@dataclass(frozen=True)
+class DispatchSettings:
+    """What dispatch reads of the config: the shape of the work and the mode's knobs for handing it out."""
+
+    world_size: int
+    batch_size: int
+    mode: Mode
+    progressive: bool
+    max_overshoot: Optional[int] = None
+    """``mode.max_overshoot``: pins the overshoot budget (None: the guard tunes it)."""
+    partition_ratios: Optional[list[float]] = None
+    scalar_reductions: dict[str, str] = field(default_factory=dict)
+    advise: bool = False
+    """``data_plane.stage_advisories``."""
+
+
 class Dispatcher:
-    def __init__(self, *, world_size: int, batch_size: int, epochs: Union[int, EpochPlan], mode: Mode, progressive: bool,
-                 max_overshoot: Optional[int], partition_ratios: Optional[list[float]], scalar_reductions: dict[str, str],
-                 cohort: Cohort, cycle: AveragingCycle, outbox: Outbox, clock: Callable[[], float],
-                 advise: bool = False) -> None:
+    def __init__(self, *, settings: DispatchSettings, epochs: Union[int, EpochPlan], cohort: Cohort,
+                 cycle: AveragingCycle, outbox: Outbox, clock: Callable[[], float]) -> None:
+        world_size, mode, progressive = settings.world_size, settings.mode, settings.progressive
+        max_overshoot, partition_ratios = settings.max_overshoot, settings.partition_ratios
         self.W = world_size
-        self.bs = batch_size
+        self.bs = settings.batch_size
         self._plan = EpochPlan.of(epochs)
         self.mode = mode
         self.progressive = progressive
-        self.advise = advise and progressive
+        self.advise = settings.advise and progressive
         """Send staging advisories (``data_plane.stage_advisories``, progressive modes only)."""
         self._advised_counts: tuple[int, ...] = ()
         """The schedule the advisories carry; ``_advised_to[r]``: the one rank r has (the same object, or None)."""
@@ -145,7 +161,7 @@ class Dispatcher:
         self.streams = mode.streams
         """The policy lets a rank train past its count (the overshoot budget, tuned by the guard)."""
         self.partition_ratios = partition_ratios
-        self.scalar_reductions = scalar_reductions
+        self.scalar_reductions = dict(settings.scalar_reductions)
         self.overshoot = OvershootTuner.pinned(int(max_overshoot)) if max_overshoot is not None else OvershootTuner()
         self._cohort = cohort
         self._cycle = cycle

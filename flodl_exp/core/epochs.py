@@ -9,8 +9,6 @@ the run's epoch count belong to core/run_end.py, which it is given.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from flodl_exp import events as ev
 from flodl_exp.core.checkpoints import Checkpoints
 from flodl_exp.core.cohort import Cohort
@@ -18,9 +16,8 @@ from flodl_exp.core.cycle import AveragingCycle
 from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.intents import Intents
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Lifecycle, Phase
-from flodl_exp.core.outbox import Outbox
-from flodl_exp.core.ports import CoreObserver
 from flodl_exp.core.run_end import RunEnd
+from flodl_exp.core.seams import Ports, RunControl
 from flodl_exp.protocol.messages import EpochAggregated
 
 
@@ -29,7 +26,7 @@ class EpochBoundaries:
 
     def __init__(self, *, eval_every: int, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle,
                  dispatch: Dispatcher, checkpoints: Checkpoints, intents: Intents, run_end: RunEnd,
-                 outbox: Outbox, obs: CoreObserver, enter: Callable[[Phase], None]) -> None:
+                 ports: Ports, run: RunControl) -> None:
         self._eval_every = eval_every
         self._life = life
         self._cohort = cohort
@@ -38,9 +35,9 @@ class EpochBoundaries:
         self._checkpoints = checkpoints
         self._intents = intents
         self._run_end = run_end
-        self._out = outbox
-        self._obs = obs
-        self._enter = enter
+        self._out = ports.out
+        self._obs = ports.obs
+        self._run = run
 
     def aggregate(self) -> None:
         """Close every epoch ready to aggregate, in order, until a bundle holds the next one."""
@@ -76,4 +73,4 @@ class EpochBoundaries:
             self._intents.answer("eval", e)
         if bundle:
             self._checkpoints.begin_periodic(e)
-            self._enter(Phase.CHECKPOINTING)
+            self._run.enter(Phase.CHECKPOINTING)

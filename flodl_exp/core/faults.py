@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
 from flodl_exp import events as ev
-from flodl_exp.core.bundle_store import BundleStore
 from flodl_exp.core.checkpoints import BundleWriter
 from flodl_exp.core.cohort import Cohort, Death
 from flodl_exp.core.cycle import AveragingCycle
 from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.lifecycle import Lifecycle, Phase, Status
-from flodl_exp.core.outbox import Outbox
-from flodl_exp.core.ports import CoreObserver
+from flodl_exp.core.seams import Ports, RunControl
 from flodl_exp.policy.mode import Backend
 from flodl_exp.protocol.messages import Regroup, RequestSession, SessionReady
 
@@ -82,31 +79,39 @@ class PendingRegroup:
     tried: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FaultSettings:
+    """What a death's recovery depends on besides the run's state."""
+
+    world_size: int
+    max_failure: Optional[int]
+    """``cluster.max_failure``: deaths the run survives (None: any while a rank lives)."""
+    backend: Backend
+
+
 class FaultHandler:
     """Applies the rules above: records a death, recovers from it, or ends the run with a bundle.
     Owns the ShutdownWithSave state (the failure bundle's stem and its deadline)."""
 
-    def __init__(self, *, world_size: int, max_failure: Optional[int], backend: Backend, life: Lifecycle, enter: Callable[[Phase], None],
-                 shutdown: Callable[[], None], cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
-                 writer: BundleWriter, outbox: Outbox, obs: CoreObserver, store: BundleStore, clock: Callable[[], float],
-                 is_local: Callable[[int], bool] = lambda r: False) -> None:
-        self.world_size = world_size
-        self.max_failure = max_failure
-        self._backend = backend
+    def __init__(self, *, settings: FaultSettings, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle,
+                 dispatch: Dispatcher, writer: BundleWriter, ports: Ports, run: RunControl) -> None:
+        self.world_size = settings.world_size
+        self.max_failure = settings.max_failure
+        self._backend = settings.backend
         """nccl: a death regroups the survivors' collective; what survives a death depends on it."""
         self._life = life
-        self._enter = enter
-        self._shutdown = shutdown
+        self._run = run
+        """The core's run-wide actions (a phase change, the shutdown)."""
         self._cohort = cohort
         self._cycle = cycle
         self._dispatch = dispatch
         self._writer = writer
-        self._out = outbox
-        self._obs = obs
+        self._out = ports.out
+        self._obs = ports.obs
         """Tags, metrics and events (the core's observer)."""
-        self._store = store
-        self._clock = clock
-        self._is_local = is_local
+        self._store = ports.store
+        self._clock = ports.clock
+        self._is_local = ports.is_local
         self._regroup: Optional[PendingRegroup] = None
         """A regroup waiting for its generator's session id."""
         self._failure_stem: Optional[str] = None
@@ -221,9 +226,9 @@ class FaultHandler:
         log.error("ShutdownWithSave (%s): %s", reason, detail)
         self._writer.write_meta(reason, stem, epoch=self._dispatch.current_epoch())
         if not self._cohort.alive_ranks():
-            self._shutdown()
+            self._run.shutdown()
             return
-        self._enter(Phase.SAVING)
+        self._run.enter(Phase.SAVING)
         self.save_deadline = self._clock() + SAVE_DEADLINE_S
         self._writer.send_saves(stem)
 
@@ -236,4 +241,4 @@ class FaultHandler:
     def on_saves_settled(self) -> None:
         if self._life.is_(Phase.SAVING) and self._failure_stem is not None:
             self._writer.log_bundle(self._failure_stem, "checkpoints/failure")
-            self._shutdown()
+            self._run.shutdown()

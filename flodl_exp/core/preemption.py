@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from flodl_exp import events as ev
-from flodl_exp.core.bundle_store import BundleStore
 from flodl_exp.core.checkpoints import BundleWriter, Checkpoints
 from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.cycle import AveragingCycle
 from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.lifecycle import Lifecycle, Phase, Status
-from flodl_exp.core.outbox import Outbox
-from flodl_exp.core.ports import CoreObserver
+from flodl_exp.core.seams import Ports, RunControl
 from flodl_exp.protocol.messages import Shutdown
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -77,37 +74,44 @@ def kills_on_bad_exit(cluster: Any) -> bool:
     return cluster.executor == "slurm" and any(str(a) in KILL_ON_BAD_EXIT_ARGS for a in cluster.slurm.srun_args)
 
 
+@dataclass(frozen=True)
+class PreemptionSettings:
+    """What a preemption's handling depends on besides the run's state."""
+
+    attempt: int
+    """The launcher's attempt number (a requeue counts one up)."""
+    progressive: bool
+    world_size: int
+    kill_on_bad_exit: bool = False
+    """srun --kill-on-bad-exit=1: a dead rank's task exit ends the step, so no recovery is attempted."""
+
+
 class Preemption:
-    def __init__(self, *, attempt: int, progressive: bool, world_size: int, store: BundleStore, life: Lifecycle,
-                 enter: Callable[[Phase], None], shutdown: Callable[[], None],
-                 shutdown_with_save: Callable[[str, str], None], cohort: Cohort, cycle: AveragingCycle,
-                 dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints, outbox: Outbox,
-                 obs: CoreObserver, clock: Callable[[], float], fire_reduce: Callable[..., bool],
-                 kill_on_bad_exit: bool = False) -> None:
-        self.attempt = attempt
-        self.progressive = progressive
-        self.world_size = world_size
-        self._store = store
+    def __init__(self, *, settings: PreemptionSettings, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle,
+                 dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints, ports: Ports,
+                 run: RunControl) -> None:
+        self.attempt = settings.attempt
+        self.progressive = settings.progressive
+        self.world_size = settings.world_size
+        self._store = ports.store
         self._life = life
-        self._enter = enter
-        self._shutdown = shutdown
-        self._shutdown_with_save = shutdown_with_save
+        self._run = run
+        """The core's run-wide actions: a phase change, the shutdowns, and its one way to start a reduce (asked
+        for a bundle's consensus)."""
         self._cohort = cohort
         self._cycle = cycle
-        self._fire_reduce = fire_reduce
-        """The core's one way to start a reduce (ControlCore.fire_reduce): asked for a bundle's consensus."""
         self._dispatch = dispatch
         self._writer = writer
         self._checkpoints = checkpoints
-        self._out = outbox
-        self._obs = obs
+        self._out = ports.out
+        self._obs = ports.obs
         """Tags and events (the core's observer)."""
-        self._clock = clock
+        self._clock = ports.clock
         self._request: Optional[PreemptRequest] = None
         self._terminate_at: Optional[float] = None
         self._terminated = False
         """The SIGTERM path ended the run (no waiting for the ranks: SIGKILL follows)."""
-        self.kill_on_bad_exit = kill_on_bad_exit
+        self.kill_on_bad_exit = settings.kill_on_bad_exit
         """srun --kill-on-bad-exit=1: a dead rank's task exit ends the step, so no recovery is attempted."""
 
     @property
@@ -136,7 +140,7 @@ class Preemption:
         if (self.kill_on_bad_exit and self._cohort.deaths and self._life.status is Status.RUNNING
                 and self._life.is_(Phase.TRAINING, Phase.CHECKPOINTING, Phase.DRAINING, Phase.PREEMPTING)):
             d = self._cohort.deaths[0]
-            self._shutdown_with_save("task_failed", f"rank {d.rank} {d.reason} (srun --kill-on-bad-exit=1 ends the job)")
+            self._run.shutdown_with_save("task_failed", f"rank {d.rank} {d.reason} (srun --kill-on-bad-exit=1 ends the job)")
             return
         if self._terminate_at is not None and not self._terminated:
             self._tick_terminate()
@@ -159,7 +163,7 @@ class Preemption:
                 p.reduce_triggered = True
                 log.warning("preemption: no reduce finished within %.0fs: firing one for the bundle's coverage",
                             PREEMPT_ARM_FALLBACK_S)
-                self._fire_reduce()
+                self._run.fire_reduce()
             elif now - p.armed_at > 2 * PREEMPT_ARM_FALLBACK_S:
                 log.warning("preemption: no reduce finished within %.0fs: saving an epoch-granular bundle",
                             2 * PREEMPT_ARM_FALLBACK_S)
@@ -168,7 +172,7 @@ class Preemption:
             alive = self._cohort.alive_ranks()
             if not p.reduce_triggered and self.world_size > 1 and self._cycle.any_steps(alive):
                 p.reduce_triggered = True
-                self._fire_reduce(final=True)
+                self._run.fire_reduce(final=True)
             else:
                 self._save(p, coverage=False)
         elif p.stage in (Stage.ARMED, Stage.REDUCE, Stage.SAVING) and now > p.deadline:
@@ -179,7 +183,7 @@ class Preemption:
             self._obs.set_tags({"end_reason": "time_limit"})
             p.stage = Stage.FAILED
             log.error(self._life.failure)
-            self._shutdown()
+            self._run.shutdown()
 
     def on_reduce_finished(self) -> bool:
         """At a reduce finish, before dispatch: an armed request snapshots coverage now. True = it did."""
@@ -201,7 +205,7 @@ class Preemption:
         self._obs.set_tags({"preemptions": p.attempt + 1, "preempt_stem": p.stem})
         self._obs.emit(ev.Preempted(stem=p.stem, epoch=p.epoch, attempt=p.attempt, global_step=gs))
         log.warning("preemption bundle %s complete (epoch %d, global step %d): stopping for requeue", p.stem, p.epoch, gs)
-        self._shutdown()
+        self._run.shutdown()
 
     @property
     def saved_stem(self) -> Optional[str]:
@@ -233,7 +237,7 @@ class Preemption:
         p.coverage = self._dispatch.open_coverage() if coverage else []
         p.epoch = min((x["epoch"] for x in p.coverage), default=self._dispatch.current_epoch())
         p.stage = Stage.SAVING
-        self._enter(Phase.PREEMPTING)  # no dispatch, no reduce, no aggregation until the run stops
+        self._run.enter(Phase.PREEMPTING)  # no dispatch, no reduce, no aggregation until the run stops
         if self._cohort.alive_ranks():
             self._writer.send_saves(p.stem)
 
@@ -268,4 +272,4 @@ class Preemption:
         log.error("terminated: %s", failure)
         self._obs.emit(ev.Terminated(status=status.value, reason=why))
         self._out.broadcast(Shutdown(reason=failure))
-        self._enter(Phase.DONE)  # SIGKILL follows within KillWait: no waiting for the ranks
+        self._run.enter(Phase.DONE)  # SIGKILL follows within KillWait: no waiting for the ranks

@@ -21,8 +21,7 @@ from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.cycle import AveragingCycle, Reduce, ReduceOutcome
 from flodl_exp.core.dispatch import AnswerSnapshot, Dispatcher
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Lifecycle
-from flodl_exp.core.outbox import Outbox
-from flodl_exp.core.ports import CoreObserver
+from flodl_exp.core.seams import Ports
 from flodl_exp.policy.mode import Backend, Mode
 from flodl_exp.protocol.messages import Lockstep, Snapshot, SyncAck
 
@@ -32,9 +31,8 @@ log = logging.getLogger("flodl_exp.coordinator")
 class Reduces:
     """Firing and finishing reduces; see the module docstring."""
 
-    def __init__(self, *, mode: Mode, fold_updates: bool, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle,
-                 dispatch: Dispatcher, checkpoints: Checkpoints, outbox: Outbox, obs: CoreObserver,
-                 clock: Callable[[], float], preempt_snapshot: Callable[[], bool],
+    def __init__(self, *, mode: Mode, fold_updates: bool, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
+                 checkpoints: Checkpoints, ports: Ports, preempt_snapshot: Callable[[], bool],
                  may_run_ahead: Callable[[], bool] = lambda: False) -> None:
         self._mode = mode
         self._fold_updates = fold_updates
@@ -44,9 +42,9 @@ class Reduces:
         self._cycle = cycle
         self._dispatch = dispatch
         self._checkpoints = checkpoints
-        self._out = outbox
-        self._obs = obs
-        self._clock = clock
+        self._out = ports.out
+        self._obs = ports.obs
+        self._clock = ports.clock
         self._preempt_snapshot = preempt_snapshot
         """``Preemption.on_reduce_finished``: True when an armed preemption takes the coverage now (no new chunk)."""
         self._may_run_ahead = may_run_ahead

@@ -9,13 +9,13 @@ components that make them and records to here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from flodl_exp import events as ev
 from flodl_exp.core.callback_slack import CallbackSlack
 from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.ports import CoreObserver
+from flodl_exp.core.seams import RunControl
 from flodl_exp.protocol.messages import EpochFnResult, Exiting, LoopNotice, RankError, Telemetry
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -25,14 +25,15 @@ class RankReports:
     """The ranks' reports other than training's; see the module docstring."""
 
     def __init__(self, *, loop_error: str, cohort: Cohort, dispatch: Dispatcher, slack: CallbackSlack,
-                 obs: CoreObserver, shutdown_with_save: Callable[[str, str], None]) -> None:
+                 obs: CoreObserver, run: RunControl) -> None:
         self._loop_error = loop_error
         """cluster.loop_error: a cooperative loop's exception loses its rank, or fails the run."""
         self._cohort = cohort
         self._dispatch = dispatch
         self._slack = slack
         self._obs = obs
-        self._shutdown_with_save = shutdown_with_save
+        self._run = run
+        """The core's run-wide actions (a loop error that fails the run saves and stops)."""
 
     def on_error(self, r: int, e: RankError) -> None:
         self._cohort.record_error(r, {"error": e.error, "traceback": e.traceback})
@@ -44,7 +45,7 @@ class RankReports:
         self._obs.set_tags({f"loop_error.rank{r}": f"{e.error}\n{e.traceback}"[:5000]})
         if self._loop_error == "fail":
             self._obs.set_tags({"error": f"rank {r}: {e.error}\n{e.traceback}"[:5000]})
-            self._shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
+            self._run.shutdown_with_save("loop_error", f"rank {r}'s training loop raised {e.error}\n{e.traceback}")
 
     def on_epoch_fn(self, r: int, f: EpochFnResult) -> None:
         self._slack.on_elapsed(r, f.elapsed_ms, kind="epoch_fn")

@@ -6,27 +6,25 @@ final consensus taken), and one number, the run's epoch count, which ``w.request
 live together, apart from the tick and the reduce machinery (core/control_core.py, core/reduces.py). The
 component owns the epoch count; the stop rule passes the shortened count to every component that reads it
 (dispatch, callback slack, checkpoints, the bundle meta). What it needs of the core it is given: the
-components it reads, and the core's ``enter``, ``shutdown`` and ``fire_reduce`` as callables.
+components it reads, and the core's run-wide actions (``enter``, ``shutdown``, ``fire_reduce``: core/seams.py).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from flodl_exp import events as ev
 from flodl_exp.core.callback_slack import CallbackSlack
 from flodl_exp.core.checkpoint_fn import CheckpointFnRole
-from flodl_exp.core.checkpoints import BundleWriter, Checkpoints
+from flodl_exp.core.checkpoints import BundleWriter
 from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.cycle import AveragingCycle
 from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.epoch_plan import EpochPlan
 from flodl_exp.core.intents import Intents
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
-from flodl_exp.core.outbox import Outbox
-from flodl_exp.core.ports import CoreObserver
+from flodl_exp.core.seams import Ports, RunControl
 from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.messages import INTENT_KINDS, EvalBroadcast, EvalResult, ExecuteEval, Intent, Save
 
@@ -49,35 +47,40 @@ class EvalState:
     final_overwrite_done: bool = False
 
 
+@dataclass(frozen=True)
+class RunEndSettings:
+    """What the run's end depends on besides the run's state."""
+
+    world_size: int
+    blended: bool
+    """EASGD: replicas are blends of the average, so the final consensus is taken even with no step since."""
+    mode: Mode
+
+
 class RunEnd:
     """Evals, intents, the stop rule and the run's end; see the module docstring."""
 
-    def __init__(self, *, world_size: int, epochs: EpochPlan, blended: bool, mode: Mode, life: Lifecycle, cohort: Cohort,
-                 cycle: AveragingCycle, dispatch: Dispatcher, writer: BundleWriter, checkpoints: Checkpoints,
-                 checkpoint_fn: CheckpointFnRole, slack: CallbackSlack, intents: Intents, outbox: Outbox,
-                 obs: CoreObserver, enter: Callable[[Phase], None], shutdown: Callable[[], None],
-                 fire_reduce: Callable[..., bool]) -> None:
+    def __init__(self, *, settings: RunEndSettings, epochs: EpochPlan, life: Lifecycle, cohort: Cohort,
+                 cycle: AveragingCycle, dispatch: Dispatcher, writer: BundleWriter, checkpoint_fn: CheckpointFnRole,
+                 slack: CallbackSlack, intents: Intents, ports: Ports, run: RunControl) -> None:
         self._plan = epochs
         """The run's epoch count, shared with dispatch, slack, checkpoints and the writer (core/epoch_plan.py)."""
         self._evals = EvalState()
-        self._w = world_size
-        self._blended = blended
-        """EASGD: replicas are blends of the average, so the final consensus is taken even with no step since."""
-        self._mode = mode
+        self._w = settings.world_size
+        self._blended = settings.blended
+        self._mode = settings.mode
         self._life = life
         self._cohort = cohort
         self._cycle = cycle
         self._dispatch = dispatch
         self._writer = writer
-        self._checkpoints = checkpoints
         self._checkpoint_fn = checkpoint_fn
         self._slack = slack
         self._intents = intents
-        self._out = outbox
-        self._obs = obs
-        self._enter = enter
-        self._shutdown = shutdown
-        self._fire_reduce = fire_reduce
+        self._out = ports.out
+        self._obs = ports.obs
+        self._run = run
+        """The core's run-wide actions: the phase change to finishing, the shutdown, the final consensus reduce."""
 
     @property
     def epochs(self) -> int:
@@ -191,13 +194,13 @@ class RunEnd:
         blended = self._blended and not self._evals.final_overwrite_done
         if self._w > 1 and (blended or self._cycle.any_steps(alive)):
             self._evals.final_overwrite_done = True
-            self._fire_reduce(final=True)
+            self._run.fire_reduce(final=True)
         else:
             self.finish_run()
 
     def finish_run(self) -> None:
         """Every epoch aggregated and the last reduce settled: final eval and bundle, then shutdown."""
-        self._enter(Phase.FINISHING)
+        self._run.enter(Phase.FINISHING)
         cb = self._cohort.primary()
         self._evals.final_rank = cb
         self._obs.on_eval_sent(cb, self.epochs - 1, final=True)
@@ -231,5 +234,5 @@ class RunEnd:
             self._life.end(Status.FAILED, f"bundle {w.stem} failed: {err}", end_reason="bundle_failed")
         else:
             self._life.end(Status.FINISHED)
-        self._shutdown()
+        self._run.shutdown()
         return True
