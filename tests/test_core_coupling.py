@@ -35,6 +35,11 @@ COMPONENTS = {
 CEILING = 0
 """The count on main; a change that adds reads fails here, one that removes them lowers it."""
 
+ARGS_CEILING = 12
+"""The most arguments a component's constructor takes on main (RunEnd: its settings, its ten peers and ports, the
+run's actions); the issue's aim is about six. The shell's ports and the run's actions come as one value each
+(core/seams.py); a constructor that grows past this wants its component split, not another argument."""
+
 
 def _queries() -> dict[str, set[str]]:
     """Per class of the core and policy packages, the names it answers as queries: its methods and read-only
@@ -106,6 +111,30 @@ def test_cross_component_reads_do_not_grow() -> None:
         f"the value in, instead of reading its field; `python tests/test_core_coupling.py` lists them")
 
 
+def constructor_args() -> dict[str, list[str]]:
+    """Per component of the core (not ControlCore: the shell builds it), its constructor's arguments."""
+    out: dict[str, list[str]] = {}
+    wanted = set(COMPONENTS.values()) - {"ControlCore"}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).glob("*.py")):
+            for cls in ast.walk(ast.parse(path.read_text())):
+                if isinstance(cls, ast.ClassDef) and cls.name in wanted:
+                    for f in cls.body:
+                        if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                            out[cls.name] = [a.arg for a in f.args.args[1:] + f.args.kwonlyargs]
+    return out
+
+
+def test_constructors_stay_narrow() -> None:
+    args = constructor_args()
+    assert "RunEnd" in args and "AveragingCycle" in args
+    wide = {c: len(a) for c, a in args.items() if len(a) > ARGS_CEILING}
+    assert not wide, (f"constructors over {ARGS_CEILING} arguments: {wide}; pass Ports/RunControl (core/seams.py) or a "
+                      f"settings record, or split the component")
+    loose = {c for c, a in args.items() if {"obs", "store"} <= set(a) or {"obs", "clock"} <= set(a)}
+    assert not loose, f"{loose} take the shell's ports one by one: take a Ports (core/seams.py)"
+
+
 def test_the_counter_finds_a_read_and_skips_calls_and_queries() -> None:
     src = ("class A:\n"
            "    def go(self):\n"
@@ -133,6 +162,9 @@ if __name__ == "__main__":
     print(f"cross-component reads in {', '.join(PACKAGES)}: {len(reads)} (ceiling {CEILING})")
     for mod, n in collections.Counter(m for m, *_ in reads).most_common():
         print(f"{n:5d}  {mod}")
+    print("constructor arguments (most first):")
+    for cls, names in sorted(constructor_args().items(), key=lambda kv: -len(kv[1])):
+        print(f"{len(names):5d}  {cls}({', '.join(names)})")
     print("most read:")
     for (c, a), n in collections.Counter((c, a) for *_, c, a in reads).most_common(25):
         print(f"{n:5d}  {c}.{a}")

@@ -1,12 +1,14 @@
-"""``mode.auto`` on the coordinator's side: the probe before the first chunk, and the choice it leads to.
+"""``mode.auto`` on the coordinator's side: the predictions the core's choice is made from.
 
-:class:`AutoProbe` asks every rank to time a few training steps (``Probe``), collects the ``ProbeResult``s (or
-gives up waiting after :data:`PROBE_TIMEOUT_S`), and asks the simulator (flodl_exp/simulate/auto.py) which mode
-the measured rig trains fastest in. What the simulations need beyond what the hellos and the probe measure (the
-rig's other values, each mode's run config, the simulator's imports) is built as the coordinator starts, while the
-ranks start up (:meth:`AutoProbe.prepare`), so only the simulations themselves follow the last answer. The coordinator then builds its core for that mode: nothing has happened in
-the core yet, so the run is exactly a fixed-mode run of the chosen mode. Any failure (a rank that cannot probe, a
-simulation error, the timeout) keeps the configured mode and says why.
+The core decides (core/auto_choice.py): it sends the probe once the coordinator says every rank joined
+(``AutoProbeStarts``), books the answers, keeps the configured mode when a rank could not be measured, and otherwise
+asks for predictions (``PredictModes``). :class:`AutoProbe` makes them: the simulator (flodl_exp/simulate/auto.py) runs
+each candidate mode on the measured rig; the simulator embeds a core, so it runs here, not in the core. What the
+simulations need beyond what the hellos and the probe measure (the rig's other values, each mode's run config, the
+simulator's imports) is built as the coordinator starts, while the ranks start up (:meth:`AutoProbe.prepare`), so only
+the simulations themselves follow the last answer. The core picks from the predictions (``ModeChosen``) and the
+coordinator builds its core for that mode: nothing has happened in the first one, so the run is exactly a fixed-mode
+run of the chosen mode.
 """
 from __future__ import annotations
 
@@ -14,17 +16,13 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
-from flodl_exp.core.outbox import Outbox
+from flodl_exp.core.auto_choice import Candidate, ModeChosen, ModesPredicted, ProbeMeasured
 from flodl_exp.devices import CollectiveRefused, RankDevice, choose_collective
-from flodl_exp.protocol.messages import Probe, ProbeResult
 
 if TYPE_CHECKING:
     from flodl_exp.simulate.auto import AutoChoice, Prepared
 
 log = logging.getLogger("flodl_exp.coordinator")
-
-PROBE_TIMEOUT_S = 120.0
-"""How long the probe may take before the run starts in the configured mode (a first step may compile)."""
 
 
 class AutoProbe:
@@ -32,29 +30,19 @@ class AutoProbe:
         self.cfg = cfg
         self.W = world_size
         self.clock = clock
-        self.results: dict[int, ProbeResult] = {}
-        self.deadline: Optional[float] = None
+        self.sent = False
+        """The core was told every rank joined (it sent the probe)."""
         self.choice: Optional[AutoChoice] = None
         self.prepared: Optional[Prepared] = None
         self.prepare_error: Optional[Exception] = None
         self.prepare_s = 0.0
+        self.simulate_s = 0.0
+        self.step_ms: dict[int, list[float]] = {}
         self.prepare()
-
-    @property
-    def configured(self) -> str:
-        return f"{self.cfg.mode.backend}_{self.cfg.mode.policy}"
-
-    def begin(self, outbox: Outbox) -> None:
-        """Every rank joined: ask each to time :data:`~flodl_exp.simulate.auto.PROBE_STEPS` steps."""
-        from flodl_exp.simulate.auto import PROBE_STEPS
-
-        self.deadline = self.clock() + PROBE_TIMEOUT_S
-        log.info("mode=auto: every rank times %d training steps before the first chunk (nothing is kept)", PROBE_STEPS)
-        outbox.broadcast(Probe(steps=PROBE_STEPS))
 
     def prepare(self) -> None:
         """simulate/auto.prepare for this run (every mode: which are candidates is known once the ranks said hello);
-        a failure is kept for :meth:`decide` (the configured mode, with the reason)."""
+        a failure is kept for :meth:`predict` (the core keeps the configured mode, with the reason)."""
         from flodl_exp.simulate.auto import prepare
         from flodl_exp.simulate.from_run import base_config
         from flodl_exp.simulate.topology import MODES
@@ -72,41 +60,23 @@ class AutoProbe:
             self.prepare_error = e
         self.prepare_s = self.clock() - t0
 
-    @property
-    def sent(self) -> bool:
-        return self.deadline is not None
+    def predict(self, measured: ProbeMeasured, devices: dict[int, RankDevice], total_picks: int) -> ModesPredicted:
+        """Each candidate mode simulated on the measured rig (``error``: why it could not be)."""
+        from flodl_exp.simulate.auto import rig_note
 
-    def on_result(self, r: int, res: ProbeResult) -> None:
-        self.results[r] = res
-
-    def ready(self) -> bool:
-        """Every rank answered, or the probe timed out."""
-        return self.sent and (len(self.results) >= self.W or self.clock() > (self.deadline or 0.0))
-
-    def decide(self, devices: dict[int, RankDevice], total_picks: int) -> AutoChoice:
-        """The mode to train in (the configured one, with the reason, when the probe cannot tell)."""
-        from flodl_exp.simulate.auto import AutoChoice
-
-        answered = self.clock()
+        t0 = self.clock()
+        self.step_ms = dict(measured.step_ms)
         try:
-            self.choice = self._decide(devices, total_picks)
-        except Exception as e:  # the run goes on in the configured mode
-            self.choice = AutoChoice(self.configured, f"the configured mode: the prediction failed ({type(e).__name__}: {e})")
-        started = (self.deadline or answered) - PROBE_TIMEOUT_S
-        self.choice.timing = {"probe_s": round(answered - started, 3), "simulate_s": round(self.clock() - answered, 3),
-                              "prepare_s": round(self.prepare_s, 3),
-                              "step_ms": {str(r): [round(x, 2) for x in res.step_ms] for r, res in sorted(self.results.items())}}
-        return self.choice
+            rig, candidates = self._predict(measured, devices, total_picks)
+            out = ModesPredicted(tuple(candidates), self.clock(), note=rig_note(rig))
+        except Exception as e:  # the run goes on in the configured mode (the core says why)
+            out = ModesPredicted((), self.clock(), error=f"{type(e).__name__}: {e}")
+        self.simulate_s = self.clock() - t0
+        return out
 
-    def _decide(self, devices: dict[int, RankDevice], total_picks: int) -> AutoChoice:
-        from flodl_exp.simulate.auto import AutoChoice, candidate_modes, choose
+    def _predict(self, measured: ProbeMeasured, devices: dict[int, RankDevice], total_picks: int) -> tuple[Any, list[Candidate]]:
+        from flodl_exp.simulate.auto import candidate_modes, predict
 
-        missing = [r for r in range(self.W) if r not in self.results]
-        failed = {r: res.error for r, res in self.results.items() if res.error or not res.step_ms}
-        if missing or failed:
-            why = (f"ranks {missing} did not answer the probe within its time" if missing else
-                   "; ".join(f"rank {r}: {e or 'no step timed'}" for r, e in sorted(failed.items())))
-            return AutoChoice(self.configured, f"the configured mode: {why}")
         if self.prepare_error is not None:
             raise self.prepare_error
         assert self.prepared is not None
@@ -119,8 +89,21 @@ class AutoProbe:
         modes = candidate_modes(can_group)
         if cfg.outer.kind != "avg":  # a stateful outer optimizer lives where the configured backend keeps it
             modes = [m for m in modes if m.startswith(str(cfg.mode.backend))]
-        rig = self.prepared.probed({r: list(self.results[r].step_ms) for r in range(self.W)},
-                                   {r: list(self.results[r].data_ms) for r in range(self.W)},
-                                   model_bytes=max(res.model_bytes for res in self.results.values()), samples=total_picks)
-        return choose(rig, modes, configured=self.configured, max_window=float(cfg.mode.max_anchor),
-                      runs=self.prepared.runs)
+        rig = self.prepared.probed(measured.step_ms, measured.data_ms, model_bytes=measured.model_bytes,
+                                   samples=total_picks)
+        return rig, predict(rig, modes, configured=self.configured, max_window=float(cfg.mode.max_anchor),
+                            runs=self.prepared.runs)
+
+    @property
+    def configured(self) -> str:
+        return f"{self.cfg.mode.backend}_{self.cfg.mode.policy}"
+
+    def chosen(self, c: ModeChosen) -> AutoChoice:
+        """The core's verdict, as the coordinator records it (its event, its tags, result.json)."""
+        from flodl_exp.simulate.auto import AutoChoice
+
+        self.choice = AutoChoice(c.mode, c.reason, list(c.candidates))
+        self.choice.timing = {"probe_s": round(c.probe_s, 3), "simulate_s": round(self.simulate_s, 3),
+                              "prepare_s": round(self.prepare_s, 3),
+                              "step_ms": {str(r): [round(x, 2) for x in ms] for r, ms in sorted(self.step_ms.items())}}
+        return self.choice

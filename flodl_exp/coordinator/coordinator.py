@@ -36,6 +36,7 @@ from flodl_exp.coordinator.records import RecordLog, WindowRecorder
 from flodl_exp.coordinator.timeline import TimelineRecorder
 from flodl_exp.coordinator.watchdog import StallWatchdog
 from flodl_exp.coordinator.wire_outbox import Transport, WireOutbox
+from flodl_exp.core.auto_choice import AutoProbeStarts, ModeChosen, PredictModes
 from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.commands import (
     AnchorHint,
@@ -192,8 +193,13 @@ class Coordinator:
 
     def _handle(self, event: CoreEvent) -> None:
         """One event to the core. What it sends has left through the wire outbox already (a core built with an
-        outbox port returns no payloads), and the observer records directly."""
-        self.core.handle(event)
+        outbox port returns no payloads), and the observer records directly; what it returns is mode=auto's
+        request for predictions and its verdict."""
+        for command in self.core.handle(event):
+            if isinstance(command, PredictModes) and self.auto is not None:
+                self._handle(self.auto.predict(command.measured, self.devices, self.total_picks))
+            elif isinstance(command, ModeChosen) and self.auto is not None:
+                self._adopt_choice(command)
 
     def _resume_auto_choice(self, resume: Resume) -> None:
         """mode=auto resumed (a requeue, a resume_from): train on in the mode the bundle was saved in (its meta's
@@ -225,16 +231,19 @@ class Coordinator:
         return {"mode": m.name, "policy": m.policy.name, "backend": m.backend.value}
 
     def _apply_auto(self) -> bool:
-        """mode.auto, once every rank joined: probe, then choose and rebuild the core; True once decided."""
+        """mode.auto, once every rank joined: the core probes and chooses (core/auto_choice.py); True once decided."""
         auto = self.auto
         if auto is None or auto.choice is not None:
             return True
         if not auto.sent:
-            auto.begin(self.wire_out)
-            return False
-        if not auto.ready():
-            return False
-        choice = auto.decide(self.devices, self.total_picks)
+            auto.sent = True
+            self._handle(AutoProbeStarts(self.clock()))
+        return auto.choice is not None
+
+    def _adopt_choice(self, chosen: ModeChosen) -> None:
+        """The core's verdict: rebuild the core for the chosen mode (nothing has happened in the first one)."""
+        assert self.auto is not None
+        choice = self.auto.chosen(chosen)
         if self._adopt_mode(Mode.from_name(choice.mode)):
             self._build_core()
             for r in range(self.W):  # every rank joined the first core (the probe needs them all)
@@ -242,7 +251,6 @@ class Coordinator:
         log.info("mode=auto chose %s: %s", choice.mode, choice.reason)
         self.sink.set_tags({**choice.tags(), **self._mode_tags()})
         self.events.emit(choice.as_event())
-        return True
 
     @property
     def eval_pending(self) -> Optional[int]:
@@ -438,11 +446,9 @@ class Coordinator:
             self._handle(HeartbeatFrom(r, payload.state, payload.steps, now))
             return
         if isinstance(payload, ProbeResult):
-            self._handle(RankHeard(r, now))
-            if self.auto is not None and not self.view.ending:
-                self.auto.on_result(r, payload)
-                if self.auto.ready() and self.view.is_(Phase.CONNECTING):
-                    self.start()
+            self._handle(RankMessage(r, payload, now))  # the core books it, and may choose the mode now
+            if self.auto is not None and self.auto.choice is not None and self.view.is_(Phase.CONNECTING):
+                self.start()
             return
         if isinstance(payload, ChunkMetrics):
             self.records.rank(r, "chunk", {k: v for k, v in dataclasses.asdict(payload).items() if k != "ranges"})

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from flodl_exp.bundle_meta import BundleMeta
+from flodl_exp.core.auto_choice import AutoProbeStarts, ModeChosen, ModesPredicted, PredictModes
 from flodl_exp.core.cohort import Cohort
 from flodl_exp.core.cycle import Reduce, ReduceOutcome
 from flodl_exp.core.outbox import DirectOutbox
@@ -35,7 +36,9 @@ class Record:
     args: tuple[Any, ...]
 
 
-Command = Union[Send, Broadcast, Record]
+Command = Union[Send, Broadcast, Record, PredictModes, ModeChosen]
+"""What the core asks of its shell: a payload to send, an observation (a recording core), and mode=auto's
+request for predictions and its verdict (core/auto_choice.py)."""
 
 
 class CommandOutbox(DirectOutbox):
@@ -263,4 +266,4 @@ class StartupCheck:
 
 Event = Union[RankJoined, TrainingStarts, RankMessage, RankDeath, Tick, RunFailed, SaveAndStop, Stop,
               AnchorHint, RankHeard, HeartbeatFrom, Resumed, PreemptAsked, TerminateAsked, Closing, AwaitingRanks, ClosedBeforeStart,
-              LostBeforeJoin, StartupCheck]
+              LostBeforeJoin, StartupCheck, AutoProbeStarts, ModesPredicted]

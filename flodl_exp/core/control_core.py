@@ -39,6 +39,7 @@ from typing import Any, Optional
 from flodl_exp import events as ev
 from flodl_exp.bundle_meta import BundleMeta
 from flodl_exp.config import Config, RunShape
+from flodl_exp.core.auto_choice import PROBE_STEPS, AutoDecision, AutoProbeStarts, ModesPredicted
 from flodl_exp.core.averager import Averager
 from flodl_exp.core.bundle_store import BundleStore, MemoryBundles
 from flodl_exp.core.callback_slack import CallbackSlack
@@ -104,6 +105,8 @@ from flodl_exp.protocol.messages import (
     Intent,
     LoopNotice,
     Payload,
+    Probe,
+    ProbeResult,
     RankError,
     SaveResult,
     SessionReady,
@@ -252,6 +255,8 @@ class ControlCore:
         self.cycle.stage_slack_from(self.run_end.callback_slack)
         self._epoch_role_sent: Optional[int] = None
         self._first_batch_seen = False
+        self._auto: Optional[AutoDecision] = None
+        """mode.auto's probe and choice, once the shell said every rank joined (core/auto_choice.py)."""
         self._view = CoreView(self, life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,
                               writer=self.writer, preemption=self.preemption, startup=self.startup, run_end=self.run_end,
                               mode=self.mode)
@@ -550,7 +555,8 @@ class ControlCore:
             SaveResult: self.on_save_result, CheckpointResult: self.on_checkpoint_result,
             SessionReady: self.faults.on_session_ready, RankError: self.reports.on_error,
             Exiting: self.reports.on_exiting, Telemetry: self.reports.on_telemetry,
-            EpochFnResult: self.reports.on_epoch_fn, LoopNotice: self.reports.on_loop_notice}
+            EpochFnResult: self.reports.on_epoch_fn, LoopNotice: self.reports.on_loop_notice,
+            ProbeResult: self._on_probe_result}
 
     def on_message(self, r: int, payload: Payload) -> bool:
         """A rank message the core decides on; False when it is not one (the shell handles it)."""
@@ -571,6 +577,35 @@ class ControlCore:
         out = list(self._commands)
         self._commands.clear()
         return out
+
+    # -- mode.auto (core/auto_choice.py) ----------------------------------------------------
+    def _on_auto_probe(self, e: AutoProbeStarts) -> None:
+        """Every rank joined a mode.auto run: each times a few steps before the first chunk (nothing is kept)."""
+        if self._auto is not None or not self.life.is_(Phase.CONNECTING):
+            return
+        self._auto = AutoDecision(self.W, self.mode.name, started=e.now)
+        log.info("mode=auto: every rank times %d training steps before the first chunk (nothing is kept)", PROBE_STEPS)
+        self.outbox.broadcast(Probe(steps=PROBE_STEPS))
+
+    def _on_probe_result(self, r: int, res: ProbeResult) -> None:
+        if self._auto is not None and not self.life.ending:
+            self._auto.on_result(r, res)
+            self._conclude_probe(self._now)
+
+    def _conclude_probe(self, now: float) -> None:
+        """The probe is over (every rank answered, or its time passed): the verdict, or the request for predictions."""
+        out = self._auto.conclude(now) if self._auto is not None else None
+        if out is not None:
+            self._commands.append(out)
+
+    def _on_modes_predicted(self, e: ModesPredicted) -> None:
+        chosen = self._auto.on_predicted(e) if self._auto is not None else None
+        if chosen is not None:
+            self._commands.append(chosen)
+
+    def _on_startup_check(self, e: StartupCheck) -> None:
+        self.startup_failed(self.startup.check(self.cohort.missing(), e.now))
+        self._conclude_probe(e.now)
 
     def _on_hint(self, e: AnchorHint) -> None:
         self._anchor_seeded = self.seed_anchor(e.rank)
@@ -624,7 +659,9 @@ _HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
     AwaitingRanks: lambda c, e: c.startup.awaiting(e.timeout_s, e.now),
     ClosedBeforeStart: lambda c, e: c.startup_failed(c.startup.on_close(e.rank, e.error, c.cohort.missing(), e.now)),
     LostBeforeJoin: lambda c, e: c.startup_failed(c.startup.on_lost(e.rank, e.cause, e.set_up_failed)),
-    StartupCheck: lambda c, e: c.startup_failed(c.startup.check(c.cohort.missing(), e.now)),
+    StartupCheck: ControlCore._on_startup_check,
+    AutoProbeStarts: ControlCore._on_auto_probe,
+    ModesPredicted: ControlCore._on_modes_predicted,
 }
 """Each event kind's handler (:meth:`ControlCore.handle`)."""
 

@@ -26,27 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from flodl_exp import events as ev
+from flodl_exp.core.auto_choice import KEEP_MARGIN, PROBE_STEPS, Candidate, pick_mode  # noqa: F401 (re-exported: the probe and the rule are the core's)
 from flodl_exp.policy.mode import Mode, known_modes
 from flodl_exp.simulate.topology import MODES, SimulateConfig, measured_rig_config, run_config
 
-PROBE_STEPS = 4
-"""Steps each rank times; the first is warm-up (allocations, lazy initialisation) and is left out."""
 SIM_EPOCHS = 2
 """Epochs simulated per candidate at most: throughput settles within them, and a long run's choice stays cheap."""
-KEEP_MARGIN = 0.02
-"""The configured mode is kept unless another candidate is predicted at least this much faster (a prediction
-within a few percent is noise, and the configured mode is what the user would otherwise have run)."""
-
-
-@dataclass
-class Candidate:
-    mode: str
-    samples_per_s: float = 0.0
-    syncs: float = 0.0
-    window_batches: float = 0.0
-    """The longest predicted window on any rank: batches trained between two averagings."""
-    eligible: bool = True
-    why: str = ""
 
 
 @dataclass
@@ -130,10 +115,16 @@ def prepare(modes: Sequence[str], *, world_size: int, batch_size: int, epochs: i
     return out
 
 
-def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, max_window: float,
-           runs: Optional[Mapping[str, Any]] = None) -> AutoChoice:
-    """Simulate every candidate on ``rig``; the best predicted samples/s among those whose windows stay within
-    ``max_window`` batches (``configured`` kept unless beaten by :data:`KEEP_MARGIN`). ``runs``: the candidates' run
+def rig_note(rig: SimulateConfig) -> str:
+    """The probed step times, as the choice's reason quotes them."""
+    return f"step ms {', '.join(f'{g.step_ms:.1f}' for g in rig.ranks)}"
+
+
+def predict(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, max_window: float,
+            runs: Optional[Mapping[str, Any]] = None) -> list[Candidate]:
+    """Simulate the candidates on ``rig`` (in ``candidates``' order): each one's predicted samples/s, syncs and
+    longest window, ineligible when its windows outgrow ``max_window`` batches (the guard watches drift per window:
+    a mode whose windows outgrow the ceiling the fixed modes respect is not offered). ``runs``: the candidates' run
     configs built beforehand (:attr:`Prepared.runs`, for the same rig but its measurements)."""
     from flodl_exp.simulate.engine import simulate
     from flodl_exp.simulate.report import fastest_rank, summarize
@@ -168,18 +159,16 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
                    if windowed_ok else simulated(m))
     order = {m: i for i, m in enumerate(candidates)}
     out.sort(key=lambda c: order[c.mode])
-    ok = [c for c in out if c.eligible and c.samples_per_s > 0]
-    if not ok:
-        return AutoChoice(configured, "no candidate could be simulated within the limits: the configured mode", out)
-    best = max(ok, key=lambda c: c.samples_per_s)
-    kept = next((c for c in ok if c.mode == configured), None)
-    if kept is not None and best.mode != configured and best.samples_per_s < kept.samples_per_s * (1 + KEEP_MARGIN):
-        best = kept
-    ranked = sorted(ok, key=lambda c: -c.samples_per_s)
-    others = ", ".join(f"{c.mode} {c.samples_per_s:.0f}" for c in ranked if c is not best)
-    reason = (f"{best.mode}: predicted {best.samples_per_s:.0f} samples/s on the probed rig "
-              f"(step ms {', '.join(f'{g.step_ms:.1f}' for g in rig.ranks)}); others: {others or 'none'}")
-    return AutoChoice(best.mode, reason, out)
+    return out
+
+
+def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, max_window: float,
+           runs: Optional[Mapping[str, Any]] = None) -> AutoChoice:
+    """:func:`predict`, then the core's rule (core/auto_choice.py's :func:`pick_mode`): the best predicted samples/s
+    among the eligible candidates, ``configured`` kept unless beaten by :data:`KEEP_MARGIN`."""
+    out = predict(rig, candidates, configured=configured, max_window=max_window, runs=runs)
+    mode, reason = pick_mode(out, configured, rig_note(rig))
+    return AutoChoice(mode, reason, out)
 
 
 def candidate_modes(can_form_group: bool) -> list[str]:
