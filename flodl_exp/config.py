@@ -403,6 +403,17 @@ class RecordLogConfig:
 
 
 @dataclass
+class HooksConfig:
+    """The reference's builder hooks as config: dotted paths to ``fn(epoch: int, metrics: dict[str, float])``, called in
+    the coordinator's job (so they fire however the run was launched: the CLI, ``launch()``, SLURM)."""
+
+    metrics_fn: Optional[str] = None
+    """Called with each aggregated epoch's metrics (``loss``, ``samples_per_s``, ..., and ``rank<r>/...`` per rank)."""
+    eval_result_fn: Optional[str] = None
+    """Called with each periodic and final eval's metrics (``eval/<name>``; the final one has ``final`` = 1.0)."""
+
+
+@dataclass
 class DashboardConfig:
     html: Optional[str] = None
     """Write one self-contained HTML dashboard here at teardown; unset = off."""
@@ -442,6 +453,7 @@ class Config:
     """Cross-rank roll-up of user scalars: name -> mean | sum | max | min (undeclared = mean)."""
     record_log: RecordLogConfig = field(default_factory=RecordLogConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 

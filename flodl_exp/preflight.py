@@ -354,9 +354,12 @@ def config_dirs() -> list[str]:
     return out
 
 
-def preflight(experiment: Mapping[str, Any], import_paths: Sequence[str], launch_dir: str) -> None:
-    """Raise ConfigError (one line) for the first dotted path of ``experiment`` the tasks could not resolve."""
-    paths = dotted_paths(experiment)
+def preflight(experiment: Mapping[str, Any], import_paths: Sequence[str], launch_dir: str,
+              hooks: Optional[Mapping[str, Any]] = None) -> None:
+    """Raise ConfigError (one line) for the first dotted path of ``experiment`` (and of ``hooks``: the coordinator's
+    ``metrics_fn`` / ``eval_result_fn``) the tasks could not resolve."""
+    paths = dotted_paths(experiment) + [DottedPath(f"hooks.{k}", v) for k, v in (hooks or {}).items()
+                                        if isinstance(v, str) and v]
     if not paths:
         return
     dirs = config_dirs()

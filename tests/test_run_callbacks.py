@@ -1,6 +1,6 @@
 """The launcher's user callbacks (the reference's builder hooks ``metrics_fn`` / ``eval_result_fn``): called in the
-launching process as the run's events arrive, in order, once each; a callback that raises is reported and dropped,
-and the run goes on."""
+launching process as the run's events arrive, in order, once each; a callback that raises is called again for the
+next event (as the reference's are), its error printed once and counted at the end, and the run goes on."""
 from __future__ import annotations
 
 import json
@@ -46,10 +46,10 @@ def test_metrics_and_eval_callbacks_see_each_epoch_and_eval_once_in_order(tmp_pa
     assert h.next_metrics(timeout=1.0) is not None
     h.poll_events()
     assert epochs == [(0, {"loss": 0.9, "samples": 1408.0}), (1, {"loss": 0.5, "samples": 1408.0})]
-    assert evals == [(0, {"eval/accuracy": 0.8}), (1, {"eval/accuracy": 0.9})]
+    assert evals == [(0, {"eval/accuracy": 0.8}), (1, {"eval/accuracy": 0.9, "final": 1.0})]
 
 
-def test_a_callback_that_raises_is_reported_once_and_the_run_goes_on(tmp_path: Path,
+def test_a_callback_that_raises_is_called_again_and_its_error_reported_once(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     calls: list[int] = []
 
@@ -61,4 +61,5 @@ def test_a_callback_that_raises_is_reported_once_and_the_run_goes_on(tmp_path: P
     _append(tmp_path, {"event": "epoch", "epoch": 0, "loss": 0.9}, {"event": "epoch", "epoch": 1, "loss": 0.5})
     assert len(h.poll_metrics()) == 2
     err = capsys.readouterr().err
-    assert calls == [0] and err.count("metrics_fn raised ValueError: bad plot (epoch 0)") == 1
+    assert calls == [0, 1], "called again for the next epoch"
+    assert err.count("metrics_fn raised ValueError: bad plot (epoch 0") == 1 and "(epoch 1" not in err

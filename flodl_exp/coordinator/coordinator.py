@@ -65,6 +65,7 @@ from flodl_exp.core.cycle import Reduce, ReduceOutcome
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
 from flodl_exp.core.ports import Sink
 from flodl_exp.devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
+from flodl_exp.hooks import RunHooks
 from flodl_exp.job_spec import JobSpec
 from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.codec import decode
@@ -86,10 +87,13 @@ class ShellObserver:
     """The coordinator's records of the core's decisions: the timeline, the window records, MLflow and
     events.jsonl (the core's :class:`~.core.CoreObserver`)."""
 
-    def __init__(self, *, timeline: TimelineRecorder, sink: Sink, events: EventLog) -> None:
+    def __init__(self, *, timeline: TimelineRecorder, sink: Sink, events: EventLog,
+                 hooks: Optional[RunHooks] = None) -> None:
         self.timeline, self.sink, self.events = timeline, sink, events
         self.windows: Optional[WindowRecorder] = None
         """Set once built (it reads the core's averaging cycle)."""
+        self.hooks = hooks or RunHooks()
+        """``hooks.metrics_fn`` / ``hooks.eval_result_fn`` (flodl_exp/hooks.py): called with what is recorded."""
 
     def on_batch(self, r: int, b: Batch, epoch: Optional[int], window: int) -> None:
         self.timeline.on_batch(r, b.ms, b.data_ms, chunk=b.chunk, epoch=epoch, window=window, age_ms=b.age_ms)
@@ -115,6 +119,7 @@ class ShellObserver:
             self.windows.flush_epoch(e)
         self.timeline.on_epoch_aggregated(e, metrics)
         self.sink.log_metrics(metrics, step=e)
+        self.hooks.on_epoch(e, metrics)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.sink.log_metrics(metrics, step=step)
@@ -124,6 +129,8 @@ class ShellObserver:
 
     def emit(self, event: ev.EventRecord) -> None:
         self.events.emit(event)
+        if isinstance(event, ev.Eval):
+            self.hooks.on_eval(event.epoch, event.metrics, event.final)
 
     def log_artifact(self, path: str, artifact_path: str) -> None:
         self.sink.log_artifact(path, artifact_path)
@@ -150,7 +157,8 @@ class Coordinator:
         self.events = EventLog(job_dir, self.records, clock)
         self.timeline = TimelineRecorder(self.W, clock)
         """Per-rank spans (compute, data wait, sync, eval) from what arrives here; written at the run's end."""
-        self.observer = ShellObserver(sink=sink, events=self.events, timeline=self.timeline)
+        self.observer = ShellObserver(sink=sink, events=self.events, timeline=self.timeline,
+                                      hooks=RunHooks.of(cfg.hooks))
         self._server = server
         if cfg.mode.auto and spec.resume is not None:
             self._resume_auto_choice(spec.resume)
@@ -493,3 +501,4 @@ class Coordinator:
         """The result is about to be written: the core settles the final status (a failed last bundle ends FAILED)."""
         self._deliver_signals(self.clock())
         self._handle(Closing(self.clock()))
+        self.observer.hooks.close()

@@ -58,8 +58,8 @@ class EpochBoundaries:
             metrics["anchor"] = float(anchor)
         self._obs.on_epoch_aggregated(e, metrics)
         self._out.broadcast(EpochAggregated(epoch=e, metrics={k: v for k, v in metrics.items() if "/" not in k}))
-        self._obs.emit(ev.Epoch(epoch=e, metrics={k: v for k, v in metrics.items()
-                                                  if not k.startswith("rank") or k.endswith("batch_share")}))
+        self._obs.emit(ev.Epoch(epoch=e, metrics=dict(metrics)))  # per-rank fields too: launch()'s metrics_fn and
+        # RunHandle.latest_metrics() read this record, as the reference's EpochMetrics carries its per-rank vectors
         last = e == self._run_end.epochs - 1  # the final eval and bundle answer every intent
         periodic = self._eval_every > 0 and (e + 1) % self._eval_every == 0
         if (self._intents.due("eval", e) or periodic) and not last and self._run_end.send_eval(e):

@@ -28,6 +28,7 @@ from flodl_exp.bundle_meta import resolve_shuffle_seed
 from flodl_exp.config import ConfigError, RunShape, mode_name, world_size
 from flodl_exp.config_rules import validate
 from flodl_exp.events import End, EventRecord
+from flodl_exp.hooks import HookCaller
 
 
 class RunFailed(RuntimeError):
@@ -54,6 +55,11 @@ class SubmitFailed(RuntimeError):
 _SLURM_UNREACHABLE = ("unable to contact slurm controller", "could not establish a configuration source",
                       "slurm.conf", "slurm_conf", "communication connection failure", "zero bytes were transmitted",
                       "authentication failure", "munge", "connection refused")
+
+
+def _stderr(line: str) -> None:
+    """A warning for the launching process's user (launch()'s hooks run there)."""
+    print(f"warning: {line}", file=sys.stderr)
 
 
 def submit_error(e: BaseException, executor: str) -> SubmitFailed:
@@ -220,7 +226,9 @@ class RunHandle:
 
     ``metrics_fn`` and ``eval_result_fn`` (the reference's builder hooks) are called in this process, in order, as
     the events reach it: from :meth:`wait`, :meth:`poll_events`, :meth:`poll_metrics` and :meth:`next_metrics`. A
-    callback that raises is reported once on stderr and then skipped for the rest of the run: the run goes on."""
+    callback that raises is called again for the next record, as the reference's are: each distinct error is
+    printed once on stderr, and the counts when the run ends (flodl_exp/hooks.py). ``hooks.metrics_fn`` /
+    ``hooks.eval_result_fn`` in the config are the same hooks called in the coordinator's job instead."""
 
     def __init__(self, *, cfg: Any, run_id: str, tracking_uri: str, job_dir: str, job: Any, stem: str,
                  live_uri: Optional[str] = None, metrics_fn: Optional[MetricsFn] = None,
@@ -242,8 +250,8 @@ class RunHandle:
         """The background MLflow model export (a Popen) once the run FINISHED with ``tracking.log_model``."""
         self._last_force = 0.0
         self._t0 = time.monotonic()
-        self._callbacks: dict[str, Optional[Callable[[int, dict[str, float]], None]]] = {
-            "epoch": metrics_fn, "eval": eval_result_fn}
+        self._callbacks: dict[str, HookCaller] = {"epoch": HookCaller("metrics_fn", metrics_fn, _stderr),
+                                                   "eval": HookCaller("eval_result_fn", eval_result_fn, _stderr)}
         self.prediction: Optional[dict[str, float]] = None
         """Once FINISHED: the simulator's ``predicted/*`` for this run (and ``measured/samples_per_s``), as logged."""
         self.relay: Optional[Any] = None
@@ -316,19 +324,17 @@ class RunHandle:
                 self._call_back(ev)
 
     def _call_back(self, ev: dict) -> None:
+        """launch()'s ``metrics_fn`` / ``eval_result_fn`` with an epoch's or an eval's record (flodl_exp/hooks.py:
+        called again after one raises, each distinct error printed once, the counts when the run ends)."""
         kind = str(ev.get("event"))
-        fn = self._callbacks.get(kind)
-        if fn is None or not isinstance(ev.get("epoch"), int):
+        hook = self._callbacks.get(kind)
+        if hook is None or not isinstance(ev.get("epoch"), int):
             return
         skip = ("event", "epoch", "t", "wall", "final")
         metrics = {k: float(v) for k, v in ev.items() if k not in skip and isinstance(v, (int, float))}
-        try:
-            fn(int(ev["epoch"]), metrics)
-        except Exception as e:  # the user's callback: the run goes on, the callback is not called again
-            name = "metrics_fn" if kind == "epoch" else "eval_result_fn"
-            print(f"warning: {name} raised {type(e).__name__}: {e} (epoch {ev['epoch']}); not called again this run",
-                  file=sys.stderr)
-            self._callbacks[kind] = None
+        if ev.get("final") is True:
+            metrics["final"] = 1.0
+        hook(int(ev["epoch"]), metrics)
 
     def poll_events(self) -> list[dict]:
         """Every new event (started, epoch, eval, end, ...) since the last call."""
@@ -384,6 +390,8 @@ class RunHandle:
         except Exception as e:  # FailedJobError / UncompletedJobError carry the task's traceback tail
             error = f"{type(e).__name__}: {e}"
         self._read_events()
+        for hook in self._callbacks.values():  # each hook's error counts, once
+            hook.close()
         self._finish_relay()
         if os.path.exists(path):
             with open(path) as fh:
@@ -810,7 +818,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     from flodl_exp.preflight import importable_from, preflight
 
     # every _target_ and function path resolves as the tasks will resolve it: before any folder, run or process
-    preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0])
+    preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0],
+              hooks=cast(dict[str, Any], OmegaConf.to_container(cfg.hooks, resolve=True)) if "hooks" in cfg else None)
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from flodl_exp.checkpoint import validate_resume

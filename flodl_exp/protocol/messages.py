@@ -439,8 +439,8 @@ class RankError:
     error: str
     traceback: str = ""
     loop: bool = False
-    """The exception came out of the user's own training loop (the cooperative tier): a bug every rank
-    would hit, so the run ends FAILED instead of recovering without this rank."""
+    """The exception came out of the user's own training loop (the cooperative tier): the coordinator applies
+    ``cluster.loop_error`` (lose_rank, the default: recover without this rank; fail: the run ends FAILED)."""
 
 
 @dataclass

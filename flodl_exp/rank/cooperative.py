@@ -15,8 +15,9 @@ never inside the user's code) and ``w.step`` is the managed step's bookkeeping (
 the Batch report, the fault hook). The rules (README, "Your own training loop"): one ``w.step`` per item of
 ``w.batches()``; every ``w.batches()`` iterated to its end; ``w.epochs()`` iterated until it ends (it ends
 when the run does). Breaking a rule raises :class:`LoopMisuse` naming the call (a missing ``w.step`` when the
-next item is asked for); an exception of the loop's own ends the run FAILED with its traceback, while one
-raised by flodl's side (a collective that cannot recover, a data read) is a lost rank, as in the managed tier.
+next item is asked for); an exception of the loop's own is reported with its traceback and, by default, loses the
+rank (``cluster.loop_error=lose_rank``; ``fail`` ends the run FAILED), while one raised by flodl's side (a
+collective that cannot recover, a data read) is always a lost rank, as in the managed tier.
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def worker() -> Iterator[CooperativeWorker]:
 
     Only inside a rank flodl_exp started for an experiment with ``loop:``; the rank reads its own copy of
     the config (``w.cfg``), so it takes no argument. On a clean exit the rank reports its replica and leaves;
-    an exception is reported with its traceback (the run ends FAILED) and re-raised."""
+    an exception is reported with its traceback (a lost rank, or with ``cluster.loop_error=fail`` the run ends
+    FAILED) and re-raised."""
     ctx = _context
     if ctx is None:
         raise LoopMisuse("flodl_exp.worker() runs inside a rank that flodl_exp started: name the loop in the "
