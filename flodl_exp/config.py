@@ -102,6 +102,12 @@ class GuardConfig:
 
     kind: str = "trend"
     """none | trend | msf."""
+    _target_: Optional[str] = None
+    """A guard of your own instead of ``kind``: the dotted path of a class implementing the Guard protocol
+    (flodl_exp.policy.guards.Guard: ``report(report, k_used, k_max) -> ConvergenceAction``), built with ``args``;
+    e.g. ``guard._target_=flodl_exp.zoo.guards.PatienceGuard``. Records name the guard by this path."""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``_target_``'s class (``+guard.args.patience=4``)."""
     threshold: Optional[float] = None
     """TrendGuard threshold; unset = 0.05, or 0.3 when easgd_alpha is set."""
     msf_alpha: float = 0.9

@@ -258,6 +258,12 @@ def _update_rules(cfg: Any) -> List[str]:
 
 def _guard_rules(cfg: Any) -> List[str]:
     g = cfg.guard
+    target = getattr(g, "_target_", None)
+    if target is not None and (not isinstance(target, str) or "." not in target.strip(".")):
+        raise _err("guard._target_", target, "the dotted path of a class (module.Class) implementing "
+                                              "flodl_exp.policy.guards.Guard, or null")
+    if getattr(g, "args", None) and not target:
+        raise _err("guard.args", dict(g.args), "keyword arguments for guard._target_'s class: set guard._target_ too")
     if g.kind not in GUARDS:
         raise _err("guard.kind", g.kind, f"one of {', '.join(GUARDS)}")
     if g.threshold is not None and not (g.threshold > 0 and math.isfinite(g.threshold)):

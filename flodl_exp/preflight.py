@@ -355,11 +355,12 @@ def config_dirs() -> list[str]:
 
 
 def preflight(experiment: Mapping[str, Any], import_paths: Sequence[str], launch_dir: str,
-              hooks: Optional[Mapping[str, Any]] = None) -> None:
+              hooks: Optional[Mapping[str, Any]] = None, others: Optional[Mapping[str, Any]] = None) -> None:
     """Raise ConfigError (one line) for the first dotted path of ``experiment`` (and of ``hooks``: the coordinator's
-    ``metrics_fn`` / ``eval_result_fn``) the tasks could not resolve."""
-    paths = dotted_paths(experiment) + [DottedPath(f"hooks.{k}", v) for k, v in (hooks or {}).items()
-                                        if isinstance(v, str) and v]
+    ``metrics_fn`` / ``eval_result_fn``; ``others``: full key -> path, e.g. ``guard._target_``) the tasks could not
+    resolve."""
+    extra = {**{f"hooks.{k}": v for k, v in (hooks or {}).items()}, **(others or {})}
+    paths = dotted_paths(experiment) + [DottedPath(k, v) for k, v in extra.items() if isinstance(v, str) and v]
     if not paths:
         return
     dirs = config_dirs()

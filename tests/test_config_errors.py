@@ -90,7 +90,7 @@ def test_a_misspelt_key_or_option_in_a_users_preset_names_the_preset(hydra_app: 
 
 def test_an_unknown_key_without_a_close_one_lists_the_keys(hydra_app: None) -> None:
     line = explain(refusal("guard.zzzzzz=1"))
-    assert line is not None and line.startswith("config error: guard.zzzzzz=1: no such key in guard (keys: kind, threshold, ")
+    assert line is not None and line.startswith("config error: guard.zzzzzz=1: no such key in guard (keys: kind, _target_, args, threshold, ")
     line = explain(refusal("mode.nope=1"))  # matched against the key names, not the paths ("mode.nope" ~ "mode.name")
     assert line is not None and line.startswith("config error: mode.nope=1: no such key in mode (keys: name, policy, ")
 

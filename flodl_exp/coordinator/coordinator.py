@@ -67,6 +67,7 @@ from flodl_exp.core.ports import Sink
 from flodl_exp.devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
 from flodl_exp.hooks import RunHooks
 from flodl_exp.job_spec import JobSpec
+from flodl_exp.policy.controllers import guard_name
 from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.codec import decode
 from flodl_exp.protocol.hello import Hello
@@ -270,7 +271,7 @@ class Coordinator:
         from flodl_exp.checkpoint import load_outer_state
 
         state = load_outer_state(resume.stem) if self.view.wants_outer_state else None
-        self._handle(Resumed(resume.meta, self.cfg.guard.kind, resume.stem, state, self.clock()))
+        self._handle(Resumed(resume.meta, guard_name(self.cfg.guard), resume.stem, state, self.clock()))
 
     def _is_local(self, r: int) -> bool:
         return self.records.hosts.get(r) == self._node

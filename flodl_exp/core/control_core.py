@@ -90,7 +90,7 @@ from flodl_exp.core.run_state import run_state
 from flodl_exp.core.seams import Ports
 from flodl_exp.core.startup import StartupBlame
 from flodl_exp.core.view import CoreView
-from flodl_exp.policy.controllers import build_elche, build_run_guard
+from flodl_exp.policy.controllers import build_elche, build_run_guard, guard_name
 from flodl_exp.policy.meta import LrEventMeta
 from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.messages import (
@@ -198,7 +198,7 @@ class ControlCore:
         self.writer = BundleWriter(
             stem=facts.checkpoint_stem, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, ports=ports,
             plan=plan, facts=MetaFacts(world_size=w, experiment=cfg.experiment.name,
-                                       guard_kind=cfg.guard.kind, batch_size=cfg.experiment.batch_size,
+                                       guard_kind=guard_name(cfg.guard), batch_size=cfg.experiment.batch_size,
                                        shuffle_seed=facts.shuffle_seed, mode=self.mode))
         self.checkpoint_fn = CheckpointFnRole(cohort=self.cohort, outbox=self.outbox, obs=observer,
                                               consensus=self.mode.is_cpu)

@@ -109,17 +109,25 @@ def _redact_config(resolved: dict[str, Any], uri: str) -> dict[str, Any]:
     return cast(dict[str, Any], walk(resolved))
 
 
+def _guard_label(g: Any, full: bool = False) -> str:
+    """The guard as run names and tags show it: its kind, or the user's class (its path in the tag)."""
+    target = g.get("_target_") if hasattr(g, "get") else getattr(g, "_target_", None)
+    if not target:
+        return str(g.kind)
+    return str(target) if full else str(target).rpartition(".")[2]
+
+
 def run_name(cfg: Any) -> str:
     outer = "" if cfg.outer.kind == "avg" else f"/{cfg.outer.kind}"
     mode = "auto" if getattr(cfg.mode, "auto", False) else mode_name(cfg)  # auto: the tag mode says what it chose
-    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode}/{cfg.guard.kind}{outer}"
+    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode}/{_guard_label(cfg.guard)}{outer}"
 
 
 def _tags(cfg: Any, root: str) -> dict[str, str]:
     from flodl_exp.tracking import git_commit
 
     tags = {
-        "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": cfg.guard.kind,
+        "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": _guard_label(cfg.guard, full=True),
         "cluster": cfg.cluster.name, "world_size": str(world_size(cfg)), "experiment": cfg.experiment.name,
         "outer": RunShape.of(cfg).outer.describe(),
     }
@@ -819,7 +827,8 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
 
     # every _target_ and function path resolves as the tasks will resolve it: before any folder, run or process
     preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0],
-              hooks=cast(dict[str, Any], OmegaConf.to_container(cfg.hooks, resolve=True)) if "hooks" in cfg else None)
+              hooks=cast(dict[str, Any], OmegaConf.to_container(cfg.hooks, resolve=True)) if "hooks" in cfg else None,
+              others={"guard._target_": cfg.guard.get("_target_")} if "guard" in cfg else None)
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from flodl_exp.checkpoint import validate_resume

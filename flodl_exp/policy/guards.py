@@ -14,7 +14,7 @@ import abc
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 from flodl_exp.policy.actions import STABLE, SUPPRESS_GROWTH, ConvergenceAction, nudge_down
 
@@ -295,6 +295,67 @@ def _check_sustain(name: str, sustain: int) -> None:
 
 
 GUARD_KINDS = ("none", "trend", "msf")
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """What a guard of your own implements (``guard._target_=my_module.MyGuard``, built with ``guard.args`` as
+    keyword arguments; see docs/concepts/guards.md). Only :meth:`report` is required: after each reduce it gets the
+    replicas' drift (``report.deltas[r]``, each rank's ``|W_r - W_avg| / |W_avg|``), the steps the window averaged
+    (``k_used``, all ranks) and the most any rank took (``k_max``), and answers a
+    :class:`~flodl_exp.policy.actions.ConvergenceAction` (``STABLE``, ``SUPPRESS_GROWTH``, ``nudge_down(f)``). A
+    guard that keeps history also implements ``state_dict() -> dict`` and ``load_state_dict(dict)`` (JSON values:
+    a bundle's meta carries them, so a resumed run goes on with it), and may implement ``reset()`` and
+    ``telemetry() -> list[(name, value)]`` (logged per reduce)."""
+
+    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> ConvergenceAction: ...
+
+
+class UserGuard(ConvergenceGuard):
+    """A :class:`Guard` of the user's, with the optional methods it lacks filled in; a verdict that is not a
+    ConvergenceAction is refused with one line naming the class (the run would otherwise fail deep in ElChe)."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        if not callable(getattr(inner, "report", None)):
+            raise TypeError(f"guard._target_={name!r}: the object has no report(report, k_used, k_max) method")
+        self.inner, self.name = inner, name
+
+    def report(self, report: DivergenceReport, k_used: int, k_max: int) -> ConvergenceAction:
+        action = self.inner.report(report, k_used, k_max)
+        if not isinstance(action, ConvergenceAction):
+            raise TypeError(f"guard._target_={self.name!r}: report() returned {action!r}, not a ConvergenceAction "
+                            f"(flodl_exp.policy.actions: STABLE, SUPPRESS_GROWTH, nudge_down(f))")
+        return action
+
+    def telemetry(self) -> list[tuple[str, float]]:
+        fn = getattr(self.inner, "telemetry", None)
+        return list(fn()) if callable(fn) else []
+
+    def reset(self) -> None:
+        fn = getattr(self.inner, "reset", None)
+        if callable(fn):
+            fn()
+
+    def state_dict(self) -> dict[str, Any]:
+        fn = getattr(self.inner, "state_dict", None)
+        return dict(fn()) if callable(fn) else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        fn = getattr(self.inner, "load_state_dict", None)
+        if callable(fn):
+            fn(state)
+
+
+def build_user_guard(target: str, args: Optional[dict[str, Any]] = None) -> UserGuard:
+    """``guard._target_``: the class at the dotted path, built with ``args`` (the launcher's pre-flight checked the
+    path resolves; importing it is the only I/O, as for any ``_target_``)."""
+    import importlib
+
+    module, _, name = target.rpartition(".")
+    if not module:
+        raise ValueError(f"guard._target_={target!r}: a dotted path module.Class")
+    cls = getattr(importlib.import_module(module), name)
+    return UserGuard(cls(**dict(args or {})), target)
 
 
 def build_guard(
