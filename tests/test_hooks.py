@@ -74,5 +74,6 @@ def test_the_coordinators_observer_calls_the_hooks_with_per_rank_fields(tmp_path
     assert [e for e, _ in got["epoch"]] == [0, 1]
     for _, m in got["epoch"]:
         assert {"loss", "rank0/batch_share", "rank1/batch_share", "rank0/batches", "rank1/samples_per_s"} <= set(m)
+    h.msg(0, EvalResult(epoch=0, error="RuntimeError: eval data missing"))  # a failed eval: no hook call
     h.msg(0, EvalResult(epoch=1, metrics={"accuracy": 0.9}, final=True))
     assert got["eval"] == [(1, {"eval/accuracy": 0.9, "final": 1.0})]

@@ -130,7 +130,7 @@ class ShellObserver:
 
     def emit(self, event: ev.EventRecord) -> None:
         self.events.emit(event)
-        if isinstance(event, ev.Eval):
+        if isinstance(event, ev.Eval) and event.metrics:  # a failed eval has none: logged and tagged, no hook call
             self.hooks.on_eval(event.epoch, event.metrics, event.final)
 
     def log_artifact(self, path: str, artifact_path: str) -> None:

@@ -340,6 +340,8 @@ class RunHandle:
             return
         skip = ("event", "epoch", "t", "wall", "final")
         metrics = {k: float(v) for k, v in ev.items() if k not in skip and isinstance(v, (int, float))}
+        if kind == "eval" and not metrics:
+            return  # a failed eval (logged and tagged by the job): no hook call, as in the coordinator
         if ev.get("final") is True:
             metrics["final"] = 1.0
         hook(int(ev["epoch"]), metrics)
