@@ -219,7 +219,8 @@ def sections(name: str) -> list[tuple[str, str, list[Row]]]:
 def _table(rs: list[Row]) -> str:
     lines = ["| key | type | default | what it does |", "|---|---|---|---|"]
     for r in rs:
-        key, tp, default = (_html(v).replace("|", "&#124;") for v in (r.key, r.type, r.default))
+        # "|" would end the cell and "_x_" (guard._target_) would turn into emphasis: both as entities
+        key, tp, default = (_html(v).replace("|", "&#124;").replace("_", "&#95;") for v in (r.key, r.type, r.default))
         lines.append(f"| <code>{key}</code> | <code>{tp}</code> | <code>{default}</code> | {r.description} |")
     return "\n".join(lines)
 
