@@ -143,7 +143,7 @@ def validate_resume(cfg: Any) -> Optional[Resume]:
     model (parameter names/shapes). Another ``seed`` is not refused: the run adopts the bundle's shuffle seed
     (``bundle_meta.resolve_shuffle_seed``).
     """
-    from flodl_exp.config import ConfigError, world_size
+    from flodl_exp.config import ConfigError, outer_spec, world_size
 
     stem = cfg.checkpoint.resume_from
     if not stem:
@@ -159,9 +159,10 @@ def validate_resume(cfg: Any) -> Optional[Resume]:
     bad = check_pieces(stem, meta)
     if bad:
         raise ConfigError(f"config error: {key}: {bad}")
-    if cfg.outer.kind != "avg" and not os.path.exists(outer_path(stem)):
-        raise ConfigError(f"config error: {key}: {outer_path(stem)} does not exist: outer={cfg.outer.kind} resumes its "
-                          "momentum from the bundle (saved with outer=avg? resume with outer=avg)")
+    spec = outer_spec(cfg)
+    if spec.stateful and not os.path.exists(outer_path(stem)):
+        raise ConfigError(f"config error: {key}: {outer_path(stem)} does not exist: outer={spec.describe()} resumes its "
+                          "state from the bundle (saved with outer=avg? resume with outer=avg)")
     w = world_size(cfg)
     if meta.world_size_at_save is not None and meta.world_size_at_save != w:
         raise ConfigError(f"config error: {key}: saved with world size {meta.world_size_at_save}, this run has {w}")

@@ -143,6 +143,13 @@ class OuterConfig:
     """Outer learning rate; unset = 1.0 for slowmo, 0.7 for diloco."""
     mu: Optional[float] = None
     """Outer momentum in [0, 1); unset = 0.9."""
+    _target_: Optional[str] = None
+    """An outer optimizer of your own instead of ``kind``: the dotted path of a class implementing the OuterOptimizer
+    protocol (flodl_exp.outer.UserOuterProtocol: ``step(consensus) -> new global``), built with ``args``; e.g.
+    ``outer._target_=flodl_exp.zoo.outers.HeavyBall``. It runs where the backend keeps the outer optimizer (the
+    coordinator for cpu, every rank for nccl)."""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``_target_``'s class (``+outer.args.mu=0.5``)."""
 
 
 @dataclass
@@ -551,24 +558,36 @@ class OuterSpec:
     kind: str = "avg"
     lr: float = 1.0
     mu: float = 0.0
+    target: Optional[str] = None
+    """``outer._target_``: the user's class (then ``kind`` is not used)."""
+    args: tuple[tuple[str, Any], ...] = ()
+    """``outer.args``, as sorted pairs (the spec is hashable)."""
 
     @property
     def stateful(self) -> bool:
-        """Carries momentum across windows (and writes a bundle sidecar)."""
-        return self.kind != "avg"
+        """Carries state across windows (and writes a bundle sidecar); a user's class always may."""
+        return self.kind != "avg" or self.target is not None
 
     @property
     def resets_inner(self) -> bool:
-        """The inner optimizer's state is cleared after each adoption (DiLoCo)."""
+        """The inner optimizer's state is cleared after each adoption (DiLoCo; a user's class says so with a
+        ``resets_inner = True`` attribute, which the ranks read: flodl_exp/outer.py)."""
         return self.kind == "diloco"
 
     def describe(self) -> str:
+        if self.target is not None:
+            args = ", ".join(f"{k}={v!r}" for k, v in self.args)
+            return f"{self.target.rpartition('.')[2]}({args})"
         return self.kind if not self.stateful else f"{self.kind}(lr={self.lr:g}, mu={self.mu:g})"
 
 
 def outer_spec(cfg: Any) -> OuterSpec:
     """``outer`` as run: the kind's default lr and mu fill what the config leaves unset."""
     o = cfg.outer
+    target = o.get("_target_") if hasattr(o, "get") else getattr(o, "_target_", None)
+    if target:
+        args = o.get("args") if hasattr(o, "get") else getattr(o, "args", None)
+        return OuterSpec(kind="avg", target=str(target), args=tuple(sorted(dict(args or {}).items())))
     lr, mu = OUTER_DEFAULTS[o.kind]
     return OuterSpec(kind=str(o.kind), lr=float(o.lr) if o.lr is not None else lr,
                      mu=float(o.mu) if o.mu is not None else mu)

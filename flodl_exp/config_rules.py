@@ -139,6 +139,15 @@ def _mode_kind_rules(cfg: Any) -> List[str]:
 
 def _outer_rules(cfg: Any) -> List[str]:
     o = cfg.outer
+    target = getattr(o, "_target_", None)
+    if target is not None and (not isinstance(target, str) or "." not in target.strip(".")):
+        raise _err("outer._target_", target, "the dotted path of a class (module.Class) implementing "
+                                              "flodl_exp.outer.UserOuterProtocol, or null")
+    if getattr(o, "args", None) and not target:
+        raise _err("outer.args", dict(o.args), "keyword arguments for outer._target_'s class: set outer._target_ too")
+    if target and (o.kind != "avg" or o.lr is not None or o.mu is not None):
+        raise _err("outer._target_", target, "alone: outer.kind, outer.lr and outer.mu belong to the built-in outer "
+                                              "optimizers (leave them unset; give your class its knobs in outer.args)")
     if o.kind not in OUTERS:
         raise _err("outer.kind", o.kind, f"one of {', '.join(OUTERS)}")
     if o.lr is not None and not (math.isfinite(o.lr) and o.lr > 0):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -197,3 +197,103 @@ class OuterOptimizer:
             pack_into(mom, self._state[n:2 * n])
             self._state[-1] = 1.0
         self.prev, self.momentum = self._views(0), self._views(n)
+
+
+class UserOuterProtocol(Protocol):
+    """What an outer optimizer of your own implements (``outer._target_=my_module.MyOuter``, built with ``outer.args``
+    as keyword arguments; see docs/concepts/outer.md). Only :meth:`step` is required: each window it gets the
+    consensus (the window's average, float32 CPU or device tensors, one per parameter, in model order) and returns
+    the global to adopt (same count and shapes). ``state_dict()`` / ``load_state_dict(state)`` (tensors and plain
+    values) let bundles keep its state; ``reset()`` is called when its state must restart (a regroup that could not
+    agree on it); ``momentum_norm() -> float`` is logged; a class attribute ``resets_inner = True`` clears the ranks'
+    inner optimizer state after each adoption, as DiLoCo does."""
+
+    def step(self, consensus: list[torch.Tensor]) -> Sequence[torch.Tensor]: ...
+
+
+def _user_class(target: str) -> Any:
+    import importlib
+
+    module, _, name = target.rpartition(".")
+    if not module:
+        raise ValueError(f"outer._target_={target!r}: a dotted path module.Class")
+    return getattr(importlib.import_module(module), name)
+
+
+def resets_inner(spec: OuterSpec) -> bool:
+    """Whether adoption clears the inner optimizer's state: DiLoCo, or a user class saying so (``resets_inner``)."""
+    if spec.target is None:
+        return spec.resets_inner
+    return bool(getattr(_user_class(spec.target), "resets_inner", False))
+
+
+class UserOuter(OuterOptimizer):
+    """The user's outer optimizer behind OuterOptimizer's interface (the coordinator's averager and the nccl rank
+    call it as the built-ins). It has no flat state buffer, so a regroup does not re-broadcast its state: its inputs
+    are identical on every rank, so its state stays identical unless a collective failed on some ranks only (then it
+    is reset, as the built-ins' is when their re-sync fails)."""
+
+    def __init__(self, spec: OuterSpec) -> None:
+        super().__init__(spec)
+        assert spec.target is not None
+        self.inner = _user_class(spec.target)(**dict(spec.args))
+        if not callable(getattr(self.inner, "step", None)):
+            raise TypeError(f"outer._target_={spec.target!r}: the object has no step(consensus) method")
+        self._last: Optional[list[torch.Tensor]] = None
+        """The global adopted last (for the step's norm, ``||new - prev||`` as the built-ins report it)."""
+
+    def allocate(self, params: Sequence[torch.Tensor], device: Optional[torch.device] = None) -> None:
+        return None
+
+    @property
+    def state_buffer(self) -> Optional[torch.Tensor]:
+        return None
+
+    def state_changed(self) -> None:
+        return None
+
+    def forget(self) -> None:
+        self._last = None
+        fn = getattr(self.inner, "reset", None)
+        if callable(fn):
+            fn()
+
+    @torch.no_grad()
+    def step(self, consensus: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Optional[OuterStep]]:
+        c32 = [t.detach().float() for t in consensus]
+        new = list(self.inner.step(c32))
+        if len(new) != len(c32) or any(tuple(n.shape) != tuple(c.shape) for n, c in zip(new, c32)):
+            raise ValueError(f"outer._target_={self.spec.target!r}: step() returned {len(new)} tensors shaped "
+                             f"{[tuple(n.shape) for n in new][:3]}..., expected {len(c32)} shaped as the parameters")
+        last = self._last
+        seeded = last is None or [tuple(t.shape) for t in last] != [tuple(c.shape) for c in c32]
+        moved = 0.0 if seeded else math.sqrt(sum(float(torch.sum((n.float() - q) ** 2)) for n, q in zip(new, last or [])))
+        self._last = [n.detach().float().clone() for n in new]
+        out = [n.to(device=c.device, dtype=c.dtype, copy=True) for n, c in zip(new, consensus)]
+        return out, OuterStep(moved, self.momentum_norm(), seeded=seeded)
+
+    @torch.no_grad()
+    def apply(self, params: Sequence[torch.Tensor], workspace: Optional[torch.Tensor] = None) -> Optional[OuterStep]:
+        new, rec = self.step([p.detach() for p in params])
+        for p, v in zip(params, new):
+            p.copy_(v)
+        return rec
+
+    def momentum_norm(self) -> float:
+        fn = getattr(self.inner, "momentum_norm", None)
+        return float(fn()) if callable(fn) else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        fn = getattr(self.inner, "state_dict", None)
+        return {"format": SIDECAR_FORMAT, "kind": "user", "target": self.spec.target,
+                "state": dict(fn()) if callable(fn) else {}}
+
+    def load_state_dict(self, state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+        fn = getattr(self.inner, "load_state_dict", None)
+        if callable(fn):
+            fn(dict(state.get("state") or {}))
+
+
+def make_outer(spec: OuterSpec) -> OuterOptimizer:
+    """The run's outer optimizer: the user's class (``outer._target_``) or the built-in ``outer.kind``."""
+    return UserOuter(spec) if spec.target is not None else OuterOptimizer(spec)

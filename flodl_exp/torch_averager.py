@@ -27,9 +27,9 @@ class TorchAverager:
         """The outer optimizer, run here once per window (nccl: replicated on the ranks). Made on first use: it
         holds torch tensors."""
         if self._outer is None:
-            from flodl_exp.outer import OuterOptimizer
+            from flodl_exp.outer import make_outer
 
-            self._outer = OuterOptimizer(self.outer_spec)
+            self._outer = make_outer(self.outer_spec)
         return self._outer
 
     def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool) -> Consensus:

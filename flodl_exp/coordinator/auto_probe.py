@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
+from flodl_exp.config import outer_spec
 from flodl_exp.core.auto_choice import Candidate, ModeChosen, ModesPredicted, ProbeMeasured
 from flodl_exp.devices import CollectiveRefused, RankDevice, choose_collective
 
@@ -87,7 +88,7 @@ class AutoProbe:
         except CollectiveRefused:
             can_group = False
         modes = candidate_modes(can_group)
-        if cfg.outer.kind != "avg":  # a stateful outer optimizer lives where the configured backend keeps it
+        if outer_spec(cfg).stateful:  # a stateful outer optimizer lives where the configured backend keeps it
             modes = [m for m in modes if m.startswith(str(cfg.mode.backend))]
         rig = self.prepared.probed(measured.step_ms, measured.data_ms, model_bytes=measured.model_bytes,
                                    samples=total_picks)

@@ -118,7 +118,8 @@ def _guard_label(g: Any, full: bool = False) -> str:
 
 
 def run_name(cfg: Any) -> str:
-    outer = "" if cfg.outer.kind == "avg" else f"/{cfg.outer.kind}"
+    spec = RunShape.of(cfg).outer
+    outer = "" if not spec.stateful else f"/{spec.target.rpartition('.')[2] if spec.target else spec.kind}"
     mode = "auto" if getattr(cfg.mode, "auto", False) else mode_name(cfg)  # auto: the tag mode says what it chose
     return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode}/{_guard_label(cfg.guard)}{outer}"
 
@@ -830,7 +831,7 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
     # every _target_ and function path resolves as the tasks will resolve it: before any folder, run or process
     preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0],
               hooks=cast(dict[str, Any], OmegaConf.to_container(cfg.hooks, resolve=True)) if "hooks" in cfg else None,
-              others={"guard._target_": cfg.guard.get("_target_")} if "guard" in cfg else None)
+              others={"guard._target_": cfg.guard.get("_target_"), "outer._target_": cfg.outer.get("_target_")})
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from flodl_exp.checkpoint import validate_resume

@@ -29,7 +29,7 @@ import torch
 
 from flodl_exp.averaging import consensus_state
 from flodl_exp.bundle_meta import Resume
-from flodl_exp.outer import OuterOptimizer, OuterSpec
+from flodl_exp.outer import OuterOptimizer, OuterSpec, resets_inner
 from flodl_exp.outer_step import OuterStep
 from flodl_exp.protocol.messages import Batch as BatchReport
 from flodl_exp.protocol.messages import (
@@ -107,6 +107,8 @@ class RankControl:
         self.gamma = gamma
         self.outer_spec = outer_spec if outer_spec is not None else OuterSpec()
         self.outer = outer
+        self._resets_inner = resets_inner(self.outer_spec)
+        """Adoption clears the inner optimizer's state (DiLoCo, or a user outer optimizer's ``resets_inner``)."""
         self.cpu = cpu if cpu is not None else CoordinatorBackend()
         self._join_group = join_group
         self.fault = fault
@@ -398,7 +400,7 @@ class RankControl:
         if not m.skip:
             self.cpu.adopt_update(self.trainer.model, m, m.alpha)
             self.last_consensus = dict(m.tensors)
-            if self.outer_spec.resets_inner:
+            if self._resets_inner:
                 self.trainer.reset_optimizer_state()
         self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
         self.awaiting_update = False

@@ -26,7 +26,7 @@ from flodl_exp.config import RunShape, load_config
 from flodl_exp.constants import FAULT_ENV, LOST_GRACE_S
 from flodl_exp.experiment import build_experiment
 from flodl_exp.job_spec import JobSpec
-from flodl_exp.outer import OuterOptimizer
+from flodl_exp.outer import make_outer
 from flodl_exp.protocol import wire
 from flodl_exp.protocol.codec import encode
 from flodl_exp.protocol.hello import Hello
@@ -173,7 +173,7 @@ class RankWorker:
         self.rank = rank
         shape = RunShape.of(cfg)
         self.world_size = shape.world_size
-        outer = OuterOptimizer(shape.outer) if shape.mode.is_nccl and shape.outer.stateful else None
+        outer = make_outer(shape.outer) if shape.mode.is_nccl and shape.outer.stateful else None
         wanted, note = requested_device(cfg.cluster)
         if note and rank == 0:
             log.info("%s", note)
