@@ -137,14 +137,20 @@ def _mode_kind_rules(cfg: Any) -> List[str]:
     return []
 
 
+def _user_class_rules(group: str, node: Any, protocol: str) -> Optional[str]:
+    """``<group>._target_`` (a class of the user's implementing ``protocol``) and ``<group>.args``: the path is a
+    dotted one, and args come only with it. Returns the target (None: the built-in)."""
+    target = getattr(node, "_target_", None)
+    if target is not None and (not isinstance(target, str) or "." not in target.strip(".")):
+        raise _err(f"{group}._target_", target, f"the dotted path of a class (module.Class) implementing {protocol}, or null")
+    if getattr(node, "args", None) and not target:
+        raise _err(f"{group}.args", dict(node.args), f"keyword arguments for {group}._target_'s class: set {group}._target_ too")
+    return target
+
+
 def _outer_rules(cfg: Any) -> List[str]:
     o = cfg.outer
-    target = getattr(o, "_target_", None)
-    if target is not None and (not isinstance(target, str) or "." not in target.strip(".")):
-        raise _err("outer._target_", target, "the dotted path of a class (module.Class) implementing "
-                                              "flodl_exp.outer.UserOuterProtocol, or null")
-    if getattr(o, "args", None) and not target:
-        raise _err("outer.args", dict(o.args), "keyword arguments for outer._target_'s class: set outer._target_ too")
+    target = _user_class_rules("outer", o, "flodl_exp.outer.UserOuterProtocol")
     if target and (o.kind != "avg" or o.lr is not None or o.mu is not None):
         raise _err("outer._target_", target, "alone: outer.kind, outer.lr and outer.mu belong to the built-in outer "
                                               "optimizers (leave them unset; give your class its knobs in outer.args)")
@@ -267,12 +273,7 @@ def _update_rules(cfg: Any) -> List[str]:
 
 def _guard_rules(cfg: Any) -> List[str]:
     g = cfg.guard
-    target = getattr(g, "_target_", None)
-    if target is not None and (not isinstance(target, str) or "." not in target.strip(".")):
-        raise _err("guard._target_", target, "the dotted path of a class (module.Class) implementing "
-                                              "flodl_exp.policy.guards.Guard, or null")
-    if getattr(g, "args", None) and not target:
-        raise _err("guard.args", dict(g.args), "keyword arguments for guard._target_'s class: set guard._target_ too")
+    _user_class_rules("guard", g, "flodl_exp.policy.guards.Guard")
     if g.kind not in GUARDS:
         raise _err("guard.kind", g.kind, f"one of {', '.join(GUARDS)}")
     if g.threshold is not None and not (g.threshold > 0 and math.isfinite(g.threshold)):
