@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any, Optional
 
+from flodl_exp.config import outer_spec
+from flodl_exp.policy.controllers import guard_name
 from flodl_exp.simulate.costs import Costs
 from flodl_exp.simulate.engine import RunStats
 from flodl_exp.simulate.topology import SimulateConfig, rank_steps
@@ -70,7 +72,7 @@ def render(cfg: SimulateConfig, rows: list[dict[str, Any]], seconds: float) -> s
         "",
         f"{cfg.samples} samples, batch {cfg.batch_size}, model {cfg.model_mb:g} MB; step ms {step_txt} (fast rank "
         f"{fast}); link {cfg.link.bandwidth_gbps:g} Gbit/s, {cfg.link.latency_ms:g} ms, collective fixed "
-        f"{cfg.link.collective_fixed_ms:g} ms; guard {cfg.guard.kind}, outer {cfg.outer.kind}. Simulated in "
+        f"{cfg.link.collective_fixed_ms:g} ms; guard {guard_name(cfg.guard)}, outer {outer_spec(cfg).describe()}. Simulated in "
         f"{seconds:.2f} s.",
         "",
         "| run | wall s | samples/s | efficiency | vs DDP | syncs | mean sync ms | fast-rank batch share | "
