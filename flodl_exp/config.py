@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, cast
 
 from omegaconf import MISSING
 
@@ -587,6 +587,10 @@ def outer_spec(cfg: Any) -> OuterSpec:
     target = o.get("_target_") if hasattr(o, "get") else getattr(o, "_target_", None)
     if target:
         args = o.get("args") if hasattr(o, "get") else getattr(o, "args", None)
+        if args is not None and not isinstance(args, dict):  # a DictConfig: plain values, so the spec stays plain
+            from omegaconf import OmegaConf
+
+            args = cast(dict[str, Any], OmegaConf.to_container(args, resolve=True))
         return OuterSpec(kind="avg", target=str(target), args=tuple(sorted(dict(args or {}).items())))
     lr, mu = OUTER_DEFAULTS[o.kind]
     return OuterSpec(kind=str(o.kind), lr=float(o.lr) if o.lr is not None else lr,

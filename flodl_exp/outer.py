@@ -20,6 +20,7 @@ place: on a GPU it is allocated once, up front, and a step allocates no paramete
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any, Optional, Protocol
@@ -33,6 +34,8 @@ from flodl_exp.config import OuterSpec
 from flodl_exp.outer_step import OuterStep
 
 SIDECAR_FORMAT = 1
+
+log = logging.getLogger("flodl_exp.outer")
 
 
 class OuterOptimizer:
@@ -229,9 +232,9 @@ def resets_inner(spec: OuterSpec) -> bool:
 
 class UserOuter(OuterOptimizer):
     """The user's outer optimizer behind OuterOptimizer's interface (the coordinator's averager and the nccl rank
-    call it as the built-ins). It has no flat state buffer, so a regroup does not re-broadcast its state: its inputs
-    are identical on every rank, so its state stays identical unless a collective failed on some ranks only (then it
-    is reset, as the built-ins' is when their re-sync fails)."""
+    call it as the built-ins). It has no flat state buffer to re-broadcast after a regroup (nccl), and a collective
+    that failed on some ranks only can leave its states apart: every member resets it at a regroup instead
+    (rank/control.py ``_resync_outer``), as the built-ins' momentum restarts when their re-sync fails."""
 
     def __init__(self, spec: OuterSpec) -> None:
         super().__init__(spec)
@@ -289,6 +292,13 @@ class UserOuter(OuterOptimizer):
                 "state": dict(fn()) if callable(fn) else {}}
 
     def load_state_dict(self, state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+        """The sidecar's state into the user's class, when it was saved by the same class; another outer optimizer's
+        sidecar (a built-in's, another class's) is not handed to it: its state starts fresh, with a warning."""
+        if state.get("kind") != "user" or state.get("target") != self.spec.target:
+            saved = state.get("target") or state.get("kind")
+            log.warning("outer._target_=%s: the bundle's outer state was saved by %r: not loaded, the state starts "
+                        "fresh", self.spec.target, saved)
+            return
         fn = getattr(self.inner, "load_state_dict", None)
         if callable(fn):
             fn(dict(state.get("state") or {}))

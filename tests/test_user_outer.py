@@ -91,3 +91,40 @@ def test_a_run_with_the_users_outer_optimizer_trains_and_bundles_its_state(tmp_p
     assert state["target"] == ZOO and len(state["state"]["v"]) == len(state["state"]["prev"]) > 0
     result = json.loads(next((tmp_path / "jobs").rglob("result.json")).read_text())
     assert result["status"] == "FINISHED"
+
+
+def test_a_sidecar_of_another_outer_optimizer_is_not_handed_to_the_users_class() -> None:
+    built_in = make_outer(OuterSpec(kind="slowmo", lr=1.0, mu=0.5))
+    built_in.step([torch.ones(2)])
+    built_in.step([torch.zeros(2)])
+    o = make_outer(_spec())
+    o.load_state_dict(built_in.state_dict())  # a built-in's sidecar: ignored, the state starts fresh
+    assert o.state_dict()["state"] == {"prev": [], "v": []}
+    other = {"format": 1, "kind": "user", "target": "my.Other", "state": {"prev": [torch.ones(2)], "v": [torch.ones(2)]}}
+    o.load_state_dict(other)
+    assert o.state_dict()["state"] == {"prev": [], "v": []}
+
+
+def test_every_member_restarts_a_users_state_at_a_regroup() -> None:
+    from flodl_exp.rank.control import RankControl
+
+    o = make_outer(_spec())
+    o.step([torch.ones(2)])
+    assert o.state_dict()["state"]["prev"]
+    fake = type("F", (), {"outer": o, "collective": object()})()
+    RankControl._resync_outer(fake)  # type: ignore[arg-type]
+    assert o.state_dict()["state"] == {"prev": [], "v": []}
+
+
+class ResettingOuter:
+    """A user outer optimizer that asks for the inner optimizer's state to be cleared after each adoption."""
+
+    resets_inner = True
+
+    def step(self, consensus: list[torch.Tensor]) -> list[torch.Tensor]:
+        return consensus
+
+
+def test_a_user_class_says_whether_adoption_resets_the_inner_optimizer() -> None:
+    assert resets_inner(OuterSpec(target="test_user_outer.ResettingOuter"))
+    assert not resets_inner(_spec()) and resets_inner(OuterSpec(kind="diloco")) and not resets_inner(OuterSpec())

@@ -29,7 +29,7 @@ import torch
 
 from flodl_exp.averaging import consensus_state
 from flodl_exp.bundle_meta import Resume
-from flodl_exp.outer import OuterOptimizer, OuterSpec, resets_inner
+from flodl_exp.outer import OuterOptimizer, OuterSpec, UserOuter, resets_inner
 from flodl_exp.outer_step import OuterStep
 from flodl_exp.protocol.messages import Batch as BatchReport
 from flodl_exp.protocol.messages import (
@@ -626,6 +626,8 @@ class RankControl:
             return
         state = self.outer.state_buffer
         if state is None:  # allocated at start-up; a model without parameters has nothing to agree on
+            if isinstance(self.outer, UserOuter):  # a user's state has no flat buffer to broadcast: every member
+                self.outer.forget()               # restarts it together rather than keep states that may differ
             return
         root = self.collective.rank == 0  # the sender's state is only read: kept whatever happens
         try:
@@ -742,6 +744,6 @@ class RankControl:
             raise RuntimeError("out of GPU memory in the outer optimizer step (it keeps the last global and the "
                                "momentum on the device, 2x the parameter bytes; lower data_plane.vram_max_usage "
                                "or use outer=avg)") from e
-        if self.outer_spec.resets_inner:
+        if self._resets_inner:
             self.trainer.reset_optimizer_state()
         return None if step is None or step.seeded else step
