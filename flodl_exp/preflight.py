@@ -371,4 +371,29 @@ def preflight(experiment: Mapping[str, Any], import_paths: Sequence[str], launch
                 raise ConfigError(line)
 
 
-__all__ = ["DottedPath", "dotted_paths", "bound_names", "static_verdict", "check_path", "preflight"]
+def build_user_classes(groups: Mapping[str, Optional[Mapping[str, Any]]], import_paths: Sequence[str]) -> None:
+    """``guard._target_`` / ``outer._target_`` with their ``args``: each class built once here, so a wrong keyword
+    or a constructor that raises is one ``config error:`` line before any process starts (in the coordinator it
+    would end the job without a result). Only groups that name a class are imported (a rare option: the cost of
+    importing the user's module, torch included, is paid only then). ``groups``: group -> its config (a mapping)."""
+    with importable_from(import_paths):
+        for group, node in groups.items():
+            target = (node or {}).get("_target_")
+            if not target:
+                continue
+            args = dict((node or {}).get("args") or {})
+            from hydra.utils import get_class
+
+            try:
+                obj = get_class(str(target))(**args)
+            except Exception as e:
+                cause = str(e).splitlines()[0] if str(e) else ""
+                raise ConfigError(f"config error: {group}._target_={target!r} with {group}.args={args!r} cannot be "
+                                  f"built: {type(e).__name__}: {cause}") from None
+            needed = "report" if group == "guard" else "step"
+            if not callable(getattr(obj, needed, None)):
+                raise ConfigError(f"config error: {group}._target_={target!r}: the object has no {needed}() method "
+                                  f"(see docs/concepts/{'guards' if group == 'guard' else 'outer'}.md)")
+
+
+__all__ = ["DottedPath", "dotted_paths", "bound_names", "static_verdict", "check_path", "preflight", "build_user_classes"]

@@ -80,3 +80,32 @@ def test_a_run_with_the_users_guard_trains_and_bundles_its_state(tmp_path: Path)
     assert metas, "no bundle written"
     meta = json.loads(metas[0].read_text())
     assert meta["guard_kind"] == ZOO and set(meta["guard_state"]) == {"last", "streak"}
+
+
+def test_a_user_class_that_cannot_be_built_is_one_config_error_line_before_anything_starts(tmp_path: Path) -> None:
+    from flodl_exp.preflight import build_user_classes
+
+    with pytest.raises(ConfigError) as e:
+        build_user_classes({"guard": {"_target_": ZOO, "args": {"patienc": 2}}}, [str(tmp_path)])
+    line = str(e.value)
+    assert line.startswith(f"config error: guard._target_='{ZOO}' with guard.args={{'patienc': 2}} cannot be built: "
+                           "TypeError:") and "\n" not in line
+    with pytest.raises(ConfigError, match=r"patience=0: at least 1"):
+        build_user_classes({"guard": {"_target_": ZOO, "args": {"patience": 0}}}, [str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"outer._target_='flodl_exp.zoo.guards.PatienceGuard': the object has no step"):
+        build_user_classes({"outer": {"_target_": ZOO}}, [str(tmp_path)])
+    build_user_classes({"guard": {"_target_": ZOO, "args": {"patience": 2}}, "outer": {"_target_": None}}, [str(tmp_path)])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_the_cli_refuses_a_guard_it_cannot_build_with_one_line_and_makes_nothing(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith(("MLFLOW_", "FLODL_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    res = subprocess.run([sys.executable, "-m", "flodl_exp", f"guard._target_={ZOO}", "+guard.args.patienc=2",
+                          "cluster.ranks_per_node=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [
+        f"config error: guard._target_='{ZOO}' with guard.args={{'patienc': 2}} cannot be built: TypeError: "
+        "PatienceGuard.__init__() got an unexpected keyword argument 'patienc'"]
+    assert not (tmp_path / "outputs").exists()

@@ -826,12 +826,14 @@ def launch(cfg: Any, *, root: Optional[str] = None, parent_run_id: Optional[str]
         raise ConfigError(old_torch)
     root = os.path.abspath(root or os.getcwd())
     import_paths = experiment_import_paths(root)  # the tasks add them (JobSpec.import_paths); here the checks below
-    from flodl_exp.preflight import importable_from, preflight
+    from flodl_exp.preflight import build_user_classes, importable_from, preflight
 
     # every _target_ and function path resolves as the tasks will resolve it: before any folder, run or process
     preflight(cast(dict[str, Any], OmegaConf.to_container(cfg.experiment, resolve=True)), import_paths, import_paths[0],
               hooks=cast(dict[str, Any], OmegaConf.to_container(cfg.hooks, resolve=True)) if "hooks" in cfg else None,
               others={"guard._target_": cfg.guard.get("_target_"), "outer._target_": cfg.outer.get("_target_")})
+    build_user_classes({g: cast(dict[str, Any], OmegaConf.to_container(cfg[g], resolve=True)) for g in ("guard", "outer")},
+                       import_paths)
     resume = None
     if cfg.checkpoint.resume_from:  # flodl_exp.checkpoint imports torch (~2 s): only when resuming
         from flodl_exp.checkpoint import validate_resume
