@@ -584,9 +584,9 @@ class OuterSpec:
 def outer_spec(cfg: Any) -> OuterSpec:
     """``outer`` as run: the kind's default lr and mu fill what the config leaves unset."""
     o = cfg.outer
-    target = o.get("_target_") if hasattr(o, "get") else getattr(o, "_target_", None)
+    target = getattr(o, "_target_", None)  # a DictConfig or the OuterConfig dataclass alike
     if target:
-        args = o.get("args") if hasattr(o, "get") else getattr(o, "args", None)
+        args = getattr(o, "args", None)
         if args is not None and not isinstance(args, dict):  # a DictConfig: plain values, so the spec stays plain
             from omegaconf import OmegaConf
 

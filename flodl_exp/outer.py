@@ -215,12 +215,9 @@ class UserOuterProtocol(Protocol):
 
 
 def _user_class(target: str) -> Any:
-    import importlib
+    from hydra.utils import get_class  # as for any _target_
 
-    module, _, name = target.rpartition(".")
-    if not module:
-        raise ValueError(f"outer._target_={target!r}: a dotted path module.Class")
-    return getattr(importlib.import_module(module), name)
+    return get_class(target)
 
 
 def resets_inner(spec: OuterSpec) -> bool:

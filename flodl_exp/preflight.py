@@ -382,18 +382,20 @@ def build_user_classes(groups: Mapping[str, Optional[Mapping[str, Any]]], import
             if not target:
                 continue
             args = dict((node or {}).get("args") or {})
-            from hydra.utils import get_class
+            try:  # the run's own builders: what the coordinator and the ranks will build, checked the same way
+                if group == "guard":
+                    from flodl_exp.policy.guards import build_user_guard
 
-            try:
-                obj = get_class(str(target))(**args)
+                    build_user_guard(str(target), args)
+                else:
+                    from flodl_exp.config import OuterSpec
+                    from flodl_exp.outer import make_outer
+
+                    make_outer(OuterSpec(target=str(target), args=tuple(sorted(args.items()))))
             except Exception as e:
                 cause = str(e).splitlines()[0] if str(e) else ""
                 raise ConfigError(f"config error: {group}._target_={target!r} with {group}.args={args!r} cannot be "
                                   f"built: {type(e).__name__}: {cause}") from None
-            needed = "report" if group == "guard" else "step"
-            if not callable(getattr(obj, needed, None)):
-                raise ConfigError(f"config error: {group}._target_={target!r}: the object has no {needed}() method "
-                                  f"(see docs/concepts/{'guards' if group == 'guard' else 'outer'}.md)")
 
 
 __all__ = ["DottedPath", "dotted_paths", "bound_names", "static_verdict", "check_path", "preflight", "build_user_classes"]

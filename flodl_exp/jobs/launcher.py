@@ -29,6 +29,7 @@ from flodl_exp.config import ConfigError, RunShape, mode_name, world_size
 from flodl_exp.config_rules import validate
 from flodl_exp.events import End, EventRecord
 from flodl_exp.hooks import HookCaller
+from flodl_exp.policy.controllers import guard_name
 
 
 class RunFailed(RuntimeError):
@@ -109,26 +110,18 @@ def _redact_config(resolved: dict[str, Any], uri: str) -> dict[str, Any]:
     return cast(dict[str, Any], walk(resolved))
 
 
-def _guard_label(g: Any, full: bool = False) -> str:
-    """The guard as run names and tags show it: its kind, or the user's class (its path in the tag)."""
-    target = g.get("_target_") if hasattr(g, "get") else getattr(g, "_target_", None)
-    if not target:
-        return str(g.kind)
-    return str(target) if full else str(target).rpartition(".")[2]
-
-
 def run_name(cfg: Any) -> str:
     spec = RunShape.of(cfg).outer
     outer = "" if not spec.stateful else f"/{spec.target.rpartition('.')[2] if spec.target else spec.kind}"
     mode = "auto" if getattr(cfg.mode, "auto", False) else mode_name(cfg)  # auto: the tag mode says what it chose
-    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode}/{_guard_label(cfg.guard)}{outer}"
+    return cfg.tracking.run_name or f"{cfg.experiment.name}/{mode}/{guard_name(cfg.guard).rpartition('.')[2]}{outer}"
 
 
 def _tags(cfg: Any, root: str) -> dict[str, str]:
     from flodl_exp.tracking import git_commit
 
     tags = {
-        "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": _guard_label(cfg.guard, full=True),
+        "mode": mode_name(cfg), "policy": cfg.mode.policy, "backend": cfg.mode.backend, "guard": guard_name(cfg.guard),
         "cluster": cfg.cluster.name, "world_size": str(world_size(cfg)), "experiment": cfg.experiment.name,
         "outer": RunShape.of(cfg).outer.describe(),
     }

@@ -347,15 +347,11 @@ class UserGuard(ConvergenceGuard):
 
 
 def build_user_guard(target: str, args: Optional[dict[str, Any]] = None) -> UserGuard:
-    """``guard._target_``: the class at the dotted path, built with ``args`` (the launcher's pre-flight checked the
-    path resolves; importing it is the only I/O, as for any ``_target_``)."""
-    import importlib
+    """``guard._target_``: the class at the dotted path (Hydra's ``get_class``, as for any ``_target_``), built with
+    ``args``; the launcher's pre-flight built it once already (preflight.build_user_classes)."""
+    from hydra.utils import get_class
 
-    module, _, name = target.rpartition(".")
-    if not module:
-        raise ValueError(f"guard._target_={target!r}: a dotted path module.Class")
-    cls = getattr(importlib.import_module(module), name)
-    return UserGuard(cls(**dict(args or {})), target)
+    return UserGuard(get_class(target)(**dict(args or {})), target)
 
 
 def build_guard(
