@@ -203,6 +203,10 @@ class SlurmConfig:
     """sbatch ``--constraint``: node features the job needs (``a100``, ``a100|h100``); unset = any node."""
     exclude: Optional[str] = None
     """sbatch ``--exclude``: nodes not to run on, a SLURM node list (``node[01-03]``); unset = none."""
+    no_kill: bool = True
+    """Keep the job and its step running when one of its nodes fails (``--no-kill`` to sbatch and to srun): the
+    survivors' fault rules decide (cluster.max_failure, recovery), as the reference's elastic design intends.
+    false = SLURM cancels the whole job at the first node failure (and requeues it where the site allows)."""
     srun_args: List[str] = field(default_factory=list)
     """Extra srun options. Empty by default: a dead rank is the fault rules' (cluster.max_failure, recovery), as
     locally; ``[--kill-on-bad-exit=1]`` ends the job at the first failed task (ShutdownWithSave, task_failed)."""

@@ -30,6 +30,8 @@ class HookCaller:
         self.errors: collections.Counter[str] = collections.Counter()
         """``"<Type>: <message>"`` -> how many calls raised it."""
         self._warn = warn
+        self.unavailable: Optional[str] = None
+        """Why the hook could not be loaded in this process (it is then never called), or None."""
 
     def __call__(self, epoch: int, metrics: Mapping[str, float]) -> bool:
         """Call the hook; False when it raised (the run goes on, and the next call is made as usual)."""
@@ -50,6 +52,8 @@ class HookCaller:
 
     def close(self) -> None:
         """The run ended: each error's count, once."""
+        if self.unavailable is not None:
+            self._warn(f"{self.name} was never called this run: {self.unavailable}")
         for key, n in self.errors.items():
             self._warn(f"{self.name} raised {key} {n} time{'s' if n != 1 else ''} in {self.calls} calls this run")
 
@@ -71,9 +75,23 @@ class RunHooks:
         self.evals = HookCaller("eval_result_fn", eval_result_fn)
 
     @classmethod
-    def of(cls, hooks: object) -> RunHooks:
-        """From the config's ``hooks`` group (``HooksConfig``)."""
-        return cls(load_hook(getattr(hooks, "metrics_fn", None)), load_hook(getattr(hooks, "eval_result_fn", None)))
+    def of(cls, hooks: object, where: str = "the coordinator's job") -> RunHooks:
+        """From the config's ``hooks`` group (``HooksConfig``).
+
+        The launcher's pre-flight resolved each path where it launched; on a cluster ``where`` (another node, its
+        own environment) may still fail to import it. A reporting hook is not worth the run: the error is logged
+        once, naming the key and the path, the run goes on without that hook, and the run's end says so again."""
+        run = cls()
+        for caller, key in ((run.metrics, "metrics_fn"), (run.evals, "eval_result_fn")):
+            path = getattr(hooks, key, None)
+            try:
+                caller.fn = load_hook(path)
+            except Exception as e:  # ImportError, AttributeError, a module that raises at import
+                cause = e.__cause__ or e  # Hydra wraps the import's own error in a multi-line one
+                why = " ".join(f"{type(cause).__name__}: {cause}".split())
+                caller.unavailable = f"hooks.{key}={path!r} cannot be loaded in {where}: {why}"
+                caller._warn(f"{caller.unavailable}; the run goes on without it")
+        return run
 
     def on_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
         self.metrics(epoch, metrics)

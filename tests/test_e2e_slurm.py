@@ -54,6 +54,18 @@ def test_sbatch_script_maps_the_cluster_config():
     assert "--kill-on-bad-exit=1" in killing
 
 
+def test_no_kill_goes_to_sbatch_and_srun_by_default():
+    """A failed node leaves the job running (tests/test_e2e_slurm_multinode.py shows why both need it)."""
+    text = _sbatch_text()
+    srun = next(x for x in text.splitlines() if x.startswith("srun "))
+    assert "#SBATCH --no-kill" in text and " --no-kill " in srun
+    off = _sbatch_text("cluster.slurm.no_kill=false")
+    assert "--no-kill" not in off
+    mine = _sbatch_text("cluster.slurm.srun_args=['-k','--kill-on-bad-exit=1']")
+    srun = next(x for x in mine.splitlines() if x.startswith("srun "))
+    assert "--no-kill" not in srun and " -k " in srun and "#SBATCH --no-kill" in mine  # the user's spelling, once
+
+
 def test_sbatch_script_small_limits_and_no_gpus():
     text = _sbatch_text("cluster.slurm.time_min=1")
     assert "#SBATCH --signal=USR2@15" in text  # the 90 s default would fire at once under a 1-minute limit

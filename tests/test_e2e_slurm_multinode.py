@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -36,12 +37,12 @@ UP_TIMEOUT_S = 540  # cold: apt-get install (~15-30 s) + bring-up (~4 s)
 NODE0, NODE1 = "flodl2-n0", "flodl2-n1"
 
 
-def _script(name: str, timeout: float) -> tuple[int, str, float]:
-    """tests/slurm/<name> --nodes 2 <dir>; output to a file, not a pipe: the daemons must not hold it open."""
+def _script(name: str, timeout: float, *extra: str) -> tuple[int, str, float]:
+    """tests/slurm/<name> --nodes 2 <dir> [extra]; output to a file, not a pipe: the daemons must not hold it open."""
     t0 = time.monotonic()
     with tempfile.TemporaryFile(mode="w+") as out:
         try:
-            rc = subprocess.run(["bash", str(ROOT / "tests" / "slurm" / name), "--nodes", "2", str(STATE_DIR)],
+            rc = subprocess.run(["bash", str(ROOT / "tests" / "slurm" / name), "--nodes", "2", str(STATE_DIR), *extra],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
@@ -262,6 +263,62 @@ def test_losing_a_node_saves_a_bundle_that_resumes(cluster, store):
     _assert_two_nodes(job2, cluster)
 
 
+def _node_state(node: str) -> str:
+    """slurmctld's state of ``node`` (``idle``, ``mixed``, ``down*``, ...)."""
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True, timeout=20).stdout.strip()
+
+
+def _job_state(job_id: str) -> tuple[str, str]:
+    """(state, node list) of a job in squeue, ("", "") once it left."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %N"], capture_output=True, text=True, timeout=20).stdout.split()
+    return (out[0], out[1] if len(out) > 1 else "") if out else ("", "")
+
+
+@pytest.mark.timeout(480)
+def test_a_failed_node_leaves_the_job_to_the_fault_rules(cluster, store):
+    """A node failure as SLURM sees one, with the default ``cluster.slurm.no_kill`` (``--no-kill`` to sbatch and
+    srun): tests/slurm/fail_node.sh takes node 1's link down and SIGKILLs everything in it (slurmd, slurmstepd,
+    ranks 2 and 3), as a power loss. While the survivors still wait at their gate, slurmctld marks node 1 DOWN
+    on its own (its slurmd silent for SlurmdTimeout) and the job stays RUNNING, shrunk to node 0, with ranks 0
+    and 1 alive: without ``--no-kill`` slurmctld cancels the whole job at that moment (NODE_FAIL), and with it
+    on sbatch only srun still force-terminates the step (both measured, jobs/executor.py). Then the gate opens
+    and the fault rules recover as after a process kill: the two silent ranks are declared dead (no heartbeat),
+    the survivors regroup and finish. The node is brought back afterwards (up.sh)."""
+    args = _overrides(store, "mode=nccl_cadence", "cluster.heartbeat_timeout_s=10")
+    held: dict[str, object] = {}
+
+    def fail_node1(victims: list[int]) -> None:
+        rc, out, _ = _script("fail_node.sh", 60, NODE1)
+        assert rc == 0, f"fail_node.sh {NODE1} (rc={rc}):\n{out}"
+
+    def slurm_keeps_the_job(job_id: str, joined: dict[int, dict]) -> None:
+        _wait_for(lambda: _node_state(NODE1).startswith("down"), 150, f"slurmctld to mark {NODE1} DOWN", every=1.0)
+        # the node is DOWN and its tasks gone; the job is not cancelled: it keeps running on node 0
+        _wait_for(lambda: _job_state(job_id) == ("RUNNING", NODE0), 60, f"job {job_id} to run on {NODE0} alone")
+        held["survivors_alive"] = all(alive(joined[r]["pid"]) for r in (0, 1))
+        held["node1"] = _node_state(NODE1)
+
+    try:
+        rc, text, job, victims = _run_and_lose_node1(store, args, "node_fail", lose=fail_node1,
+                                                     while_gated=slurm_keeps_the_job)
+        assert held["survivors_alive"] is True, held
+        assert str(held["node1"]).startswith("down"), held
+        script = next((job / "submitit").glob("*_submission.sh")).read_text()
+        assert "#SBATCH --no-kill" in script and " --no-kill " in next(x for x in script.splitlines() if x.startswith("srun "))
+        assert rc == 0, f"exit {rc}\n{text[-4000:]}"
+        res = read_result(job)
+        assert res["status"] == "FINISHED" and sorted(d["rank"] for d in res["deaths"]) == [2, 3], res.get("deaths")
+        assert all("heartbeat" in d["reason"] for d in res["deaths"]), res["deaths"]
+        assert res["regroups"] >= 1 and res["final_eval"]["eval/accuracy"] >= 0.90
+        assert sorted(int(r) for r in res["finals"]) == [0, 1] and len({f["hash"] for f in res["finals"].values()}) == 1
+        run = MlflowClient(store["uri"]).get_run(run_id_of(text))
+        assert run.info.status == "FINISHED" and run.data.metrics["alive_ranks"] == 2
+    finally:  # node 1 back for whatever runs next (up.sh restarts its slurmd; ReturnToService=2 resumes it)
+        rc_up, out_up, _ = _script("up.sh", UP_TIMEOUT_S)
+        assert rc_up == 0, f"up.sh could not bring {NODE1} back (rc={rc_up}):\n{out_up[-3000:]}"
+        _wait_for(lambda: _node_state(NODE1) in ("idle", "mixed", "allocated"), 60, f"{NODE1} back in service")
+
+
 def _job_dir_in(path: Path):
     try:
         return job_dir_of(path.read_text())
@@ -276,9 +333,18 @@ def _job_id_in(path: Path):
         return None
 
 
-def _run_and_lose_node1(store: dict, args: list[str], name: str) -> tuple[int, str, Path, list[int]]:
+def _kill_ranks(victims: list[int]) -> None:
+    """The rank processes only: SLURM's node stays up (its slurmd answers), the fault rules see two deaths."""
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _run_and_lose_node1(store: dict, args: list[str], name: str, lose: Callable[[list[int]], None] = _kill_ranks,
+                        while_gated: Optional[Callable[[str, dict[int, dict]], None]] = None) -> tuple[int, str, Path, list[int]]:
     """Run the CLI (run.wait=true) in the background with every rank gated at its first batch; once all four
-    wait there, SIGKILL the rank processes of node 1 and open the gate. Returns (exit code, output, job, pids)."""
+    wait there, lose node 1 (``lose(pids of ranks 2 and 3)``: by default SIGKILL those rank processes), call
+    ``while_gated(job id, joined events)`` while the survivors still wait, then open the gate.
+    Returns (exit code, output, job, the lost ranks' pids)."""
     gate = Path(store["dir"]) / f"mn_{name}.gate"
     fault = ",".join(f"{r}:1:gate:{gate}" for r in range(4))
     out_path = Path(store["dir"]) / f"mn_{name}.out"
@@ -308,8 +374,9 @@ def _run_and_lose_node1(store: dict, args: list[str], name: str) -> tuple[int, s
                 assert all(_netns_inode(p) == node1_ns for p in victims), "node 1's rank processes live in its namespace"
                 assert _netns_inode(joined[0]["pid"]) != node1_ns
                 t_kill = time.monotonic()
-                for pid in victims:
-                    os.kill(pid, signal.SIGKILL)
+                lose(victims)
+                if while_gated is not None:
+                    while_gated(job_id, joined)
             finally:
                 gate.touch()
             rc = proc.wait(timeout=240)

@@ -53,6 +53,22 @@ def test_a_hook_path_resolves_to_its_function() -> None:
     assert callable(fn) and load_hook(None) is None and load_hook("") is None
 
 
+def test_a_hook_the_coordinators_node_cannot_import_is_logged_and_the_run_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """The pre-flight resolved the path where the user launched; another node's environment may not have it."""
+    from types import SimpleNamespace
+
+    caplog.set_level("WARNING", logger="flodl_exp.hooks")
+    hooks = RunHooks.of(SimpleNamespace(metrics_fn="no_such_module_here.on_epoch",
+                                        eval_result_fn="flodl_exp.zoo.hooks.print_eval"))
+    assert hooks.metrics.fn is None and hooks.evals.fn is not None
+    first = [r.getMessage() for r in caplog.records if r.name == "flodl_exp.hooks"]
+    assert first == ["hooks.metrics_fn='no_such_module_here.on_epoch' cannot be loaded in the coordinator's job: "
+                     "ModuleNotFoundError: No module named 'no_such_module_here'; the run goes on without it"]
+    hooks.on_epoch(0, {"loss": 1.0})  # nothing to call, nothing raised
+    hooks.close()
+    assert caplog.records[-1].getMessage().startswith("metrics_fn was never called this run: hooks.metrics_fn=")
+
+
 def test_a_misspelt_hook_path_is_one_config_error_line_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         preflight({}, [str(tmp_path)], str(tmp_path), hooks={"metrics_fn": "flodl_exp.zoo.hooks.print_metrix"})

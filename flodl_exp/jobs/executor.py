@@ -10,6 +10,10 @@ SLURM specifics (checked on a real slurmctld/slurmd/slurmdbd, see tests/test_e2e
   scales down with ``time_min``: ``min(90, max(15, time_min * 60 // 4))``. Override with
   ``cluster.slurm.additional_parameters={signal: "USR2@300"}`` (raw sbatch value).
 * ``--gpus-per-node`` only when GPUs are asked for: some sites refuse the flag without GRES.
+* ``--no-kill`` to sbatch *and* srun (``cluster.slurm.no_kill``, default on). Measured on the two-node test
+  cluster (tests/test_e2e_slurm_multinode.py) when a node's slurmd stops: without it slurmctld cancels the
+  job (NODE_FAIL) and every task dies; with it on sbatch only, the allocation shrinks but srun still
+  force-terminates the step, the surviving node's tasks included; with it on both, the survivors run on.
 """
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ from flodl_exp.constants import NODE_DEVICES_ENV
 
 MAX_REQUEUES = 3
 """How many time-limit requeues a job may take (submitit's ``max_num_timeout``)."""
+
+
+NO_KILL_SRUN_ARGS = ("--no-kill", "-k")
+"""srun spellings of ``--no-kill`` (one given in ``srun_args`` is not added twice)."""
 
 
 def signal_delay_s(time_min: int) -> int:
@@ -43,6 +51,10 @@ def slurm_parameters(cluster: Any, job_name: str) -> dict[str, Any]:
         srun_args=[str(a) for a in s.srun_args], setup=[str(c) for c in s.setup],
         additional_parameters={str(k): v for k, v in dict(extra or {}).items()},
     )
+    if bool(s.no_kill):
+        params["additional_parameters"].setdefault("no_kill", True)
+        if not any(a in NO_KILL_SRUN_ARGS or a.startswith("--no-kill=") for a in params["srun_args"]):
+            params["srun_args"].insert(0, "--no-kill")
     if int(s.gpus_per_node) > 0:
         params["gpus_per_node"] = int(s.gpus_per_node)
     if s.mem_gb is not None:

@@ -42,6 +42,7 @@ DB_PORT="${FLODL_SLURM_DB_PORT:-$((3307 + _port_base / 10))}"
 NODE_CPUS="${FLODL_SLURM_CPUS:-4}"
 NODE_MEM_MB="${FLODL_SLURM_MEM_MB:-8000}"
 CRED_EXPIRE="${FLODL_SLURM_CRED_EXPIRE:-10}"  # also the delay before a requeued job restarts
+SLURMD_TIMEOUT="${FLODL_SLURM_SLURMD_TIMEOUT:-20}"  # s without a slurmd answer before its node is DOWN
 
 # Several nodes: names (node name = namespace name = host name inside it), the bridge, addresses.
 # Interface names stay under 15 characters: the cluster name is at most 8.

@@ -214,6 +214,9 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=5
+# A node whose slurmd stops answering is DOWN after this (default 300 s): the node-failure test
+# (test_e2e_slurm_multinode) stops a node's slurmd and waits for SLURM to notice.
+SlurmdTimeout=$SLURMD_TIMEOUT
 MinJobAge=3600
 MailProg=/bin/true
 StateSaveLocation=$D/state
