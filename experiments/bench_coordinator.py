@@ -1,6 +1,7 @@
 """Coordinator load test (issue 19, part 3): a real coordinator process and N simulated ranks on loopback.
 
 ``python experiments/bench_coordinator.py [--quick] [--sizes 8,64,256,1024] [--reps 3]``
+``python experiments/bench_coordinator.py --pace 20 --seconds 60 --sizes 1024`` (paced load, issue 52)
 
 The coordinator is started as the job's task 0 starts it (``flodl_exp.coordinator.main`` on a job folder with a
 ``spec.json``: ``mode=cpu_cadence``, one epoch, an MLflow run in a scratch sqlite store), inside a thin wrapper
@@ -45,6 +46,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -52,6 +54,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 STATS_ENV = "FLODL_BENCH_STATS"
 TURN_SAMPLES = 400_000
+DEFAULT_TIMEOUT_S = 240.0
+"""A run's bound (the simulated ranks' deadline) when it is not paced."""
+PACED_SECONDS = 60.0
+"""``--pace`` without ``--seconds``: the issue's 60 s."""
 
 
 def _time_reduce_phases(st: dict[str, Any]) -> Any:
@@ -147,6 +153,18 @@ def coordinator_entry(argv: list[str]) -> None:
     AveragingCycle.trigger = timed_trigger  # type: ignore[method-assign]
     AveragingCycle.try_finish = timed_finish  # type: ignore[method-assign]
     finish_prof = _time_reduce_phases(st)
+    import gc
+
+    gc_t0: list[float] = [0.0]
+    st["gc"] = []  # [generation, ms, monotonic end] of each collection: a pause every thread of the process takes
+
+    def gc_timer(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_t0[0] = clock()
+        elif info.get("generation", 0) >= 1:
+            st["gc"].append([info["generation"], (clock() - gc_t0[0]) * 1e3, mono()])
+
+    gc.callbacks.append(gc_timer)
     code = cmain.main(argv)
     if finish_prof is not None:
         finish_prof.dump_stats(os.environ["BENCH_FINISH_PROFILE"])
@@ -213,7 +231,11 @@ class SimProcess:
             wire.client_handshake(conn, rdv["token"], hello.to_dict(), timeout=60)
             conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
             pacer = BatchReportPacer(_sender(conn, encode), coalesce_ms / 1e3)
-            sim = SimRank(r, conn, ms=10.0 if r % 4 else 14.0, pacer=pacer)  # a little heterogeneity for ElChe
+            # Unpaced: a little heterogeneity for ElChe. Paced: every rank reports the time its pace gives it, so
+            # ElChe's counts match what the ranks do (reporting 10 and 14 ms at one pace made a quarter of the
+            # ranks finish each window early and wait: 78 s for a 60 s load at N=1,024).
+            ms = 1e3 / rate if rate > 0 else (10.0 if r % 4 else 14.0)
+            sim = SimRank(r, conn, ms=ms, pacer=pacer)
             self.sims.append(sim)
             self.sel.register(conn.sock, selectors.EVENT_READ, sim)
         out.update(handshaken=len(self.sims), batches=0, metrics=0, snapshots=0, updates=0, rp=[], windows=[],
@@ -437,9 +459,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: float = 240.0,
+def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: float = DEFAULT_TIMEOUT_S,
              batch_size: int = 8, workdir: Optional[str] = None, profile: Optional[str] = None,
-             keep: bool = False, coalesce_ms: float = 50.0) -> dict[str, Any]:
+             keep: bool = False, coalesce_ms: float = 50.0, profile_s: float = 8.0) -> dict[str, Any]:
     """One coordinator and ``n`` simulated ranks until the run ends (or ``timeout_s``); the measurements."""
     raise_nofile(n + 256)
     from flodl_exp import tracking
@@ -498,7 +520,7 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
                 samples.append(s)
             if profile and prof is None and samples and len(samples) > 4 and _first_batch_seen(job):
                 prof = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-o", profile,
-                                         "--pid", str(coord.pid), "-d", "8", "-r", "50", "--nonblocking", "--threads",
+                                         "--pid", str(coord.pid), "-d", str(int(max(1, profile_s))), "-r", "50", "--nonblocking", "--threads",
                                          *(["--format", "raw"] if profile.endswith(".txt") else [])],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 started.append(prof)
@@ -683,6 +705,52 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """How hard and how long each run drives the coordinator: as fast as it goes for a number of batches, or paced
+    (every rank at ``rate`` batches/s for ``seconds``). Pure: unit-tested."""
+
+    rate: float
+    seconds: Optional[float]
+    min_batches: int
+
+    def batches(self, n: int) -> int:
+        """Timing messages of a run of ``n`` ranks (paced: n x rate x seconds; at least 20 per rank either way)."""
+        if self.seconds is not None:
+            return max(20 * n, int(round(n * self.rate * self.seconds)))
+        return max(self.min_batches, 20 * n)
+
+    @property
+    def timeout_s(self) -> float:
+        """The run's bound: paced, twice its length plus start-up and the run's end (it stops by itself before)."""
+        return DEFAULT_TIMEOUT_S if self.seconds is None else max(DEFAULT_TIMEOUT_S, 2 * self.seconds + 60)
+
+
+def load_plan(pace: Optional[float], seconds: Optional[float], rate: float, batches: int) -> LoadPlan:
+    """The command line's load: ``--pace R [--seconds S]`` or ``--rate``/``--batches``."""
+    if pace is None:
+        if seconds is not None:
+            raise SystemExit("--seconds needs --pace (a paced run's length)")
+        return LoadPlan(rate=rate, seconds=None, min_batches=batches)
+    if pace <= 0:
+        raise SystemExit(f"--pace {pace}: batches per rank and second, > 0")
+    s = PACED_SECONDS if seconds is None else seconds
+    if s <= 0:
+        raise SystemExit(f"--seconds {s}: > 0")
+    return LoadPlan(rate=pace, seconds=s, min_batches=batches)
+
+
+def paced_line(row: dict[str, Any]) -> str:
+    """The issue's summary of one size (medians over the runs): the trigger's p99, the coordinator's CPU (% of one
+    core), a reduce from its trigger to the last update sent, and the coordinator's peak RSS."""
+    def f(key: str, fmt: str) -> str:
+        v = row.get(key, float("nan"))
+        return "nan" if v != v else fmt.format(v)
+
+    return (f"paced N={row['n']}: trigger p99 {f('trig_p99_ms', '{:.1f}')} ms, coordinator cpu {f('cpu_pct', '{:.0f}')} %, "
+            f"reduce {f('reduce_sent_ms', '{:.0f}')} ms, rss {f('rss_mb', '{:.0f}')} MB")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--coordinator", action="store_true", help=argparse.SUPPRESS)
@@ -690,7 +758,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rdv", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--seconds", type=float, default=240.0, help=argparse.SUPPRESS)
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="with --pace: how long each run trains, s (default 60); the run stops by itself then")
     ap.add_argument("--max-batches", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--go", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="N = 8 and 64 only")
@@ -699,6 +768,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batches", type=int, default=60_000, help="timing messages per run (at least 20 per rank)")
     ap.add_argument("--procs", type=int, default=4, help="processes driving the simulated ranks")
     ap.add_argument("--rate", type=float, default=0.0, help="batches per rank and second (0 = as fast as possible)")
+    ap.add_argument("--pace", type=float, default=None,
+                    help="paced load (issue 52): every rank at this many batches/s for --seconds; each run has "
+                         "N x pace x seconds batches, and the output ends with one 'paced N=...' line per size")
     ap.add_argument("--coalesce-ms", type=float, default=50.0,
                     help="cluster.report_coalesce_ms of the run and its simulated ranks (0 = a frame per batch)")
     ap.add_argument("--profile", default=None, help="py-spy flame graph of the coordinator (first run of the largest size)")
@@ -709,16 +781,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         coordinator_entry([sys.argv[0], *rest])
         return 0
     if args.sim:
+        if args.seconds is None:
+            args.seconds = DEFAULT_TIMEOUT_S
         sim_entry(args)
         return 0
     sizes = [8, 64] if args.quick else [int(s) for s in args.sizes.split(",")]
+    plan = load_plan(args.pace, args.seconds, args.rate, args.batches)
     rows, every = [], []
     for n in sizes:
         runs = []
         for i in range(args.reps):
             prof = args.profile if (args.profile and n == max(sizes) and i == 0) else None
-            r = run_once(n, batches=max(args.batches, 20 * n), procs=args.procs, rate=args.rate, profile=prof,
-                         workdir=args.keep, coalesce_ms=args.coalesce_ms)
+            r = run_once(n, batches=plan.batches(n), procs=args.procs, rate=plan.rate, profile=prof,
+                         workdir=args.keep, coalesce_ms=args.coalesce_ms, timeout_s=plan.timeout_s,
+                         profile_s=plan.seconds or 8.0)
             print(f"N={n} run {i + 1}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                       for k, v in r.items()), flush=True)
             if r["errors"] or r["status"] != "FINISHED" or r["absorbed"] != r["sent"]:
@@ -728,6 +804,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append(median_row(runs))
     print()
     print(table(rows))
+    if args.pace is not None:
+        print()
+        for row in rows:
+            print(paced_line(row))
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": every, "rows": rows}, indent=1))
     return 0

@@ -86,3 +86,50 @@ def test_bench_at_8_ranks_handshakes_absorbs_every_batch_and_reduces(tmp_path):
     assert r["sent"] == 800 and r["absorbed"] == r["sent"]  # every timing message reached the coordinator's ledger
     assert r["reduces"] >= 1 and r["snapshots"] >= 8 * r["reduces"] - 8 and r["updates"] >= 8
     assert r["turn_p50_ms"] == r["turn_p50_ms"] and r["trig_p50_ms"] == r["trig_p50_ms"]  # measured (not NaN)
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        from experiments import bench_coordinator as bench
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    return bench
+
+
+def test_a_paced_plan_sizes_each_run_by_ranks_pace_and_seconds():
+    bench = _bench()
+    plan = bench.load_plan(20.0, None, 0.0, 60_000)
+    assert plan.rate == 20.0 and plan.seconds == bench.PACED_SECONDS
+    assert plan.batches(1024) == 1024 * 20 * 60 and plan.batches(8) == 8 * 20 * 60
+    assert plan.timeout_s >= 2 * 60  # bounded: the run stops by itself well before
+    assert bench.load_plan(0.5, 10.0, 0.0, 0).batches(8) == 8 * 20  # at least 20 per rank
+    unpaced = bench.load_plan(None, None, 5.0, 60_000)
+    assert unpaced.rate == 5.0 and unpaced.batches(8) == 60_000 and unpaced.timeout_s == bench.DEFAULT_TIMEOUT_S
+    for bad in ((0.0, None), (-1.0, None), (20.0, 0.0)):
+        with pytest.raises(SystemExit):
+            bench.load_plan(bad[0], bad[1], 0.0, 0)
+    with pytest.raises(SystemExit):
+        bench.load_plan(None, 60.0, 0.0, 0)  # --seconds without --pace
+
+
+def test_the_paced_line_has_the_issues_form():
+    bench = _bench()
+    row = {"n": 1024, "trig_p99_ms": 41.26, "cpu_pct": 87.4, "reduce_sent_ms": 512.3, "rss_mb": 301.2}
+    assert bench.paced_line(row) == "paced N=1024: trigger p99 41.3 ms, coordinator cpu 87 %, reduce 512 ms, rss 301 MB"
+    assert "trigger p99 nan ms" in bench.paced_line({**row, "trig_p99_ms": float("nan")})
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_paced_run_holds_every_rank_to_its_pace(tmp_path):
+    """8 ranks at 20 batches/s for 3 s: every batch arrives, and the run cannot end sooner than the pace allows
+    (a lower bound: a faster machine cannot flip it)."""
+    bench = _bench()
+    plan = bench.load_plan(20.0, 3.0, 0.0, 0)
+    r = bench.run_once(8, batches=plan.batches(8), procs=2, rate=plan.rate, timeout_s=plan.timeout_s,
+                       workdir=str(tmp_path))
+    assert r["errors"] == [] and r["status"] == "FINISHED", r
+    assert r["sent"] == 8 * 60 and r["absorbed"] == r["sent"]
+    assert r["span_s"] >= (60 - 1) / 20.0 * 0.95, r["span_s"]  # 60 batches per rank, one each 50 ms
+    assert bench.paced_line(bench.median_row([r])).startswith("paced N=8: trigger p99 ")

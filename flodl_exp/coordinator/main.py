@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     else:
         sink = start_sink(spec.tracking_uri, spec.run_id, spec.job_dir, spec.import_paths)
     sink = RecordTap(sink)  # what the run's prediction reads, kept as logged (coordinator/prediction.py)
-    co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected)
+    co = Coordinator(spec, server, events, sink, job_dir, rejected=lambda: server.rejected, owns_process=True)
     signals.attach(co)
     if os.environ.get("SLURM_JOB_ID"):
         sink.set_tags({"slurm_job_id": os.environ["SLURM_JOB_ID"], "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),

@@ -9,7 +9,7 @@ simulator's) hand payloads over one by one."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Optional, Protocol
 
 from flodl_exp.core.cohort import Cohort
@@ -64,9 +64,12 @@ class WireOutbox:
             return self._hold(held, r, payload)
         return self._transport.send(r, self._encode(payload))
 
-    def broadcast(self, payload: Payload) -> None:
+    def broadcast(self, payload: Payload, among: Optional[Callable[[int], bool]] = None) -> None:
+        """``payload`` to every live rank (``among``: those it accepts), encoded once."""
         msg = encode(payload)
         for r in self._cohort.alive_ranks():
+            if among is not None and not among(r):
+                continue
             if self._held is not None and r in self._held:
                 self._held[r].append(payload)  # behind the rank's held update, in order
             else:

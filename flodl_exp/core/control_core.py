@@ -32,6 +32,7 @@ feed a scripted sequence (tests/test_control_core.py).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -121,6 +122,12 @@ log = logging.getLogger("flodl_exp.coordinator")
 
 _GATE_FOR = {Phase.TRAINING: Gate.OPEN, Phase.CHECKPOINTING: Gate.HOLD_EPOCH}
 
+LIVENESS_CHECK_S = 0.25
+"""How often the tick scans the ranks for a stale heartbeat or a stuck main thread. Their timeouts are seconds
+(``cluster.heartbeat_timeout_s`` 30, ``progress_timeout_s`` 600 by default); a scan on every turn of the loop was
+a fifth of the coordinator's main-thread time at 1,024 paced ranks (experiments/bench_coordinator.py --pace,
+py-spy)."""
+
 
 @dataclass(frozen=True)
 class RunFacts:
@@ -166,6 +173,7 @@ class ControlCore:
         silent for ``cluster.heartbeat_timeout_s`` is dead, and one whose steps stopped while it trains is
         evicted (``cluster.progress_timeout_s``)."""
         self._hb_timeout = float(cfg.cluster.heartbeat_timeout_s)
+        self._next_liveness_check = -math.inf
         self.progress = ProgressWatch(cfg.cluster.progress_timeout_s)
         self.cohort = Cohort(w, shape.fixed_callback_rank, start, wall_clock)
         self.outbox: Outbox = (outbox_for(self.cohort) if outbox_for is not None
@@ -429,7 +437,8 @@ class ControlCore:
         the stall ceiling, then in the training phases the epoch role, the throttle (5), the reduce gate (8),
         aggregation (10) and the end of training (11)."""
         now = self.clock() if now is None else now
-        if self._watch_liveness:
+        if self._watch_liveness and now >= self._next_liveness_check:
+            self._next_liveness_check = now + LIVENESS_CHECK_S
             self._check_liveness(now)                         # 3. dead and stuck ranks, before any gate
         self.faults.tick(now)                                 # 4. regroup retries (a silent generator)
         self.preemption.tick()                                #    signals (SLURM, time limit)
