@@ -20,6 +20,9 @@ Measured per run, then the median over ``--reps`` runs:
 * ``trig p50/p99``: for each reduce, the coordinator's trigger time minus the send time of the last
   batch (or chunk metrics) any rank sent before it (the last rank reaching its count); one clock
   (CLOCK_MONOTONIC) across processes;
+* ``queue p99``: how long rank messages waited between the read thread's hand-off and the main thread's
+  handling (``trig_queue_ms`` in the per-run line: that wait for the last message handled before each trigger,
+  the part of a late trigger that is the coordinator's backlog);
 * ``cpu%`` (of one core) and peak ``rss``: from ``/proc/<pid>/stat`` and ``/statm`` of the coordinator
   over its busy span; ``cpu us/batch``: the coordinator's CPU time over that span per timing message
   (everything it did: reduces, plans, beacons included), a figure that holds on a shared machine where
@@ -99,6 +102,42 @@ def _time_reduce_phases(st: dict[str, Any]) -> Any:
 
 
 # ------------------------------------------------------------------ the coordinator, timed
+def _time_gc(st: dict[str, Any]) -> None:
+    """Record each collection of generation 1 or 2 (``st["gc"]``: [generation, ms, monotonic end]): a pause every
+    thread of the coordinator takes together."""
+    import gc
+
+    t0: list[float] = [0.0]
+    st["gc"] = []
+
+    def gc_timer(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            t0[0] = time.perf_counter()
+        elif info.get("generation", 0) >= 1:
+            st["gc"].append([info["generation"], (time.perf_counter() - t0[0]) * 1e3, time.monotonic()])
+
+    gc.callbacks.append(gc_timer)
+
+
+def _stamp_rank_messages() -> None:
+    """The rank server's read thread stamps each rank message it queues (a 4th element, the monotonic time; the
+    coordinator reads the first three): how long it waited for the main thread is then known."""
+    from flodl_exp.coordinator.server import RankServer
+
+    server_init = RankServer.__init__
+
+    def stamping_init(self: RankServer, host: str, token: str, world_size: int, events: Any, *a: Any, **k: Any) -> None:
+        put = events.put  # wrapped before the read thread starts (it binds events.put once)
+
+        def stamped(item: Any, *pa: Any, **pk: Any) -> None:
+            put((*item, time.monotonic()) if item and item[0] == "msg" else item, *pa, **pk)
+
+        events.put = stamped
+        server_init(self, host, token, world_size, events, *a, **k)
+
+    RankServer.__init__ = stamping_init  # type: ignore[method-assign]
+
+
 def coordinator_entry(argv: list[str]) -> None:
     """``--coordinator <spec.json> <host>``: flodl_exp.coordinator.main with timers on the loop (writes $FLODL_BENCH_STATS)."""
     import array
@@ -114,8 +153,16 @@ def coordinator_entry(argv: list[str]) -> None:
     busy = [0.0]
     on_event, tick, on_batch, trigger = Coordinator.on_event, Coordinator.tick, ControlCore.on_batch, AveragingCycle.trigger
 
+    _stamp_rank_messages()
+    qdelay = array.array("d")  # each rank message: read thread's put -> main thread's handling (s)
+    qdelay_t = array.array("d")
+
     def timed_event(self: Coordinator, ev: Any) -> None:
         t0 = clock()
+        if len(ev) > 3 and len(qdelay) < 4 * TURN_SAMPLES:
+            now = mono()
+            qdelay.append(now - ev[3])
+            qdelay_t.append(now)
         on_event(self, ev)
         busy[0] += clock() - t0
         st["events"] += 1
@@ -153,22 +200,17 @@ def coordinator_entry(argv: list[str]) -> None:
     AveragingCycle.trigger = timed_trigger  # type: ignore[method-assign]
     AveragingCycle.try_finish = timed_finish  # type: ignore[method-assign]
     finish_prof = _time_reduce_phases(st)
-    import gc
-
-    gc_t0: list[float] = [0.0]
-    st["gc"] = []  # [generation, ms, monotonic end] of each collection: a pause every thread of the process takes
-
-    def gc_timer(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            gc_t0[0] = clock()
-        elif info.get("generation", 0) >= 1:
-            st["gc"].append([info["generation"], (clock() - gc_t0[0]) * 1e3, mono()])
-
-    gc.callbacks.append(gc_timer)
+    _time_gc(st)
     code = cmain.main(argv)
     if finish_prof is not None:
         finish_prof.dump_stats(os.environ["BENCH_FINISH_PROFILE"])
     st["turns"] = sorted(turns)
+    # the queue delay of the last rank message handled before each trigger, and over the run
+    import bisect
+
+    st["trigger_qdelay_ms"] = [qdelay[i - 1] * 1e3 if (i := bisect.bisect_right(qdelay_t, t)) > 0 else None
+                               for _, t, _ in st["triggers"]]
+    st["qdelay_ms"] = sorted(x * 1e3 for x in qdelay)[:: max(1, len(qdelay) // 100_000)]
     with open(os.environ[STATS_ENV], "w") as fh:
         json.dump(st, fh)
     sys.stdout.flush()
@@ -617,6 +659,9 @@ def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples
         "trig_p50_ms": _pct(trig_ms, 0.50),
         "trig_p99_ms": _pct(trig_ms, 0.99),
         "trig_each_ms": trig_each,
+        "trig_queue_ms": [None if x is None else round(x, 1) for x in stats.get("trigger_qdelay_ms", [])],
+        "queue_p50_ms": _pct(stats.get("qdelay_ms", []), 0.50),
+        "queue_p99_ms": _pct(stats.get("qdelay_ms", []), 0.99),
         "cpu_pct": cpu,
         "rss_mb": max((x[2] for x in samples), default=0) / 2**20,
         "cpu_us_per_batch": (cpu / 100 * span * 1e6 / stats["batches"]) if stats.get("batches") else float("nan"),
@@ -673,7 +718,7 @@ def _reduce_phases(stats: dict[str, Any]) -> dict[str, float]:
 
 COLUMNS = [("n", "N", "{:d}"), ("batch_per_s", "batch/s", "{:,.0f}"), ("turn_p50_ms", "turn p50 ms", "{:.2f}"),
            ("turn_p99_ms", "turn p99 ms", "{:.2f}"), ("trig_p50_ms", "trig p50 ms", "{:.1f}"),
-           ("trig_p99_ms", "trig p99 ms", "{:.1f}"), ("cpu_pct", "cpu %", "{:.0f}"),
+           ("trig_p99_ms", "trig p99 ms", "{:.1f}"), ("queue_p99_ms", "queue p99 ms", "{:.1f}"), ("cpu_pct", "cpu %", "{:.0f}"),
            ("cpu_us_per_batch", "cpu us/batch", "{:.0f}"), ("rss_mb", "rss MB", "{:.0f}"),
            ("reduces", "reduces", "{:d}"), ("reduce_ms", "reduce ms", "{:.0f}"), ("reduce_sent_ms", "to sent ms", "{:.0f}"),
            ("asked_ms", "asked ms", "{:.0f}"),
