@@ -241,6 +241,9 @@ class SimRank:
         self.waiting = False  # barrier (snapshot sent, update awaited) or throttled
         self.done = False
         self.last_send: Optional[float] = None  # last batch / metrics sent this window
+        self.completed_at: Optional[float] = None
+        """When this window's count was completed: the report the coordinator's ReportPace named went (None: no
+        pace this window, or not reached)."""
         self.next_t = 0.0
 
 
@@ -280,7 +283,7 @@ class SimProcess:
             sim = SimRank(r, conn, ms=ms, pacer=pacer)
             self.sims.append(sim)
             self.sel.register(conn.sock, selectors.EVENT_READ, sim)
-        out.update(handshaken=len(self.sims), batches=0, metrics=0, snapshots=0, updates=0, rp=[], windows=[],
+        out.update(handshaken=len(self.sims), batches=0, metrics=0, snapshots=0, updates=0, rp=[], windows=[], completions=[],
                    evals=0, saves=0, exited=0, frames=0)
 
     def send(self, sim: SimRank, payload: Any) -> None:
@@ -303,6 +306,8 @@ class SimProcess:
             now = time.monotonic()
             out["rp"].append([m.version, now])
             out["windows"].append([m.version, sim.last_send])
+            out["completions"].append([m.version, sim.completed_at])
+            sim.completed_at = None
             self.send(sim, self.backend.snapshot(self.model, sim.steps))
             out["snapshots"] += 1
             sim.waiting = sim.waiting or m.barrier
@@ -363,6 +368,8 @@ class SimProcess:
         e, o, s, c, left, done = sim.chunk
         if left > 0 and (self.max_batches is None or self.out["batches"] < self.max_batches):
             self.send(sim, Batch(ms=sim.ms, data_ms=0.05, chunk=c, loss=1.0, lr=0.1))
+            if sim.pacer.flush_at and sim.pacer.reports == sim.pacer.flush_at:
+                sim.completed_at = time.monotonic()  # the report that completes the count: it went at once
             sim.chunk[4], sim.chunk[5] = left - 1, done + 1
             sim.steps += 1
             sim.total_steps += 1
@@ -636,6 +643,15 @@ def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples
         if before:
             trig_ms.append((t - max(before)) * 1e3)
     trig_each = [round(x, 1) for x in trig_ms]  # in reduce order: the p99 of a run's few reduces is its worst one
+    # the same from the count-completing reports (ReportPace's flush_at) alone: a rank that trains on past its count
+    # until the request comes makes "the last send before the trigger" some other rank's older one
+    done: dict[int, list[float]] = {}
+    for s in sims:
+        for v, t in s.get("completions", []):
+            if t is not None:
+                done.setdefault(int(v), []).append(float(t))
+    count_ms = [round((t - max(x for x in done[int(v)] if x <= t)) * 1e3, 1) for v, t, _f in stats.get("triggers", [])
+                if any(x <= t for x in done.get(int(v), []))]
     trig_ms.sort()
     busy = [x for x in samples if t0 is not None and t1 is not None and t0 <= x[0] <= t1]
     cpu = (100.0 * (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0])
@@ -659,6 +675,7 @@ def summarise(n: int, stats: dict[str, Any], sims: list[dict[str, Any]], samples
         "trig_p50_ms": _pct(trig_ms, 0.50),
         "trig_p99_ms": _pct(trig_ms, 0.99),
         "trig_each_ms": trig_each,
+        "trig_count_ms": count_ms,
         "trig_queue_ms": [None if x is None else round(x, 1) for x in stats.get("trigger_qdelay_ms", [])],
         "queue_p50_ms": _pct(stats.get("qdelay_ms", []), 0.50),
         "queue_p99_ms": _pct(stats.get("qdelay_ms", []), 0.99),
