@@ -79,17 +79,6 @@ from flodl_exp.torch_averager import TorchAverager
 log = logging.getLogger("flodl_exp.coordinator")
 
 COORD_HEARTBEAT_S = 1.0
-
-
-def freeze_startup_heap() -> None:
-    """Move everything alive at the start of training (the imports: torch, MLflow, Hydra; the ranks' books) out of
-    the garbage collector's reach (``gc.freeze``): a full collection then walks only what the run itself made.
-    Before, at 1,024 ranks, every full collection took 80-190 ms, about every 5 s, each one stalling the loop and
-    the read thread together, so a reduce whose last report landed in one triggered that much later
-    (experiments/bench_coordinator.py --pace 20, the coordinator's gc callbacks). Those objects live as long as
-    the process anyway; nothing is leaked that would have been freed."""
-    gc.collect()
-    gc.freeze()
 BEACON_SLICES = 10
 """The coordinator's heartbeat goes to one slice of the ranks (``rank % BEACON_SLICES``) every
 ``COORD_HEARTBEAT_S / BEACON_SLICES``: each rank still hears it once a second, and the loop never spends one turn
@@ -98,6 +87,16 @@ ServerEvent = tuple[Any, ...]
 """From the rank server: ``("join", rank, Hello)``, ``("msg", rank, Message)``, ``("closed", rank, reason)``."""
 
 
+def freeze_startup_heap() -> None:
+    """Move everything alive at the start of training (the imports: torch, MLflow, Hydra; the ranks' books) out of
+    the garbage collector's reach (``gc.freeze``): a full collection then walks only what the run itself made.
+    Before, at 1,024 ranks, every full collection took 80-190 ms, about every 5 s, each one stalling the loop and
+    the read thread together (a trigger, a reduce or a heartbeat waiting behind it); after, 3-43 ms
+    (experiments/bench_coordinator.py --pace 20, the coordinator's gc callbacks). The price: a frozen object
+    that later becomes part of an unreachable cycle is never collected; start-up objects live as long as the
+    process, as a rule."""
+    gc.collect()
+    gc.freeze()
 
 
 class ShellObserver:
