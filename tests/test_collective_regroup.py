@@ -136,3 +136,54 @@ def test_lockstep_reduces_of_two_versions_realign_and_a_paced_one_is_refused(mas
     assert got[0][3] == got[1][3] == "refused"
     assert got[0][4] == got[1][4] == pytest.approx(2.5)  # the replica as before the refused reduce
     assert codes == [0, 0], codes
+
+
+def _one_collective(rank: int, port: int, q) -> None:
+    torch.set_num_threads(1)
+    from flodl_exp.rank.backends import CollectiveBackend
+
+    b = CollectiveBackend(host="127.0.0.1", store_port=port, rank=rank, world_size=2, device=torch.device("cpu"),
+                          backend="gloo", op_timeout_s=60, store_timeout_s=60)
+    calls: list[int] = []
+    real = b._all_reduce
+
+    def counting(t, op=None):
+        calls.append(t.numel())
+        real(t, op) if op is not None else real(t)
+
+    b._all_reduce = counting  # type: ignore[method-assign]
+    bn = torch.nn.BatchNorm1d(2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), bn)
+    mean = bn.running_mean
+    assert mean is not None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(rank + 1))
+        mean.fill_(float(10 * (rank + 1)))
+    b.sync(model, 1 + 2 * rank, 1.0)  # masses 1 and 3: (1 * 1 + 3 * 2) / 4 = 1.75
+    weighted = float(next(model.parameters()).detach().flatten()[0])
+    buffers = float(mean[0])  # movers vote equally: (10 + 20) / 2
+    one_call = list(calls)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(rank + 7))
+    reduced_before = b.reduced
+    b.sync(model, 0, 1.0)  # nobody moved: every replica as it was
+    idle = float(next(model.parameters()).detach().flatten()[0])
+    b.close()
+    q.put((rank, weighted, buffers, one_call, reduced_before, b.reduced, idle))
+
+
+def test_a_sync_is_one_all_reduce_with_its_head_and_weighs_by_mass(master_store):
+    """The masses, movers and lockstep flags travel appended to the replica (backends.HEAD_SLOTS): one all_reduce a
+    paced sync, not a head collective and then the sum (one round trip less on every nccl_sync step). The weighting
+    is unchanged: parameters by mass n^gamma, float buffers equally among movers, nothing when nobody moved."""
+    results, codes = run_spawned(_one_collective, [(0, master_store.port), (1, master_store.port)], timeout=90)
+    got = {r: rest for r, *rest in results}
+    n_all = 3 * 2 + 2 + 2 + 2 + 2 + 2  # Linear weight and bias, BatchNorm weight and bias, running mean and var
+    for r in (0, 1):
+        weighted, buffers, calls, reduced, reduced_idle, idle = got[r]
+        assert weighted == pytest.approx(1.75) and buffers == pytest.approx(15.0)
+        assert calls == [n_all + 3], calls  # one collective: the replica and its 3 head slots
+        assert reduced is True and reduced_idle is False and idle == pytest.approx(r + 7.0)
+    assert codes == [0, 0], codes

@@ -104,6 +104,11 @@ class LockstepMisaligned(RuntimeError):
     together. (Members that are all in lockstep but at different versions re-align instead: see ``sync``.)"""
 
 
+HEAD_SLOTS = 3
+"""Floats appended to the sync's flat buffer: [mass, moved (0/1), in a lockstep reduce (0/1)], summed with it.
+float32 sums them exactly for counts (2^24 ranks) and to float32's precision for masses."""
+
+
 def lockstep_aligned(flags: float, version_sum: float, version_sq_sum: float, world_size: int) -> bool:
     """From the summed head: no member in lockstep, or every member in lockstep at one version (the sum of squares
     equals the square of the sum over W only when every version is the same). Every member decides alike."""
@@ -115,9 +120,11 @@ def lockstep_aligned(flags: float, version_sum: float, version_sq_sum: float, wo
 class CollectiveBackend:
     """Weighted all_reduce: each rank scales by its own mass ``n^gamma``, sums, divides by the total.
 
-    The scalar masses are all-reduced first; a zero total (whole cohort idle)
-    skips the parameter all_reduce on every rank alike, so the skip is
-    collective-consistent. Float buffers are averaged equally among movers.
+    One all_reduce a sync: the scaled replica with a head appended (this rank's mass, whether it moved, whether
+    it is in a lockstep reduce: :data:`HEAD_SLOTS` floats), so the total mass, the movers and the lockstep flags
+    arrive with the sum. A zero total (whole cohort idle) leaves every replica as it was, on every rank alike.
+    Float buffers are averaged equally among movers. (The head was a collective of its own before the sum: one
+    more round trip on every sync, ~120 us on Gloo over loopback, most of ``nccl_sync``'s gap to DDP.)
 
     ``backend`` is the cohort's (the coordinator chose it from every rank's hello,
     devices.py): NCCL reduces on the rank's GPU; Gloo reduces on the host (a
@@ -270,13 +277,13 @@ class CollectiveBackend:
         device, plus a pinned host copy for Gloo with a CUDA replica) unless they fit already. The rank calls it
         when the group forms, before the first chunk sizes the data plane's device pool."""
         n = sum(t.numel() for t in list(model.parameters()) + float_buffers(model))
-        if self._flat is not None and self._flat.numel() == n:
+        if self._saved is not None and self._saved.numel() == n:
             return
         self._flat = self._saved = self._host = None  # the old ones go before the new ones come
-        self._flat = torch.empty(n, dtype=torch.float32, device=self.device)
+        self._flat = torch.empty(n + HEAD_SLOTS, dtype=torch.float32, device=self.device)
         self._saved = torch.empty(n, dtype=torch.float32, device=self.device)
         if self.comm_device != self.device:
-            self._host = torch.empty(n, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+            self._host = torch.empty(n + HEAD_SLOTS, dtype=torch.float32, pin_memory=self.device.type == "cuda")
 
     @property
     def workspace(self) -> Optional[torch.Tensor]:
@@ -302,46 +309,57 @@ class CollectiveBackend:
         with torch.no_grad():
             pack_into(params + bufs, saved)  # before anything can fail: restore() puts this back
         m = mass(n, gamma)
-        # [mass, mover, lockstep flag, version, version^2] in one small collective.
-        v = float(lockstep_version) if lockstep_version is not None else 0.0
         flag = 1.0 if lockstep_version is not None else 0.0
-        head = torch.tensor([m, 1.0 if n > 0 else 0.0, flag, v * flag, v * v * flag], dtype=torch.float64,
-                            device=self.comm_device)
-        self._all_reduce(head)
-        total, movers, flags, v_sum, v_sq = head.tolist()
-        self.realigned_to = None
-        if not lockstep_aligned(flags, v_sum, v_sq, self.world_size):
-            if flags != self.world_size:
-                raise LockstepMisaligned(f"a reduce found {flags:.0f} of its {self.world_size} members in lockstep and "
-                                         "the others paced: set mode.lockstep_ahead=0 to pace every reduce")
-            # Every member in lockstep, at different versions: after a regroup one survivor completed a reduce its
-            # peer had to redo. This all-reduce averages them all the same (each one's steps once); the members
-            # learn the furthest version, and the ones behind answer the reduces they skip with nothing.
-            top = torch.tensor([v], dtype=torch.float64, device=self.comm_device)
-            self._all_reduce(top, op=self.dist.ReduceOp.MAX)
-            self.realigned_to = int(top.item())
-        self.reduced = total > 0
-        if total <= 0:
-            return (0.0, None, None) if with_divergence else (None, None, None)
+        n_all = saved.numel()
         with torch.no_grad():
             n_params = sum(p.numel() for p in params)
-            flat.copy_(saved)
+            flat[:n_all].copy_(saved)
             flat[:n_params].mul_(m)
             if n <= 0:
-                flat[n_params:].zero_()  # a rank that did not move gives no buffer vote
+                flat[n_params:n_all].zero_()  # a rank that did not move gives no buffer vote
+            flat[n_all:].copy_(torch.tensor([m, 1.0 if n > 0 else 0.0, flag], dtype=torch.float32))
             if self._host is not None:
                 self._host.copy_(flat)  # device -> host, synchronous: Gloo reads it on the host
                 self._all_reduce(self._host)
+                head = self._host[n_all:].tolist()
                 flat.copy_(self._host, non_blocking=self._host.is_pinned())  # stream-ordered before the uses below
             else:
                 self._all_reduce(flat)
+                head = flat[n_all:].tolist()
+        total, movers, flags = head
+        self.realigned_to = None
+        if flags != 0:
+            self._check_lockstep(flags, float(lockstep_version) if lockstep_version is not None else 0.0)
+        self.reduced = total > 0
+        if total <= 0:  # nobody moved: every replica stays as it was (the sum is discarded)
+            return (0.0, None, None) if with_divergence else (None, None, None)
+        with torch.no_grad():
             pflat = flat[:n_params].div_(total)
             unpack_from(pflat, params)
             if bufs and movers > 0:
-                unpack_from(flat[n_params:].div_(movers), bufs)
+                unpack_from(flat[n_params:n_all].div_(movers), bufs)
             if with_divergence:
                 return _divergence(saved[:n_params], pflat)
         return None, None, None
+
+    def _check_lockstep(self, flags: float, v: float) -> None:
+        """Some member is in a lockstep reduce (``mode.lockstep_ahead``): every member must be, at one version.
+        Every member sees the same summed flags, so all raise or all go on together; the versions take one more
+        small collective, only in lockstep (float64: a version's square is past float32's exact integers)."""
+        if flags != self.world_size:
+            raise LockstepMisaligned(f"a reduce found {flags:.0f} of its {self.world_size} members in lockstep and "
+                                     "the others paced: set mode.lockstep_ahead=0 to pace every reduce")
+        head = torch.tensor([v, v * v], dtype=torch.float64, device=self.comm_device)
+        self._all_reduce(head)
+        v_sum, v_sq = head.tolist()
+        if lockstep_aligned(flags, v_sum, v_sq, self.world_size):
+            return
+        # Every member in lockstep, at different versions: after a regroup one survivor completed a reduce its
+        # peer had to redo. This all-reduce averaged them all the same (each one's steps once); the members
+        # learn the furthest version, and the ones behind answer the reduces they skip with nothing.
+        top = torch.tensor([v], dtype=torch.float64, device=self.comm_device)
+        self._all_reduce(top, op=self.dist.ReduceOp.MAX)
+        self.realigned_to = int(top.item())
 
     def abort(self) -> None:
         """Tear the group down without waiting for its pending work (the failure path, and every regroup).
