@@ -75,10 +75,10 @@ class RunHooks:
         self.evals = HookCaller("eval_result_fn", eval_result_fn)
 
     @classmethod
-    def of(cls, hooks: object, where: str = "the coordinator's job") -> RunHooks:
-        """From the config's ``hooks`` group (``HooksConfig``).
+    def of(cls, hooks: object) -> RunHooks:
+        """From the config's ``hooks`` group (``HooksConfig``), in the coordinator's job.
 
-        The launcher's pre-flight resolved each path where it launched; on a cluster ``where`` (another node, its
+        The launcher's pre-flight resolved each path where it launched; on a cluster the coordinator's node (its
         own environment) may still fail to import it. A reporting hook is not worth the run: the error is logged
         once, naming the key and the path, the run goes on without that hook, and the run's end says so again."""
         run = cls()
@@ -89,7 +89,7 @@ class RunHooks:
             except Exception as e:  # ImportError, AttributeError, a module that raises at import
                 cause = e.__cause__ or e  # Hydra wraps the import's own error in a multi-line one
                 why = " ".join(f"{type(cause).__name__}: {cause}".split())
-                caller.unavailable = f"hooks.{key}={path!r} cannot be loaded in {where}: {why}"
+                caller.unavailable = f"hooks.{key}={path!r} cannot be loaded in the coordinator's job: {why}"
                 caller._warn(f"{caller.unavailable}; the run goes on without it")
         return run
 
