@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -74,38 +75,91 @@ def divergence(pre: torch.Tensor, post: torch.Tensor) -> tuple[float, float, flo
     return delta, post_n, pre_n
 
 
+@dataclass
+class MassSums:
+    """Some replicas' share of a consensus, before the one division: what a node leader sends for its ranks
+    (hierarchical averaging, protocol NodePartial) and what the flat reduce computes over all ranks at once.
+
+    ``weighted``: ``p`` = sum of ``mass(n_r, gamma) * W_r`` and ``b`` = sum of the float buffers of the ranks
+    that moved; else (nobody here moved) the plain sums over every replica, read only by EASGD's final mean
+    of idle replicas. Sums are float64, so the order they are taken in (node by node, or flat) changes the
+    float32 consensus only where float64's own rounding lands on a float32 tie."""
+
+    counts: list[int]
+    p: list[torch.Tensor]
+    b: list[torch.Tensor]
+    weighted: bool
+
+    def masses(self, gamma: float) -> list[float]:
+        return [mass(n, gamma) for n in self.counts]
+
+    @property
+    def movers(self) -> int:
+        return sum(1 for n in self.counts if n > 0) if self.weighted else len(self.counts)
+
+
+def mass_sums(counts: Sequence[int], params: Sequence[Sequence[torch.Tensor]],
+              buffers: Sequence[Sequence[torch.Tensor]], gamma: float = 1.0) -> MassSums:
+    """The float64 sums of ``params[r]`` weighted by ``mass(counts[r], gamma)`` and of the movers' ``buffers[r]``
+    (see :class:`MassSums`); ``params[r]`` / ``buffers[r]`` are replica r's tensors in model order."""
+    masses = [mass(n, gamma) for n in counts]
+    weighted = any(m > 0 for m in masses)
+    sum_p = [torch.zeros(t.shape, dtype=torch.float64) for t in params[0]]
+    sum_b = [torch.zeros(t.shape, dtype=torch.float64) for t in buffers[0]] if buffers and buffers[0] else []
+    for r, ps in enumerate(params):
+        m = masses[r] if weighted else 1.0
+        if m == 0:
+            continue
+        for acc, t in zip(sum_p, ps):
+            acc.add_(t, alpha=m)  # float32 (or bf16) into float64, in place: no copy
+        if sum_b and (counts[r] > 0 or not weighted):
+            for acc, t in zip(sum_b, buffers[r]):
+                acc.add_(t)
+    return MassSums(counts=[int(n) for n in counts], p=sum_p, b=sum_b, weighted=weighted)
+
+
+def divide_sums(parts: Sequence[MassSums], gamma: float,
+                idle_mean: bool = False) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The consensus of all replicas in ``parts`` (float32): the weighted parts' sums over their total mass
+    (``math.fsum``: the same float whatever the grouping), buffers over the movers. None when nobody moved,
+    unless ``idle_mean``: then the plain mean of every replica (EASGD's final round)."""
+    live = [s for s in parts if s.weighted]
+    if live:
+        total = math.fsum(m for s in live for m in s.masses(gamma))
+        if total <= 0 or not math.isfinite(total):
+            return None
+    elif idle_mean and parts:
+        live = list(parts)
+        total = float(sum(len(s.counts) for s in live))
+    else:
+        return None
+    movers = sum(s.movers for s in live)
+    out_p = _sum_over([s.p for s in live])
+    out_b = _sum_over([s.b for s in live]) if live[0].b else []
+    return ([(t / total).float() for t in out_p], [(t / movers).float() for t in out_b])
+
+
+def _sum_over(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    acc = [t.clone() for t in groups[0]]
+    for ts in groups[1:]:
+        for a, t in zip(acc, ts):
+            a.add_(t)
+    return acc
+
+
 def weighted_average(
     counts: Sequence[int],
     params: Sequence[Sequence[torch.Tensor]],
     buffers: Sequence[Sequence[torch.Tensor]],
     gamma: float = 1.0,
 ) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """Consensus of several replicas (the cpu backend's reduce).
+    """Consensus of several replicas (the cpu backend's flat reduce), float32.
 
-    ``params[r]`` / ``buffers[r]`` are rank r's tensors in model order. Returns
-    None when no rank moved (total mass 0): every rank then keeps its state.
-    Accumulates in float32 and divides once.
+    ``params[r]`` / ``buffers[r]`` are rank r's tensors in model order. Returns None when no rank moved (total
+    mass 0): every rank then keeps its state. Accumulates in float64 and divides once (:func:`divide_sums`), so
+    a hierarchical reduce (node partials, then their sum) gives the same float32 consensus.
     """
-    masses = [mass(n, gamma) for n in counts]
-    total = sum(masses)
-    if total <= 0 or not math.isfinite(total):
-        return None
-    avg_p = [torch.zeros_like(t, dtype=torch.float32) for t in params[0]]
-    for m, ps in zip(masses, params):
-        if m == 0:
-            continue
-        for acc, t in zip(avg_p, ps):
-            acc.add_(t.float(), alpha=m)
-    avg_p = [(acc / total).to(ref.dtype) for acc, ref in zip(avg_p, params[0])]
-    movers = [r for r, n in enumerate(counts) if n > 0]
-    avg_b: list[torch.Tensor] = []
-    if buffers and buffers[0]:
-        for j, ref in enumerate(buffers[0]):
-            acc = torch.zeros_like(ref, dtype=torch.float32)
-            for r in movers:
-                acc.add_(buffers[r][j].float())
-            avg_b.append((acc / len(movers)).to(ref.dtype))
-    return avg_p, avg_b
+    return divide_sums([mass_sums(counts, params, buffers, gamma)], gamma)
 
 
 @torch.no_grad()

@@ -284,6 +284,12 @@ class ClusterConfig:
     1000."""
     host: Optional[str] = None
     """Address the coordinator binds; unset = 127.0.0.1 locally, the node's name on SLURM."""
+    node_reduce: bool = False
+    """cpu backend: hierarchical averaging. The ranks of a node (same host name) send their snapshots to the
+    node's lowest rank, which sums them (float64, each weighted by its ElChe mass) into one partial; the
+    coordinator combines one partial per node and sends one consensus per node, which the leader hands on. A
+    reduce's cost at the coordinator grows with the nodes, not the ranks; the consensus is the flat one's
+    (docs/how-to/large-clusters.md). Ignored by the nccl backend and on nodes with one rank."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 

@@ -104,6 +104,8 @@ class Kind(str, enum.Enum):
     PROBE = "probe"
     REPORT_PACE = "report_pace"
     LOCKSTEP = "lockstep"
+    NODE_GROUP = "node_group"
+    NODE_UPDATE = "node_update"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
@@ -122,6 +124,8 @@ class Kind(str, enum.Enum):
     LOOP_NOTICE = "loop_notice"
     CHECKPOINT_RESULT = "checkpoint_result"
     PROBE_RESULT = "probe_result"
+    NODE_PARTIAL = "node_partial"
+    NODE_DRIFT = "node_drift"
 
 
 # ------------------------------------------------------------ coordinator -> rank
@@ -200,6 +204,39 @@ class Update:
     tensors: Tensors = field(default_factory=dict)
     next_plan: Optional[Annotated[list[Count], Len(4)]] = None
     """cpu cadence: the rank's next chunk ``[epoch, offset, size, chunk]`` folded in (a StartEpoch saved)."""
+    version: Optional[Count] = None
+    """The reduce it answers: a rank adopts one update per reduce (a member whose node leader died may be sent
+    it again by the coordinator, and ignores the second)."""
+
+
+@dataclass
+class NodeGroup:
+    """cpu backend, hierarchical averaging (``cluster.node_reduce``): the ranks sharing this rank's node, and the
+    one of them (``leader``) that sums their snapshots into one :class:`NodePartial` and hands each its
+    :class:`Update` from the coordinator's :class:`NodeUpdate`. ``address``: the leader's node-local socket
+    (an abstract unix socket name), which the leader binds and the members connect to. Sent once, before
+    training; a rank without one (or whose leader is gone) answers the coordinator directly."""
+
+    KIND: ClassVar[Kind] = Kind.NODE_GROUP
+    leader: Count
+    members: list[Count]
+    address: str
+
+
+@dataclass
+class NodeUpdate:
+    """cpu backend, hierarchical averaging: one reduce's consensus for a node's ranks, sent to its leader, which
+    forwards each member ``ranks[i]`` an ``Update(n=ns[i], alpha, skip, tensors)`` (its ``p<i>``/``b<j>``) and
+    then answers :class:`NodeDrift`. When an outer optimizer stepped, ``tensors`` also holds ``c<i>``, the
+    average before its step, which each replica's drift is measured against (else against ``p<i>``)."""
+
+    KIND: ClassVar[Kind] = Kind.NODE_UPDATE
+    version: Count
+    ranks: list[Count]
+    ns: list[Count]
+    alpha: Optional[float] = None
+    skip: bool = False
+    tensors: Tensors = field(default_factory=dict)
 
 
 @dataclass
@@ -389,6 +426,39 @@ class Snapshot:
     KIND: ClassVar[Kind] = Kind.SNAPSHOT
     n: Count
     tensors: Tensors = field(default_factory=dict)
+    version: Optional[Count] = None
+    """The reduce it answers (``RequestParams.version``): a node leader matches its members' snapshots by it."""
+
+
+@dataclass
+class NodePartial:
+    """cpu backend, hierarchical averaging: a node leader's answer to ``RequestParams`` for the node's ranks
+    ``ranks`` (ascending; the members that answered it, itself included), with ``ns[i]`` their steps and
+    ``pre[i]`` each replica's norm ``||W_i||``. ``weighted``: ``tensors`` hold ``p<i>`` = the float64 sum of
+    ``mass(n_r, gamma) * W_r`` and ``b<j>`` = the float64 sum of the float buffers of the ranks that moved
+    (``n_r > 0``); not weighted (nobody on the node moved): the plain float64 sums over every member, which
+    only EASGD's final round (the mean of idle replicas) reads. The coordinator divides once, over all nodes,
+    so the consensus is the flat one's to the float32 rounding (core/averager.py)."""
+
+    KIND: ClassVar[Kind] = Kind.NODE_PARTIAL
+    version: Count
+    ranks: list[Count]
+    ns: list[Count]
+    pre: list[Reading]
+    weighted: bool
+    tensors: Tensors = field(default_factory=dict)
+
+
+@dataclass
+class NodeDrift:
+    """cpu backend, hierarchical averaging: after forwarding reduce ``version``'s update, the leader's read-out
+    of each member's drift ``||W_r - consensus|| / ||consensus||`` (``ranks[i]``: ``drift[i]``), measured on the
+    snapshot it summed; the guard's input, as the flat reduce computes it at the coordinator."""
+
+    KIND: ClassVar[Kind] = Kind.NODE_DRIFT
+    version: Count
+    ranks: list[Count]
+    drift: list[Reading]
 
 
 @dataclass
@@ -598,6 +668,7 @@ Payload = Union[
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
     EvalBroadcast, Checkpoint, CheckpointResult, Probe, ProbeResult, ReportPace, Batches, Lockstep,
+    NodeGroup, NodeUpdate, NodePartial, NodeDrift,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"
