@@ -78,11 +78,12 @@ def _time_reduce_phases(st: dict[str, Any]) -> Any:
 
         finish_prof = cProfile.Profile()
 
-    def timed_snapshot(self: AveragingCycle, r: int, snap: Any) -> None:
-        on_snapshot(self, r, snap)
+    def timed_snapshot(self: AveragingCycle, r: int, snap: Any) -> bool:
+        took = on_snapshot(self, r, snap)
         t = mono()
         snaps = st.setdefault("snaps", {}).setdefault(str(self.version), [t, t])
         snaps[1] = t
+        return took
 
     def timed_finish_one(self: Reduces) -> bool:
         c0 = time.thread_time()

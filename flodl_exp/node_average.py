@@ -20,7 +20,7 @@ from flodl_exp.protocol.messages import NodePartial, NodeUpdate, Snapshot, Updat
 
 
 def _split(tensors: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
-    out = []
+    out: list[torch.Tensor] = []
     while f"{prefix}{len(out)}" in tensors:
         out.append(tensors[f"{prefix}{len(out)}"])
     return out
@@ -50,16 +50,14 @@ def partial_sums(p: NodePartial) -> MassSums:
                     b=[t.double() for t in _split(p.tensors, "b")], weighted=p.weighted)
 
 
-def node_update(version: int, ranks: Sequence[int], ns: Sequence[int], *, alpha: float | None,
-                consensus: dict[str, torch.Tensor] | None, before_outer: dict[str, torch.Tensor] | None) -> NodeUpdate:
-    """The coordinator's answer to a node: the update's tensors, and the average before the outer step as
-    ``c<i>`` when one stepped. ``consensus`` None: nobody moved (``skip``)."""
-    if consensus is None:
-        return NodeUpdate(version=version, ranks=list(ranks), ns=list(ns), alpha=alpha, skip=True)
-    tensors = dict(consensus)
-    if before_outer is not None:
-        tensors.update({f"c{i}": t for i, t in enumerate(_split(before_outer, "p"))})
-    return NodeUpdate(version=version, ranks=list(ranks), ns=list(ns), alpha=alpha, tensors=tensors)
+def leader_tensors(consensus: dict[str, torch.Tensor], before_outer: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """A NodeUpdate's tensors: the update's, plus the average before the outer step as ``c<i>`` when one
+    stepped (the leaders measure drift against it)."""
+    if before_outer is None:
+        return consensus
+    out = dict(consensus)
+    out.update({f"c{i}": t for i, t in enumerate(_split(before_outer, "p"))})
+    return out
 
 
 def member_update(m: NodeUpdate, rank: int) -> Update:

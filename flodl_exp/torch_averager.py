@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from flodl_exp.config import OuterSpec
 from flodl_exp.core.averager import Consensus
 from flodl_exp.outer_step import OuterStep
-from flodl_exp.protocol.messages import Snapshot
+from flodl_exp.protocol.messages import NodePartial, Snapshot
 
 if TYPE_CHECKING:
     from flodl_exp.outer import OuterOptimizer
@@ -32,19 +32,22 @@ class TorchAverager:
             self._outer = make_outer(self.outer_spec)
         return self._outer
 
-    def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool) -> Consensus:
+    def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool,
+                partials: Sequence[NodePartial] = ()) -> Consensus:
         import torch
 
-        from flodl_exp.averaging import divergence, weighted_average
+        from flodl_exp.averaging import MassSums, divergence, divide_sums, mass_sums
+        from flodl_exp.node_average import leader_tensors, partial_sums
 
-        n_p = sum(1 for k in snapshots[0].tensors if k.startswith("p"))
-        n_b = sum(1 for k in snapshots[0].tensors if k.startswith("b"))
+        first = snapshots[0].tensors if snapshots else partials[0].tensors
+        n_p = sum(1 for k in first if k.startswith("p"))
+        n_b = sum(1 for k in first if k.startswith("b"))
         params = [[s.tensors[f"p{i}"].float() for i in range(n_p)] for s in snapshots]
         bufs = [[s.tensors[f"b{j}"] for j in range(n_b)] for s in snapshots]
-        res = weighted_average([s.n for s in snapshots], params, bufs, gamma)
-        moved = res is not None
-        if res is None and idle_mean:
-            res = weighted_average([1] * len(snapshots), params, bufs, 1.0)
+        parts: list[MassSums] = [mass_sums([s.n for s in snapshots], params, bufs, gamma)] if snapshots else []
+        parts += [partial_sums(p) for p in partials]
+        moved = any(s.weighted for s in parts)
+        res = divide_sums(parts, gamma, idle_mean=idle_mean)
         if res is None:
             return Consensus(tensors=None)
         avg_p, avg_b = res
@@ -53,11 +56,17 @@ class TorchAverager:
         # The outer step comes after the divergence read-out, on the parameter frame only; a round with
         # zero mass (the EASGD final mean of idle replicas) passes through unstepped.
         outer: Optional[OuterStep] = None
+        before = avg_p
         if moved:
             avg_p, outer = self.outer.step(avg_p)
         tensors = {f"p{i}": t for i, t in enumerate(avg_p)}
         tensors.update({f"b{j}": t for j, t in enumerate(avg_b)})
-        return Consensus(tensors=tensors, drift=[(d, pre) for d, _, pre in divs], post=divs[0][1], outer=outer)
+        post = float(torch.linalg.vector_norm(flat_avg))
+        lead = None
+        if partials:
+            lead = leader_tensors(tensors, {f"p{i}": t for i, t in enumerate(before)} if outer is not None else None)
+        return Consensus(tensors=tensors, drift=[(d, pre) for d, _, pre in divs], post=post, outer=outer,
+                         leader_tensors=lead)
 
     def outer_state(self) -> dict[str, Any]:
         return self.outer.state_dict()

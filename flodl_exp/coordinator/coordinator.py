@@ -64,6 +64,7 @@ from flodl_exp.core.commands import Event as CoreEvent
 from flodl_exp.core.control_core import ControlCore, RunFacts
 from flodl_exp.core.cycle import Reduce, ReduceOutcome
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Phase, RunFailure, Status
+from flodl_exp.core.node_groups import relay_prefix
 from flodl_exp.core.ports import Sink
 from flodl_exp.devices import CollectiveRefused, RankDevice, choose_collective, spec_prior_anchor
 from flodl_exp.hooks import RunHooks
@@ -207,7 +208,8 @@ class Coordinator:
             wall_clock=time.time, observer=self.observer, store=DiskBundles(self.job_dir, self.sink),
             averager=TorchAverager(self.shape.outer) if Mode.of(cfg).is_cpu else None,
             is_local=self._is_local, start=clock(), watch_liveness=True,
-            facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt))
+            facts=RunFacts(checkpoint_stem=spec.checkpoint_stem, shuffle_seed=spec.shuffle_seed, attempt=spec.attempt,
+                           relay_prefix=relay_prefix(spec.job_dir, spec.attempt)))
         self.view = self.core.view
         """What the coordinator reads of the core (core/view.py): it names none of its components."""
         self.windows = WindowRecorder(reports_per_epoch=cfg.reports_per_epoch, world_size=self.W, epochs=self.epochs,
@@ -277,7 +279,7 @@ class Coordinator:
         if self._adopt_mode(Mode.from_name(choice.mode)):
             self._build_core()
             for r in range(self.W):  # every rank joined the first core (the probe needs them all)
-                self._handle(RankJoined(r, self.clock()))
+                self._handle(RankJoined(r, self.clock(), self.records.hosts.get(r)))
         log.info("mode=auto chose %s: %s", choice.mode, choice.reason)
         self.sink.set_tags({**choice.tags(), **self._mode_tags()})
         self.events.emit(choice.as_event())
@@ -453,7 +455,7 @@ class Coordinator:
             self.declare_dead(rank, "connection closed" if ev[2] == "closed" else str(ev[2]))
 
     def _on_join(self, r: int, hello: Hello) -> None:
-        self._handle(RankJoined(r, self.clock()))
+        self._handle(RankJoined(r, self.clock(), hello.host))
         self.records.hosts[r] = hello.host or "unknown"
         self.devices[r] = RankDevice.of(r, hello)
         if hello.inputs and not self._inputs_logged:  # rank 0's data sets, once (a rejoin sends them again)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 from flodl_exp.outer_step import OuterStep
-from flodl_exp.protocol.messages import Snapshot
+from flodl_exp.protocol.messages import NodePartial, Snapshot
 
 
 @dataclass(frozen=True)
@@ -28,14 +28,20 @@ class Consensus:
     """||consensus|| (before the outer step), the same for every rank."""
     outer: Optional[OuterStep] = None
     """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
+    leader_tensors: Optional[Mapping[str, Any]] = None
+    """With node partials: the frame node leaders are sent (``tensors``, and the average before the outer step as
+    ``c<i>`` when one stepped, for their drift read-out)."""
 
 
 class Averager(Protocol):
     """The cpu backend's tensor arithmetic, and the outer optimizer's state that lives with it."""
 
-    def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool) -> Consensus:
-        """The mass-weighted consensus of ``snapshots`` (mass ``n ** gamma``). ``idle_mean``: when nobody moved,
-        the plain mean instead of no consensus (EASGD's final round), with no outer step."""
+    def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool,
+                partials: Sequence[NodePartial] = ()) -> Consensus:
+        """The mass-weighted consensus of ``snapshots`` and the node ``partials`` (mass ``n ** gamma``; the
+        partials' ranks are none of the snapshots'). ``idle_mean``: when nobody moved, the plain mean instead of
+        no consensus (EASGD's final round), with no outer step. ``drift`` covers ``snapshots`` only: a partial's
+        ranks are measured by their leader (NodeDrift)."""
         ...
 
     def outer_state(self) -> dict[str, Any]:

@@ -52,6 +52,8 @@ class Cohort:
         self._alive_list: Optional[list[int]] = None
         self._exited = [False] * world_size
         self._last_seen = [now] * world_size
+        self._hosts: dict[int, str] = {}
+        """Each joined rank's node, as its hello named it (node groups: core/node_groups.py)."""
         self._finals: dict[int, dict[str, Any]] = {}
         """rank -> its clean-exit report (hash, steps, global_step)."""
         self._errors: dict[int, dict[str, Any]] = {}
@@ -161,12 +163,18 @@ class Cohort:
         return self._callback_rank if low is None else low
 
     # -- events -----------------------------------------------------------
-    def join(self, r: int, now: float) -> None:
+    def join(self, r: int, now: float, host: Optional[str] = None) -> None:
+        if host is not None:
+            self._hosts[r] = host
         if not self._alive[r]:
             self._n_alive += 1
         self._alive[r] = True
         self._alive_list = None
         self._last_seen[r] = now
+
+    def hosts(self) -> dict[int, str]:
+        """Each joined rank's node, as its hello named it."""
+        return dict(self._hosts)
 
     def seen(self, r: int, now: float) -> None:
         self._last_seen[r] = now

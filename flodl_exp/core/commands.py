@@ -107,6 +107,8 @@ class RankJoined:
 
     rank: int
     now: float
+    host: Optional[str] = None
+    """The node its hello named (``cluster.node_reduce`` groups the ranks of a node)."""
 
 
 @dataclass(frozen=True)

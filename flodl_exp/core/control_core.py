@@ -80,6 +80,7 @@ from flodl_exp.core.epochs import EpochBoundaries
 from flodl_exp.core.faults import SHUTDOWN_GRACE_S, FaultHandler, FaultSettings
 from flodl_exp.core.intents import Intents
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Lifecycle, Phase, Status
+from flodl_exp.core.node_groups import node_groups
 from flodl_exp.core.outbox import Outbox
 from flodl_exp.core.ports import CoreObserver, NullObserver
 from flodl_exp.core.preemption import Preemption, PreemptionSettings, kills_on_bad_exit
@@ -105,6 +106,8 @@ from flodl_exp.protocol.messages import (
     Exiting,
     Intent,
     LoopNotice,
+    NodeDrift,
+    NodePartial,
     Payload,
     Probe,
     ProbeResult,
@@ -136,6 +139,8 @@ class RunFacts:
     checkpoint_stem: str = "bundle"
     shuffle_seed: int = 42
     attempt: int = 0
+    relay_prefix: str = "flodl-relay"
+    """``cluster.node_reduce``: the node leaders' socket names start with it (unique to the job and attempt)."""
 
 
 class ControlCore:
@@ -163,6 +168,8 @@ class ControlCore:
         self._anchor_seeded = False
         """Whether the last :class:`AnchorHint` set ElChe's cold-start anchor."""
         self.obs = observer
+        self._node_reduce = bool(cfg.cluster.node_reduce)
+        self._relay_prefix = facts.relay_prefix
         self.epoch_fn = cfg.experiment.epoch_fn is not None
         self.stall_ceiling = max(10 * cfg.cluster.heartbeat_timeout_s, 300.0)
         self.mode = Mode.of(cfg)
@@ -376,8 +383,23 @@ class ControlCore:
     def start(self, total_picks: int, resume_meta: Optional[dict[str, Any]]) -> None:
         """Every rank said hello: plan the first epoch (or the resumed coverage)."""
         self.push_epoch_role()
+        self._form_node_groups()
         self.enter(Phase.TRAINING)
         self.dispatch.start(total_picks, resume_meta)
+
+    def _form_node_groups(self) -> None:
+        """``cluster.node_reduce`` on the cpu backend: each node's ranks are told their group and its leader
+        (core/node_groups.py); from then on the leader answers a reduce for them (NodePartial)."""
+        if not (self._node_reduce and self.mode.is_cpu and self.W >= 2):
+            return
+        groups = node_groups(self.cohort.hosts())
+        for r, msg in groups.messages(self._relay_prefix):
+            self.outbox.send(r, msg)
+        if groups.members:
+            log.info("cluster.node_reduce: %d node(s) average their ranks first (leaders %s)", len(groups.members),
+                     sorted(groups.members))
+        else:
+            log.info("cluster.node_reduce: no node holds two ranks; every rank answers the coordinator directly")
 
     def push_epoch_role(self) -> None:
         """Tell every rank who runs ``experiment.epoch_fn`` (the callback rank), at the start and when it moves.
@@ -560,6 +582,7 @@ class ControlCore:
         """Which component decides on (or records) each rank message (:meth:`on_message`)."""
         return {
             Batch: self.on_batch, Batches: self.on_batches, SyncAck: self.reduces.on_ack, Snapshot: self.reduces.on_snapshot,
+            NodePartial: self.reduces.on_partial, NodeDrift: self.reduces.on_drift,
             ChunkMetrics: self.dispatch.on_metrics, EvalResult: self.run_end.on_eval, Intent: self.run_end.on_intent,
             SaveResult: self.on_save_result, CheckpointResult: self.on_checkpoint_result,
             SessionReady: self.faults.on_session_ready, RankError: self.reports.on_error,
@@ -650,7 +673,7 @@ class ControlCore:
 
 
 _HANDLERS: dict[type, Callable[[ControlCore, Any], object]] = {
-    RankJoined: lambda c, e: c.cohort.join(e.rank, e.now),
+    RankJoined: lambda c, e: c.cohort.join(e.rank, e.now, e.host),
     TrainingStarts: lambda c, e: c.start(e.total_picks, e.resume_meta),
     RankMessage: ControlCore._on_message,
     RankHeard: lambda c, e: c.cohort.seen(e.rank, e.now),

@@ -29,7 +29,19 @@ from flodl_exp.policy.elche import ElChe, WindowReport
 from flodl_exp.policy.guards import ConvergenceGuard, DivergenceReport
 from flodl_exp.policy.meta import LrEventMeta
 from flodl_exp.policy.mode import Backend, Mode
-from flodl_exp.protocol.messages import Batch, RequestParams, SetGlobalStep, Snapshot, SyncAck, SyncNow, Throttle, Update
+from flodl_exp.protocol.messages import (
+    Batch,
+    NodeDrift,
+    NodePartial,
+    NodeUpdate,
+    RequestParams,
+    SetGlobalStep,
+    Snapshot,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+)
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -91,6 +103,36 @@ class Reduce:
     """Opened by the coordinator for the ranks' own reduce (a Lockstep license): its time runs from its first answer."""
     acks: dict[int, SyncAck] = field(default_factory=dict)
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    partials: dict[int, NodePartial] = field(default_factory=dict)
+    """cpu, ``cluster.node_reduce``: node leader -> its node's partial (core/node_groups.py)."""
+    via: dict[int, int] = field(default_factory=dict)
+    """Member -> the leader whose partial holds its share (a partial supersedes the member's own snapshot)."""
+    awaiting: Optional[AwaitingDrift] = None
+    """The consensus went out to node leaders: the reduce finishes when their drift read-outs are in."""
+
+    def answered(self) -> set[int]:
+        """The members whose share is in (cpu: a snapshot, or a node's partial)."""
+        if self.backend is Backend.NCCL:
+            return set(self.acks)
+        return set(self.snapshots) | set(self.via)
+
+
+@dataclass
+class AwaitingDrift:
+    """A hierarchical cpu reduce between its consensus sent and its drift read-outs in (see NodeDrift)."""
+
+    n: dict[int, int]
+    div: dict[int, Optional[float]]
+    pre: dict[int, Optional[float]]
+    post: Optional[float]
+    outer: Optional[OuterStep]
+    sync_ms: float
+    """Trigger to consensus sent: the wait the ranks saw (ElChe's overhead), not the drift's return trip."""
+    leaders: dict[int, list[int]]
+    """Leader -> the ranks whose drift it owes."""
+    update: Callable[[int], Update]
+    """The Update a member gets directly when its leader died before handing it on (it ignores a second one)."""
+    dead_in: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -442,15 +484,59 @@ class AveragingCycle:
         self._lockstep_until = target
         return target
 
-    def on_snapshot(self, r: int, snap: Snapshot) -> None:
+    def on_snapshot(self, r: int, snap: Snapshot) -> bool:
+        """A rank's own answer; False when it answers nothing (no reduce in flight, another version's, or its
+        share came in its node's partial already)."""
         red = self._in_flight
-        if red is not None and red.backend is Backend.CPU and r in red.members:
-            red.snapshots[r] = snap
+        if red is None or red.backend is not Backend.CPU or r not in red.members or red.awaiting is not None:
+            return False
+        if r in red.via or (snap.version is not None and snap.version != self._version):
+            return False
+        red.snapshots[r] = snap
+        return True
+
+    def on_partial(self, leader: int, p: NodePartial) -> list[int]:
+        """A node leader's partial for the reduce in flight; the members it newly answers for. It supersedes
+        a member's own snapshot (sent when its relay broke): the partial's sums hold that share already."""
+        red = self._in_flight
+        if (red is None or red.backend is not Backend.CPU or p.version != self._version or leader in red.partials
+                or red.awaiting is not None or len(p.ranks) != len(p.ns) or len(p.ranks) != len(p.pre)
+                or any(r in red.via or r not in red.members for r in p.ranks)):
+            if red is not None and p.version == self._version:
+                log.warning("node partial from rank %d for reduce %d ignored: ranks %s are not all its to answer",
+                            leader, p.version, list(p.ranks))
+            return []
+        red.partials[leader] = p
+        fresh = [r for r in p.ranks if r not in red.snapshots]
+        for r in p.ranks:
+            red.snapshots.pop(r, None)
+            red.via[r] = leader
+        return fresh
+
+    def on_drift(self, leader: int, m: NodeDrift) -> None:
+        """A node leader's drift read-out of the members it handed the consensus to."""
+        red = self._in_flight
+        wait = red.awaiting if red is not None else None
+        if wait is None or m.version != self._version or leader not in wait.leaders:
+            return
+        for r, d in zip(m.ranks, m.drift):
+            if r in wait.leaders[leader]:
+                wait.div[r] = d
+        del wait.leaders[leader]
 
     def acked_steps(self, r: int) -> int:
-        """Steps of ``r`` in its answer to the nccl reduce in flight (0: none in flight, or not answered)."""
+        """Steps of ``r`` in an answer to the reduce in flight that its death cannot take back (0: none): its nccl
+        ack, or its share in a node's partial (the sum cannot be split again)."""
         red = self._in_flight
-        return min(red.acks[r].n, self._ledger[r].steps) if red is not None and red.backend is Backend.NCCL and r in red.acks else 0
+        if red is None:
+            return 0
+        if red.backend is Backend.NCCL:
+            return min(red.acks[r].n, self._ledger[r].steps) if r in red.acks else 0
+        leader = red.via.get(r)
+        if leader is None:
+            return 0
+        p = red.partials[leader]
+        return min(p.ns[list(p.ranks).index(r)], self._ledger[r].steps)
 
     def unreduced_steps(self, r: int) -> int:
         """Steps of ``r`` that are in no finished reduce nor in its answer to the one in flight (an nccl ack holds
@@ -562,40 +648,81 @@ class AveragingCycle:
             outer = next((OuterStep(a.outer_step, a.outer_momentum or 0.0, seeded=False)
                           for a in (red.acks[r] for r in live) if a.outer_step is not None), None)
         else:
-            if not set(live).issubset(red.snapshots):
+            if red.awaiting is None:
+                if not set(live).issubset(red.answered()):
+                    return None
+                self._average_cpu(red, live, alive)
+            wait = red.awaiting
+            assert wait is not None
+            for leader in [q for q in wait.leaders if not alive(q)]:
+                # The leader died holding the consensus: its live members get it directly (a member that had it
+                # from the leader ignores the second copy, by version); their drift is not known.
+                for r in wait.leaders.pop(leader):
+                    if alive(r):
+                        self._out.send(r, wait.update(r))
+            if wait.leaders:
                 return None
-            n, div, pre, post, outer = self._average_cpu(red, live)
-            dead_in, dead_out = [], []
+            out = self._finish(red, wait.n, wait.div, wait.pre, wait.post, wait.sync_ms, alive, wait.outer)
+            out.dead_in = wait.dead_in
+            return out
         out = self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
         out.dead_in, out.dead_out = dead_in, dead_out
         return out
 
-    def _average_cpu(self, red: Reduce, ranks: list[int]) -> tuple[dict[int, int], dict[int, Optional[float]],
-                                                                   dict[int, Optional[float]], Optional[float],
-                                                                   Optional[OuterStep]]:
-        snaps = [red.snapshots[r] for r in ranks]
-        n = {r: s.n for r, s in zip(ranks, snaps)}
+    def _average_cpu(self, red: Reduce, live: list[int], alive: Callable[[int], bool]) -> None:
+        """The consensus of the live members' snapshots and the node partials, sent: an Update to each rank that
+        answered itself, a NodeUpdate to each live leader (which hands it on and answers its members' drift). A
+        partial's member that died since is in (its share is in the sum): ``dead_in``. Sets ``red.awaiting``."""
+        direct = [r for r in live if r in red.snapshots]
+        partials = [red.partials[q] for q in sorted(red.partials)]
+        snaps = [red.snapshots[r] for r in direct]
+        n = {r: s.n for r, s in zip(direct, snaps)}
         div: dict[int, Optional[float]] = {}
         pre: dict[int, Optional[float]] = {}
-        if not ranks:
-            return n, div, pre, None, None
+        for p in partials:
+            for r, k, norm in zip(p.ranks, p.ns, p.pre):
+                n[r], pre[r], div[r] = k, norm, None
+        dead_in = sorted(r for r in red.via if not alive(r))
+        version = self._version
+        if not n:
+            red.awaiting = AwaitingDrift(n, div, pre, None, None, (self._clock() - red.started) * 1e3, {},
+                                         lambda r: Update(n=0, skip=True, version=version))
+            return
         if self._averager is None:
             raise RuntimeError("the cpu backend's reduce needs an Averager: the shell builds the core with one "
                                "(flodl_exp.torch_averager.TorchAverager)")
         # EASGD leaves replicas apart even when nobody stepped: the final consensus is then their plain mean.
-        res = self._averager.average(snaps, gamma=self.gamma, idle_mean=red.final and self.alpha is not None)
+        idle_mean = red.final and self.alpha is not None
+        res = (self._averager.average(snaps, gamma=self.gamma, idle_mean=idle_mean, partials=partials) if partials
+               else self._averager.average(snaps, gamma=self.gamma, idle_mean=idle_mean))
         alpha = None if red.final else self.alpha
-        if res.tensors is None:  # nobody moved: release barrier waits; each rank keeps its own state
-            for r in ranks:
+        tensors = dict(res.tensors) if res.tensors is not None else None  # one frame object for every rank
+
+        def update(r: int) -> Update:
+            if tensors is None:  # nobody moved: release barrier waits; each rank keeps its own state
+                return Update(n=n[r], skip=True, version=version)
+            return Update(n=n[r], alpha=alpha, tensors=tensors, version=version)
+
+        for r, (d, pre_n) in zip(direct, res.drift):
+            div[r], pre[r] = d, pre_n
+        if tensors is None:
+            for r in direct:
                 div[r], pre[r] = 0.0, None
-                self._out.send(r, Update(n=n[r], skip=True))
-            return n, div, pre, None, None
-        tensors = dict(res.tensors)  # one frame object for every rank: encoded once (sharing_tensors)
+        leaders: dict[int, list[int]] = {}
+        lead = dict(res.leader_tensors) if res.leader_tensors is not None else {}
         with self._out.sharing_tensors():
-            for r, (d, pre_n) in zip(ranks, res.drift):
-                div[r], pre[r] = d, pre_n
-                self._out.send(r, Update(n=n[r], alpha=alpha, tensors=tensors))
-        return n, div, pre, res.post, res.outer
+            for r in direct:
+                self._out.send(r, update(r))
+            for q, p in sorted(red.partials.items()):
+                if alive(q) and self._out.send(q, NodeUpdate(version=version, ranks=list(p.ranks), ns=list(p.ns),
+                                                             alpha=alpha, skip=tensors is None, tensors=lead)):
+                    leaders[q] = list(p.ranks)
+                else:
+                    for r in p.ranks:
+                        if alive(r):
+                            self._out.send(r, update(r))
+        red.awaiting = AwaitingDrift(n, div, pre, res.post, res.outer, (self._clock() - red.started) * 1e3, leaders,
+                                     update, dead_in)
 
     def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
                 post: Optional[float], sync_ms: float, alive: Callable[[int], bool],

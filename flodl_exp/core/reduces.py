@@ -22,8 +22,8 @@ from flodl_exp.core.cycle import AveragingCycle, Reduce, ReduceOutcome
 from flodl_exp.core.dispatch import AnswerSnapshot, Dispatcher
 from flodl_exp.core.lifecycle import TRAINING_PHASES, Lifecycle
 from flodl_exp.core.seams import Ports
-from flodl_exp.policy.mode import Backend, Mode
-from flodl_exp.protocol.messages import Lockstep, Snapshot, SyncAck
+from flodl_exp.policy.mode import Mode
+from flodl_exp.protocol.messages import Lockstep, NodeDrift, NodePartial, Snapshot, SyncAck
 
 log = logging.getLogger("flodl_exp.coordinator")
 
@@ -100,9 +100,22 @@ class Reduces:
         self.try_finish()
 
     def on_snapshot(self, r: int, snap: Snapshot) -> None:
-        self._answered(r)
-        self._cycle.on_snapshot(r, snap)
-        self._dispatch.on_answer(r)
+        if self._cycle.on_snapshot(r, snap):
+            self._answered(r)
+            self._dispatch.on_answer(r)
+        self.try_finish()
+
+    def on_partial(self, leader: int, p: NodePartial) -> None:
+        """A node leader answers for its node's ranks (``cluster.node_reduce``): each is answered as by its own
+        snapshot."""
+        for r in self._cycle.on_partial(leader, p):
+            self._answered(r)
+            self._dispatch.on_answer(r)
+        self.try_finish()
+
+    def on_drift(self, leader: int, m: NodeDrift) -> None:
+        """A node leader's drift read-out: the last one in finishes the reduce (the guard reads every rank's)."""
+        self._cycle.on_drift(leader, m)
         self.try_finish()
 
     # -- the finish ------------------------------------------------------------------------
@@ -118,8 +131,7 @@ class Reduces:
         if red is None:
             return False
         if len(self._cohort.deaths) == self._deaths_at_trigger:  # every member alive: all must have answered
-            answered = red.acks if red.backend is Backend.NCCL else red.snapshots
-            if len(answered) < len(red.members):
+            if red.awaiting is None and len(red.answered()) < len(red.members):
                 return False
         version, t = self._cycle.version, self._clock()
         with self._out.folding_updates(self._fold_updates):

@@ -51,6 +51,7 @@ from flodl_exp.protocol.messages import (
     ChunkMetrics,
     ExtendPartition,
     Lockstep,
+    NodePartial,
     Payload,
     RequestParams,
     SetGlobalStep,
@@ -385,7 +386,9 @@ class _ModelledDrift:
         self._inner = inner
         self._engine = engine
 
-    def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool) -> Consensus:
+    def average(self, snapshots: Sequence[Snapshot], *, gamma: float, idle_mean: bool,
+                partials: Sequence[NodePartial] = ()) -> Consensus:
+        """The simulator's ranks answer directly (it models no node groups): ``partials`` is always empty."""
         from flodl_exp.averaging import mass
 
         eng = self._engine

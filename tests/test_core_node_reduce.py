@@ -1,0 +1,298 @@
+"""Hierarchical cpu averaging (``cluster.node_reduce``, issue 52 item 2) in the control core: scripted ranks on two
+nodes, their leaders answering with node partials; no process, no socket.
+
+The consensus the core sends the leaders is the flat reduce's to the bit; a reduce finishes only once every leader's
+drift read-out is in (the guard reads every rank's); a leader that dies holding the consensus leaves its members
+their update sent directly; a member that died after its leader summed it is in the consensus, and its picks are
+not trained again."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+from control_fakes import FakeClock, make_config
+
+from flodl_exp.averaging import weighted_average
+from flodl_exp.config import RunShape, load_config
+from flodl_exp.core.commands import Broadcast, RankDeath, RankJoined, RankMessage, Send, Tick, TrainingStarts
+from flodl_exp.core.control_core import recording_core
+from flodl_exp.core.node_groups import node_groups, relay_prefix
+from flodl_exp.node_average import member_update, node_drift, node_partial
+from flodl_exp.protocol.messages import (
+    Batch,
+    ChunkMetrics,
+    EvalResult,
+    ExecuteEval,
+    ExtendPartition,
+    NodeDrift,
+    NodeGroup,
+    NodeUpdate,
+    Payload,
+    RequestParams,
+    Save,
+    SaveResult,
+    Shutdown,
+    Snapshot,
+    StartEpoch,
+    Update,
+)
+from flodl_exp.torch_averager import TorchAverager
+
+BATCH = 8
+HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def test_node_groups_follow_the_hosts_and_leave_single_ranks_out() -> None:
+    g = node_groups({0: "a", 1: "b", 2: "a", 3: "c", 4: "unknown", 5: "unknown"})
+    assert g.members == {0: [0, 2]}
+    assert g.leader_of(2) == 0 and g.leader_of(1) is None
+    msgs = g.messages("p")
+    assert [(r, m.leader, m.members, m.address) for r, m in msgs] == [(0, 0, [0, 2], "p-0"), (2, 0, [0, 2], "p-0")]
+    assert relay_prefix("/jobs/a", 0) != relay_prefix("/jobs/a", 1) != relay_prefix("/jobs/b", 0)
+
+
+class NodeRanks:
+    """Four ranks on two nodes (leaders 0 and 2) that train one batch a turn and answer at once: each leader sums
+    its node's snapshots into a partial (the real arithmetic), hands its members the update and reports their
+    drift. ``hold_drift``: leaders that keep their drift (and their members' updates) until released."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, list[tuple[int, int, int, int]]] = {r: [] for r in HOSTS}
+        self.chunk: dict[int, Optional[list[int]]] = {r: None for r in HOSTS}
+        self.steps = {r: 0 for r in HOSTS}
+        self.blocked = {r: False for r in HOSTS}
+        self.groups: dict[int, list[int]] = {}
+        self.snaps: dict[int, dict[int, Snapshot]] = {}
+        self.sent_snaps: dict[int, list[Snapshot]] = {}
+        self.dead: set[int] = set()
+        self.hold_drift: set[int] = set()
+        self.held: list[tuple[int, NodeUpdate]] = []
+        self.node_updates: list[tuple[int, NodeUpdate]] = []
+        self.direct_updates: list[tuple[int, Update]] = []
+        self.partials: list[tuple[int, Any]] = []
+        self.final_evals: list[int] = []
+        self.offered: dict[int, int] = {}
+        """Picks handed out per epoch (chunks and extensions): each epoch's once, unless some are trained again."""
+        self.shutdown = False
+        self.turn = 0
+
+    def snapshot(self, r: int, version: int) -> Snapshot:
+        g = torch.Generator().manual_seed(1000 * version + r)
+        return Snapshot(n=self.steps[r], version=version,
+                        tensors={"p0": torch.randn(5, 3, generator=g), "p1": torch.randn(3, generator=g),
+                                 "b0": torch.randn(3, generator=g)})
+
+    def hear(self, out: list[tuple[int, Payload]]) -> list[tuple[int, Payload]]:
+        answers: list[tuple[int, Payload]] = []
+        for r, p in out:
+            if r in self.dead:
+                continue
+            if isinstance(p, NodeGroup):
+                self.groups[p.leader] = list(p.members)
+            elif isinstance(p, (StartEpoch, ExtendPartition)):
+                self.plans[r].append((p.epoch, p.chunk, p.offset, p.size // BATCH))
+                self.offered[p.epoch] = self.offered.get(p.epoch, 0) + p.size
+            elif isinstance(p, RequestParams):
+                self.blocked[r] = p.barrier
+                leader = next((q for q, ms in self.groups.items() if r in ms), None)
+                snap = self.snapshot(r, p.version)
+                if leader is None or leader in self.dead:  # no group, or its relay broke: answer directly
+                    answers.append((r, snap))
+                    continue
+                got = self.snaps.setdefault(leader, {})
+                got[r] = snap
+                members = [q for q in self.groups[leader] if q not in self.dead]
+                if set(members) <= set(got) and leader not in self.dead:
+                    ranks = sorted(got)
+                    snaps = [got[q] for q in ranks]
+                    self.sent_snaps[leader] = snaps
+                    self.snaps[leader] = {}
+                    part = node_partial(p.version, ranks, snaps, 1.0)
+                    self.partials.append((leader, part))
+                    answers.append((leader, part))
+            elif isinstance(p, NodeUpdate):
+                self.node_updates.append((r, p))
+                if r in self.hold_drift:
+                    self.held.append((r, p))
+                else:
+                    answers += self.hand_on(r, p)
+            elif isinstance(p, Update):
+                self.direct_updates.append((r, p))
+                self.steps[r], self.blocked[r] = 0, False
+            elif isinstance(p, ExecuteEval) and p.final:
+                self.final_evals.append(r)
+            elif isinstance(p, Save):
+                answers.append((r, SaveResult(stem=p.stem)))
+            elif isinstance(p, Shutdown):
+                self.shutdown = True
+        return answers
+
+    def hand_on(self, leader: int, p: NodeUpdate) -> list[tuple[int, Payload]]:
+        for q in p.ranks:
+            if q not in self.dead:
+                member_update(p, q)
+                self.steps[q], self.blocked[q] = 0, False
+        snaps = [s for s, q in zip(self.sent_snaps[leader], sorted(self.groups[leader])) if q in p.ranks]
+        return [(leader, NodeDrift(version=p.version, ranks=list(p.ranks), drift=node_drift(snaps, p)))]
+
+    def next(self) -> Optional[tuple[int, Payload]]:
+        ready = []
+        for r in HOSTS:
+            if r in self.dead or self.blocked[r]:
+                continue
+            if self.chunk[r] is None and self.plans[r]:
+                e, cid, off, nb = self.plans[r].pop(0)
+                self.chunk[r] = [e, cid, off, nb, 0]
+            if self.chunk[r] is not None:
+                ready.append(r)
+        if not ready:
+            return None
+        r = ready[self.turn % len(ready)]
+        self.turn += 1
+        ch = self.chunk[r]
+        assert ch is not None
+        e, cid, off, nb, done = ch
+        if done < nb:
+            ch[4] += 1
+            self.steps[r] += 1
+            return r, Batch(ms=10.0, data_ms=1.0, chunk=cid, loss=0.5, lr=0.01)
+        self.chunk[r] = None
+        return r, ChunkMetrics(epoch=e, chunk=cid, avg_loss=0.5, batches=done, samples=done * BATCH,
+                               epoch_ms=10.0 * done, share_complete_ms=11.0 * done, compute_only_ms=10.0 * done,
+                               data_starve_ms=1.0 * done, ranges=[[off, done * BATCH]] if done else [],
+                               loss_batches=done)
+
+
+class Run:
+    def __init__(self, epochs: int = 2, **overrides: Any) -> None:
+        cfg = load_config(make_config("cpu_cadence", 4, epochs, **{"cluster.node_reduce": True, **overrides}))
+        self.clock = FakeClock()
+        self.core, self.commands = recording_core(cfg, self.clock, averager=TorchAverager(RunShape.of(cfg).outer))
+        self.ranks = NodeRanks()
+        self.pending: list[tuple[int, Payload]] = []
+
+    def take(self) -> list[tuple[int, Payload]]:
+        out: list[tuple[int, Payload]] = []
+        for c in self.commands:
+            if isinstance(c, Send):
+                out.append((c.rank, c.payload))
+            elif isinstance(c, Broadcast):
+                out += [(r, c.payload) for r in c.to]
+        self.commands.clear()
+        return out
+
+    def handle(self, event: Any) -> None:
+        self.commands.extend(self.core.handle(event))
+        self.pending += self.ranks.hear(self.take())
+
+    def start(self, samples: int = 192) -> None:
+        for r, host in HOSTS.items():
+            self.handle(RankJoined(r, 0.0, host))
+        self.handle(TrainingStarts(samples, None, self.clock()))
+
+    def play(self, until: Any = lambda: False, max_steps: int = 20000) -> None:
+        for _ in range(max_steps):
+            if self.ranks.shutdown or until():
+                return
+            msg = self.pending.pop(0) if self.pending else self.ranks.next()
+            if msg is None:
+                if self.ranks.final_evals:
+                    r = self.ranks.final_evals.pop()
+                    msg = (r, EvalResult(epoch=self.core.epochs - 1, metrics={"acc": 0.9}, final=True, elapsed_ms=5.0))
+                else:
+                    self.clock.advance(0.05)
+                    n = len(self.pending)
+                    self.handle(Tick(self.clock()))
+                    if len(self.pending) == n and self.ranks.next() is None and not self.ranks.final_evals:
+                        raise AssertionError(f"nothing moves in phase {self.core.life.phase}")
+                    continue
+            self.clock.advance(0.01)
+            self.handle(RankMessage(msg[0], msg[1], self.clock()))
+            self.handle(Tick(self.clock()))
+        raise AssertionError("the script did not end")
+
+
+def test_a_run_on_two_nodes_reduces_through_the_leaders_with_the_flat_consensus() -> None:
+    run = Run()
+    run.start()
+    run.play()
+    assert run.ranks.shutdown and run.core.life.status.name == "FINISHED"
+    assert run.ranks.groups == {0: [0, 1], 2: [2, 3]}
+    assert run.ranks.node_updates, "the reduces went through the leaders"
+    assert {r for r, _ in run.ranks.node_updates} == {0, 2}
+    assert not run.ranks.direct_updates, "no rank was sent an update of its own"
+    assert run.core.syncs == len(run.ranks.node_updates) // 2
+    # Each reduce's consensus is the flat reduce's of the same snapshots, to the bit.
+    checked = 0
+    for v in sorted({p.version for _, p in run.ranks.partials}):
+        snaps = [run.ranks.snapshot(r, v) for r in sorted(HOSTS)]
+        ns = {r: n for _, p in run.ranks.partials if p.version == v for r, n in zip(p.ranks, p.ns)}
+        for r, s in zip(sorted(HOSTS), snaps):
+            s.n = ns[r]
+        flat = weighted_average([s.n for s in snaps], [[s.tensors["p0"], s.tensors["p1"]] for s in snaps],
+                                [[s.tensors["b0"]] for s in snaps], 1.0)
+        ups = [u for _, u in run.ranks.node_updates if u.version == v]
+        if flat is None:
+            assert all(u.skip for u in ups)
+            continue
+        for u in ups:
+            assert torch.equal(u.tensors["p0"], flat[0][0]) and torch.equal(u.tensors["p1"], flat[0][1])
+            assert torch.equal(u.tensors["b0"], flat[1][0])
+        checked += 1
+    assert checked >= 2
+
+
+def test_a_reduce_finishes_only_with_every_leaders_drift() -> None:
+    run = Run()
+    run.ranks.hold_drift = {2}
+    run.start()
+    run.play(until=lambda: bool(run.ranks.held))
+    v = run.core.syncs
+    with pytest.raises(AssertionError, match="nothing moves"):
+        run.play()  # every answer delivered, the clock running: the reduce waits for node b's drift
+    assert run.core.syncs == v, "no finish without node b's drift"
+    leader, upd = run.ranks.held.pop()
+    run.ranks.hold_drift.clear()
+    run.pending += run.ranks.hand_on(leader, upd)
+    run.play(until=lambda: run.core.syncs > v)
+    assert run.core.syncs == v + 1
+    run.play()
+    assert run.core.life.status.name == "FINISHED"
+    assert run.core.dispatch.lost_picks == 0
+    assert run.ranks.offered == {0: 192, 1: 192}
+
+
+def test_a_member_dead_after_its_leader_summed_it_is_in_the_consensus() -> None:
+    run = Run(**{"cluster.max_failure": 2})
+    run.ranks.hold_drift = {0}
+    run.start()
+    run.play(until=lambda: bool(run.ranks.held))
+    v = run.core.syncs
+    run.ranks.dead.add(1)
+    run.handle(RankDeath(1, "killed", run.clock()))
+    leader, upd = run.ranks.held.pop()
+    run.ranks.hold_drift.clear()
+    run.pending += run.ranks.hand_on(leader, upd)
+    run.play(until=lambda: run.core.syncs > v)
+    run.play()
+    assert run.core.life.status.name == "FINISHED"
+    assert run.ranks.offered == {0: 192, 1: 192}, "its summed picks are not trained again"
+
+
+def test_a_leader_dead_with_the_consensus_leaves_its_members_their_update() -> None:
+    run = Run(**{"cluster.max_failure": 2})
+    run.ranks.hold_drift = {2}
+    run.start()
+    run.play(until=lambda: bool(run.ranks.held))
+    v = run.core.syncs
+    run.ranks.dead.add(2)
+    run.handle(RankDeath(2, "killed", run.clock()))
+    assert any(r == 3 and u.version == v for r, u in run.ranks.direct_updates), "rank 3 got its update directly"
+    run.play(until=lambda: run.core.syncs > v)
+    assert run.core.syncs == v + 1
+    run.play()
+    assert run.core.life.status.name == "FINISHED"
+    assert run.core.dispatch.lost_picks == 0
+    assert run.ranks.offered == {0: 192, 1: 192}
+
