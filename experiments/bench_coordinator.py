@@ -97,7 +97,23 @@ def _time_reduce_phases(st: dict[str, Any]) -> Any:
             st.setdefault("finish_cpu", []).append(time.thread_time() - c0)  # the main thread's own CPU
         return done
 
+    on_partial, average_cpu = AveragingCycle.on_partial, AveragingCycle._average_cpu
+
+    def timed_partial(self: AveragingCycle, leader: int, part: Any) -> list[int]:
+        took = on_partial(self, leader, part)
+        t = mono()
+        snaps = st.setdefault("snaps", {}).setdefault(str(self.version), [t, t])
+        snaps[1] = t
+        return took
+
+    def timed_average(self: AveragingCycle, red: Any, live: list[int], alive: Any) -> None:
+        average_cpu(self, red, live, alive)
+        if red.partials:  # node_reduce: the consensus left for the leaders here (the finish waits for their drift)
+            st.setdefault("sent", {})[str(self.version)] = mono()
+
     AveragingCycle.on_snapshot = timed_snapshot  # type: ignore[method-assign]
+    AveragingCycle.on_partial = timed_partial  # type: ignore[method-assign,assignment]
+    AveragingCycle._average_cpu = timed_average  # type: ignore[method-assign]
     Reduces._finish_one = timed_finish_one  # type: ignore[method-assign]
     return finish_prof
 
@@ -250,7 +266,7 @@ class SimRank:
 
 class SimProcess:
     def __init__(self, ranks: list[int], rdv: dict[str, Any], out: dict[str, Any], *, rate: float, deadline: float,
-                 max_batches: Optional[int], coalesce_ms: float = 0.0) -> None:
+                 max_batches: Optional[int], coalesce_ms: float = 0.0, node_size: int = 0) -> None:
         import torch
 
         from flodl_exp.protocol import wire
@@ -267,12 +283,21 @@ class SimProcess:
         self.out = out
         self.sel = selectors.DefaultSelector()
         self.sims: list[SimRank] = []
+        self.by_rank: dict[int, SimRank] = {}
+        self.groups: dict[int, list[int]] = {}
+        """node_size: leader -> its node's ranks (the coordinator's NodeGroup); this process plays every node's
+        leader and its relay: the members' snapshots meet in memory, no socket (the coordinator's cost is measured)."""
+        self.node_snaps: dict[int, dict[int, Any]] = {}
+        """leader -> rank -> its snapshot for the reduce asked (the partial goes when the node's are all in)."""
+        self.sent_snaps: dict[int, list[Any]] = {}
         model_bytes = snapshot_nbytes(self.model)
         bs = int(rdv["batch_size"])
         self.bs = bs
-        for r in ranks:
+        for i, r in enumerate(ranks):
+            # node_size: this process's ranks, node_size at a time, each on a node of its own name
+            host = f"{os.uname().nodename}-p{ranks[0]}-n{i // node_size}" if node_size > 1 else os.uname().nodename
             conn = wire.dial(HOST, int(rdv["port"]), timeout=30)
-            hello = Hello(rank=r, host=os.uname().nodename, pid=os.getpid(), device="cpu", model_bytes=model_bytes,
+            hello = Hello(rank=r, host=host, pid=os.getpid(), device="cpu", model_bytes=model_bytes,
                           samples=int(rdv["samples"]))
             wire.client_handshake(conn, rdv["token"], hello.to_dict(), timeout=60)
             conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
@@ -283,6 +308,7 @@ class SimProcess:
             ms = 1e3 / rate if rate > 0 else (10.0 if r % 4 else 14.0)
             sim = SimRank(r, conn, ms=ms, pacer=pacer)
             self.sims.append(sim)
+            self.by_rank[r] = sim
             self.sel.register(conn.sock, selectors.EVENT_READ, sim)
         out.update(handshaken=len(self.sims), batches=0, metrics=0, snapshots=0, updates=0, rp=[], windows=[], completions=[],
                    evals=0, saves=0, exited=0, frames=0)
@@ -309,16 +335,29 @@ class SimProcess:
             out["windows"].append([m.version, sim.last_send])
             out["completions"].append([m.version, sim.completed_at])
             sim.completed_at = None
-            self.send(sim, self.backend.snapshot(self.model, sim.steps))
+            snap = self.backend.snapshot(self.model, sim.steps)
+            snap.version = m.version
             out["snapshots"] += 1
             sim.waiting = sim.waiting or m.barrier
+            leader = next((q for q, ms in self.groups.items() if sim.rank in ms), None)
+            if leader is None:
+                self.send(sim, snap)
+            else:
+                self.to_leader(leader, sim.rank, snap)
         elif isinstance(m, p.Update):
-            out["updates"] += 1
-            sim.steps, sim.waiting, sim.last_send = 0, False, None
-            sim.next_t = 0.0  # resume at the pace from now
+            self.adopted(sim)
             if m.next_plan is not None:
                 e, o, s, c = (int(x) for x in m.next_plan)
                 sim.plans.append((e, o, s, c))
+        elif isinstance(m, p.NodeGroup):
+            self.groups[m.leader] = list(m.members)
+        elif isinstance(m, p.NodeUpdate):
+            from flodl_exp.node_average import node_drift
+
+            for r in m.ranks:
+                self.adopted(self.by_rank[r])
+            snaps = self.sent_snaps.pop(sim.rank, [])
+            self.send(sim, p.NodeDrift(version=m.version, ranks=list(m.ranks), drift=node_drift(snaps, m)))
         elif isinstance(m, p.Throttle):
             sim.waiting = True
         elif isinstance(m, p.ReportPace):
@@ -334,6 +373,25 @@ class SimProcess:
             out["exited"] += 1
             self.finish(sim)
         # heartbeats, global steps, epoch roles, advisories, epoch aggregates: nothing to do
+
+    def adopted(self, sim: SimRank) -> None:
+        self.out["updates"] += 1
+        sim.steps, sim.waiting, sim.last_send = 0, False, None
+        sim.next_t = 0.0  # resume at the pace from now
+
+    def to_leader(self, leader: int, r: int, snap: Any) -> None:
+        """A member's snapshot handed to its node's leader (in memory); the last one in sends the node's partial."""
+        from flodl_exp.node_average import node_partial
+
+        got = self.node_snaps.setdefault(leader, {})
+        got[r] = snap
+        if len(got) < len(self.groups[leader]):
+            return
+        ranks = sorted(got)
+        snaps = [got[q] for q in ranks]
+        self.node_snaps[leader] = {}
+        self.sent_snaps[leader] = snaps
+        self.send(self.by_rank[leader], node_partial(int(snap.version), ranks, snaps, 1.0))
 
     def finish(self, sim: SimRank) -> None:
         if not sim.done:
@@ -445,7 +503,7 @@ def sim_entry(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {"ranks": len(ranks), "handshaken": 0}
     try:
         proc = SimProcess(ranks, rdv, out, rate=args.rate, deadline=time.monotonic() + args.seconds,
-                          max_batches=args.max_batches, coalesce_ms=args.coalesce_ms)
+                          max_batches=args.max_batches, coalesce_ms=args.coalesce_ms, node_size=args.node_size)
         proc.run(args.go)
     except Exception as e:  # reported to the parent, which fails the run
         out["error"] = f"{type(e).__name__}: {e}"
@@ -464,7 +522,7 @@ def raise_nofile(need: int) -> int:
     return soft
 
 
-def compose_config(n: int, batch_size: int, uri: str, coalesce_ms: float = 50.0) -> dict[str, Any]:
+def compose_config(n: int, batch_size: int, uri: str, coalesce_ms: float = 50.0, node_reduce: bool = False) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -476,7 +534,7 @@ def compose_config(n: int, batch_size: int, uri: str, coalesce_ms: float = 50.0)
             "mode=cpu_cadence", "experiment=digits_logistic", "experiment.epochs=1",
             f"experiment.batch_size={batch_size}", f"cluster.ranks_per_node={n}", "cluster.device=cpu",
             "eval.every=0", "cluster.heartbeat_timeout_s=60", f"tracking.uri={uri}",
-            f"cluster.report_coalesce_ms={coalesce_ms}",
+            f"cluster.report_coalesce_ms={coalesce_ms}", f"cluster.node_reduce={str(node_reduce).lower()}",
             # no launcher here to deliver the records: the job's sink process does; no prediction at the run's end
             # (its simulated control core would count in the coordinator's own timers)
             "tracking.relay=false", "tracking.predict=false"])
@@ -511,7 +569,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: float = DEFAULT_TIMEOUT_S,
              batch_size: int = 8, workdir: Optional[str] = None, profile: Optional[str] = None,
-             keep: bool = False, coalesce_ms: float = 50.0, profile_s: float = 8.0) -> dict[str, Any]:
+             keep: bool = False, coalesce_ms: float = 50.0, profile_s: float = 8.0, node_size: int = 0) -> dict[str, Any]:
     """One coordinator and ``n`` simulated ranks until the run ends (or ``timeout_s``); the measurements."""
     raise_nofile(n + 256)
     from flodl_exp import tracking
@@ -522,7 +580,7 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
     job = tmp / f"job-{n}-{time.time_ns()}"
     job.mkdir(mode=0o700)
     uri = f"sqlite:///{tmp}/mlflow.db"
-    cfg = compose_config(n, batch_size, uri, coalesce_ms)
+    cfg = compose_config(n, batch_size, uri, coalesce_ms, node_reduce=node_size > 1)
     run_id = tracking.create_run(uri, "bench_coordinator", str(tmp / "mlartifacts"), f"bench-{n}", {"world_size": n},
                                  {"bench": "coordinator"})
     per_rank = max(1, batches // n)
@@ -557,7 +615,8 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
             ranks = ",".join(str(r) for r in range(i, n, k))
             started.append(subprocess.Popen(
                 [sys.executable, __file__, "--sim", "--rdv", str(sim_rdv), "--ranks", ranks, "--out", str(outs[i]),
-                 "--rate", str(rate), "--seconds", str(timeout_s), "--go", str(go), "--coalesce-ms", str(coalesce_ms)],
+                 "--rate", str(rate), "--seconds", str(timeout_s), "--go", str(go), "--coalesce-ms", str(coalesce_ms),
+                 "--node-size", str(node_size)],
                 cwd=ROOT, env=env,
                 stdin=subprocess.DEVNULL))
         wait_quiet(job, coord, started, deadline=time.monotonic() + 120)
@@ -719,19 +778,23 @@ def _reduce_phases(stats: dict[str, Any]) -> dict[str, float]:
     thread and the other processes took from it: the figure a change of the coordinator's own work moves on a
     busy machine)."""
     snaps = stats.get("snaps", {})
-    first, rest, avg, flush, whole = [], [], [], [], []
+    sent = stats.get("sent", {})
+    first, rest, avg, flush, whole, drift = [], [], [], [], [], []
     for (v, t, _), (_, f), fl in zip(stats.get("triggers", []), stats.get("finishes", []), stats.get("flushed", [])):
-        whole.append((fl - t) * 1e3)
+        to_leaders = sent.get(str(v))
+        whole.append(((to_leaders if to_leaders is not None else fl) - t) * 1e3)
+        if to_leaders is not None:
+            drift.append((fl - to_leaders) * 1e3)
         s = snaps.get(str(v))
         if s is None:
             continue
         first.append((s[0] - t) * 1e3)
         rest.append((s[1] - s[0]) * 1e3)
-        avg.append((f - s[1]) * 1e3)
+        avg.append(((to_leaders if to_leaders is not None else f) - s[1]) * 1e3)
         flush.append((fl - f) * 1e3)
     med = _median_or_nan
     return {"reduce_sent_ms": med(whole), "first_snap_ms": med(first), "snaps_ms": med(rest), "average_ms": med(avg), "flush_ms": med(flush),
-            "finish_cpu_ms": med([c * 1e3 for c in stats.get("finish_cpu", [])])}
+            "drift_ms": med(drift), "finish_cpu_ms": med([c * 1e3 for c in stats.get("finish_cpu", [])])}
 
 
 COLUMNS = [("n", "N", "{:d}"), ("batch_per_s", "batch/s", "{:,.0f}"), ("turn_p50_ms", "turn p50 ms", "{:.2f}"),
@@ -741,7 +804,7 @@ COLUMNS = [("n", "N", "{:d}"), ("batch_per_s", "batch/s", "{:,.0f}"), ("turn_p50
            ("reduces", "reduces", "{:d}"), ("reduce_ms", "reduce ms", "{:.0f}"), ("reduce_sent_ms", "to sent ms", "{:.0f}"),
            ("asked_ms", "asked ms", "{:.0f}"),
            ("first_snap_ms", "1st snap ms", "{:.0f}"), ("snaps_ms", "snaps ms", "{:.0f}"),
-           ("average_ms", "average ms", "{:.0f}"), ("flush_ms", "flush ms", "{:.0f}"),
+           ("average_ms", "average ms", "{:.0f}"), ("flush_ms", "flush ms", "{:.0f}"), ("drift_ms", "drift ms", "{:.0f}"),
            ("finish_cpu_ms", "finish cpu ms", "{:.0f}"), ("absorbed", "batches", "{:d}")]
 
 
@@ -836,6 +899,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "N x pace x seconds batches, and the output ends with one 'paced N=...' line per size")
     ap.add_argument("--coalesce-ms", type=float, default=50.0,
                     help="cluster.report_coalesce_ms of the run and its simulated ranks (0 = a frame per batch)")
+    ap.add_argument("--node-size", type=int, default=0,
+                    help="hierarchical averaging (cluster.node_reduce, issue 52): each simulating process's ranks "
+                         "form nodes of this many, a leader answering each reduce with the node's partial "
+                         "(0 = flat: every rank answers the coordinator)")
     ap.add_argument("--profile", default=None, help="py-spy flame graph of the coordinator (first run of the largest size)")
     ap.add_argument("--keep", default=None, help="keep the job folders under this directory")
     ap.add_argument("--json", default=None, help="also write every run's measurements here")
@@ -857,7 +924,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             prof = args.profile if (args.profile and n == max(sizes) and i == 0) else None
             r = run_once(n, batches=plan.batches(n), procs=args.procs, rate=plan.rate, profile=prof,
                          workdir=args.keep, coalesce_ms=args.coalesce_ms, timeout_s=plan.timeout_s,
-                         profile_s=plan.seconds or 8.0)
+                         profile_s=plan.seconds or 8.0, node_size=args.node_size)
             print(f"N={n} run {i + 1}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                       for k, v in r.items()), flush=True)
             if r["errors"] or r["status"] != "FINISHED" or r["absorbed"] != r["sent"]:

@@ -29,6 +29,8 @@ class WireOutbox:
         self._transport = transport
         self._cohort = cohort
         self._held: Optional[dict[int, list[Payload]]] = None
+        self._hold_all = False
+        """Within :meth:`coalescing`: every rank's messages are held, not only those behind an update."""
         self._parts: Optional[SharedParts] = None
 
     def _encode(self, payload: Payload) -> Message:
@@ -60,7 +62,7 @@ class WireOutbox:
 
     def send(self, r: int, payload: Payload) -> bool:
         held = self._held
-        if held is not None and (r in held or isinstance(payload, Update)):
+        if held is not None and (self._hold_all or r in held or isinstance(payload, Update)):
             return self._hold(held, r, payload)
         return self._transport.send(r, self._encode(payload))
 
@@ -70,8 +72,8 @@ class WireOutbox:
         for r in self._cohort.alive_ranks():
             if among is not None and not among(r):
                 continue
-            if self._held is not None and r in self._held:
-                self._held[r].append(payload)  # behind the rank's held update, in order
+            if self._held is not None and (self._hold_all or r in self._held):
+                self._held.setdefault(r, []).append(payload)  # behind the rank's held messages, in order
             else:
                 self._transport.send(r, msg)
 
@@ -97,6 +99,22 @@ class WireOutbox:
         else:
             queue.append(payload)
         return True
+
+    @contextlib.contextmanager
+    def coalescing(self) -> Iterator[None]:
+        """Within the block every message to a rank is held, and leaving it sends each rank's as one frame: a
+        hierarchical reduce's finish (the next chunks, paces, advisories and the global step of up to every rank,
+        after the node leaders handed on the consensus) costs a frame a rank, as a folded update does."""
+        if self._held is not None:
+            yield
+            return
+        self._held, self._hold_all = {}, True
+        try:
+            yield
+        finally:
+            held, self._held, self._hold_all = self._held, None, False
+            for r, queue in held.items():
+                self._send_queue(r, queue)
 
     @contextlib.contextmanager
     def folding_updates(self, enabled: bool = True) -> Iterator[None]:

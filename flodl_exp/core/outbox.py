@@ -32,6 +32,10 @@ class Outbox(Protocol):
         """Within the block, one tensors dict sent to several ranks may be encoded once (it must not change)."""
         ...
 
+    def coalescing(self) -> AbstractContextManager[None]:
+        """Within the block, a rank's messages may leave together (one frame on the wire)."""
+        ...
+
 
 class DirectOutbox(abc.ABC):
     """An outbox whose payloads are handed over one by one as they are sent: framing is nobody's concern, so
@@ -51,4 +55,8 @@ class DirectOutbox(abc.ABC):
 
     @contextlib.contextmanager
     def sharing_tensors(self) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def coalescing(self) -> Iterator[None]:
         yield

@@ -134,7 +134,9 @@ class Reduces:
             if red.awaiting is None and len(red.answered()) < len(red.members):
                 return False
         version, t = self._cycle.version, self._clock()
-        with self._out.folding_updates(self._fold_updates):
+        # A hierarchical reduce finishes when the leaders' drift is in, its updates long sent: what the finish sends
+        # each rank (its next chunk, its pace, the global step) leaves in one frame a rank, as behind an update.
+        with self._out.coalescing() if red.awaiting is not None else self._out.folding_updates(self._fold_updates):
             out = self._cycle.try_finish(self._cohort.alive)
             if out is not None:
                 self._after_reduce(red, out, version, t)

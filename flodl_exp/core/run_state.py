@@ -23,7 +23,7 @@ def run_state(*, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle, dispatc
         "epoch": dispatch.current_epoch(), "dispatch_gate": dispatch.gate.value,
         "reduce": None if red is None else {
             "backend": red.backend, "final": red.final, "age_s": round(now - red.started, 3),
-            "members": sorted(red.members), "answered": sorted(set(red.acks) | set(red.snapshots))},
+            "members": sorted(red.members), "answered": sorted(red.answered())},
         "pending_saves": pending_saves,
         "ranks": [{"rank": r, "alive": cohort.alive(r), "exited": cohort.exited(r),
                    "silent_s": round(cohort.silent_for(r, now), 3), "batches": cohort.batches[r],
