@@ -96,6 +96,14 @@ class Collective(EventRecord):
 
 
 @dataclass(frozen=True)
+class NodeGroups(EventRecord):
+    """``cluster.node_reduce``: each node leader and the ranks it averages first (leader -> ranks)."""
+
+    EVENT = "node_groups"
+    groups: Mapping[int, list[int]]
+
+
+@dataclass(frozen=True)
 class AutoMode(EventRecord):
     """mode=auto's choice: every candidate's prediction, and how long the probe and the simulations took."""
 

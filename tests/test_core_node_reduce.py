@@ -296,3 +296,24 @@ def test_a_leader_dead_with_the_consensus_leaves_its_members_their_update() -> N
     assert run.core.dispatch.lost_picks == 0
     assert run.ranks.offered == {0: 192, 1: 192}
 
+
+
+def test_a_member_whose_relay_broke_after_the_partial_gets_its_update_directly() -> None:
+    run = Run()
+    run.ranks.hold_drift = {0}
+    run.start()
+    run.play(until=lambda: bool(run.ranks.held))
+    v = run.core.syncs
+    before = len(run.ranks.direct_updates)
+    run.handle(RankMessage(1, run.ranks.snapshot(1, v), run.clock()))  # its snapshot again, directly
+    assert [(r, u.version) for r, u in run.ranks.direct_updates[before:]] == [(1, v)]
+    assert run.core.syncs == v, "the partial still answers for it: no second share"
+
+
+def test_reports_a_partial_overtook_count_toward_no_later_window() -> None:
+    from flodl_exp.core.cycle import Ledger
+
+    led = Ledger(late=2)
+    for _ in range(3):
+        led.add(10.0, 1.0, 0.5)
+    assert (led.steps, led.window_batches, led.late) == (1, 1, 0)

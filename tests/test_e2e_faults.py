@@ -35,11 +35,17 @@ def test_a_lost_rank_of_three_recovers(store, mode, fault, experiment, monkeypat
     the progress watch declares it dead and evicts it, and the run recovers the same way. digits_accumulate:
     the cooperative tier (the user's own loop, flodl_exp/zoo/loops.py) recovers as the managed one."""
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"1:25:{fault}")  # mid epoch 2 (about 15 batches per rank per epoch)
+    # cpu_cadence runs with hierarchical averaging (issue 52): rank 0 leads the node and sums its peers' snapshots;
+    # rank 1, a member, dies mid-window and the partials go on without it
+    node_reduce = mode == "cpu_cadence"
     h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=6",
-                f"experiment={experiment}")
+                f"experiment={experiment}", f"cluster.node_reduce={str(node_reduce).lower()}")
     res = h.wait()
     assert res["status"] == "FINISHED"
     assert [d["rank"] for d in res["deaths"]] == [1]
+    if node_reduce:
+        groups = [e["groups"] for e in read_events(Path(h.job_dir)) if e.get("event") == "node_groups"]
+        assert groups == [{"0": [0, 1, 2]}]
     if fault == "stall":
         assert "no training step" in res["deaths"][0]["reason"]
         pid = next(e["pid"] for e in read_events(Path(h.job_dir)) if e.get("event") == "joined" and e["rank"] == 1)

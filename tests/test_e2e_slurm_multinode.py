@@ -183,10 +183,11 @@ def test_nccl_cadence_across_two_nodes(cluster, store):
 
 @pytest.mark.timeout(300)
 def test_cpu_async_across_two_nodes(cluster, store):
-    """cpu_async 2x2: snapshots through the coordinator on node 0, from both nodes."""
+    """cpu_async 2x2 with hierarchical averaging (issue 52): each node's lower rank sums its node's snapshots and
+    hands on the consensus; the coordinator on node 0 combines one partial per node."""
     records = Path(store["dir"]) / "mn_records_async"
     t0 = time.monotonic()
-    r = run_cli(_overrides(store, "mode=cpu_async", f"record_log.dir={records}"), timeout=280)
+    r = run_cli(_overrides(store, "mode=cpu_async", f"record_log.dir={records}", "cluster.node_reduce=true"), timeout=280)
     _ok(r)
     print(f"\n[{TAG}] cpu_async 2x2: {time.monotonic() - t0:.1f}s", file=sys.stderr)
     job, run_id, job_id = job_dir_of(r.stdout), run_id_of(r.stdout), _job_id(r.stdout)
@@ -198,6 +199,7 @@ def test_cpu_async_across_two_nodes(cluster, store):
     assert res["status"] == "FINISHED" and len(res["finals"]) == 4 and not res.get("deaths")
     _assert_two_nodes(job, cluster)
     _assert_records(records)
+    assert [e["groups"] for e in read_events(job) if e.get("event") == "node_groups"] == [{"0": [0, 1], "2": [2, 3]}]
 
 
 @pytest.mark.timeout(360)

@@ -398,6 +398,7 @@ class ControlCore:
         if groups.members:
             log.info("cluster.node_reduce: %d node(s) average their ranks first (leaders %s)", len(groups.members),
                      sorted(groups.members))
+            self.obs.emit(ev.NodeGroups(groups={q: list(rs) for q, rs in groups.members.items()}))
         else:
             log.info("cluster.node_reduce: no node holds two ranks; every rank answers the coordinator directly")
 

@@ -13,6 +13,7 @@ coordinator's business.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -65,8 +66,14 @@ class Ledger:
     loss_count: int = 0
     throttled: bool = False
     """A Throttle was sent this window (cpu backend, max_batch_diff); cleared at every finish."""
+    late: int = 0
+    """Batch reports still to come for steps a finished reduce already counted: a node's partial (on its leader's
+    connection) can overtake its members' last reports (on their own). They belong to no later window."""
 
     def add(self, batch_ms: float, data_ms: float, loss: Optional[float] = None) -> None:
+        if self.late > 0:
+            self.late -= 1
+            return
         if loss is not None and math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
@@ -109,6 +116,8 @@ class Reduce:
     """Member -> the leader whose partial holds its share (a partial supersedes the member's own snapshot)."""
     awaiting: Optional[AwaitingDrift] = None
     """The consensus went out to node leaders: the reduce finishes when their drift read-outs are in."""
+    resend: set[int] = field(default_factory=set)
+    """Members of a partial that answered again themselves (their relay broke): sent their update directly."""
 
     def answered(self) -> set[int]:
         """The members whose share is in (cpu: a snapshot, or a node's partial)."""
@@ -488,9 +497,18 @@ class AveragingCycle:
         """A rank's own answer; False when it answers nothing (no reduce in flight, another version's, or its
         share came in its node's partial already)."""
         red = self._in_flight
-        if red is None or red.backend is not Backend.CPU or r not in red.members or red.awaiting is not None:
+        if red is None or red.backend is not Backend.CPU or r not in red.members:
             return False
-        if r in red.via or (snap.version is not None and snap.version != self._version):
+        if snap.version is not None and snap.version != self._version:
+            return False
+        if r in red.via:
+            # Its share is in its node's partial, but its relay broke before the leader handed it the update:
+            # it gets the update directly (now, or with the others), and ignores a second copy by its version.
+            red.resend.add(r)
+            if red.awaiting is not None:
+                self._out.send(r, red.awaiting.update(r))
+            return False
+        if red.awaiting is not None:
             return False
         red.snapshots[r] = snap
         return True
@@ -708,21 +726,33 @@ class AveragingCycle:
         if tensors is None:
             for r in direct:
                 div[r], pre[r] = 0.0, None
+        lead = NodeUpdate(version=version, ranks=[], ns=[], alpha=alpha, skip=tensors is None,
+                          tensors=dict(res.leader_tensors) if res.leader_tensors is not None else {})
+        leaders = self._send_consensus(red, direct, update, lead, alive)
+        red.awaiting = AwaitingDrift(n, div, pre, res.post, res.outer, (self._clock() - red.started) * 1e3, leaders,
+                                     update, dead_in)
+
+    def _send_consensus(self, red: Reduce, direct: list[int], update: Callable[[int], Update], lead: NodeUpdate,
+                        alive: Callable[[int], bool]) -> dict[int, list[int]]:
+        """Each direct answerer its Update; each live leader a NodeUpdate (``lead`` with its node's ranks and
+        steps), a dead leader's members their Update directly; members whose relay broke theirs too. Returns the
+        leaders that owe a drift read-out, and for which ranks."""
         leaders: dict[int, list[int]] = {}
-        lead = dict(res.leader_tensors) if res.leader_tensors is not None else {}
         with self._out.sharing_tensors():
             for r in direct:
                 self._out.send(r, update(r))
             for q, p in sorted(red.partials.items()):
-                if alive(q) and self._out.send(q, NodeUpdate(version=version, ranks=list(p.ranks), ns=list(p.ns),
-                                                             alpha=alpha, skip=tensors is None, tensors=lead)):
+                msg = dataclasses.replace(lead, ranks=list(p.ranks), ns=list(p.ns))
+                if alive(q) and self._out.send(q, msg):
                     leaders[q] = list(p.ranks)
-                else:
-                    for r in p.ranks:
-                        if alive(r):
-                            self._out.send(r, update(r))
-        red.awaiting = AwaitingDrift(n, div, pre, res.post, res.outer, (self._clock() - red.started) * 1e3, leaders,
-                                     update, dead_in)
+                    continue
+                for r in p.ranks:
+                    if alive(r):
+                        self._out.send(r, update(r))
+            for r in sorted(red.resend):
+                if alive(r) and red.via.get(r) in leaders:
+                    self._out.send(r, update(r))
+        return leaders
 
     def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
                 post: Optional[float], sync_ms: float, alive: Callable[[int], bool],
@@ -748,6 +778,7 @@ class AveragingCycle:
             else:
                 # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
                 # were overwritten (or blended away) by the update, so they count toward no later window.
+                self._ledger[r].late = max(0, n[r] - self._ledger[r].steps)
                 self._ledger[r].steps = 0
         for led in self._ledger:
             led.reset_timing()

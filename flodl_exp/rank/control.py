@@ -7,7 +7,8 @@ coordinator handed out, the running chunk, the throttle and barrier flags, the c
 consensus, the trained steps not reported yet. Control messages are handled between batches (never while a
 collective could deadlock): start_epoch, extend_partition, form_group, regroup, sync_now, request_params,
 update, set_global_step, throttle, execute_eval, set_epoch_role, epoch_aggregated, stage_advisory, save,
-checkpoint, request_session, evict, shutdown. The rank is mode-agnostic: policies live in the coordinator.
+checkpoint, request_session, evict, shutdown, and (``cluster.node_reduce``) node_group and node_update. The rank is
+mode-agnostic: policies live in the coordinator.
 
 It sends through a ``send(payload)`` function and reads from a :class:`~flodl_exp.rank.inbox.ControlInbox`;
 it opens no socket, starts no thread and says no hello, so its tests build it directly (a list's ``append``
@@ -45,6 +46,8 @@ from flodl_exp.protocol.messages import (
     ExtendPartition,
     FormGroup,
     Lockstep,
+    NodeGroup,
+    NodeUpdate,
     Payload,
     Probe,
     ProbeResult,
@@ -68,6 +71,7 @@ from flodl_exp.protocol.messages import (
 from flodl_exp.rank.backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, LockstepMisaligned, snapshot_nbytes
 from flodl_exp.rank.fault_inject import ARMED_KINDS, fire_armed, inject_fault
 from flodl_exp.rank.inbox import ControlInbox
+from flodl_exp.rank.node_relay import LeaderRelay, NodeRelay
 from flodl_exp.rank.trainer import Batch as BatchData
 from flodl_exp.rank.trainer import EpochState, PendingStep, RankTrainer
 
@@ -75,6 +79,9 @@ log = logging.getLogger("flodl_exp.rank")
 
 GroupJoiner = Callable[[FormGroup, Callable[[], None]], CollectiveBackend]
 """Forms the cohort's process group for a FormGroup, calling the poll (control) while it waits on its members."""
+RelayOpener = Callable[[NodeGroup, float], Optional[NodeRelay]]
+"""cpu backend, ``cluster.node_reduce``: this rank's end of its node's relay for a NodeGroup, given the mass exponent
+(rank/node_relay.py ``open_relay``); None: no relay, the rank answers the coordinator directly."""
 
 
 class Evicted(RuntimeError):
@@ -90,13 +97,15 @@ class RankControl:
     replicated state (cpu: it runs at the coordinator, ``outer`` is None). ``cpu``: the snapshot/update
     codec of the cpu backend. ``join_group``: forms the process group a FormGroup names (None: this rank
     cannot join one). ``pace``: the coordinator's ReportPace for ``send``'s Batch coalescing
-    (rank/report_pacer.py; None: ignored, every report goes at once). ``fault``: an injected fault (step, kind) from ``FLODL_FAULT_INJECT``."""
+    (rank/report_pacer.py; None: ignored, every report goes at once). ``fault``: an injected fault (step, kind) from ``FLODL_FAULT_INJECT``.
+    ``open_relay``: opens this rank's end of its node's relay for a NodeGroup (``cluster.node_reduce``; the worker
+    builds it: this object opens no socket); None: a NodeGroup is ignored and the rank answers directly."""
 
     def __init__(self, send: Callable[[Payload], None], inbox: ControlInbox, trainer: RankTrainer, *, rank: int,
                  world_size: int, device: torch.device, gamma: float = 1.0, outer_spec: Optional[OuterSpec] = None,
                  outer: Optional[OuterOptimizer] = None, cpu: Optional[CoordinatorBackend] = None,
                  join_group: Optional[GroupJoiner] = None, pace: Optional[Callable[[int], None]] = None,
-                 fault: Optional[tuple[int, str]] = None) -> None:
+                 fault: Optional[tuple[int, str]] = None, open_relay: Optional[RelayOpener] = None) -> None:
         self.send = send
         self._pace = pace
         self.inbox = inbox
@@ -111,6 +120,13 @@ class RankControl:
         """Adoption clears the inner optimizer's state (DiLoCo, or a user outer optimizer's ``resets_inner``)."""
         self.cpu = cpu if cpu is not None else CoordinatorBackend()
         self._join_group = join_group
+        self._open_relay = open_relay
+        self.relay: Optional[NodeRelay] = None
+        """cpu backend, ``cluster.node_reduce``: this rank's end of its node's relay (rank/node_relay.py), once a
+        NodeGroup opened it; None, or ``down``: snapshots go to the coordinator directly."""
+        self.adopted_version: Optional[int] = None
+        """The version of the last update adopted: a second copy of it (sent directly by the coordinator after the
+        node leader that handed on the first died) is ignored."""
         self.fault = fault
         self.state = "wait"
         """What the main thread is doing, for the heartbeat: train | collective | eval | save | wait | callback | loop."""
@@ -296,8 +312,11 @@ class RankControl:
         self.stopping = True
 
     def close(self) -> None:
-        """Stop, and leave the collective group (if one was formed)."""
+        """Stop, leave the collective group (if one was formed) and close the node relay (if one was opened)."""
         self.stopping = True
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.close()
         if self.collective is not None:
             self.collective.close()
 
@@ -354,6 +373,7 @@ class RankControl:
             Save: self._save, Checkpoint: self._on_checkpoint, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
             RequestSession: self._on_request_session, Evict: self._on_evict, Probe: self._on_probe,
             ReportPace: self._on_report_pace, Lockstep: self._on_lockstep,
+            NodeGroup: self._on_node_group, NodeUpdate: self._on_node_update,
         }
 
     def _on_lockstep(self, m: Lockstep) -> None:
@@ -391,18 +411,48 @@ class RankControl:
         self.send_held_reports()
         fire_armed(self.armed_fault, "killsync", self.rank)
         n = self.trainer.steps_since_avg
-        self.send(self.cpu.snapshot(self.trainer.model, n))
+        snap = self.cpu.snapshot(self.trainer.model, n)
+        snap.version = m.version
+        relay = self.relay
+        if relay is None or relay.down or not relay.submit(snap):  # the node's relay answers for it, or directly
+            self.send(snap)
         if m.barrier:
             self.awaiting_update = True
             self.wait_until(lambda: not self.awaiting_update)
 
+    def _on_node_group(self, m: NodeGroup) -> None:
+        """``cluster.node_reduce``: open this rank's end of its node's relay (the leader binds it, a member connects,
+        bounded). Sent once; a rank that cannot open it (or is told nothing) answers the coordinator directly."""
+        if self.relay is not None or self._open_relay is None:
+            if self.relay is not None:
+                log.warning("rank %d: a second node group (leader %d) ignored", self.rank, m.leader)
+            return
+        with self.doing("wait"):
+            self.relay = self._open_relay(m, self.gamma)
+
+    def _on_node_update(self, m: NodeUpdate) -> None:
+        """This node's consensus (the rank leads it): the relay hands each member its update and answers the drift;
+        the leader adopts its own."""
+        relay = self.relay
+        if not isinstance(relay, LeaderRelay):
+            log.warning("rank %d: a node update for reduce %d but this rank leads no node relay: ignored", self.rank,
+                        m.version)
+            return
+        own = relay.on_node_update(m)
+        if own is not None:
+            self._on_update(own)
+
     def _on_update(self, m: Update) -> None:
+        if m.version is not None and m.version == self.adopted_version:
+            return  # a second copy of the update adopted (its node leader died after handing on the first)
         if not m.skip:
             self.cpu.adopt_update(self.trainer.model, m, m.alpha)
             self.last_consensus = dict(m.tensors)
             if self._resets_inner:
                 self.trainer.reset_optimizer_state()
         self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
+        if m.version is not None:
+            self.adopted_version = m.version
         self.awaiting_update = False
         self.throttled = False
         if m.next_plan is not None:

@@ -30,11 +30,12 @@ from flodl_exp.outer import make_outer
 from flodl_exp.protocol import wire
 from flodl_exp.protocol.codec import encode
 from flodl_exp.protocol.hello import Hello
-from flodl_exp.protocol.messages import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, Payload, RankError
+from flodl_exp.protocol.messages import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, NodeGroup, Payload, RankError
 from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.fault_inject import parse_fault
 from flodl_exp.rank.inbox import ControlInbox, CoordinatorLost
+from flodl_exp.rank.node_relay import RELAY_TIMEOUT_S, NodeRelay, open_relay
 from flodl_exp.rank.report_pacer import BatchReportPacer
 from flodl_exp.rank.trainer import RankTrainer
 from flodl_exp.store_names import pin_gloo_to_loopback
@@ -211,7 +212,8 @@ class RankWorker:
             self.send, self.inbox, self.trainer, rank=rank, world_size=self.world_size, device=self.device,
             gamma=cfg.mode.gamma, outer_spec=shape.outer, outer=outer, cpu=CoordinatorBackend(bf16_wire=cfg.mode.bf16_wire),
             join_group=self._join_group, pace=self.pacer.pace,
-            fault=fault if fault is not None and fault[0] >= 0 else None)  # "connect" faults fire in the task
+            fault=fault if fault is not None and fault[0] >= 0 else None,  # "connect" faults fire in the task
+            open_relay=self._open_relay)
         self.control.resume_from(spec.resume)
         threading.Thread(target=self._reader, name="rank-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="rank-heartbeat", daemon=True).start()
@@ -263,6 +265,13 @@ class RankWorker:
             host=self.rendezvous["host"], store_port=int(self.rendezvous["store_port"]), rank=self.rank,
             world_size=self.world_size, device=self.device, backend=m.backend, op_timeout_s=c.collective_timeout_s,
             store_timeout_s=c.rendezvous_timeout_s, poll=poll, token=self.rendezvous["token"])
+
+    def _open_relay(self, m: NodeGroup, gamma: float) -> Optional[NodeRelay]:
+        """``cluster.node_reduce``: this rank's end of its node's relay (rank/node_relay.py), authenticated with the
+        job token, framed to the model's ceiling; its frames go to the inbox, as the coordinator's do."""
+        return open_relay(m, rank=self.rank, token=self.rendezvous["token"], send=self.send, deliver=self.inbox.put,
+                          gamma=gamma, timeout_s=min(float(self.cfg.cluster.rendezvous_timeout_s), RELAY_TIMEOUT_S),
+                          max_frame_bytes=self.conn.max_frame_bytes)
 
     # -- threads --------------------------------------------------------
     def _reader(self) -> None:
