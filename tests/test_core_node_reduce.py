@@ -26,6 +26,7 @@ from flodl_exp.protocol.messages import (
     ExecuteEval,
     ExtendPartition,
     NodeDrift,
+    NodeDrop,
     NodeGroup,
     NodeUpdate,
     Payload,
@@ -67,6 +68,10 @@ class NodeRanks:
         self.sent_snaps: dict[int, list[Snapshot]] = {}
         self.dead: set[int] = set()
         self.hold_drift: set[int] = set()
+        self.drops: list[tuple[int, int]] = []
+        """NodeDrop as (to, dead rank)."""
+        self.hold_partial: set[int] = set()
+        """Leaders whose partial waits (each member's snapshot in) until the test sends it (:meth:`send_partial`)."""
         self.held: list[tuple[int, NodeUpdate]] = []
         self.node_updates: list[tuple[int, NodeUpdate]] = []
         self.direct_updates: list[tuple[int, Update]] = []
@@ -90,6 +95,8 @@ class NodeRanks:
                 continue
             if isinstance(p, NodeGroup):
                 self.groups[p.leader] = list(p.members)
+            elif isinstance(p, NodeDrop):
+                self.drops.append((r, p.rank))
             elif isinstance(p, (StartEpoch, ExtendPartition)):
                 self.plans[r].append((p.epoch, p.chunk, p.offset, p.size // BATCH))
                 self.offered[p.epoch] = self.offered.get(p.epoch, 0) + p.size
@@ -103,7 +110,7 @@ class NodeRanks:
                 got = self.snaps.setdefault(leader, {})
                 got[r] = snap
                 members = [q for q in self.groups[leader] if q not in self.dead]
-                if set(members) <= set(got) and leader not in self.dead:
+                if set(members) <= set(got) and leader not in self.dead and leader not in self.hold_partial:
                     ranks = sorted(got)
                     snaps = [got[q] for q in ranks]
                     self.sent_snaps[leader] = snaps
@@ -128,12 +135,25 @@ class NodeRanks:
                 self.shutdown = True
         return answers
 
+    def send_partial(self, leader: int, without: tuple[int, ...] = ()) -> list[tuple[int, Payload]]:
+        """A held partial of ``leader``'s node, leaving ``without`` out (a member its relay dropped)."""
+        got = {r: s for r, s in self.snaps[leader].items() if r not in without}
+        ranks = sorted(got)
+        snaps = [got[q] for q in ranks]
+        self.sent_snaps[leader] = snaps
+        self.snaps[leader] = {}
+        part = node_partial(snaps[0].version or 0, ranks, snaps, 1.0)
+        self.partials.append((leader, part))
+        return [(leader, part)]
+
     def hand_on(self, leader: int, p: NodeUpdate) -> list[tuple[int, Payload]]:
         for q in p.ranks:
             if q not in self.dead:
                 member_update(p, q)
                 self.steps[q], self.blocked[q] = 0, False
-        snaps = [s for s, q in zip(self.sent_snaps[leader], sorted(self.groups[leader])) if q in p.ranks]
+        snaps = [s for s in self.sent_snaps[leader] if s is not None]
+        ranks = [q for q in sorted(self.groups[leader]) if q in p.ranks]
+        snaps = snaps[:len(ranks)]
         return [(leader, NodeDrift(version=p.version, ranks=list(p.ranks), drift=node_drift(snaps, p)))]
 
     def next(self) -> Optional[tuple[int, Payload]]:
@@ -317,3 +337,25 @@ def test_reports_a_partial_overtook_count_toward_no_later_window() -> None:
     for _ in range(3):
         led.add(10.0, 1.0, 0.5)
     assert (led.steps, led.window_batches, led.late) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("summed", [True, False])
+def test_a_member_dead_before_its_leaders_partial_is_held_until_it_shows(summed: bool) -> None:
+    """The death reaches the coordinator before the partial: its picks wait for it. Summed: in the consensus, not
+    handed out again; left out (its leader's relay dropped it): trained again by the survivors, once."""
+    run = Run(**{"cluster.max_failure": 2})
+    run.ranks.hold_partial = {0}
+    run.start()
+    run.play(until=lambda: len(run.ranks.snaps.get(0, {})) == 2)
+    v = run.core.syncs
+    steps = run.ranks.snaps[0][1].n
+    run.ranks.dead.add(1)
+    run.handle(RankDeath(1, "killed", run.clock()))
+    assert run.ranks.drops == [(0, 1)], "its leader is told not to wait for it"
+    run.ranks.hold_partial.clear()
+    run.pending += run.ranks.send_partial(0, without=() if summed else (1,))
+    run.play(until=lambda: run.core.syncs > v)
+    run.play()
+    assert run.core.life.status.name == "FINISHED"
+    extra = 0 if summed else steps * BATCH
+    assert sum(run.ranks.offered.values()) == 2 * 192 + extra

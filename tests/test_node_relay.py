@@ -328,3 +328,23 @@ def test_a_rank_without_a_relay_answers_directly_with_the_version():
     ctl.handle(RequestParams(version=3, barrier=False))
     [s] = sent.of(Snapshot)
     assert s.version == 3 and s.n == 2 and ctl.relay is None
+
+
+def test_a_member_declared_dead_is_not_waited_for_though_its_socket_stays_open(node):
+    """A frozen member (its relay socket open, its process stopped): the coordinator's NodeDrop lets the partial go."""
+    assert node.leader.contribute(_snapshot(50, 1, 4))
+    assert node.members[1].relay.submit(_snapshot(51, 2, 4))
+    assert not node.out.of(NodePartial), "rank 2 is still expected"
+    node.leader.drop(2)
+    wait_for(lambda: bool(node.out.of(NodePartial)), "the partial without the dead rank")
+    assert node.out.of(NodePartial)[0].ranks == [0, 1]
+
+
+def test_a_member_whose_leader_is_declared_dead_answers_directly(node):
+    """A frozen leader (its socket open): the member's pending snapshot goes to the coordinator at the NodeDrop."""
+    snap = _snapshot(60, 3, 11)
+    m1 = node.members[1]
+    assert m1.relay.submit(snap)
+    m1.relay.leader_gone()
+    wait_for(lambda: bool(m1.direct.of(Snapshot)), "the snapshot re-sent to the coordinator")
+    assert m1.direct.of(Snapshot)[0].version == 11 and m1.relay.down

@@ -393,6 +393,7 @@ class ControlCore:
         if not (self._node_reduce and self.mode.is_cpu and self.W >= 2):
             return
         groups = node_groups(self.cohort.hosts())
+        self.cycle.set_node_groups(groups.members)
         for r, msg in groups.messages(self._relay_prefix):
             self.outbox.send(r, msg)
         if groups.members:

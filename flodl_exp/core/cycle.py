@@ -33,6 +33,7 @@ from flodl_exp.policy.mode import Backend, Mode
 from flodl_exp.protocol.messages import (
     Batch,
     NodeDrift,
+    NodeDrop,
     NodePartial,
     NodeUpdate,
     RequestParams,
@@ -118,6 +119,9 @@ class Reduce:
     """The consensus went out to node leaders: the reduce finishes when their drift read-outs are in."""
     resend: set[int] = field(default_factory=set)
     """Members of a partial that answered again themselves (their relay broke): sent their update directly."""
+    awaited_dead: set[int] = field(default_factory=set)
+    """Members that died before their leader's partial came: their steps are held until it shows whether it summed
+    them (in: the picks stay covered; out: trained again)."""
 
     def answered(self) -> set[int]:
         """The members whose share is in (cpu: a snapshot, or a node's partial)."""
@@ -141,7 +145,6 @@ class AwaitingDrift:
     """Leader -> the ranks whose drift it owes."""
     update: Callable[[int], Update]
     """The Update a member gets directly when its leader died before handing it on (it ignores a second one)."""
-    dead_in: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -239,6 +242,11 @@ class AveragingCycle:
         self._left: Optional[int] = None
         """The fewest steps any member's chunk had left at the last finished reduce (None: unknown)."""
         self._lockstep_syncs = 0
+        self._leader_of: dict[int, int] = {}
+        """``cluster.node_reduce``: rank -> its node's leader (grouped ranks only)."""
+        self._members_of: dict[int, list[int]] = {}
+        self._handed: Optional[tuple[int, set[int], Callable[[int], Update]]] = None
+        """The last finished hierarchical reduce: its version, the ranks its partials held, and each one's update."""
         """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
 
     @property
@@ -497,6 +505,12 @@ class AveragingCycle:
         """A rank's own answer; False when it answers nothing (no reduce in flight, another version's, or its
         share came in its node's partial already)."""
         red = self._in_flight
+        handed = self._handed
+        if handed is not None and snap.version == handed[0] and r in handed[1]:
+            # its share was in a finished reduce's partial, but its relay broke before the leader handed it the
+            # update (the drift came first): it gets it directly, and ignores a second copy by version
+            self._out.send(r, handed[2](r))
+            return False
         if red is None or red.backend is not Backend.CPU or r not in red.members:
             return False
         if snap.version is not None and snap.version != self._version:
@@ -525,6 +539,8 @@ class AveragingCycle:
                             leader, p.version, list(p.ranks))
             return []
         red.partials[leader] = p
+        # a member that answered itself too (its relay broke after the leader summed it) gets its update directly
+        red.resend |= {r for r in p.ranks if r in red.snapshots}
         fresh = [r for r in p.ranks if r not in red.snapshots]
         for r in p.ranks:
             red.snapshots.pop(r, None)
@@ -552,9 +568,20 @@ class AveragingCycle:
             return min(red.acks[r].n, self._ledger[r].steps) if r in red.acks else 0
         leader = red.via.get(r)
         if leader is None:
-            return 0
+            return self._ledger[r].steps if self._awaits_partial(red, r) else 0
         p = red.partials[leader]
         return min(p.ns[list(p.ranks).index(r)], self._ledger[r].steps)
+
+    def _awaits_partial(self, red: Reduce, r: int) -> bool:
+        """``r`` is a member of the cpu reduce in flight whose node leader has not answered yet (it may sum r)."""
+        leader = self._leader_of.get(r)
+        return (red.backend is Backend.CPU and red.awaiting is None and r in red.members and r not in red.snapshots
+                and leader is not None and leader != r and leader not in red.partials)
+
+    def set_node_groups(self, members: dict[int, list[int]]) -> None:
+        """``cluster.node_reduce``: leader -> its node's ranks (core/node_groups.py), told to the ranks at start."""
+        self._leader_of = {r: q for q, ranks in members.items() for r in ranks}
+        self._members_of = {q: list(ranks) for q, ranks in members.items()}
 
     def unreduced_steps(self, r: int) -> int:
         """Steps of ``r`` that are in no finished reduce nor in its answer to the one in flight (an nccl ack holds
@@ -565,9 +592,19 @@ class AveragingCycle:
         """A dead rank's unreduced steps never reach the consensus. Its answers to reduces after the one in flight
         are dropped too: the death counted their steps as unreduced (its picks go to the survivors), so booking them
         when their reduce opens would count those steps twice."""
+        red = self._in_flight
+        if red is not None and self._awaits_partial(red, r):
+            red.awaited_dead.add(r)
         self._ledger[r].steps = 0
+        self._ledger[r].late = 0
         for acks in self._early.values():
             acks.pop(r, None)
+        leader = self._leader_of.get(r)
+        if leader is not None and leader != r:
+            self._out.send(leader, NodeDrop(rank=r))  # its leader must not wait for it (a frozen rank's socket stays open)
+        for q in self._members_of.get(r, []):
+            if q != r:
+                self._out.send(q, NodeDrop(rank=r))  # the leader is gone: its members answer directly
 
     # -- the gate -------------------------------------------------------------
     def should_average(self, alive: list[int], quiesced: Callable[[int], bool],
@@ -680,8 +717,10 @@ class AveragingCycle:
                         self._out.send(r, wait.update(r))
             if wait.leaders:
                 return None
+            self._handed = (self._version, set(red.via), wait.update) if red.via else None
             out = self._finish(red, wait.n, wait.div, wait.pre, wait.post, wait.sync_ms, alive, wait.outer)
-            out.dead_in = wait.dead_in
+            out.dead_in = sorted(r for r in red.via if not alive(r))
+            out.dead_out = sorted(red.awaited_dead - set(red.via))
             return out
         out = self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
         out.dead_in, out.dead_out = dead_in, dead_out
@@ -700,7 +739,6 @@ class AveragingCycle:
         for p in partials:
             for r, k, norm in zip(p.ranks, p.ns, p.pre):
                 n[r], pre[r], div[r] = k, norm, None
-        dead_in = sorted(r for r in red.via if not alive(r))
         version = self._version
         if not n:
             red.awaiting = AwaitingDrift(n, div, pre, None, None, (self._clock() - red.started) * 1e3, {},
@@ -730,7 +768,7 @@ class AveragingCycle:
                           tensors=dict(res.leader_tensors) if res.leader_tensors is not None else {})
         leaders = self._send_consensus(red, direct, update, lead, alive)
         red.awaiting = AwaitingDrift(n, div, pre, res.post, res.outer, (self._clock() - red.started) * 1e3, leaders,
-                                     update, dead_in)
+                                     update)
 
     def _send_consensus(self, red: Reduce, direct: list[int], update: Callable[[int], Update], lead: NodeUpdate,
                         alive: Callable[[int], bool]) -> dict[int, list[int]]:
@@ -778,7 +816,7 @@ class AveragingCycle:
             else:
                 # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
                 # were overwritten (or blended away) by the update, so they count toward no later window.
-                self._ledger[r].late = max(0, n[r] - self._ledger[r].steps)
+                self._ledger[r].late += max(0, n[r] - self._ledger[r].steps)
                 self._ledger[r].steps = 0
         for led in self._ledger:
             led.reset_timing()

@@ -148,8 +148,9 @@ class Reduces:
             d.release_held(r)
         for r in out.dead_out:  # its answer is not in the consensus: the survivors redid the collective without it
             picks = d.retrain_held(r)
-            log.warning("rank %d answered the reduce before it died, but the survivors completed it in a later "
-                        "generation without its share: its %d picks are trained again", r, picks)
+            log.warning("rank %d's share of the reduce it answered before it died is not in the consensus (nccl: the "
+                        "survivors completed it in a later generation; cpu: its node leader's partial left it out): "
+                        "its %d picks are trained again", r, picks)
             self._obs.emit(ev.Retrain(rank=r, picks=picks, why="answer_not_in_consensus"))
         speeds = self._cycle.calibrated_speeds()
         if speeds is not None:

@@ -106,6 +106,7 @@ class Kind(str, enum.Enum):
     LOCKSTEP = "lockstep"
     NODE_GROUP = "node_group"
     NODE_UPDATE = "node_update"
+    NODE_DROP = "node_drop"
     # rank -> coordinator
     SESSION_READY = "session_ready"
     BATCH = "batch"
@@ -237,6 +238,16 @@ class NodeUpdate:
     alpha: Optional[float] = None
     skip: bool = False
     tensors: Tensors = field(default_factory=dict)
+
+
+@dataclass
+class NodeDrop:
+    """cpu backend, hierarchical averaging: the coordinator declared ``rank`` of this rank's node dead. Its leader stops
+    waiting for its snapshot (a frozen member's relay socket may stay open); a member whose leader it was closes its
+    relay and answers the coordinator directly, re-sending a snapshot the leader never answered."""
+
+    KIND: ClassVar[Kind] = Kind.NODE_DROP
+    rank: Count
 
 
 @dataclass
@@ -668,7 +679,7 @@ Payload = Union[
     Save, Shutdown, CoordHeartbeat, Evict, RequestSession, SessionReady, Batch, SyncAck, Snapshot, ChunkMetrics, EvalResult, SaveResult, RankError,
     Exiting, Telemetry, Heartbeat, SetEpochRole, EpochAggregated, EpochFnResult, StageAdvisory, Intent, LoopNotice,
     EvalBroadcast, Checkpoint, CheckpointResult, Probe, ProbeResult, ReportPace, Batches, Lockstep,
-    NodeGroup, NodeUpdate, NodePartial, NodeDrift,
+    NodeGroup, NodeUpdate, NodePartial, NodeDrift, NodeDrop,
 ]
 PAYLOADS: dict[str, type] = {t.KIND.value: t for t in typing.get_args(Payload)}
 assert len(PAYLOADS) == len(Kind), "every kind has exactly one payload"

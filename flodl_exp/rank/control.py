@@ -46,6 +46,7 @@ from flodl_exp.protocol.messages import (
     ExtendPartition,
     FormGroup,
     Lockstep,
+    NodeDrop,
     NodeGroup,
     NodeUpdate,
     Payload,
@@ -71,7 +72,7 @@ from flodl_exp.protocol.messages import (
 from flodl_exp.rank.backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, LockstepMisaligned, snapshot_nbytes
 from flodl_exp.rank.fault_inject import ARMED_KINDS, fire_armed, inject_fault
 from flodl_exp.rank.inbox import ControlInbox
-from flodl_exp.rank.node_relay import LeaderRelay, NodeRelay
+from flodl_exp.rank.node_relay import LeaderRelay, MemberRelay, NodeRelay
 from flodl_exp.rank.trainer import Batch as BatchData
 from flodl_exp.rank.trainer import EpochState, PendingStep, RankTrainer
 
@@ -373,7 +374,7 @@ class RankControl:
             Save: self._save, Checkpoint: self._on_checkpoint, Shutdown: self._on_shutdown, CoordHeartbeat: lambda m: None,
             RequestSession: self._on_request_session, Evict: self._on_evict, Probe: self._on_probe,
             ReportPace: self._on_report_pace, Lockstep: self._on_lockstep,
-            NodeGroup: self._on_node_group, NodeUpdate: self._on_node_update,
+            NodeGroup: self._on_node_group, NodeUpdate: self._on_node_update, NodeDrop: self._on_node_drop,
         }
 
     def _on_lockstep(self, m: Lockstep) -> None:
@@ -442,8 +443,17 @@ class RankControl:
         if own is not None:
             self._on_update(own)
 
+    def _on_node_drop(self, m: NodeDrop) -> None:
+        """A rank of this node was declared dead: a leader stops waiting for it; a member whose leader it was
+        answers the coordinator directly."""
+        relay = self.relay
+        if isinstance(relay, LeaderRelay):
+            relay.drop(m.rank)
+        elif isinstance(relay, MemberRelay) and relay.leader == m.rank:
+            relay.leader_gone()
+
     def _on_update(self, m: Update) -> None:
-        if m.version is not None and m.version == self.adopted_version:
+        if m.version is not None and self.adopted_version is not None and m.version <= self.adopted_version:
             return  # a second copy of the update adopted (its node leader died after handing on the first)
         if not m.skip:
             self.cpu.adopt_update(self.trainer.model, m, m.alpha)

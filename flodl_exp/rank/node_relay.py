@@ -19,7 +19,10 @@ Failure is local and one-way: a member whose relay cannot connect, or whose conn
 answers the coordinator directly from then on (re-sending the snapshot of a reduce the leader had not answered);
 the leader leaves it out of later partials and no partial waits for it. The coordinator de-duplicates, and
 sends the update directly to the members of a node whose leader died (a rank ignores an update of a version it
-adopted already, rank/control.py). Every wait has a deadline or ends with the process.
+adopted already, rank/control.py). A rank that freezes with its socket open is not noticed here: the coordinator
+declares it dead by its heartbeat and says so (:class:`~flodl_exp.protocol.messages.NodeDrop`), and the leader stops
+waiting for it (:meth:`LeaderRelay.drop`) or the member answers directly (:meth:`MemberRelay.leader_gone`). Every
+other wait has a deadline or ends with the process.
 """
 from __future__ import annotations
 
@@ -367,6 +370,12 @@ class LeaderRelay:
         return replace(member_update(m, self.rank), version=m.version)
 
     # -- members leaving -------------------------------------------------------
+    def drop(self, r: int) -> None:
+        """The coordinator declared member ``r`` dead (NodeDrop): the partials stop waiting for it, even when its
+        socket stays open (a frozen process)."""
+        if r != self.rank:
+            self._drop(r, None, "the coordinator declared it dead")
+
     def _drop(self, r: int, conn: Optional[wire.Connection], why: str) -> None:
         """Member ``r`` answers the coordinator directly from now on: its connection closed, its snapshots taken out
         of the partials not sent yet, which stop waiting for it (one may be complete now: sent)."""
@@ -515,6 +524,11 @@ class MemberRelay:
                     if self._pending is not None and (version is None or version == self._pending.version):
                         self._pending = None
         self._fail(why)
+
+    def leader_gone(self) -> None:
+        """The coordinator declared the leader dead (NodeDrop): answer directly from now on, re-sending a snapshot
+        the leader never answered (its socket may stay open: a frozen process)."""
+        self._fail("the coordinator declared the leader dead")
 
     def _fail(self, why: str) -> None:
         """The relay ended: down for good, and a snapshot the leader never answered goes to the coordinator."""
