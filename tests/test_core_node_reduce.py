@@ -211,6 +211,25 @@ class Run:
             self.handle(RankJoined(r, 0.0, host))
         self.handle(TrainingStarts(samples, None, self.clock()))
 
+    def held_at_drift(self, leader: int) -> int:
+        """Start and play until ``leader`` holds a consensus (its drift kept back); the reduce's version."""
+        self.ranks.hold_drift = {leader}
+        self.start()
+        self.play(until=lambda: bool(self.ranks.held))
+        return self.core.syncs
+
+    def release_drift(self) -> None:
+        leader, upd = self.ranks.held.pop()
+        self.ranks.hold_drift.clear()
+        self.pending += self.ranks.hand_on(leader, upd)
+
+    def finish(self) -> None:
+        """Play to the end: FINISHED, every pick handed out once."""
+        self.play()
+        assert self.core.life.status.name == "FINISHED"
+        assert self.core.dispatch.lost_picks == 0
+        assert self.ranks.offered == {0: 192, 1: 192}, "every pick handed out once"
+
     def play(self, until: Any = lambda: False, max_steps: int = 20000) -> None:
         for _ in range(max_steps):
             if self.ranks.shutdown or until():
@@ -265,65 +284,39 @@ def test_a_run_on_two_nodes_reduces_through_the_leaders_with_the_flat_consensus(
 
 def test_a_reduce_finishes_only_with_every_leaders_drift() -> None:
     run = Run()
-    run.ranks.hold_drift = {2}
-    run.start()
-    run.play(until=lambda: bool(run.ranks.held))
-    v = run.core.syncs
+    v = run.held_at_drift(2)
     with pytest.raises(AssertionError, match="nothing moves"):
         run.play()  # every answer delivered, the clock running: the reduce waits for node b's drift
     assert run.core.syncs == v, "no finish without node b's drift"
-    leader, upd = run.ranks.held.pop()
-    run.ranks.hold_drift.clear()
-    run.pending += run.ranks.hand_on(leader, upd)
+    run.release_drift()
     run.play(until=lambda: run.core.syncs > v)
     assert run.core.syncs == v + 1
-    run.play()
-    assert run.core.life.status.name == "FINISHED"
-    assert run.core.dispatch.lost_picks == 0
-    assert run.ranks.offered == {0: 192, 1: 192}
+    run.finish()
 
 
 def test_a_member_dead_after_its_leader_summed_it_is_in_the_consensus() -> None:
     run = Run(**{"cluster.max_failure": 2})
-    run.ranks.hold_drift = {0}
-    run.start()
-    run.play(until=lambda: bool(run.ranks.held))
-    v = run.core.syncs
+    run.held_at_drift(0)
     run.ranks.dead.add(1)
     run.handle(RankDeath(1, "killed", run.clock()))
-    leader, upd = run.ranks.held.pop()
-    run.ranks.hold_drift.clear()
-    run.pending += run.ranks.hand_on(leader, upd)
-    run.play(until=lambda: run.core.syncs > v)
-    run.play()
-    assert run.core.life.status.name == "FINISHED"
-    assert run.ranks.offered == {0: 192, 1: 192}, "its summed picks are not trained again"
+    run.release_drift()
+    run.finish()  # its summed picks are not handed out again
 
 
 def test_a_leader_dead_with_the_consensus_leaves_its_members_their_update() -> None:
     run = Run(**{"cluster.max_failure": 2})
-    run.ranks.hold_drift = {2}
-    run.start()
-    run.play(until=lambda: bool(run.ranks.held))
-    v = run.core.syncs
+    v = run.held_at_drift(2)
     run.ranks.dead.add(2)
     run.handle(RankDeath(2, "killed", run.clock()))
     assert any(r == 3 and u.version == v for r, u in run.ranks.direct_updates), "rank 3 got its update directly"
     run.play(until=lambda: run.core.syncs > v)
     assert run.core.syncs == v + 1
-    run.play()
-    assert run.core.life.status.name == "FINISHED"
-    assert run.core.dispatch.lost_picks == 0
-    assert run.ranks.offered == {0: 192, 1: 192}
-
+    run.finish()
 
 
 def test_a_member_whose_relay_broke_after_the_partial_gets_its_update_directly() -> None:
     run = Run()
-    run.ranks.hold_drift = {0}
-    run.start()
-    run.play(until=lambda: bool(run.ranks.held))
-    v = run.core.syncs
+    v = run.held_at_drift(0)
     before = len(run.ranks.direct_updates)
     run.handle(RankMessage(1, run.ranks.snapshot(1, v), run.clock()))  # its snapshot again, directly
     assert [(r, u.version) for r, u in run.ranks.direct_updates[before:]] == [(1, v)]
