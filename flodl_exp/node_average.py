@@ -50,14 +50,13 @@ def partial_sums(p: NodePartial) -> MassSums:
                     b=[t.double() for t in _split(p.tensors, "b")], weighted=p.weighted)
 
 
-def leader_tensors(consensus: dict[str, torch.Tensor], before_outer: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """A NodeUpdate's tensors: the update's, plus the average before the outer step as ``c<i>`` when one
-    stepped (the leaders measure drift against it)."""
+def leader_tensors(consensus: dict[str, torch.Tensor],
+                   before_outer: Sequence[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """A NodeUpdate's tensors: the update's, plus the average's parameters before the outer step as ``c<i>`` when
+    one stepped (the leaders measure drift against them)."""
     if before_outer is None:
         return consensus
-    out = dict(consensus)
-    out.update({f"c{i}": t for i, t in enumerate(_split(before_outer, "p"))})
-    return out
+    return {**consensus, **{f"c{i}": t for i, t in enumerate(before_outer)}}
 
 
 def member_update(m: NodeUpdate, rank: int) -> Update:

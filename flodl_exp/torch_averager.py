@@ -62,9 +62,7 @@ class TorchAverager:
         tensors = {f"p{i}": t for i, t in enumerate(avg_p)}
         tensors.update({f"b{j}": t for j, t in enumerate(avg_b)})
         post = float(torch.linalg.vector_norm(flat_avg))
-        lead = None
-        if partials:
-            lead = leader_tensors(tensors, {f"p{i}": t for i, t in enumerate(before)} if outer is not None else None)
+        lead = leader_tensors(tensors, before if outer is not None else None) if partials else None
         return Consensus(tensors=tensors, drift=[(d, pre) for d, _, pre in divs], post=post, outer=outer,
                          leader_tensors=lead)
 

@@ -100,38 +100,33 @@ class WireOutbox:
             queue.append(payload)
         return True
 
-    @contextlib.contextmanager
-    def coalescing(self) -> Iterator[None]:
+    def coalescing(self) -> contextlib.AbstractContextManager[None]:
         """Within the block every message to a rank is held, and leaving it sends each rank's as one frame: a
         hierarchical reduce's finish (the next chunks, paces, advisories and the global step of up to every rank,
         after the node leaders handed on the consensus) costs a frame a rank, as a folded update does."""
-        if self._held is not None:
-            yield
-            return
-        self._held, self._hold_all = {}, True
-        try:
-            yield
-        finally:
-            held, self._held, self._hold_all = self._held, None, False
-            for r, queue in held.items():
-                self._send_queue(r, queue)
+        return self._holding(hold_all=True)
 
-    @contextlib.contextmanager
-    def folding_updates(self, enabled: bool = True) -> Iterator[None]:
+    def folding_updates(self, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
         """cpu cadence (algorithms.md 5.6): within the block an ``Update`` to a rank is held, the first
         ``StartEpoch`` to that rank rides inside it (``next_plan``: the next window starts with no extra
         message) unless another plan change (a chunk, an extension) is queued before it, and anything else
         to that rank queues behind the update, in order. Leaving the block sends it all.
         A held send reports success; a rank whose flush fails is one the heartbeat declares dead, and its
         chunks are reclaimed there."""
-        if not enabled or self._held is not None:
+        return self._holding(hold_all=False) if enabled else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _holding(self, *, hold_all: bool) -> Iterator[None]:
+        """Hold sends (behind an update, or every one with ``hold_all``) until the block ends, then each rank's in
+        one frame; a block inside another holds into the outer one."""
+        if self._held is not None:
             yield
             return
-        self._held = {}
+        self._held, self._hold_all = {}, hold_all
         try:
             yield
         finally:
-            held, self._held = self._held, None
-            with self.sharing_tensors():  # the held updates carry one consensus: encoded once for all
+            held, self._held, self._hold_all = self._held, None, False
+            with self.sharing_tensors():  # held updates carry one consensus: encoded once for all
                 for r, queue in held.items():
                     self._send_queue(r, queue)

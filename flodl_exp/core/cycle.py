@@ -165,10 +165,12 @@ class ReduceOutcome:
     outer: Optional[OuterStep] = None
     """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
     dead_in: list[int] = field(default_factory=list)
-    """nccl: members that answered and died since, whose share the survivors' collective holds (same generation)."""
+    """Members that answered and died since, whose share the consensus holds (nccl: the survivors' collective of the
+    same generation; cpu: their node leader's partial)."""
     dead_out: list[int] = field(default_factory=list)
-    """nccl: members that answered and died since, whose share is not in the consensus: the survivors redid the
-    collective without them in a later generation (their answered batches must be trained again)."""
+    """Members that died with their answer in doubt, whose share is not in the consensus (nccl: the survivors redid
+    the collective without them in a later generation; cpu: their leader's partial left them out): their answered
+    batches must be trained again."""
 
     @property
     def d_max(self) -> Optional[float]:
@@ -242,12 +244,13 @@ class AveragingCycle:
         self._left: Optional[int] = None
         """The fewest steps any member's chunk had left at the last finished reduce (None: unknown)."""
         self._lockstep_syncs = 0
+        """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
         self._leader_of: dict[int, int] = {}
         """``cluster.node_reduce``: rank -> its node's leader (grouped ranks only)."""
         self._members_of: dict[int, list[int]] = {}
+        """Leader -> its node's ranks."""
         self._handed: Optional[tuple[int, set[int], Callable[[int], Update]]] = None
         """The last finished hierarchical reduce: its version, the ranks its partials held, and each one's update."""
-        """Reduces the ranks started on their own (result.json ``lockstep_syncs``)."""
 
     @property
     def elche(self) -> Optional[ElChe]:
@@ -728,8 +731,8 @@ class AveragingCycle:
 
     def _average_cpu(self, red: Reduce, live: list[int], alive: Callable[[int], bool]) -> None:
         """The consensus of the live members' snapshots and the node partials, sent: an Update to each rank that
-        answered itself, a NodeUpdate to each live leader (which hands it on and answers its members' drift). A
-        partial's member that died since is in (its share is in the sum): ``dead_in``. Sets ``red.awaiting``."""
+        answered itself, a NodeUpdate to each live leader (which hands it on and answers its members' drift). Sets
+        ``red.awaiting``: the reduce finishes when the drift is in (a flat reduce at once: no leader owes any)."""
         direct = [r for r in live if r in red.snapshots]
         partials = [red.partials[q] for q in sorted(red.partials)]
         snaps = [red.snapshots[r] for r in direct]
@@ -749,8 +752,7 @@ class AveragingCycle:
                                "(flodl_exp.torch_averager.TorchAverager)")
         # EASGD leaves replicas apart even when nobody stepped: the final consensus is then their plain mean.
         idle_mean = red.final and self.alpha is not None
-        res = (self._averager.average(snaps, gamma=self.gamma, idle_mean=idle_mean, partials=partials) if partials
-               else self._averager.average(snaps, gamma=self.gamma, idle_mean=idle_mean))
+        res = self._averager.average(snaps, gamma=self.gamma, idle_mean=idle_mean, partials=partials)
         alpha = None if red.final else self.alpha
         tensors = dict(res.tensors) if res.tensors is not None else None  # one frame object for every rank
 
