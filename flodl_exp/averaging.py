@@ -163,6 +163,23 @@ def weighted_average(
 
 
 @torch.no_grad()
+def adopt_correction(model: nn.Module, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                     sent_params: Sequence[torch.Tensor], sent_buffers: Sequence[torch.Tensor],
+                     alpha: Optional[float]) -> None:
+    """Overlapped averaging (``mode.overlap``): ``W <- W + a (W_avg - W_sent)`` (``a`` = EASGD's alpha, 1 without
+    it), parameters and float buffers alike: the consensus moves the replica by what it moved the state the rank
+    sent, and what the rank trained since stays. With nothing trained since (``W == W_sent``) it is :func:`adopt`'s
+    overwrite (or blend)."""
+    a = 1.0 if alpha is None else min(float(alpha), 1.0)
+    for t, g, s in [*zip(model.parameters(), params, sent_params), *zip(float_buffers(model), buffers, sent_buffers)]:
+        delta = g.to(t.device, torch.float32) - s
+        if t.dtype == torch.float32:
+            t.add_(delta, alpha=a)
+        else:
+            t.copy_((t.float() + a * delta).to(t.dtype))
+
+
+@torch.no_grad()
 def adopt(model: nn.Module, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], alpha: Optional[float]) -> None:
     """Load a consensus: full overwrite, or the EASGD blend ``W + a (avg - W)`` when alpha is set.
 

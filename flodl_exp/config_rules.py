@@ -266,6 +266,11 @@ def _update_rules(cfg: Any) -> List[str]:
         raise _err("mode.max_grad_norm", m.max_grad_norm, "a number > 0 or null")
     if isinstance(m.lockstep_ahead, bool) or not isinstance(m.lockstep_ahead, int) or not (0 <= m.lockstep_ahead <= 1024):
         raise _err("mode.lockstep_ahead", m.lockstep_ahead, "an integer in [0, 1024] (0: a sync_now per reduce)")
+    if not isinstance(m.overlap, bool):
+        raise _err("mode.overlap", m.overlap, "true or false")
+    if m.overlap and not Mode.of(cfg).overlap_capable:
+        raise _err("mode.overlap", m.overlap, "true only with mode=cpu_cadence or mode=cpu_async (false for "
+                   f"{Mode.of(cfg).name})")
     if m.progressive_dispatch is False and Mode.of(cfg).policy.requires_progressive:
         raise _err("mode.progressive_dispatch", False, f"true or null with policy={m.policy} (it streams chunks)")
     return []

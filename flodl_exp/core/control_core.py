@@ -194,7 +194,7 @@ class ControlCore:
             settings=CycleSettings(world_size=w, mode=self.mode, gamma=cfg.mode.gamma, alpha=shape.easgd_alpha,
                                    progressive=shape.progressive, relax_up=cfg.mode.relax_up,
                                    max_batch_diff=cfg.mode.max_batch_diff, outer=shape.outer,
-                                   lockstep_ahead=cfg.mode.lockstep_ahead),
+                                   lockstep_ahead=cfg.mode.lockstep_ahead, overlap=bool(cfg.mode.overlap)),
             elche=elche, guard=build_run_guard(cfg.guard, shape.easgd_alpha),
             meta=LrEventMeta() if (cfg.mode.meta_controller and elche is not None) else None,
             outbox=self.outbox, clock=self.clock, averager=averager)

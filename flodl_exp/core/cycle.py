@@ -122,6 +122,11 @@ class Reduce:
     awaited_dead: set[int] = field(default_factory=set)
     """Members that died before their leader's partial came: their steps are held until it shows whether it summed
     them (in: the picks stay covered; out: trained again)."""
+    overlap: bool = False
+    """``mode.overlap``: the members train on past their answer; what they report after it is their next window."""
+    pledged: dict[int, int] = field(default_factory=dict)
+    """Overlapped: each member's steps this reduce holds, as far as known (its steps at the trigger, then the
+    ``n`` of its answer): the steps past them are its next window's (:meth:`AveragingCycle.window_steps`)."""
 
     def answered(self) -> set[int]:
         """The members whose share is in (cpu: a snapshot, or a node's partial)."""
@@ -192,6 +197,8 @@ class CycleSettings:
     max_batch_diff: Optional[int] = None
     outer: Optional[OuterSpec] = None
     lockstep_ahead: int = 0
+    overlap: bool = False
+    """``mode.overlap``: the ranks train their next window while a reduce is in flight (cpu backend)."""
 
 
 class AveragingCycle:
@@ -232,6 +239,8 @@ class AveragingCycle:
         self._probe_full = 0
         """Ranks that have timed PROBE_STEPS steps (the probe is due when every live rank has)."""
         self._ones = [1] * world_size
+        self._overlap = settings.overlap and mode.overlap_capable
+        """``mode.overlap``: non-final reduces let the ranks train on (RequestParams.overlap)."""
         self._lockstep_ahead = settings.lockstep_ahead if mode.lockstep_capable and world_size >= 2 else 0
         """nccl_sync: how many reduces the ranks may run ahead on their own (``mode.lockstep_ahead``; 0: off)."""
         self._lockstep_until = 0
@@ -283,6 +292,12 @@ class AveragingCycle:
     @property
     def ledger(self) -> list[Ledger]:
         return self._ledger
+
+    @property
+    def overlap(self) -> bool:
+        """``mode.overlap``: the reduces that are not final let the ranks train on (their next window's chunk goes
+        with the request)."""
+        return self._overlap
 
     @property
     def lockstep_ahead(self) -> int:
@@ -418,6 +433,16 @@ class AveragingCycle:
     def steps(self, r: int) -> int:
         return self._ledger[r].steps
 
+    def window_steps(self, r: int) -> int:
+        """Steps of ``r``'s window in progress: with an overlapped reduce in flight, those past what it answered (or,
+        before its answer came, past its steps at the trigger), which its next chunk is sized against; else every
+        step since the last finish."""
+        red = self._in_flight
+        steps = self._ledger[r].steps
+        if red is None or not red.overlap:
+            return steps
+        return max(0, steps - red.pledged.get(r, 0))
+
     def any_steps(self, ranks: Iterable[int]) -> bool:
         return any(self._ledger[r].steps > 0 for r in ranks)
 
@@ -528,6 +553,8 @@ class AveragingCycle:
         if red.awaiting is not None:
             return False
         red.snapshots[r] = snap
+        if red.overlap:
+            red.pledged[r] = int(snap.n)
         return True
 
     def on_partial(self, leader: int, p: NodePartial) -> list[int]:
@@ -545,9 +572,11 @@ class AveragingCycle:
         # a member that answered itself too (its relay broke after the leader summed it) gets its update directly
         red.resend |= {r for r in p.ranks if r in red.snapshots}
         fresh = [r for r in p.ranks if r not in red.snapshots]
-        for r in p.ranks:
+        for r, n in zip(p.ranks, p.ns):
             red.snapshots.pop(r, None)
             red.via[r] = leader
+            if red.overlap:
+                red.pledged[r] = int(n)
         return fresh
 
     def on_drift(self, leader: int, m: NodeDrift) -> None:
@@ -667,9 +696,15 @@ class AveragingCycle:
         if self._version < self._lockstep_until:
             raise RuntimeError(f"reduce {self._version} is the ranks' own (lockstep license {self._lockstep_until}): "
                                "a sync_now for it would pair it twice")
-        self._in_flight = Reduce(self.backend, self._clock(), set(members), final=final)
+        overlap = self._overlap and not final
+        self._in_flight = red = Reduce(self.backend, self._clock(), set(members), final=final, overlap=overlap)
         if self._mode.is_nccl:
             self._out.broadcast(SyncNow(version=self._version, divergence=True))
+        elif overlap:
+            # mode.overlap: every rank trains on and applies the update as a correction (W += avg - W_sent), so
+            # nothing trained after its snapshot is lost; its next window starts at its answer.
+            red.pledged = {r: self._ledger[r].steps for r in members}
+            self._out.broadcast(RequestParams(version=self._version, barrier=False, overlap=True))
         else:
             # Ranks wait for the update unless EASGD blends it in: under a full overwrite a batch trained
             # after the snapshot would be overwritten, trained but in no consensus (lost work). In cadence the
@@ -815,6 +850,14 @@ class AveragingCycle:
                 # in no consensus yet and count toward the next window (else the final reduce may be skipped
                 # with replicas apart).
                 self._ledger[r].steps = max(0, self._ledger[r].steps - n[r])
+            elif red.overlap:
+                # Overlapped: the update corrects a replica that trained on, so the steps after the snapshot
+                # survive and count toward the next window; those the snapshot held and whose reports are still
+                # to come (a node's partial overtook them) count toward none.
+                led = self._ledger[r]
+                left = led.steps - n[r]
+                led.late += max(0, -left)
+                led.steps = max(0, left)
             else:
                 # Adoption resets the window (algorithms.md 3.7, 3.10): batches trained after a cpu snapshot
                 # were overwritten (or blended away) by the update, so they count toward no later window.

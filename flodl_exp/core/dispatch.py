@@ -106,8 +106,8 @@ class ChunkBook(dict[int, Chunk]):
 
 
 class _Steps:
-    """Every rank's steps since the last reduce, read from the cycle's ledger on demand (a list built per
-    chunk handed out would cost O(W) each)."""
+    """Every rank's steps of its window in progress, read from the cycle's ledger on demand (a list built per
+    chunk handed out would cost O(W) each): since the last reduce, or since its answer to an overlapped one."""
 
     def __init__(self, cycle: AveragingCycle, world_size: int) -> None:
         self._cycle, self._w = cycle, world_size
@@ -116,7 +116,7 @@ class _Steps:
         return self._w
 
     def __getitem__(self, r: int) -> int:
-        return self._cycle.steps(r)
+        return self._cycle.window_steps(r)
 
 
 @dataclass
@@ -560,7 +560,7 @@ class Dispatcher:
         if self.barrier_paced and self.in_flight(r):
             return
         b = reduce_budget(r, self._counts(), self.mode.policy, self.overshoot.value)
-        if b > 0 and self._cycle.steps(r) >= b and not self._extend_while_probing(r):
+        if b > 0 and self._cycle.window_steps(r) >= b and not self._extend_while_probing(r):
             return
         e = self._rank_epoch[r]
         first_live = self._last_aggregated + 1
@@ -700,6 +700,14 @@ class Dispatcher:
     def on_verdict(self, action: ConvergenceAction) -> None:
         if self.streams:
             self.overshoot.on_verdict(action)
+
+    def on_overlapped_trigger(self) -> None:
+        """``mode.overlap``: a reduce started and its members train on: each idle one gets its next window's chunk
+        now (sized from its steps past the reduce, none yet), not when the reduce finishes."""
+        if self.progressive:
+            for r in self._cohort.alive_ranks():
+                if not self.in_flight(r):
+                    self.dispatch_next(r)
 
     def after_finish(self) -> None:
         if self.progressive:

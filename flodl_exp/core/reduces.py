@@ -60,7 +60,12 @@ class Reduces:
         tick, the end of training, and the requests for a bundle's consensus or preemption."""
         if self._cycle.in_flight is not None:
             return False
-        self._cycle.trigger(self._cohort.alive_ranks(), final=final)
+        if final or not self._cycle.overlap:
+            self._cycle.trigger(self._cohort.alive_ranks(), final=final)
+        else:
+            with self._out.coalescing():  # overlapped: a rank's request and its next chunk leave in one frame
+                self._cycle.trigger(self._cohort.alive_ranks())
+                self._dispatch.on_overlapped_trigger()
         self._deaths_at_trigger = len(self._cohort.deaths)
         return True
 
@@ -157,7 +162,9 @@ class Reduces:
             self._cohort.elect_fastest_once(speeds)
         if self._cycle.has_elche:
             d.on_verdict(out.action)
-        d.on_reduce_finished(out.n, keep_after_answer=self._mode.is_nccl)
+        # nccl, or cpu overlapped: a rank trains on after its answer, and a chunk it finished since holds batches in no
+        # consensus yet
+        d.on_reduce_finished(out.n, keep_after_answer=self._mode.is_nccl or red.overlap)
         self._obs.on_reduce_finished(red, out, version, averaging_from, d.current_epoch())
         d.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
         ahead = self._cycle.version < self._cycle.lockstep_until  # the ranks are in the next reduce already

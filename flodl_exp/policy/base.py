@@ -63,6 +63,11 @@ class AveragingPolicy:
         (``mode.lockstep_ahead``) instead of waiting for the coordinator's ``sync_now``."""
         return False
 
+    def overlap_capable(self, backend: Backend) -> bool:
+        """``mode.overlap``: a rank may train its next window while the coordinator averages its snapshot (windows of
+        several steps, the cpu backend; the nccl collective runs on the rank and is not overlapped yet)."""
+        return self.window_grows and backend is Backend.CPU
+
     def folds_updates(self, backend: Backend, progressive: bool) -> bool:
         """Each rank's next chunk rides in its consensus update (algorithms.md 5.6)."""
         return False

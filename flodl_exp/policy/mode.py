@@ -85,6 +85,10 @@ class Mode:
     def lockstep_capable(self) -> bool:
         return self.policy.lockstep_capable(self.backend)
 
+    @property
+    def overlap_capable(self) -> bool:
+        return self.policy.overlap_capable(self.backend)
+
     def folds_updates(self, progressive: bool) -> bool:
         return self.policy.folds_updates(self.backend, progressive)
 

@@ -186,11 +186,13 @@ class SyncNow:
 
 @dataclass
 class RequestParams:
-    """cpu backend: send a snapshot; with ``barrier`` wait for the update before training on."""
+    """cpu backend: send a snapshot; with ``barrier`` wait for the update before training on. ``overlap``
+    (``mode.overlap``): train on, and apply this reduce's update as the correction ``W += W_avg - W_sent``."""
 
     KIND: ClassVar[Kind] = Kind.REQUEST_PARAMS
     version: Count
     barrier: bool
+    overlap: bool = False
 
 
 @dataclass

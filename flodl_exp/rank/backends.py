@@ -14,13 +14,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from flodl_exp.averaging import adopt, float_buffers, mass, pack_into, unpack_from
+from flodl_exp.averaging import adopt, adopt_correction, float_buffers, mass, pack_into, unpack_from
 from flodl_exp.protocol.messages import Snapshot, Update
 from flodl_exp.store_names import group_prefix
 from flodl_exp.torch_version import check_torch_version
@@ -408,6 +409,16 @@ def snapshot_nbytes(model: nn.Module) -> int:
     return 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in float_buffers(model)))
 
 
+@dataclass
+class SentState:
+    """``mode.overlap``: a replica as it answered reduce ``version`` (float32 copies on its device), kept until that
+    reduce's update comes, which is applied as the correction ``W += W_avg - W_sent``."""
+
+    version: int
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+
+
 class CoordinatorBackend:
     """Snapshots up, consensus down (the cpu backend).
 
@@ -478,6 +489,26 @@ class CoordinatorBackend:
         else:
             params = [t.float() for t in params]
         adopt(model, params, bufs, alpha)
+
+    @torch.no_grad()
+    def keep_sent(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """float32 copies of ``model``'s parameters and float buffers where they live (the exact state a snapshot was
+        taken of, whatever ``bf16_wire`` sent): one extra replica while a reduce is in flight."""
+        return ([p.detach().float().clone() for p in model.parameters()],
+                [b.detach().float().clone() for b in float_buffers(model)])
+
+    def adopt_correction(self, model: nn.Module, msg: Update, alpha: Optional[float], sent_params: list[torch.Tensor],
+                         sent_buffers: list[torch.Tensor]) -> None:
+        """Apply a consensus to a replica that trained on since its snapshot: ``W += a (W_avg - W_sent)`` for every
+        parameter and float buffer (``a`` = EASGD's alpha, 1 without it), so the steps after the snapshot are kept
+        and the replica moves by what averaging moved the state it sent."""
+        params_ = list(model.parameters())
+        n_b = len(float_buffers(model))
+        params = [msg.tensors[f"p{i}"] for i in range(len(params_))]
+        bufs = [msg.tensors[f"b{j}"] for j in range(n_b)]
+        if params_ and params_[0].device.type == "cuda":
+            params, bufs = self.inbound(params, bufs, params_[0].device, pin=True)
+        adopt_correction(model, params, bufs, sent_params, sent_buffers, alpha)
 
     @torch.no_grad()
     def inbound(self, params: list[torch.Tensor], bufs: list[torch.Tensor], device: torch.device, *,

@@ -69,7 +69,14 @@ from flodl_exp.protocol.messages import (
     Throttle,
     Update,
 )
-from flodl_exp.rank.backends import CollectiveBackend, CollectiveInterrupted, CoordinatorBackend, LockstepMisaligned, snapshot_nbytes
+from flodl_exp.rank.backends import (
+    CollectiveBackend,
+    CollectiveInterrupted,
+    CoordinatorBackend,
+    LockstepMisaligned,
+    SentState,
+    snapshot_nbytes,
+)
 from flodl_exp.rank.fault_inject import ARMED_KINDS, fire_armed, inject_fault
 from flodl_exp.rank.inbox import ControlInbox
 from flodl_exp.rank.node_relay import LeaderRelay, MemberRelay, NodeRelay
@@ -134,6 +141,9 @@ class RankControl:
         self.stopping = False
         self.throttled = False
         self.awaiting_update = False
+        self.sent: Optional[SentState] = None
+        """``mode.overlap``: this rank's state as it answered the reduce in flight (its version, float32 copies of its
+        parameters and float buffers): the update is applied as the correction ``W += W_avg - W_sent``."""
         self.plans: deque[StartEpoch] = deque()
         """Chunks handed out and not started yet, in order."""
         self.chunk: Optional[EpochState] = None
@@ -409,11 +419,17 @@ class RankControl:
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
     def _on_request_params(self, m: RequestParams) -> None:
+        self._await_correction()  # at most one reduce in flight: the last one's update first
         self.send_held_reports()
         fire_armed(self.armed_fault, "killsync", self.rank)
-        n = self.trainer.steps_since_avg
-        snap = self.cpu.snapshot(self.trainer.model, n)
+        tr = self.trainer
+        n = tr.steps_since_avg
+        snap = self.cpu.snapshot(tr.model, n)
         snap.version = m.version
+        if m.overlap:
+            # Train on: the steps from here are the next window's, and the update corrects what was sent.
+            self.sent = SentState(m.version, *self.cpu.keep_sent(tr.model))
+            tr.steps_in_flight, tr.steps_since_avg = n, 0
         relay = self.relay
         if relay is None or relay.down or not relay.submit(snap):  # the node's relay answers for it, or directly
             self.send(snap)
@@ -452,15 +468,30 @@ class RankControl:
         elif isinstance(relay, MemberRelay) and relay.leader == m.rank:
             relay.leader_gone()
 
+    def _await_correction(self) -> None:
+        """``mode.overlap``: wait for the update of the reduce this rank answered (it is on its way: the coordinator
+        sends it, or its node leader hands it on), so a second reduce or a bundle never finds one in flight."""
+        if self.sent is not None:
+            self.wait_until(lambda: self.sent is None)
+
     def _on_update(self, m: Update) -> None:
         if m.version is not None and self.adopted_version is not None and m.version <= self.adopted_version:
             return  # a second copy of the update adopted (its node leader died after handing on the first)
+        sent, self.sent = self.sent, None
+        if sent is not None and sent.version != m.version:
+            log.warning("rank %d: the update of reduce %s came for the snapshot of reduce %d: adopted in full",
+                        self.rank, m.version, sent.version)
+            sent = None
         if not m.skip:
-            self.cpu.adopt_update(self.trainer.model, m, m.alpha)
+            if sent is not None:
+                self.cpu.adopt_correction(self.trainer.model, m, m.alpha, sent.params, sent.buffers)
+            else:
+                self.cpu.adopt_update(self.trainer.model, m, m.alpha)
             self.last_consensus = dict(m.tensors)
             if self._resets_inner:
                 self.trainer.reset_optimizer_state()
-        self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
+        if sent is None:
+            self.trainer.steps_since_avg = 0  # adoption resets the window (algorithms.md 3.9): no residual carries over
         if m.version is not None:
             self.adopted_version = m.version
         self.awaiting_update = False
@@ -477,6 +508,7 @@ class RankControl:
 
     def _on_global_step(self, m: SetGlobalStep) -> None:
         self.trainer.global_step = m.global_step
+        self.trainer.steps_in_flight = 0  # the finished reduce's steps are in the global step now
 
     def _on_throttle(self, m: Throttle) -> None:
         if not self.throttled:
@@ -558,6 +590,8 @@ class RankControl:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
         from flodl_exp.checkpoint import save_rank_pieces
 
+        if m.consensus:
+            self._await_correction()  # the bundle holds the consensus of the last reduce, not the one before
         if self.armed_fault is not None:
             self.send_held_reports()
         fire_armed(self.armed_fault, "killsave", self.rank)

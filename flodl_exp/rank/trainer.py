@@ -209,6 +209,9 @@ class RankTrainer:
         self.global_step = 0
         """Batches trained by the whole cohort up to the last reduce (SetGlobalStep)."""
         self.steps_since_avg = 0
+        self.steps_in_flight = 0
+        """``mode.overlap``: the steps of this rank's answer to the reduce in flight (in no global step yet): the LR's
+        position counts them until the reduce's SetGlobalStep does."""
         self.step_count = 0
         """Monotonic local counter: batches + completed collective syncs (NCCL ack gate)."""
         self._last_loss: Any = float("nan")
@@ -384,7 +387,7 @@ class RankTrainer:
         t0 = time.perf_counter()
         start: Any = self._cuda_event() if self.device_timing else None
         if self.exp.lr_factor is not None:
-            f = self.exp.lr_factor(self.global_step + self.steps_since_avg) * self.lr_scale
+            f = self.exp.lr_factor(self.global_step + self.steps_in_flight + self.steps_since_avg) * self.lr_scale
             for g, base in zip(self.optimizer.param_groups, self.base_lrs):
                 g["lr"] = base * f
         return t0, start

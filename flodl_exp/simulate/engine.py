@@ -85,6 +85,10 @@ class SimRank:
     """[plan, batches, done, t0_s, compute_ms, data_ms]"""
     steps_since_avg: int = 0
     global_step: int = 0
+    steps_in_flight: int = 0
+    """``mode.overlap``: the steps of the rank's answer to the reduce in flight (the LR's position counts them)."""
+    sent: bool = False
+    """``mode.overlap``: the rank answered a reduce and trains on; its update is a correction (rank/control.py)."""
     batches: int = 0
     busy_ms: float = 0.0
     synced: int = 0
@@ -239,17 +243,21 @@ class Engine:
             rk.lockstep_until = max(rk.lockstep_until, p.until)
         elif isinstance(p, RequestParams):
             self._send_snapshot(rk)
+            if p.overlap:  # trains on: the steps from here are the next window's
+                rk.sent, rk.steps_in_flight, rk.steps_since_avg = True, rk.steps_since_avg, 0
             if p.barrier:
                 rk.state = BARRIER
         elif isinstance(p, Update):
-            rk.steps_since_avg = 0
+            if not rk.sent:
+                rk.steps_since_avg = 0
+            rk.sent = False
             if rk.state in (BARRIER, THROTTLED):
                 rk.state = IDLE
         elif isinstance(p, Throttle):
             if rk.state == IDLE:
                 rk.state = THROTTLED
         elif isinstance(p, SetGlobalStep):
-            rk.global_step = p.global_step
+            rk.global_step, rk.steps_in_flight = p.global_step, 0
 
     def _advance(self, rk: SimRank) -> None:
         """The rank's loop from where it stands: control between batches, the next batch, the next chunk."""
@@ -306,7 +314,7 @@ class Engine:
         rk.steps_since_avg += 1
         rk.batches += 1
         rk.busy_ms += step + data
-        lr = self.lrf(rk.global_step + rk.steps_since_avg)
+        lr = self.lrf(rk.global_step + rk.steps_in_flight + rk.steps_since_avg)
         self.q.after(self.lat, COORD_MSG, r, Batch(ms=step, data_ms=data, chunk=ch[0].chunk, loss=None, lr=lr))
         if rk.synced < rk.lockstep_until:  # nccl_sync's license: a reduce right after the step, no sync_now
             self._enter_collective(rk, rk.synced)

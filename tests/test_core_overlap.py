@@ -1,0 +1,284 @@
+"""Overlapped averaging (``mode.overlap``, issue 51) in the control core: scripted cpu ranks, no process, no socket.
+
+A reduce asks the ranks to train on (``RequestParams.overlap``, no barrier) and hands each idle rank its next window's
+chunk with the request; what a rank reports past its answer is its next window's; a consensus reduce (the end of
+training) still waits; a rank that dies with a reduce in flight loses no trained pick; every pick is trained once."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+from control_fakes import FakeClock, make_config
+
+from flodl_exp.config import RunShape, load_config
+from flodl_exp.core.commands import Broadcast, RankDeath, RankJoined, RankMessage, Send, Tick, TrainingStarts
+from flodl_exp.core.control_core import recording_core
+from flodl_exp.protocol.messages import (
+    Batch,
+    ChunkMetrics,
+    EvalResult,
+    ExecuteEval,
+    ExtendPartition,
+    Payload,
+    RequestParams,
+    Save,
+    SaveResult,
+    Shutdown,
+    Snapshot,
+    StartEpoch,
+    Update,
+)
+from flodl_exp.torch_averager import TorchAverager
+
+BATCH = 8
+SAMPLES = 192
+WORLD = 3
+TURNS = (0, 0, 0, 1, 2)
+"""Whose batch comes next, cycled: rank 0 trains three batches for every one of ranks 1 and 2 (a 3:1 rig)."""
+
+
+class OverlapRanks:
+    """Cpu ranks as rank/control.py runs them: a RequestParams is answered at once with the steps since the last
+    answer (``hold``: that rank's snapshot waits until :meth:`release`), and with ``overlap`` the rank trains on; its
+    update is then a correction (its steps since the answer are kept)."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, list[tuple[int, int, int, int]]] = {r: [] for r in range(WORLD)}
+        self.chunk: dict[int, Optional[list[int]]] = {r: None for r in range(WORLD)}
+        self.since = {r: 0 for r in range(WORLD)}
+        """Steps since the last answer (or the last full adoption): a snapshot's ``n``."""
+        self.blocked = {r: False for r in range(WORLD)}
+        self.sent: dict[int, int] = {}
+        """Rank -> the overlapped reduce it answered and awaits the update of."""
+        self.requests: list[tuple[int, RequestParams]] = []
+        self.log: list[tuple[int, Payload]] = []
+        """Every message to a rank, in order."""
+        self.trained: dict[int, list[tuple[int, int]]] = {r: [] for r in range(WORLD)}
+        """Each rank's trained batches in order, as (epoch, first pick)."""
+        self.answered_at: dict[int, dict[int, int]] = {r: {} for r in range(WORLD)}
+        """Rank -> reduce version -> how many of its trained batches its answer to it held."""
+        self.trained_in_flight = {r: 0 for r in range(WORLD)}
+        """Batches each rank trained while it awaited an overlapped reduce's update."""
+        self.hold: set[int] = set()
+        self.held: dict[int, Snapshot] = {}
+        self.dead: set[int] = set()
+        self.final_evals: list[int] = []
+        self.shutdown = False
+        self.turn = 0
+
+    def hear(self, out: list[tuple[int, Payload]]) -> list[tuple[int, Payload]]:
+        answers: list[tuple[int, Payload]] = []
+        for r, p in out:
+            if r in self.dead:
+                continue
+            self.log.append((r, p))
+            if isinstance(p, (StartEpoch, ExtendPartition)):
+                self.plans[r].append((p.epoch, p.chunk, p.offset, p.size // BATCH))
+            elif isinstance(p, RequestParams):
+                assert r not in self.sent, "a second reduce reached a rank with one in flight"
+                self.requests.append((r, p))
+                self.answered_at[r][p.version] = len(self.trained[r])
+                snap = Snapshot(n=self.since[r], version=p.version,
+                                tensors={"p0": torch.full((4,), float(r + p.version)), "b0": torch.zeros(2)})
+                if p.overlap:
+                    self.sent[r], self.since[r] = p.version, 0
+                self.blocked[r] = p.barrier
+                if r in self.hold:
+                    self.held[r] = snap
+                else:
+                    answers.append((r, snap))
+            elif isinstance(p, Update):
+                if self.sent.pop(r, None) is None:
+                    self.since[r] = 0  # a full adoption resets the window
+                self.blocked[r] = False
+                if p.next_plan is not None:
+                    e, off, size, cid = p.next_plan
+                    self.plans[r].append((e, cid, off, size // BATCH))
+            elif isinstance(p, ExecuteEval) and p.final:
+                self.final_evals.append(r)
+            elif isinstance(p, Save):
+                answers.append((r, SaveResult(stem=p.stem)))
+            elif isinstance(p, Shutdown):
+                self.shutdown = True
+        return answers
+
+    def release(self, r: int) -> list[tuple[int, Payload]]:
+        self.hold.discard(r)
+        snap = self.held.pop(r, None)
+        return [] if snap is None else [(r, snap)]
+
+    def next(self) -> Optional[tuple[int, Payload]]:
+        for _ in range(len(TURNS)):
+            r = TURNS[self.turn % len(TURNS)]
+            self.turn += 1
+            if r in self.dead or self.blocked[r]:
+                continue
+            if self.chunk[r] is None and self.plans[r]:
+                e, cid, off, nb = self.plans[r].pop(0)
+                self.chunk[r] = [e, cid, off, nb, 0]
+            ch = self.chunk[r]
+            if ch is None:
+                continue
+            e, cid, off, nb, done = ch
+            if done < nb:
+                ch[4] += 1
+                self.since[r] += 1
+                self.trained[r].append((e, off + done * BATCH))
+                if r in self.sent:
+                    self.trained_in_flight[r] += 1
+                return r, Batch(ms=30.0 if r else 10.0, data_ms=1.0, chunk=cid, loss=0.5, lr=0.01)
+            self.chunk[r] = None
+            return r, ChunkMetrics(epoch=e, chunk=cid, avg_loss=0.5, batches=done, samples=done * BATCH,
+                                   epoch_ms=10.0 * done, share_complete_ms=11.0 * done, compute_only_ms=10.0 * done,
+                                   data_starve_ms=1.0 * done, ranges=[[off, done * BATCH]] if done else [],
+                                   loss_batches=done)
+        return None
+
+
+class Run:
+    def __init__(self, mode: str = "cpu_cadence", epochs: int = 2, overrides: Optional[dict[str, Any]] = None) -> None:
+        cfg = load_config(make_config(mode, WORLD, epochs, **{"mode.overlap": True, **(overrides or {})}))
+        self.clock = FakeClock()
+        self.core, self.commands = recording_core(cfg, self.clock, averager=TorchAverager(RunShape.of(cfg).outer))
+        self.ranks = OverlapRanks()
+        self.pending: list[tuple[int, Payload]] = []
+
+    def take(self) -> list[tuple[int, Payload]]:
+        out: list[tuple[int, Payload]] = []
+        for c in self.commands:
+            if isinstance(c, Send):
+                out.append((c.rank, c.payload))
+            elif isinstance(c, Broadcast):
+                out += [(r, c.payload) for r in c.to]
+        self.commands.clear()
+        return out
+
+    def handle(self, event: Any) -> None:
+        self.commands.extend(self.core.handle(event))
+        self.pending += self.ranks.hear(self.take())
+
+    def start(self) -> None:
+        for r in range(WORLD):
+            self.handle(RankJoined(r, 0.0))
+        self.handle(TrainingStarts(SAMPLES, None, self.clock()))
+
+    def play(self, until: Any = lambda: False, max_steps: int = 20000) -> None:
+        for _ in range(max_steps):
+            if self.ranks.shutdown or until():
+                return
+            msg = self.pending.pop(0) if self.pending else self.ranks.next()
+            if msg is None:
+                if self.ranks.final_evals:
+                    r = self.ranks.final_evals.pop()
+                    msg = (r, EvalResult(epoch=self.core.epochs - 1, metrics={"acc": 0.9}, final=True, elapsed_ms=5.0))
+                else:
+                    self.clock.advance(0.05)
+                    n = len(self.pending)
+                    self.handle(Tick(self.clock()))
+                    if len(self.pending) == n and self.ranks.next() is None and not self.ranks.final_evals:
+                        raise AssertionError(f"nothing moves in phase {self.core.life.phase}")
+                    continue
+            self.clock.advance(0.01)
+            self.handle(RankMessage(msg[0], msg[1], self.clock()))
+            self.handle(Tick(self.clock()))
+        raise AssertionError("the script did not end")
+
+    def finish(self) -> None:
+        """Play to the end: FINISHED, every pick of every epoch trained exactly once."""
+        self.play()
+        assert self.core.life.status.name == "FINISHED"
+        assert self.core.dispatch.lost_picks == 0
+        cov = self.core.dispatch.coverage
+        assert sorted(cov) == list(range(self.core.epochs))
+        for e, ranges in cov.items():
+            hits = [0] * SAMPLES
+            for off, size in ranges:
+                for i in range(off, off + size):
+                    hits[i] += 1
+            assert set(hits) == {1}, f"epoch {e}: picks trained {sorted(set(hits))} times"
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+def test_an_overlapped_run_trains_through_its_reduces_and_covers_every_pick_once(mode: str) -> None:
+    run = Run(mode)
+    run.start()
+    run.finish()
+    reqs = [p for _, p in run.ranks.requests]
+    overlapped = [p for p in reqs if p.overlap]
+    assert overlapped and all(not p.barrier for p in overlapped), "the window reduces let the ranks train on"
+    assert all(p.barrier for p in reqs if not p.overlap), "a consensus reduce (the end of training) still waits"
+
+
+def test_a_rank_gets_its_next_window_while_the_reduce_is_in_flight() -> None:
+    run = Run()
+    run.ranks.hold = {1}  # the slow rank's answer waits: the reduce stays in flight
+    run.start()
+    run.play(until=lambda: 1 in run.ranks.held)
+    v = run.core.syncs
+    req = next(p for r, p in run.ranks.requests if r == 0 and p.version == v)
+    at = run.ranks.log.index((0, req))
+    run.play(until=lambda: any(isinstance(p, StartEpoch) for q, p in run.ranks.log[at:] if q == 0))
+    assert run.core.syncs == v and not any(isinstance(p, Update) for q, p in run.ranks.log[at:] if q == 0)
+    run.pending += run.ranks.release(1)
+    run.finish()
+
+
+def test_steps_past_the_answer_count_toward_the_next_window() -> None:
+    run = Run()
+    run.ranks.hold = {1}  # the slow rank's answer waits: ranks 0 and 2 train on meanwhile
+    run.start()
+    run.play(until=lambda: 1 in run.ranks.held)
+    v = run.core.syncs
+    run.play(until=lambda: run.ranks.trained_in_flight[0] >= 3)
+    trained = run.ranks.trained_in_flight[0]
+    assert run.core.cycle.window_steps(0) == trained, "its steps past its answer are its next window's"
+    assert run.core.syncs == v, "the reduce waits for rank 1"
+    run.pending += run.ranks.release(1)
+    run.play(until=lambda: run.core.syncs > v)
+    assert run.core.cycle.steps(0) >= trained, "the finish keeps them (a cpu reduce without overlap resets to 0)"
+    run.finish()
+
+
+def test_a_rank_dead_with_an_overlapped_reduce_in_flight_loses_no_pick() -> None:
+    run = Run(overrides={"cluster.max_failure": 2})
+    run.ranks.hold = {1}
+    run.start()
+    run.play(until=lambda: 1 in run.ranks.held)
+    run.play(until=lambda: run.ranks.trained_in_flight[2] >= 1)  # rank 2 answered and trained on
+    run.ranks.dead.add(2)
+    run.handle(RankDeath(2, "killed", run.clock()))
+    run.pending += run.ranks.release(1)
+    run.finish()
+
+
+def test_what_a_rank_trained_past_its_answer_is_trained_again_when_it_dies_after_the_finish() -> None:
+    """Rank 2 answers, trains its next window's chunk to its end while the reduce is in flight, and dies right after
+    the reduce finished: that chunk is in no consensus, so each of its picks is handed to a survivor again."""
+    run = Run(overrides={"cluster.max_failure": 2})
+    run.ranks.hold = {1}
+    run.start()
+    run.play(until=lambda: 1 in run.ranks.held)
+    v = run.core.syncs
+    ranks = run.ranks
+    run.play(until=lambda: ranks.trained_in_flight[2] > 0 and ranks.chunk[2] is None and not ranks.plans[2])
+    run.pending += ranks.release(1)
+    run.play(until=lambda: run.core.syncs > v)
+    past = ranks.trained[2][ranks.answered_at[2][v]:]
+    assert past, "rank 2 trained past its answer"
+    ranks.dead.add(2)
+    at = len(ranks.log)
+    run.handle(RankDeath(2, "killed", run.clock()))
+    run.finish()
+    again = [(p.epoch, p.offset, p.size) for q, p in ranks.log[at:] if isinstance(p, (StartEpoch, ExtendPartition))]
+    for e, first in past:
+        assert any(e == oe and oo <= first < oo + size for oe, oo, size in again), (
+            f"pick {first} of epoch {e}, trained by the dead rank past its answer, was not handed out again")
+
+
+def test_without_overlap_a_cadence_reduce_is_a_barrier() -> None:
+    run = Run(overrides={"mode.overlap": False})
+    run.start()
+    run.finish()
+    assert all(p.barrier and not p.overlap for _, p in run.ranks.requests)
+    assert sum(run.ranks.trained_in_flight.values()) == 0

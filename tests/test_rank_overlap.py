@@ -1,0 +1,113 @@
+"""Overlapped averaging on the rank (``mode.overlap``, issue 51): the correction ``W <- W + a (W_avg - W_sent)`` and
+the rank's control around it (it trains on after its answer, keeps its steps, waits for one update at a time)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from rank_fakes import rank_control
+
+from flodl_exp.averaging import adopt, adopt_correction, float_buffers
+from flodl_exp.protocol.messages import RequestParams, SetGlobalStep, Snapshot, Update
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+
+
+def _state(m: torch.nn.Sequential) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in [*m.parameters(), *float_buffers(m)]]
+
+
+def _consensus(m: torch.nn.Sequential, shift: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [p.detach() + shift for p in m.parameters()], [b + shift for b in float_buffers(m)]
+
+
+def test_a_correction_with_nothing_trained_since_is_the_plain_adoption() -> None:
+    for alpha in (None, 0.5):
+        a, b = _model(), _model()
+        params, bufs = _consensus(a, 0.25)
+        sent_p = [p.detach().clone() for p in a.parameters()]
+        sent_b = [t.clone() for t in float_buffers(a)]
+        adopt_correction(a, params, bufs, sent_p, sent_b, alpha)
+        adopt(b, params, bufs, alpha)
+        n = len(list(a.parameters()))
+        for x, y in zip(_state(a)[:n], _state(b)[:n]):  # the parameters: overwrite, or EASGD's blend
+            assert torch.allclose(x, y, atol=1e-7)
+        if alpha is None:
+            assert all(torch.allclose(x, y, atol=1e-7) for x, y in zip(_state(a), _state(b)))
+
+
+def test_a_correction_keeps_what_the_replica_trained_since_its_snapshot() -> None:
+    m = _model()
+    sent_p = [p.detach().clone() for p in m.parameters()]
+    sent_b = [t.clone() for t in float_buffers(m)]
+    params, bufs = _consensus(m, 0.25)  # the average moved the sent state by +0.25
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(-0.5)  # what the rank trained meanwhile
+    adopt_correction(m, params, bufs, sent_p, sent_b, None)
+    for p, s in zip(m.parameters(), sent_p):
+        assert torch.allclose(p, s - 0.25, atol=1e-6)
+    m2 = _model()
+    with torch.no_grad():
+        for p in m2.parameters():
+            p.add_(-0.5)
+    adopt_correction(m2, params, bufs, sent_p, sent_b, 0.5)
+    for p, s in zip(m2.parameters(), sent_p):
+        assert torch.allclose(p, s - 0.5 + 0.125, atol=1e-6)
+
+
+def _trainer(steps: int) -> SimpleNamespace:
+    return SimpleNamespace(steps_since_avg=steps, steps_in_flight=0, global_step=0, model=torch.nn.Linear(2, 1))
+
+
+def _update(version: int, model: torch.nn.Module, value: float) -> Update:
+    return Update(n=0, version=version, tensors={f"p{i}": torch.full_like(p, value) for i, p in enumerate(model.parameters())})
+
+
+def test_an_overlapped_answer_trains_on_and_its_update_corrects_the_replica() -> None:
+    tr = _trainer(5)
+    ctl, sent = rank_control(tr)
+    w0 = [p.detach().clone() for p in tr.model.parameters()]
+    ctl.handle(RequestParams(version=3, barrier=False, overlap=True))
+    [snap] = sent.of(Snapshot)
+    assert snap.n == 5 and snap.version == 3
+    assert tr.steps_since_avg == 0 and tr.steps_in_flight == 5, "the steps from here are the next window's"
+    assert ctl.sent is not None and ctl.sent.version == 3
+    with torch.no_grad():  # two steps trained while the reduce is in flight
+        for p in tr.model.parameters():
+            p.add_(1.0)
+    tr.steps_since_avg = 2
+    ctl.handle(_update(3, tr.model, 7.0))
+    for p, w in zip(tr.model.parameters(), w0):
+        assert torch.allclose(p, torch.full_like(p, 7.0) + 1.0), "the consensus plus what was trained since"
+        assert not torch.equal(p, w)
+    assert tr.steps_since_avg == 2 and ctl.sent is None, "the steps since the answer are kept"
+    ctl.handle(SetGlobalStep(global_step=40))
+    assert tr.global_step == 40 and tr.steps_in_flight == 0
+
+
+def test_without_overlap_the_update_overwrites_and_resets_the_window() -> None:
+    tr = _trainer(5)
+    ctl, sent = rank_control(tr)
+    ctl.handle(RequestParams(version=3, barrier=False))
+    assert tr.steps_since_avg == 5 and ctl.sent is None
+    ctl.handle(_update(3, tr.model, 7.0))
+    assert all(torch.equal(p, torch.full_like(p, 7.0)) for p in tr.model.parameters())
+    assert tr.steps_since_avg == 0
+
+
+def test_a_second_request_waits_for_the_first_reduces_update() -> None:
+    """At most one reduce in flight per rank: a request that overtook the last update (a node leader hands updates
+    on; the coordinator sends requests) is answered only after that update was applied."""
+    tr = _trainer(4)
+    model = tr.model
+    ctl, sent = rank_control(tr, messages=[_update(3, model, 2.0)])
+    ctl._on_request_params(RequestParams(version=3, barrier=False, overlap=True))  # answered; its update is queued
+    ctl.handle(RequestParams(version=4, barrier=False, overlap=True))  # the queued update 3 is applied first
+    snaps = sent.of(Snapshot)
+    assert [s.version for s in snaps] == [3, 4]
+    assert all(torch.allclose(t, torch.full_like(t, 2.0)) for k, t in snaps[1].tensors.items() if k.startswith("p"))
+    assert ctl.sent is not None and ctl.sent.version == 4
