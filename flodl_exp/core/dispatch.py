@@ -372,11 +372,9 @@ class Dispatcher:
             # Already aggregated (its metrics and coverage logged, counting these picks as trained): the
             # survivors retrain them as a chunk of that epoch, so the consensus holds each pick once and the
             # books stay true. Only with no survivor are they lost (counted, never hidden).
-            if survivors:
-                self._extend_over(survivors, epoch, off + n - undo, undo)
-                counts[0] += undo
-            else:
-                counts[1] += undo
+            unhanded = self._extend_over(survivors, epoch, off + n - undo, undo)
+            counts[0] += undo - unhanded
+            counts[1] += unhanded
             return
         self._uncover(r, epoch, off, n, undo)
         if self.progressive and epoch in self.pools:
@@ -423,23 +421,34 @@ class Dispatcher:
         acc.ranks[r].batches -= undo // self.bs
         acc.ranks[r].samples -= undo
 
-    def _extend_over(self, survivors: list[int], e: int, offset: int, size: int) -> None:
-        """ExtendPartition: split [offset, offset+size) in whole batches over the survivors, in rank order."""
-        if not survivors:
-            return
+    def _extend_over(self, survivors: list[int], e: int, offset: int, size: int) -> int:
+        """ExtendPartition: split [offset, offset+size) in whole batches over the survivors, in rank order. A piece
+        whose send fails (a rank dying, not declared dead yet: two deaths close together) goes to the next survivor
+        instead, or it would be dropped unseen, neither trained nor counted. Returns the picks no survivor took."""
+        live = list(survivors)
         rest_off = offset
-        for i, nb in enumerate(equal_sizes(len(survivors), size // self.bs)):
-            if nb > 0:
-                self._extend(survivors[i], e, rest_off, nb * self.bs)
-                rest_off += nb * self.bs
+        for i, nb in enumerate(equal_sizes(len(survivors), size // self.bs) if survivors else []):
+            if nb <= 0:
+                continue
+            first = survivors[i]
+            for r in [first, *(q for q in live if q != first)]:  # bounded: each survivor tried once per piece
+                if r in live and self._extend(r, e, rest_off, nb * self.bs):
+                    break
+                if r in live:
+                    live.remove(r)
+            else:
+                return offset + size - rest_off
+            rest_off += nb * self.bs
+        return offset + size - rest_off
 
-    def _extend(self, r: int, e: int, offset: int, size: int) -> None:
+    def _extend(self, r: int, e: int, offset: int, size: int) -> bool:
         cid = next(self._ids)
         self._chunks[cid] = Chunk(r, e, offset, size)
         if not self._out.send(r, ExtendPartition(epoch=e, offset=offset, size=size, chunk=cid)):
             del self._chunks[cid]
-            return
+            return False
         self.extensions[r] = [x for x in self.extensions[r] if x in self._chunks] + [cid]
+        return True
 
     def _dispatch_plans(self, e: int) -> None:
         self._open(e)
