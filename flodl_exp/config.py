@@ -84,7 +84,7 @@ class ModeConfig:
     next window's chunk comes with the request), and when the consensus lands it applies the correction
     ``W <- W + (W_avg - W_sent)`` (EASGD's alpha scales it): no rank waits for a reduce, and nothing it trained
     meanwhile is overwritten. At most one reduce in flight; consensus reduces (a bundle's, the end of training)
-    still wait. docs/how-to/overlap.md."""
+    still wait. docs/concepts/modes.md, "Overlapped averaging"."""
     lr_scale_ratio: float = 1.0
     """Linear LR scaling: lr x (1 + (W - 1) x ratio); 0 turns it off."""
     max_grad_norm: Optional[float] = None

@@ -197,6 +197,8 @@ class Run:
                 for i in range(off, off + size):
                     hits[i] += 1
             assert set(hits) == {1}, f"epoch {e}: picks trained {sorted(set(hits))} times"
+        # every batch in exactly one reduce (cpu_async without overlap counts its post-snapshot batches in none)
+        assert self.core.cycle.global_step == self.core.epochs * SAMPLES // BATCH
 
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])

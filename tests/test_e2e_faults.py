@@ -35,11 +35,13 @@ def test_a_lost_rank_of_three_recovers(store, mode, fault, experiment, monkeypat
     the progress watch declares it dead and evicts it, and the run recovers the same way. digits_accumulate:
     the cooperative tier (the user's own loop, flodl_exp/zoo/loops.py) recovers as the managed one."""
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"1:25:{fault}")  # mid epoch 2 (about 15 batches per rank per epoch)
-    # cpu_cadence runs with hierarchical averaging (issue 52): rank 0 leads the node and sums its peers' snapshots;
-    # rank 1, a member, dies mid-window and the partials go on without it
+    # cpu_cadence runs with hierarchical averaging (issue 52) and overlapped averaging (issue 51): rank 0 leads the
+    # node and sums its peers' snapshots, the ranks train on while a reduce is in flight; rank 1, a member, dies
+    # mid-window and the partials go on without it
     node_reduce = mode == "cpu_cadence"
     h = _launch(store, f"mode={mode}", "cluster.ranks_per_node=3", "experiment.epochs=5", "cluster.progress_timeout_s=6",
-                f"experiment={experiment}", f"cluster.node_reduce={str(node_reduce).lower()}")
+                f"experiment={experiment}", f"cluster.node_reduce={str(node_reduce).lower()}",
+                f"mode.overlap={str(node_reduce).lower()}")
     res = h.wait()
     assert res["status"] == "FINISHED"
     assert [d["rank"] for d in res["deaths"]] == [1]
@@ -125,11 +127,11 @@ taken no chunk of epoch 3 is handed out, so at most 3 epochs (132 batches) are t
 170th batch proves the bundle exists, whatever the machine's speed."""
 
 
-@pytest.mark.parametrize("mode", ["cpu_cadence"])
-def test_at_epoch_bundle_resumes_exactly(store, mode, tmp_path, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["cpu_cadence", "cpu_cadence+overlap"])
+def test_at_epoch_bundle_resumes_exactly(store, overlap, tmp_path, monkeypatch):
     # outer=diloco: the bundle carries the outer momentum (a sidecar) and the resumed run starts from it
-    common = [f"mode={mode}", f"experiment.epochs={AT_EPOCH_EPOCHS}", "cluster=local_hetero", "seed=7", "mode.max_anchor=20",
-              "outer=diloco"]
+    common = ["mode=cpu_cadence", f"experiment.epochs={AT_EPOCH_EPOCHS}", "cluster=local_hetero", "seed=7",
+              "mode.max_anchor=20", "outer=diloco", f"mode.overlap={str(overlap).lower()}"]
     ref = _launch(store, *common).wait()
     gate = tmp_path / "gate"
     monkeypatch.setenv("FLODL_FAULT_INJECT", f"0:{AT_EPOCH_GATE_STEP}:gate:{gate},1:{AT_EPOCH_GATE_STEP}:gate:{gate}")

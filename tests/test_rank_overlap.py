@@ -111,3 +111,17 @@ def test_a_second_request_waits_for_the_first_reduces_update() -> None:
     assert [s.version for s in snaps] == [3, 4]
     assert all(torch.allclose(t, torch.full_like(t, 2.0)) for k, t in snaps[1].tensors.items() if k.startswith("p"))
     assert ctl.sent is not None and ctl.sent.version == 4
+
+
+def test_with_nothing_trained_since_the_answer_the_replica_is_the_consensus_to_the_bit() -> None:
+    """Replicas that trained nothing past their answers must end equal (the run's end skips a reduce nobody needs):
+    ``W + (avg - W)`` is not ``avg`` in floating point, so such an update is adopted as is."""
+    tr = _trainer(5)
+    torch.manual_seed(3)
+    tr.model = torch.nn.Linear(64, 32)
+    ctl, _ = rank_control(tr)
+    ctl.handle(RequestParams(version=1, barrier=False, overlap=True))
+    g = torch.Generator().manual_seed(4)
+    consensus = {f"p{i}": torch.randn(p.shape, generator=g) * 3 for i, p in enumerate(tr.model.parameters())}
+    ctl.handle(Update(n=5, version=1, tensors=consensus))
+    assert all(torch.equal(p, consensus[f"p{i}"]) for i, p in enumerate(tr.model.parameters()))

@@ -483,9 +483,9 @@ class RankControl:
                         self.rank, m.version, sent.version)
             sent = None
         if not m.skip:
-            if sent is not None:
+            if sent is not None and self.trainer.steps_since_avg > 0:
                 self.cpu.adopt_correction(self.trainer.model, m, m.alpha, sent.params, sent.buffers)
-            else:
+            else:  # nothing trained since the snapshot: W + (avg - W) would leave the replicas apart in the last bit
                 self.cpu.adopt_update(self.trainer.model, m, m.alpha)
             self.last_consensus = dict(m.tensors)
             if self._resets_inner:
