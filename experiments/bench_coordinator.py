@@ -136,7 +136,36 @@ def _time_gc(st: dict[str, Any]) -> None:
     gc.callbacks.append(gc_timer)
 
 
-def _stamp_rank_messages() -> None:
+def _schedstat() -> tuple[int, int]:
+    """This thread's CPU time and time waiting on a run queue (ns, /proc/thread-self/schedstat; 0s where absent)."""
+    try:
+        with open("/proc/thread-self/schedstat") as fh:
+            cpu, wait = fh.read().split()[:2]
+        return int(cpu), int(wait)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _time_reads(sel: Any, reads: list[Any]) -> None:
+    """Each turn of the read thread (the timeline): [select's return, the time it blocked in select, sockets ready,
+    the thread's CPU and run-queue wait since the previous return (ms)]."""
+    select = sel.select
+    last: list[float] = []  # set on the read thread's first turn (the schedstat is per thread)
+
+    def timed_select(timeout: Optional[float] = None) -> Any:
+        t0 = time.monotonic()
+        ready = select(timeout)
+        t1 = time.monotonic()
+        cpu, wait = _schedstat()
+        if last:
+            reads.append([t1, t1 - t0, len(ready), (cpu - last[1]) / 1e6, (wait - last[2]) / 1e6, t0 - last[0]])
+        last[:] = [t1, cpu, wait]
+        return ready
+
+    sel.select = timed_select
+
+
+def _stamp_rank_messages(reads: Optional[list[Any]] = None) -> None:
     """The rank server's read thread stamps each rank message it queues (a 4th element, the monotonic time; the
     coordinator reads the first three): how long it waited for the main thread is then known."""
     from flodl_exp.coordinator.server import RankServer
@@ -151,8 +180,57 @@ def _stamp_rank_messages() -> None:
 
         events.put = stamped
         server_init(self, host, token, world_size, events, *a, **k)
+        if reads is not None:
+            _time_reads(self._sel, reads)
 
     RankServer.__init__ = stamping_init  # type: ignore[method-assign]
+
+
+def _time_timeline(st: dict[str, Any], busy: list[float]) -> dict[str, Any]:
+    """``$BENCH_TIMELINE``: a per-reduce timeline in ``st["timeline"]`` (hooks under the timers of
+    :func:`coordinator_entry`): ``done``, each report that completed a rank's count ([version, rank, its report index,
+    handled at, handed off at]); ``turns``, the loop's long turns ([previous tick's end, tick start, end, events,
+    their busy s]); ``paces``, each ReportPace round ([version, start, end]); ``reads``, the read thread's turns
+    (:func:`_time_reads`). With the simulated ranks' own (their ``.tl.json``): where a late trigger's time went."""
+    from flodl_exp.coordinator.coordinator import Coordinator
+    from flodl_exp.core.control_core import ControlCore
+    from flodl_exp.core.report_pace import ReportPacing
+
+    mono = time.monotonic
+    tl: dict[str, Any] = {"cur": None, "n": 0, "end": mono(), "turns": [], "done": [], "paces": [], "reads": []}
+    st["timeline"] = tl
+    pacing_tick, on_event, tick, on_batch = ReportPacing.tick, Coordinator.on_event, Coordinator.tick, ControlCore.on_batch
+
+    def timed_pacing(self: ReportPacing, alive: Any) -> None:
+        seen, t0 = self._seen, mono()
+        pacing_tick(self, alive)
+        if self._seen != seen:
+            tl["paces"].append([self._seen[0], t0, mono()])
+
+    def marked_event(self: Coordinator, ev: Any) -> None:
+        tl["cur"] = ev[3] if len(ev) > 3 else None
+        tl["n"] += 1
+        on_event(self, ev)
+
+    def marked_tick(self: Coordinator) -> None:
+        m0 = mono()
+        tick(self)
+        m1 = mono()
+        if m1 - tl["end"] > 0.01 or m1 - m0 > 0.005:
+            tl["turns"].append([tl["end"], m0, m1, tl["n"], busy[0]])
+        tl["end"], tl["n"] = m1, 0
+
+    def marked_batch(self: ControlCore, r: int, b: Any) -> None:
+        on_batch(self, r, b)
+        cy = self.cycle
+        if cy.steps(r) == cy.mode.window_target(cy.counts_view[r]):  # this report completed r's count
+            tl["done"].append([cy.version, r, self.pacing.received[r], mono(), tl["cur"]])
+
+    ReportPacing.tick = timed_pacing  # type: ignore[method-assign]
+    Coordinator.on_event = marked_event  # type: ignore[method-assign]
+    Coordinator.tick = marked_tick  # type: ignore[method-assign]
+    ControlCore.on_batch = marked_batch  # type: ignore[method-assign]
+    return tl
 
 
 def coordinator_entry(argv: list[str]) -> None:
@@ -168,9 +246,10 @@ def coordinator_entry(argv: list[str]) -> None:
     st: dict[str, Any] = {"batches": 0, "events": 0, "t_first": None, "t_last": None, "triggers": [], "finishes": []}
     turns = array.array("d")
     busy = [0.0]
+    tl = _time_timeline(st, busy) if os.environ.get("BENCH_TIMELINE") else None
     on_event, tick, on_batch, trigger = Coordinator.on_event, Coordinator.tick, ControlCore.on_batch, AveragingCycle.trigger
 
-    _stamp_rank_messages()
+    _stamp_rank_messages(None if tl is None else tl["reads"])
     qdelay = array.array("d")  # each rank message: read thread's put -> main thread's handling (s)
     qdelay_t = array.array("d")
 
@@ -236,9 +315,19 @@ def coordinator_entry(argv: list[str]) -> None:
 
 
 # ------------------------------------------------------------------ simulated ranks
-def _sender(conn: Any, encode: Callable[[Any], Any]) -> Callable[[Any], None]:
-    """One simulated rank's raw send (what its pacer sends through)."""
-    return lambda payload: conn.send(encode(payload))
+def _sender(conn: Any, encode: Callable[[Any], Any], log: Optional[list[Any]] = None,
+            reports: Optional[Callable[[], int]] = None) -> Callable[[Any], None]:
+    """One simulated rank's raw send (what its pacer sends through); ``log``: each write's [reports taken by
+    then, monotonic time before the write, after it] (the timeline)."""
+    if log is None or reports is None:
+        return lambda payload: conn.send(encode(payload))
+
+    def send(payload: Any) -> None:
+        t0 = time.monotonic()
+        conn.send(encode(payload))
+        log.append((reports(), t0, time.monotonic()))
+
+    return send
 
 
 CATCH_UP_S = 1.0
@@ -290,6 +379,10 @@ class SimProcess:
         self.node_snaps: dict[int, dict[int, Any]] = {}
         """leader -> rank -> its snapshot for the reduce asked (the partial goes when the node's are all in)."""
         self.sent_snaps: dict[int, list[Any]] = {}
+        self.tl: Optional[dict[str, Any]] = ({"writes": {}, "calls": {}, "paces": [], "gaps": []}
+                                             if os.environ.get("BENCH_TIMELINE") else None)
+        """The timeline: per rank its writes and the time each Batch report was taken; ReportPace arrivals; the
+        loop's long passes."""
         model_bytes = snapshot_nbytes(self.model)
         bs = int(rdv["batch_size"])
         self.bs = bs
@@ -301,12 +394,17 @@ class SimProcess:
                           samples=int(rdv["samples"]))
             wire.client_handshake(conn, rdv["token"], hello.to_dict(), timeout=60)
             conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
-            pacer = BatchReportPacer(_sender(conn, encode), coalesce_ms / 1e3)
+            writes: list[Any] = []
+            pacer = BatchReportPacer(_sender(conn, encode, writes if self.tl is not None else None,
+                                             self._reports_of(r)), coalesce_ms / 1e3)
             # Unpaced: a little heterogeneity for ElChe. Paced: every rank reports the time its pace gives it, so
             # ElChe's counts match what the ranks do (reporting 10 and 14 ms at one pace made a quarter of the
             # ranks finish each window early and wait: 78 s for a 60 s load at N=1,024).
             ms = 1e3 / rate if rate > 0 else (10.0 if r % 4 else 14.0)
             sim = SimRank(r, conn, ms=ms, pacer=pacer)
+            if self.tl is not None:
+                self.tl["writes"][r] = writes
+                self.tl["calls"][r] = []
             self.sims.append(sim)
             self.by_rank[r] = sim
             self.sel.register(conn.sock, selectors.EVENT_READ, sim)
@@ -315,6 +413,10 @@ class SimProcess:
 
     def send(self, sim: SimRank, payload: Any) -> None:
         sim.pacer.send(payload)
+
+    def _reports_of(self, r: int) -> Callable[[], int]:
+        """Rank ``r``'s reports taken so far (the timeline's writes)."""
+        return lambda: self.by_rank[r].pacer.reports
 
     # -- coordinator -> rank ------------------------------------------------
     def on_message(self, sim: SimRank, msg: Any) -> None:
@@ -361,6 +463,8 @@ class SimProcess:
         elif isinstance(m, p.Throttle):
             sim.waiting = True
         elif isinstance(m, p.ReportPace):
+            if self.tl is not None:
+                self.tl["paces"].append([sim.rank, time.monotonic(), m.flush_at, sim.pacer.reports])
             sim.pacer.pace(m.flush_at)
         elif isinstance(m, p.ExecuteEval):
             self.send(sim, p.EvalResult(epoch=m.epoch, metrics={"accuracy": 0.5}, final=m.final, elapsed_ms=1.0))
@@ -426,6 +530,8 @@ class SimProcess:
             sim.chunk = [e, o, s, c, s // self.bs, 0]
         e, o, s, c, left, done = sim.chunk
         if left > 0 and (self.max_batches is None or self.out["batches"] < self.max_batches):
+            if self.tl is not None:
+                self.tl["calls"][sim.rank].append(time.monotonic())
             self.send(sim, Batch(ms=sim.ms, data_ms=0.05, chunk=c, loss=1.0, lr=0.1))
             if sim.pacer.flush_at and sim.pacer.reports == sim.pacer.flush_at:
                 sim.completed_at = time.monotonic()  # the report that completes the count: it went at once
@@ -471,9 +577,13 @@ class SimProcess:
                 self.beat()
         self.out["t_go"] = time.monotonic()
         cpu0 = time.process_time()
+        prev = time.monotonic()
         while time.monotonic() < self.deadline and not all(s.done for s in self.sims):
             busy = False
             now = time.monotonic()
+            if self.tl is not None and now - prev > 0.02:
+                self.tl["gaps"].append([prev, now])
+            prev = now
             for sim in self.sims:
                 try:
                     busy = self.step(sim, now) or busy
@@ -500,11 +610,15 @@ def sim_entry(args: argparse.Namespace) -> None:
     """``--sim``: one process of simulated ranks (its share of the world), results to ``--out``."""
     rdv = json.loads(Path(args.rdv).read_text())
     ranks = [int(r) for r in args.ranks.split(",")]
+    if os.environ.get("BENCH_SIM_NICE"):  # a diagnostic: the simulated ranks yield the CPU to the coordinator
+        os.nice(int(os.environ["BENCH_SIM_NICE"]))
     out: dict[str, Any] = {"ranks": len(ranks), "handshaken": 0}
     try:
         proc = SimProcess(ranks, rdv, out, rate=args.rate, deadline=time.monotonic() + args.seconds,
                           max_batches=args.max_batches, coalesce_ms=args.coalesce_ms, node_size=args.node_size)
         proc.run(args.go)
+        if proc.tl is not None:
+            Path(args.out + ".tl.json").write_text(json.dumps(proc.tl))
     except Exception as e:  # reported to the parent, which fails the run
         out["error"] = f"{type(e).__name__}: {e}"
     Path(args.out).write_text(json.dumps(out))
@@ -552,6 +666,45 @@ def _proc_sample(pid: int) -> Optional[tuple[float, float, int]]:
     return time.monotonic(), cpu, rss_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def _threads_sample(pid: int) -> dict[int, tuple[float, float, int, int]]:
+    """Each thread of ``pid``: (cpu ms, ms waiting on a run queue, voluntary and involuntary context switches)."""
+    out: dict[int, tuple[float, float, int, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            cpu, wait = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            cs = dict(line.split(":", 1) for line in status.splitlines() if "ctxt_switches" in line)
+            out[int(tid)] = (int(cpu) / 1e6, int(wait) / 1e6, int(cs["voluntary_ctxt_switches"]),
+                             int(cs["nonvoluntary_ctxt_switches"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def _thread_shares(pid: int, tsamples: list[tuple[float, dict[int, Any]]], t0: Optional[float],
+                   t1: Optional[float]) -> dict[str, float]:
+    """Over the busy span: the main thread's and the read thread's (the other thread with the most CPU) CPU and
+    run-queue wait (% of the span) and context switches per second."""
+    busy = [x for x in tsamples if t0 is not None and t1 is not None and t0 <= x[0] <= t1]
+    if len(busy) < 2:
+        return {}
+    (ta, a), (tb, b) = busy[0], busy[-1]
+    span = tb - ta
+    d = {tid: [y - x for x, y in zip(a[tid], b[tid])] for tid in b if tid in a}
+    other = max((tid for tid in d if tid != pid), key=lambda tid: d[tid][0], default=None)
+    out: dict[str, float] = {}
+    for name, tid in (("main", pid), ("read", other)):
+        if tid in d:
+            cpu, wait, vcs, ncs = d[tid]
+            out.update({f"{name}_cpu_pct": cpu / span / 10, f"{name}_runq_pct": wait / span / 10,
+                        f"{name}_cs_per_s": (vcs + ncs) / span})
+    return out
+
+
 def _kill(p: subprocess.Popen) -> None:
     if p.poll() is None:
         p.kill()
@@ -592,6 +745,7 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
     log_fh = open(job / "coordinator.log", "ab")
     started: list[subprocess.Popen] = []
     samples: list[tuple[float, float, int]] = []
+    tsamples: list[tuple[float, dict[int, Any]]] = []
     try:
         coord = subprocess.Popen([sys.executable, __file__, "--coordinator", str(job / "spec.json"), HOST], cwd=ROOT,
                                  env=env, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -627,6 +781,7 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
             s = _proc_sample(coord.pid)
             if s:
                 samples.append(s)
+                tsamples.append((s[0], _threads_sample(coord.pid)))
             if profile and prof is None and samples and len(samples) > 4 and _first_batch_seen(job):
                 prof = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-o", profile,
                                          "--pid", str(coord.pid), "-d", str(int(max(1, profile_s))), "-r", "50", "--nonblocking", "--threads",
@@ -652,7 +807,8 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
         log_fh.close()
         if not keep and workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return summarise(n, stats, sims, samples, result, wall)
+    return {**summarise(n, stats, sims, samples, result, wall),
+            **_thread_shares(coord.pid, tsamples, stats.get("t_first"), stats.get("t_last"))}
 
 
 def wait_quiet(job: Path, coord: subprocess.Popen, procs: list[subprocess.Popen], deadline: float) -> None:
