@@ -67,7 +67,8 @@ class BundleMeta:
     pieces: Optional[tuple[str, ...]] = None
     """The files the ranks reported written (None: a meta older than the list; only the model piece is checked)."""
     mode: Optional[str] = None
-    """The mode the bundle was saved in (``<backend>_<policy>``): a resumed ``mode=auto`` run trains on in it."""
+    """The mode the bundle was saved in (``<backend>_<policy>``, ``+overlap`` with ``mode.overlap``): a resumed
+    ``mode=auto`` run trains on in it."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys this version does not read, kept as they were."""
 

@@ -14,6 +14,7 @@ from test_trainer import _trainer
 from flodl_exp.config import ConfigError
 from flodl_exp.config_rules import validate
 from flodl_exp.core.lifecycle import Phase
+from flodl_exp.policy.mode import variant_of, with_overlap
 from flodl_exp.protocol.messages import Probe, ProbeResult, StartEpoch
 from flodl_exp.simulate.auto import (
     KEEP_MARGIN,
@@ -96,8 +97,8 @@ def test_prepared_run_configs_choose_exactly_as_building_them_at_once():
 
 
 def test_without_a_process_group_only_the_cpu_modes_are_candidates():
-    assert candidate_modes(True) == list(MODES)
-    assert candidate_modes(False) == [m for m in MODES if m.startswith("cpu")]
+    assert candidate_modes(True) == [*MODES, "cpu_cadence+overlap", "cpu_async+overlap"]
+    assert candidate_modes(False) == [*(m for m in MODES if m.startswith("cpu")), "cpu_cadence+overlap", "cpu_async+overlap"]
 
 
 def _answer_probes(h: Harness, fast: float = 4.0, slow: float = 12.0, error: str | None = None) -> None:
@@ -116,11 +117,13 @@ def test_auto_probes_before_the_first_chunk_and_trains_every_pick_once_in_the_ch
     _answer_probes(h)
     assert h.co.auto is not None
     choice = h.co.auto.choice
-    assert choice is not None and choice.mode in MODES
-    assert h.co.core.mode.name == choice.mode == h.co.cfg.mode.name, "the core was built for the chosen mode"
-    assert h.sink.tags["auto.choice"] == choice.mode and h.sink.tags["mode"] == choice.mode
+    assert choice is not None and choice.mode in with_overlap(MODES)
+    name, overlap = variant_of(choice.mode)
+    assert h.co.core.mode.name == name == h.co.cfg.mode.name, "the core was built for the chosen mode"
+    assert h.co.cfg.mode.overlap == overlap and h.co.core.cycle.overlap == overlap
+    assert h.sink.tags["auto.choice"] == choice.mode and h.sink.tags["mode"] == name
     events = [e for e in _events(h) if e.get("event") == "auto_mode"]
-    assert len(events) == 1 and len(events[0]["candidates"]) == len(MODES)
+    assert len(events) == 1 and len(events[0]["candidates"]) == len(with_overlap(MODES))
     assert {"probe_s", "simulate_s", "prepare_s", "step_ms"} <= set(events[0])
     assert events[0]["step_ms"]["1"][1:] == [12.0] * (PROBE_STEPS - 1)
     h.co.start()  # as the connect loop does after the pump that brought the last answer: a no-op now
@@ -149,7 +152,7 @@ def test_the_simulations_are_prepared_before_the_ranks_join(tmp_path: Path):
     the configured mode, with the reason."""
     h = Harness(tmp_path, "nccl_cadence", world=2, epochs=2, **{"mode.auto": True})
     auto = h.co.auto
-    assert auto is not None and auto.prepared is not None and set(auto.prepared.runs) == set(MODES)
+    assert auto is not None and auto.prepared is not None and set(auto.prepared.runs) == set(with_overlap(MODES))
     assert not auto.sent, "nothing is sent before every rank joined"
     auto.prepared, auto.prepare_error = None, RuntimeError("no config")
     _join_and_start(h)

@@ -44,6 +44,7 @@ class AutoProbe:
     def prepare(self) -> None:
         """simulate/auto.prepare for this run (every mode: which are candidates is known once the ranks said hello);
         a failure is kept for :meth:`predict` (the core keeps the configured mode, with the reason)."""
+        from flodl_exp.policy.mode import with_overlap
         from flodl_exp.simulate.auto import prepare
         from flodl_exp.simulate.from_run import base_config
         from flodl_exp.simulate.topology import MODES
@@ -54,7 +55,7 @@ class AutoProbe:
             knobs = {k: getattr(cfg.mode, k) for k in ("anchor", "min_anchor", "max_anchor", "overhead_target",
                                                       "max_batch_diff", "max_overshoot", "relax_up", "gamma",
                                                       "meta_controller")}
-            self.prepared = prepare(MODES, world_size=self.W, batch_size=int(cfg.experiment.batch_size),
+            self.prepared = prepare(with_overlap(MODES), world_size=self.W, batch_size=int(cfg.experiment.batch_size),
                                     epochs=int(cfg.experiment.epochs), knobs=knobs, base=base_config(),
                                     seed=int(cfg.seed), guard=cfg.guard, outer=cfg.outer)
         except Exception as e:
@@ -97,7 +98,9 @@ class AutoProbe:
 
     @property
     def configured(self) -> str:
-        return f"{self.cfg.mode.backend}_{self.cfg.mode.policy}"
+        from flodl_exp.policy.mode import variant_name
+
+        return variant_name(f"{self.cfg.mode.backend}_{self.cfg.mode.policy}", bool(self.cfg.mode.overlap))
 
     def chosen(self, c: ModeChosen) -> AutoChoice:
         """The core's verdict, as the coordinator records it (its event, its tags, result.json)."""

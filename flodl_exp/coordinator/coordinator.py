@@ -70,7 +70,7 @@ from flodl_exp.devices import CollectiveRefused, RankDevice, choose_collective, 
 from flodl_exp.hooks import RunHooks
 from flodl_exp.job_spec import JobSpec
 from flodl_exp.policy.controllers import guard_name
-from flodl_exp.policy.mode import Mode
+from flodl_exp.policy.mode import Mode, variant_of
 from flodl_exp.protocol.codec import decode
 from flodl_exp.protocol.hello import Hello
 from flodl_exp.protocol.messages import Batch, ChunkMetrics, CoordHeartbeat, FormGroup, Heartbeat, ProbeResult, ProtocolError
@@ -240,7 +240,8 @@ class Coordinator:
         if not saved:
             return
         try:
-            self._adopt_mode(Mode.from_name(saved))
+            name, overlap = variant_of(saved)
+            self._adopt_mode(Mode.from_name(name), overlap)
         except ValueError:
             log.warning("mode=auto resumed: the bundle's mode %r is not a mode: the configured one is kept", saved)
             return
@@ -248,13 +249,13 @@ class Coordinator:
         self.sink.set_tags({"auto.choice": saved, "auto.reason": f"resumed from a bundle saved in {saved}",
                             **self._mode_tags()})
 
-    def _adopt_mode(self, mode: Mode) -> bool:
-        """Run in ``mode`` instead of the configured one (mode=auto); False when it is the configured one already.
-        The caller builds the core after it."""
-        if mode == Mode.of(self.cfg):
+    def _adopt_mode(self, mode: Mode, overlap: bool) -> bool:
+        """Run in ``mode`` (with ``mode.overlap`` or not) instead of the configured one (mode=auto); False when it is
+        the configured one already. The caller builds the core after it."""
+        if mode == Mode.of(self.cfg) and overlap == bool(self.cfg.mode.overlap):
             return False
         self.cfg.mode = dataclasses.replace(self.cfg.mode, backend=mode.backend.value, policy=mode.policy.name,
-                                            name=mode.name)
+                                            name=mode.name, overlap=overlap)
         self.shape = RunShape.of(self.cfg)
         return True
 
@@ -276,7 +277,8 @@ class Coordinator:
         """The core's verdict: rebuild the core for the chosen mode (nothing has happened in the first one)."""
         assert self.auto is not None
         choice = self.auto.chosen(chosen)
-        if self._adopt_mode(Mode.from_name(choice.mode)):
+        name, overlap = variant_of(choice.mode)
+        if self._adopt_mode(Mode.from_name(name), overlap):
             self._build_core()
             for r in range(self.W):  # every rank joined the first core (the probe needs them all)
                 self._handle(RankJoined(r, self.clock(), self.records.hosts.get(r)))

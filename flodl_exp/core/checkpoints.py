@@ -34,7 +34,7 @@ from flodl_exp.core.dispatch import Dispatcher
 from flodl_exp.core.epoch_plan import EpochPlan
 from flodl_exp.core.intents import Intents
 from flodl_exp.core.seams import Ports, RunControl
-from flodl_exp.policy.mode import Mode
+from flodl_exp.policy.mode import Mode, variant_name
 from flodl_exp.protocol.messages import Save, SaveResult
 
 log = logging.getLogger("flodl_exp.coordinator")
@@ -266,7 +266,7 @@ class BundleWriter:
         global_step, sync_round = self._cycle.trajectory()
         meta = BundleMeta(
             epoch=self._plan.epochs if epoch is None else int(epoch), global_step=global_step, sync_round=sync_round,
-            world_size_at_save=f.world_size, mode=f.mode.name, save_reason=reason,
+            world_size_at_save=f.world_size, mode=variant_name(f.mode.name, self._cycle.overlap), save_reason=reason,
             unix_time=self._wall_clock(), experiment=f.experiment, total_picks=self._dispatch.total,
             elche_state=elche_state, guard_kind=f.guard_kind, guard_state=guard_state,
             coverage=MetaCoverage(seed=f.shuffle_seed, algorithm=PERMUTATION_ALGORITHM, batch_size=f.batch_size,

@@ -120,3 +120,22 @@ def known_modes() -> tuple[str, ...]:
             if mode.unavailable is None:
                 out.append(mode.name)
     return tuple(out)
+
+
+OVERLAP = "+overlap"
+"""The suffix of a mode run with ``mode.overlap=true`` where ``mode=auto`` names its candidates (``cpu_cadence+overlap``)."""
+
+
+def variant_of(name: str) -> tuple[str, bool]:
+    """A candidate's mode name and whether it overlaps (``cpu_async+overlap`` -> ``("cpu_async", True)``)."""
+    return (name[:-len(OVERLAP)], True) if name.endswith(OVERLAP) else (name, False)
+
+
+def variant_name(mode: str, overlap: bool) -> str:
+    """The candidate name of ``mode`` run with or without overlap (the inverse of :func:`variant_of`)."""
+    return mode + OVERLAP if overlap else mode
+
+
+def with_overlap(modes: list[str] | tuple[str, ...]) -> list[str]:
+    """``modes`` and, after them, each overlap-capable one run with ``mode.overlap=true``: what mode=auto weighs."""
+    return [*modes, *(m + OVERLAP for m in modes if Mode.from_name(m).overlap_capable)]

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from flodl_exp import events as ev
 from flodl_exp.core.auto_choice import KEEP_MARGIN, PROBE_STEPS, Candidate, pick_mode  # noqa: F401 (re-exported: the probe and the rule are the core's)
-from flodl_exp.policy.mode import Mode, known_modes
+from flodl_exp.policy.mode import Mode, known_modes, variant_of, with_overlap
 from flodl_exp.simulate.topology import MODES, SimulateConfig, measured_rig_config, run_config
 
 SIM_EPOCHS = 2
@@ -107,7 +107,7 @@ def prepare(modes: Sequence[str], *, world_size: int, batch_size: int, epochs: i
                         seed=seed))
     template = out.probed({r: [1.0] for r in range(world_size)}, {}, model_bytes=0, samples=batch_size)
     for mode in modes:
-        if mode in known_modes():
+        if variant_of(mode)[0] in known_modes():
             try:
                 out.runs[mode] = run_config(template, mode, world_size)
             except Exception as e:  # choose raises it where it simulates this mode, as without preparing
@@ -133,7 +133,7 @@ def predict(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, 
     per_epoch = rig.samples // rig.batch_size
 
     def simulated(mode: str) -> Candidate:
-        if mode not in known_modes():
+        if variant_of(mode)[0] not in known_modes():
             return Candidate(mode, eligible=False, why="not a mode the simulator runs")
         run = (runs or {}).get(mode)
         if isinstance(run, BaseException):
@@ -149,10 +149,13 @@ def predict(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, 
     # Per-step averaging is never faster than a mode with windows in the model (a window of one batch is the
     # most it does): the sync modes are simulated only when no windowed mode stays within the window limit, or
     # when one is the configured mode (its prediction decides whether it is kept). They are ~55 % of the events.
-    per_step = [m for m in candidates if m in known_modes() and not Mode.from_name(m).window_grows and m != configured]
+    def windowed(m: str) -> bool:
+        base = variant_of(m)[0]
+        return base in known_modes() and Mode.from_name(base).window_grows
+
+    per_step = [m for m in candidates if variant_of(m)[0] in known_modes() and not windowed(m) and m != configured]
     out = [simulated(m) for m in candidates if m not in per_step]
-    windowed_ok = any(c.eligible and c.samples_per_s > 0 and c.mode in known_modes() and Mode.from_name(c.mode).window_grows
-                      for c in out)
+    windowed_ok = any(c.eligible and c.samples_per_s > 0 and windowed(c.mode) for c in out)
     for m in per_step:
         out.append(Candidate(m, eligible=False, why="not simulated: a mode with windows is within the limit, and "
                                                     "per-step averaging is never faster")
@@ -172,5 +175,6 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
 
 
 def candidate_modes(can_form_group: bool) -> list[str]:
-    """Every mode the cohort can run: the nccl modes only where a process group can form, the cpu modes always."""
-    return [m for m in MODES if can_form_group or not m.startswith("nccl")]
+    """Every mode the cohort can run: the nccl modes only where a process group can form, the cpu modes always;
+    each overlap-capable one also with ``mode.overlap`` (``cpu_cadence+overlap``: policy/mode.py's variant_of)."""
+    return with_overlap([m for m in MODES if can_form_group or not m.startswith("nccl")])

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from flodl_exp.config import CheckpointConfig, ClusterConfig, Config, EvalConfig, ExperimentConfig, GuardConfig, ModeConfig, OuterConfig
 from flodl_exp.config_rules import validate
-from flodl_exp.policy.mode import Mode, known_modes
+from flodl_exp.policy.mode import Mode, known_modes, variant_of
 
 SCHEMA_GROUP = "flodl_simulate"
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
@@ -227,14 +227,17 @@ def measured_rig_config(base: SimulateConfig, name: str, step_ms: Sequence[float
 
 def run_config(cfg: SimulateConfig, mode: str, world_size: int) -> Config:
     """The run schema's Config for one simulated mode, through the real validation (``validate``): a mode
-    a real run refuses (``nccl_async``, EASGD off cpu_async, ...) is refused here with the same line."""
+    a real run refuses (``nccl_async``, EASGD off cpu_async, ...) is refused here with the same line. A mode named
+    with ``+overlap`` (mode=auto's candidates, :func:`~flodl_exp.policy.mode.variant_of`) runs with ``mode.overlap``."""
     from omegaconf import OmegaConf
 
+    mode, overlap = variant_of(mode)
     try:
         Mode.from_name(mode)  # one that does not run on its backend (nccl_async) is the validation's to refuse
     except ValueError:
         raise ValueError(f"simulate: modes entry {mode!r} is not allowed: one of {', '.join(known_modes())}") from None
-    merged = OmegaConf.merge(OmegaConf.structured(ModeConfig), _preset(mode), dict(cfg.mode))
+    merged = OmegaConf.merge(OmegaConf.structured(ModeConfig), _preset(mode), dict(cfg.mode),
+                             {"overlap": True} if overlap else {})
     mode_cfg = OmegaConf.to_object(merged)
     assert isinstance(mode_cfg, ModeConfig)
     guard = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GuardConfig), cfg.guard))
