@@ -141,6 +141,17 @@ def test_predict_and_the_error() -> None:
     assert error_pct(110.0, 100.0) == pytest.approx(10.0)
 
 
+def test_an_overlapped_run_is_replayed_with_overlap() -> None:
+    """A run with ``mode.overlap`` is replayed as ``<mode>+overlap`` (the simulator runs its ranks overlapped), the key
+    carried by the name, not as a knob applied to every simulated mode."""
+    params = {**PARAMS, "mode.name": "cpu_cadence", "mode.policy": "cadence", "mode.backend": "cpu",
+              "mode.overlap": "True"}
+    rig = measured_rig(params, history(), {"total_picks": 1437}, base=base())
+    assert rig.modes == ["cpu_cadence+overlap"] and "overlap" not in rig.mode
+    out = prediction_metrics(params, history(), {"total_picks": 1437}, base=base())
+    assert out["predicted/samples_per_s"] > 0
+
+
 @pytest.mark.parametrize("hist, params, match", [
     ({}, PARAMS, "no epoch metrics"),
     (history(w=1, step_ms=(9.0,)), PARAMS, "world size is 1"),

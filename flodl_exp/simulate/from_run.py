@@ -38,7 +38,7 @@ import re
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from flodl_exp.config import GuardConfig, ModeConfig, OuterConfig
-from flodl_exp.policy.mode import known_modes
+from flodl_exp.policy.mode import known_modes, variant_name, variant_of
 from flodl_exp.simulate.topology import SimulateConfig, _preset, measured_rig_config
 
 History = Mapping[str, Sequence[tuple[int, float, int]]]
@@ -119,11 +119,12 @@ def measured(history: History) -> dict[str, float]:
 
 
 def run_mode(params: Mapping[str, str]) -> str:
+    """The run's mode as the simulator names it: ``cpu_cadence``, or ``cpu_cadence+overlap`` with ``mode.overlap``."""
     mode = str(param(params, "mode.name", "") or "")
     if mode not in known_modes():
         raise NotReplayable(f"the run's mode {mode or '(none)'!r} is not one the simulator runs "
                             f"({', '.join(known_modes())})")
-    return mode
+    return variant_name(mode, param(params, "mode.overlap") is True)
 
 
 def _fields(params: Mapping[str, str], prefix: str, schema: type) -> dict[str, Any]:
@@ -133,11 +134,11 @@ def _fields(params: Mapping[str, str], prefix: str, schema: type) -> dict[str, A
 
 def mode_knobs(params: Mapping[str, str]) -> dict[str, Any]:
     """The run's mode keys that differ from its preset (what the user set): applied to every simulated mode."""
-    mode = run_mode(params)
+    mode = variant_of(run_mode(params))[0]
     defaults = {f.name: f.default for f in dataclasses.fields(ModeConfig)}
     preset = {**defaults, **_preset(mode)}
     return {k: v for k, v in _fields(params, "mode", ModeConfig).items()
-            if k not in ("name", "policy", "backend", "auto") and v != preset.get(k)}
+            if k not in ("name", "policy", "backend", "auto", "overlap") and v != preset.get(k)}
 
 
 def measured_rig(params: Mapping[str, str], history: History, result: Optional[Mapping[str, Any]] = None, *,
@@ -248,8 +249,9 @@ def read_run(client: Any, run_id: str, result: Optional[Mapping[str, Any]] = Non
     params = dict(run.data.params)
     chosen = run.data.tags.get("auto.choice")
     if chosen and "_" in chosen:  # mode=auto: the run trained in the mode it chose, not its params' fallback
-        backend, policy = chosen.split("_", 1)
-        params.update({"mode.name": chosen, "mode.backend": backend, "mode.policy": policy})
+        name, overlap = variant_of(chosen)
+        backend, policy = name.split("_", 1)
+        params.update({"mode.name": name, "mode.backend": backend, "mode.policy": policy, "mode.overlap": str(overlap)})
     return params, history, res, model_mb
 
 
