@@ -226,3 +226,61 @@ class Harness:
     def tick(self, times: int = 1) -> None:
         for _ in range(times):
             self.co.tick()
+
+
+def sent_payloads(commands: list[Any]) -> list[tuple[int, Payload]]:
+    """A core's Send and Broadcast commands as (rank, payload), in order (a broadcast once per rank it went to)."""
+    from flodl_exp.core.commands import Broadcast, Send
+
+    out: list[tuple[int, Payload]] = []
+    for c in commands:
+        if isinstance(c, Send):
+            out.append((c.rank, c.payload))
+        elif isinstance(c, Broadcast):
+            out += [(r, c.payload) for r in c.to]
+    return out
+
+
+class ScriptedRun:
+    """A recording core (``recording_core``) driven by scripted ranks, one message at a time: ``ranks`` hears what the
+    core sent (``hear(out) -> answers``, queued in :attr:`pending`), trains (``next() -> (rank, payload)`` or None)
+    and answers final evals (``final_evals``, ``shutdown``). The clock moves 10 ms a message, 50 ms an idle tick."""
+
+    def __init__(self, core: Any, commands: list[Any], clock: FakeClock, ranks: Any) -> None:
+        self.core, self.commands, self.clock, self.ranks = core, commands, clock, ranks
+        self.pending: list[tuple[int, Payload]] = []
+
+    def take(self) -> list[tuple[int, Payload]]:
+        out = sent_payloads(self.commands)
+        self.commands.clear()
+        return out
+
+    def handle(self, event: Any) -> None:
+        self.commands.extend(self.core.handle(event))
+        self.pending += self.ranks.hear(self.take())
+
+    def play(self, until: Any = lambda: False, max_steps: int = 20000) -> None:
+        """Deliver answers first, then the ranks' next messages, ticking the core after each, until ``until()``, the
+        run's shutdown, or nothing moves (an AssertionError naming the phase)."""
+        from flodl_exp.core.commands import RankMessage, Tick
+        from flodl_exp.protocol.messages import EvalResult
+
+        for _ in range(max_steps):
+            if self.ranks.shutdown or until():
+                return
+            msg = self.pending.pop(0) if self.pending else self.ranks.next()
+            if msg is None:
+                if self.ranks.final_evals:
+                    r = self.ranks.final_evals.pop()
+                    msg = (r, EvalResult(epoch=self.core.epochs - 1, metrics={"acc": 0.9}, final=True, elapsed_ms=5.0))
+                else:
+                    self.clock.advance(0.05)
+                    n = len(self.pending)
+                    self.handle(Tick(self.clock()))
+                    if len(self.pending) == n and self.ranks.next() is None and not self.ranks.final_evals:
+                        raise AssertionError(f"nothing moves in phase {self.core.life.phase}")
+                    continue
+            self.clock.advance(0.01)
+            self.handle(RankMessage(msg[0], msg[1], self.clock()))
+            self.handle(Tick(self.clock()))
+        raise AssertionError("the script did not end")

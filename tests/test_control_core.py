@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, cast
 
 import pytest
 import torch
-from control_fakes import FakeClock, FakeSink, FakeTransport, make_config, make_spec
+from control_fakes import FakeClock, FakeSink, FakeTransport, make_config, make_spec, sent_payloads
 from omegaconf import OmegaConf
 
 from flodl_exp.config import Config, RunShape, load_config
@@ -90,12 +90,7 @@ class Bare:
         self._handle(Tick(self.clock()))
 
     def take(self) -> list[tuple[int, Payload]]:
-        out: list[tuple[int, Payload]] = []
-        for c in self.commands:
-            if isinstance(c, Send):
-                out.append((c.rank, c.payload))
-            elif isinstance(c, Broadcast):
-                out += [(r, c.payload) for r in c.to]
+        out = sent_payloads(self.commands)
         self.log += self.commands
         self.commands.clear()
         return out

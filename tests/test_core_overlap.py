@@ -9,15 +9,14 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from control_fakes import FakeClock, make_config
+from control_fakes import FakeClock, ScriptedRun, make_config
 
 from flodl_exp.config import RunShape, load_config
-from flodl_exp.core.commands import Broadcast, RankDeath, RankJoined, RankMessage, Send, Tick, TrainingStarts
+from flodl_exp.core.commands import RankDeath, RankJoined, TrainingStarts
 from flodl_exp.core.control_core import recording_core
 from flodl_exp.protocol.messages import (
     Batch,
     ChunkMetrics,
-    EvalResult,
     ExecuteEval,
     ExtendPartition,
     Payload,
@@ -136,53 +135,18 @@ class OverlapRanks:
         return None
 
 
-class Run:
+class Run(ScriptedRun):
     def __init__(self, mode: str = "cpu_cadence", epochs: int = 2, overrides: Optional[dict[str, Any]] = None) -> None:
         cfg = load_config(make_config(mode, WORLD, epochs, **{"mode.overlap": True, **(overrides or {})}))
-        self.clock = FakeClock()
-        self.core, self.commands = recording_core(cfg, self.clock, averager=TorchAverager(RunShape.of(cfg).outer))
-        self.ranks = OverlapRanks()
-        self.pending: list[tuple[int, Payload]] = []
-
-    def take(self) -> list[tuple[int, Payload]]:
-        out: list[tuple[int, Payload]] = []
-        for c in self.commands:
-            if isinstance(c, Send):
-                out.append((c.rank, c.payload))
-            elif isinstance(c, Broadcast):
-                out += [(r, c.payload) for r in c.to]
-        self.commands.clear()
-        return out
-
-    def handle(self, event: Any) -> None:
-        self.commands.extend(self.core.handle(event))
-        self.pending += self.ranks.hear(self.take())
+        clock = FakeClock()
+        core, commands = recording_core(cfg, clock, averager=TorchAverager(RunShape.of(cfg).outer))
+        self.ranks: OverlapRanks
+        super().__init__(core, commands, clock, OverlapRanks())
 
     def start(self) -> None:
         for r in range(WORLD):
             self.handle(RankJoined(r, 0.0))
         self.handle(TrainingStarts(SAMPLES, None, self.clock()))
-
-    def play(self, until: Any = lambda: False, max_steps: int = 20000) -> None:
-        for _ in range(max_steps):
-            if self.ranks.shutdown or until():
-                return
-            msg = self.pending.pop(0) if self.pending else self.ranks.next()
-            if msg is None:
-                if self.ranks.final_evals:
-                    r = self.ranks.final_evals.pop()
-                    msg = (r, EvalResult(epoch=self.core.epochs - 1, metrics={"acc": 0.9}, final=True, elapsed_ms=5.0))
-                else:
-                    self.clock.advance(0.05)
-                    n = len(self.pending)
-                    self.handle(Tick(self.clock()))
-                    if len(self.pending) == n and self.ranks.next() is None and not self.ranks.final_evals:
-                        raise AssertionError(f"nothing moves in phase {self.core.life.phase}")
-                    continue
-            self.clock.advance(0.01)
-            self.handle(RankMessage(msg[0], msg[1], self.clock()))
-            self.handle(Tick(self.clock()))
-        raise AssertionError("the script did not end")
 
     def finish(self) -> None:
         """Play to the end: FINISHED, every pick of every epoch trained exactly once."""

@@ -477,18 +477,20 @@ class CoordinatorBackend:
             torch.cuda.current_stream(groups[0][2].device).synchronize()
         return out
 
-    def adopt_update(self, model: nn.Module, msg: Update, alpha: Optional[float]) -> None:
-        """Load a consensus frame into ``model`` (full overwrite, or the EASGD blend with ``alpha``). A CUDA replica
-        gets it through :meth:`inbound` (one transfer, no sync per tensor); a CPU one as before."""
+    def consensus_for(self, model: nn.Module, msg: Update) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A consensus frame's parameters and float buffers where ``model`` lives, float32: a CUDA replica gets them
+        through :meth:`inbound` (one transfer, no sync per tensor)."""
         params_ = list(model.parameters())
         n_b = len(float_buffers(model))
         params = [msg.tensors[f"p{i}"] for i in range(len(params_))]
         bufs = [msg.tensors[f"b{j}"] for j in range(n_b)]
         if params_ and params_[0].device.type == "cuda":
-            params, bufs = self.inbound(params, bufs, params_[0].device, pin=True)
-        else:
-            params = [t.float() for t in params]
-        adopt(model, params, bufs, alpha)
+            return self.inbound(params, bufs, params_[0].device, pin=True)
+        return [t.float() for t in params], bufs
+
+    def adopt_update(self, model: nn.Module, msg: Update, alpha: Optional[float]) -> None:
+        """Load a consensus frame into ``model`` (full overwrite, or the EASGD blend with ``alpha``)."""
+        adopt(model, *self.consensus_for(model, msg), alpha)
 
     @torch.no_grad()
     def keep_sent(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -502,13 +504,7 @@ class CoordinatorBackend:
         """Apply a consensus to a replica that trained on since its snapshot: ``W += a (W_avg - W_sent)`` for every
         parameter and float buffer (``a`` = EASGD's alpha, 1 without it), so the steps after the snapshot are kept
         and the replica moves by what averaging moved the state it sent."""
-        params_ = list(model.parameters())
-        n_b = len(float_buffers(model))
-        params = [msg.tensors[f"p{i}"] for i in range(len(params_))]
-        bufs = [msg.tensors[f"b{j}"] for j in range(n_b)]
-        if params_ and params_[0].device.type == "cuda":
-            params, bufs = self.inbound(params, bufs, params_[0].device, pin=True)
-        adopt_correction(model, params, bufs, sent_params, sent_buffers, alpha)
+        adopt_correction(model, *self.consensus_for(model, msg), sent_params, sent_buffers, alpha)
 
     @torch.no_grad()
     def inbound(self, params: list[torch.Tensor], bufs: list[torch.Tensor], device: torch.device, *,
