@@ -80,6 +80,14 @@ class NodeRanks:
         """Picks handed out per epoch (chunks and extensions): each epoch's once, unless some are trained again."""
         self.shutdown = False
         self.turn = 0
+        self.sent: set[int] = set()
+        """Ranks that answered an overlapped reduce (``mode.overlap``) and train on: their update keeps their steps."""
+        self.trained: dict[int, list[tuple[int, int]]] = {r: [] for r in HOSTS}
+        """Each rank's trained batches in order, as (epoch, first pick)."""
+        self.answered_at: dict[int, dict[int, int]] = {r: {} for r in HOSTS}
+        """Rank -> reduce version -> how many of its trained batches its answer held."""
+        self.handed: list[tuple[int, int, int, int]] = []
+        """Every chunk and extension handed out, in order: (rank, epoch, offset, size)."""
 
     def snapshot(self, r: int, version: int) -> Snapshot:
         g = torch.Generator().manual_seed(1000 * version + r)
@@ -99,24 +107,9 @@ class NodeRanks:
             elif isinstance(p, (StartEpoch, ExtendPartition)):
                 self.plans[r].append((p.epoch, p.chunk, p.offset, p.size // BATCH))
                 self.offered[p.epoch] = self.offered.get(p.epoch, 0) + p.size
+                self.handed.append((r, p.epoch, p.offset, p.size))
             elif isinstance(p, RequestParams):
-                self.blocked[r] = p.barrier
-                leader = next((q for q, ms in self.groups.items() if r in ms), None)
-                snap = self.snapshot(r, p.version)
-                if leader is None or leader in self.dead:  # no group, or its relay broke: answer directly
-                    answers.append((r, snap))
-                    continue
-                got = self.snaps.setdefault(leader, {})
-                got[r] = snap
-                members = [q for q in self.groups[leader] if q not in self.dead]
-                if set(members) <= set(got) and leader not in self.dead and leader not in self.hold_partial:
-                    ranks = sorted(got)
-                    snaps = [got[q] for q in ranks]
-                    self.sent_snaps[leader] = snaps
-                    self.snaps[leader] = {}
-                    part = node_partial(p.version, ranks, snaps, 1.0)
-                    self.partials.append((leader, part))
-                    answers.append((leader, part))
+                answers += self.answer(r, p)
             elif isinstance(p, NodeUpdate):
                 self.node_updates.append((r, p))
                 if r in self.hold_drift:
@@ -125,7 +118,7 @@ class NodeRanks:
                     answers += self.hand_on(r, p)
             elif isinstance(p, Update):
                 self.direct_updates.append((r, p))
-                self.steps[r], self.blocked[r] = 0, False
+                self.adopt(r)
             elif isinstance(p, ExecuteEval) and p.final:
                 self.final_evals.append(r)
             elif isinstance(p, Save):
@@ -133,6 +126,38 @@ class NodeRanks:
             elif isinstance(p, Shutdown):
                 self.shutdown = True
         return answers
+
+    def answer(self, r: int, p: RequestParams) -> list[tuple[int, Payload]]:
+        """A snapshot for ``p``: to the node's leader (its partial once every live member's is in), or directly."""
+        self.blocked[r] = p.barrier
+        leader = next((q for q, ms in self.groups.items() if r in ms), None)
+        snap = self.snapshot(r, p.version)
+        self.answered_at[r][p.version] = len(self.trained[r])
+        if p.overlap:  # trains on: its steps from here are its next window's
+            self.steps[r] = 0
+            self.sent.add(r)
+        if leader is None or leader in self.dead:  # no group, or its relay broke: answer directly
+            return [(r, snap)]
+        got = self.snaps.setdefault(leader, {})
+        got[r] = snap
+        members = [q for q in self.groups[leader] if q not in self.dead]
+        if not (set(members) <= set(got) and leader not in self.dead and leader not in self.hold_partial):
+            return []
+        ranks = sorted(got)
+        snaps = [got[q] for q in ranks]
+        self.sent_snaps[leader] = snaps
+        self.snaps[leader] = {}
+        part = node_partial(p.version, ranks, snaps, 1.0)
+        self.partials.append((leader, part))
+        return [(leader, part)]
+
+    def adopt(self, r: int) -> None:
+        """An update adopted: the window restarts, or (overlapped) goes on from the answer."""
+        if r in self.sent:
+            self.sent.discard(r)
+        else:
+            self.steps[r] = 0
+        self.blocked[r] = False
 
     def send_partial(self, leader: int, without: tuple[int, ...] = ()) -> list[tuple[int, Payload]]:
         """A held partial of ``leader``'s node, leaving ``without`` out (a member its relay dropped)."""
@@ -149,7 +174,7 @@ class NodeRanks:
         for q in p.ranks:
             if q not in self.dead:
                 member_update(p, q)
-                self.steps[q], self.blocked[q] = 0, False
+                self.adopt(q)
         snaps = [s for s in self.sent_snaps[leader] if s is not None]
         ranks = [q for q in sorted(self.groups[leader]) if q in p.ranks]
         snaps = snaps[:len(ranks)]
@@ -175,6 +200,7 @@ class NodeRanks:
         if done < nb:
             ch[4] += 1
             self.steps[r] += 1
+            self.trained[r].append((e, off + done * BATCH))
             return r, Batch(ms=10.0, data_ms=1.0, chunk=cid, loss=0.5, lr=0.01)
         self.chunk[r] = None
         return r, ChunkMetrics(epoch=e, chunk=cid, avg_loss=0.5, batches=done, samples=done * BATCH,
@@ -316,3 +342,34 @@ def test_a_member_dead_before_its_leaders_partial_is_held_until_it_shows(summed:
     assert run.core.life.status.name == "FINISHED"
     extra = 0 if summed else steps * BATCH
     assert sum(run.ranks.offered.values()) == 2 * 192 + extra
+
+
+def test_overlapped_a_member_dead_before_the_partial_keeps_only_what_it_answered() -> None:
+    """``mode.overlap``: member 1 hands its answer to its leader and trains on; its reports of those batches reach the
+    coordinator, then it dies before the partial arrives. The partial sums its answer (it is in the consensus), but
+    what it trained past the answer is in none: those picks are handed out again, the answered ones are not."""
+    run = Run(**{"cluster.max_failure": 2, "mode.overlap": True})
+    ranks = run.ranks
+    ranks.hold_partial = {0}
+    run.start()
+    run.play(until=lambda: set(ranks.snaps.get(0, {})) == {0, 1})
+    v = run.core.syncs
+    run.play(until=lambda: len(ranks.trained[1]) - ranks.answered_at[1][v] >= 2)
+    answered = ranks.trained[1][:ranks.answered_at[1][v]]
+    past = ranks.trained[1][ranks.answered_at[1][v]:]
+    ranks.dead.add(1)
+    at = len(ranks.handed)
+    run.handle(RankDeath(1, "killed", run.clock()))
+    ranks.hold_partial.clear()
+    run.pending += ranks.send_partial(0)
+    run.play(until=lambda: run.core.syncs > v)
+    run.play()
+    assert run.core.life.status.name == "FINISHED" and run.core.dispatch.lost_picks == 0
+    again = [(e, off, size) for q, e, off, size in ranks.handed[at:] if q != 1]
+
+    def handed_again(e: int, first: int) -> bool:
+        return any(e == oe and oo <= first < oo + size for oe, oo, size in again)
+
+    assert past and all(handed_again(e, f) for e, f in past), "rank 1's picks past its answer were not trained again"
+    answered_this_window = answered[-1:]  # its last answered batch: in the consensus, never handed out again
+    assert not any(handed_again(e, f) for e, f in answered_this_window)

@@ -248,3 +248,26 @@ def test_without_overlap_a_cadence_reduce_is_a_barrier() -> None:
     run.finish()
     assert all(p.barrier and not p.overlap for _, p in run.ranks.requests)
     assert sum(run.ranks.trained_in_flight.values()) == 0
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+def test_a_coverage_bundle_waits_for_a_barrier_reduce(mode: str) -> None:
+    """A bundle's coverage must match its consensus: at an overlapped reduce's finish the ranks hold picks trained past
+    their answers that the consensus lacks, so a due bundle is taken at the finish of a barrier reduce fired at once
+    (every rank answered it with all it trained, none trains on), never at the overlapped one's."""
+    run = Run(mode, epochs=4, overrides={"checkpoint.every": 1})
+    taken: list[tuple[dict[int, int], bool]] = []
+    real = run.core.checkpoints._take
+
+    def take(*a: Any, **kw: Any) -> None:
+        last = run.ranks.requests[-1][1]
+        taken.append((dict(run.ranks.sent), last.overlap))
+        real(*a, **kw)
+
+    run.core.checkpoints._take = take
+    run.start()
+    run.finish()
+    assert len(taken) >= 2, "a bundle every epoch"
+    for sent, overlapped in taken:
+        assert not sent and not overlapped, "a bundle taken while ranks trained past an overlapped answer"
+    assert any(p.overlap for _, p in run.ranks.requests), "the window reduces still overlap"

@@ -3,12 +3,13 @@ the rank's control around it (it trains on after its answer, keeps its steps, wa
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from rank_fakes import rank_control
 
 from flodl_exp.averaging import adopt, adopt_correction, float_buffers
-from flodl_exp.protocol.messages import RequestParams, SetGlobalStep, Snapshot, Update
+from flodl_exp.protocol.messages import RequestParams, Save, SaveResult, SetGlobalStep, Snapshot, Update
 
 
 def _model() -> torch.nn.Sequential:
@@ -125,3 +126,29 @@ def test_with_nothing_trained_since_the_answer_the_replica_is_the_consensus_to_t
     consensus = {f"p{i}": torch.randn(p.shape, generator=g) * 3 for i, p in enumerate(tr.model.parameters())}
     ctl.handle(Update(n=5, version=1, tensors=consensus))
     assert all(torch.equal(p, consensus[f"p{i}"]) for i, p in enumerate(tr.model.parameters()))
+
+
+def test_a_consensus_save_waits_only_for_the_update_of_a_finished_reduce(tmp_path: Any) -> None:
+    """A bundle holds the last finished reduce's consensus: a rank whose update of it is still on its way adopts it
+    first; the update of a reduce still in flight (a stalled reduce's ShutdownWithSave) is not waited for."""
+    import threading
+
+    tr = _trainer(3)
+    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.1)
+    ctl, sent = rank_control(tr)
+    ctl.handle(RequestParams(version=5, barrier=False, overlap=True))
+    done = threading.Event()
+
+    def save() -> None:
+        ctl.handle(Save(stem=str(tmp_path / "b1"), primary=True, model=True, consensus=True, reduces=5))
+        done.set()
+
+    t = threading.Thread(target=save, daemon=True)
+    t.start()
+    assert done.wait(10.0), "a save waited for the update of a reduce still in flight"
+    assert sent.of(SaveResult)[-1].error is None and ctl.sent is not None
+    ctl2, sent2 = rank_control(tr, messages=[_update(5, tr.model, 2.0)])
+    ctl2.handle(RequestParams(version=5, barrier=False, overlap=True))
+    ctl2.handle(Save(stem=str(tmp_path / "b2"), primary=True, model=True, consensus=True, reduces=6))
+    assert ctl2.sent is None and ctl2.adopted_version == 5, "the finished reduce's update was adopted first"
+    assert sent2.of(SaveResult)[-1].error is None

@@ -169,7 +169,8 @@ class BundleWriter:
         self._write_outer_sidecar(stem)
         for r in alive:
             self.expect(r, primary=r == primary, model=r == primary)
-            self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=self._consensus))
+            self._out.send(r, Save(stem=stem, primary=r == primary, model=r == primary, consensus=self._consensus,
+                                   reduces=self._cycle.version))
 
     @property
     def _consensus(self) -> bool:
@@ -423,6 +424,16 @@ class Checkpoints:
         rank = self._writer.model_rank
         if self.checkpoint_fn is not None and rank is not None:
             self.checkpoint_fn.fire(version, rank)
+
+    def coverage_bundle_due(self) -> bool:
+        """:meth:`maybe_coverage_bundle` would take a bundle now (an overlapped reduce's finish asks first: its
+        consensus lacks what the ranks trained past their answers, so the bundle waits for a barrier reduce)."""
+        if not self._progressive or self.busy:
+            return False
+        reached = max((self._dispatch.rank_epoch[r] for r in self._cohort.alive_ranks()), default=-1)
+        return ((self.at_epoch is not None and not self.at_epoch_done and reached >= self.at_epoch)
+                or (self.next_periodic is not None and reached >= self.next_periodic and self.next_periodic < self.epochs)
+                or self._intents.waiting("checkpoint", reached))
 
     def maybe_coverage_bundle(self) -> None:
         """At a reduce finish, before any new chunk is dispatched: an at_epoch or periodic bundle when due."""

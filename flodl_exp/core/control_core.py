@@ -248,7 +248,8 @@ class ControlCore:
         self.reduces = Reduces(
             mode=self.mode, fold_updates=self.mode.folds_updates(shape.progressive), life=self.life,
             cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch, checkpoints=self.checkpoints,
-            ports=ports, preempt_snapshot=self.preemption.on_reduce_finished, may_run_ahead=self._may_run_ahead)
+            ports=ports, preempt_snapshot=self.preemption.on_reduce_finished, may_run_ahead=self._may_run_ahead,
+            preempt_armed=lambda: self.preemption.armed)
         """The one place a reduce fires, and what its finish sets going (core/reduces.py)."""
         self.boundaries = EpochBoundaries(
             eval_every=cfg.eval.every, life=self.life, cohort=self.cohort, cycle=self.cycle, dispatch=self.dispatch,

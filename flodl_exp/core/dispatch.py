@@ -393,9 +393,27 @@ class Dispatcher:
             log.error("rank %d died with %d trained picks of an aggregated epoch in no reduce and no survivor: they are lost",
                       r, lost)
 
-    def release_held(self, r: int) -> None:
-        """The reduce the dead rank had answered finished with its share: its held picks stay covered."""
-        self.held.pop(r, None)
+    def release_held(self, r: int, keep_batches: Optional[int] = None) -> int:
+        """The reduce the dead rank had answered finished with its share: its held picks stay covered. With
+        ``keep_batches`` (``mode.overlap``: it trained on past its answer, and its leader's partial said how much it
+        answered with) only the oldest that many batches do; the rest, in no consensus, are trained again. Returns
+        the picks handed back."""
+        held = self.held.pop(r, [])
+        excess = 0 if keep_batches is None else max(0, sum(h for *_, h in held) - keep_batches * self.bs)
+        if not excess:
+            return 0
+        survivors = self._cohort.alive_ranks()
+        counts = [0, 0]
+        left = excess
+        for epoch, off, n, h in held:  # most recent first
+            undo = min(left, h)
+            if undo:
+                self._give_back(r, epoch, off, n, undo, survivors, counts)
+                left -= undo
+        self._log_given_back(r, counts)
+        if self.progressive:
+            self.after_finish()
+        return excess
 
     def retrain_held(self, r: int) -> int:
         """The reduce the dead rank had answered finished without its share (the survivors redid the collective
@@ -439,7 +457,7 @@ class Dispatcher:
             else:
                 return offset + size - rest_off
             rest_off += nb * self.bs
-        return offset + size - rest_off
+        return offset + (size // self.bs) * self.bs - rest_off
 
     def _extend(self, r: int, e: int, offset: int, size: int) -> bool:
         cid = next(self._ids)

@@ -27,6 +27,11 @@ class Intents:
         self.pending[kind] = min(self.pending.get(kind, epoch), epoch)
         return True
 
+    def waiting(self, kind: str, boundary: int) -> bool:
+        """:meth:`due`'s answer without taking the intent."""
+        first: Optional[int] = self.pending.get(kind)
+        return first is not None and first <= boundary
+
     def due(self, kind: str, boundary: int) -> bool:
         """Is an intent of ``kind`` asked up to epoch ``boundary`` waiting? (taken: the caller answers it)."""
         first: Optional[int] = self.pending.get(kind)

@@ -185,6 +185,12 @@ class Preemption:
             log.error(self._life.failure)
             self._run.shutdown()
 
+    @property
+    def armed(self) -> bool:
+        """A request waits for a reduce finish to snapshot the coverage (an overlapped reduce's finish leaves it to a
+        barrier reduce: its consensus lacks what the ranks trained past their answers)."""
+        return self._request is not None and self._request.stage is Stage.ARMED
+
     def on_reduce_finished(self) -> bool:
         """At a reduce finish, before dispatch: an armed request snapshots coverage now. True = it did."""
         p = self._request

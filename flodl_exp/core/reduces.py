@@ -33,7 +33,8 @@ class Reduces:
 
     def __init__(self, *, mode: Mode, fold_updates: bool, life: Lifecycle, cohort: Cohort, cycle: AveragingCycle, dispatch: Dispatcher,
                  checkpoints: Checkpoints, ports: Ports, preempt_snapshot: Callable[[], bool],
-                 may_run_ahead: Callable[[], bool] = lambda: False) -> None:
+                 may_run_ahead: Callable[[], bool] = lambda: False,
+                 preempt_armed: Callable[[], bool] = lambda: False) -> None:
         self._mode = mode
         self._fold_updates = fold_updates
         """cpu cadence: each rank's next chunk rides in its Update (algorithms.md 5.6)."""
@@ -48,6 +49,8 @@ class Reduces:
         self._preempt_snapshot = preempt_snapshot
         """``Preemption.on_reduce_finished``: True when an armed preemption takes the coverage now (no new chunk)."""
         self._may_run_ahead = may_run_ahead
+        self._preempt_armed = preempt_armed
+        """``Preemption.armed``: a request waits for a reduce finish to snapshot the coverage."""
         """The core's test that the lockstep license may be extended (nothing needs the cohort held soon)."""
         self._deaths_at_trigger = 0
         self._blocker: Optional[int] = None
@@ -149,8 +152,8 @@ class Reduces:
 
     def _after_reduce(self, red: Reduce, out: ReduceOutcome, version: int, averaging_from: float) -> None:
         d = self._dispatch
-        for r in out.dead_in:
-            d.release_held(r)
+        for r in out.dead_in:  # overlapped: what it trained past its answer is in no consensus
+            d.release_held(r, out.n.get(r, 0) if red.overlap else None)
         for r in out.dead_out:  # its answer is not in the consensus: the survivors redid the collective without it
             picks = d.retrain_held(r)
             log.warning("rank %d's share of the reduce it answered before it died is not in the consensus (nccl: the "
@@ -168,6 +171,11 @@ class Reduces:
         self._obs.on_reduce_finished(red, out, version, averaging_from, d.current_epoch())
         d.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
         ahead = self._cycle.version < self._cycle.lockstep_until  # the ranks are in the next reduce already
+        if red.overlap and (self._preempt_armed() or self._checkpoints.coverage_bundle_due()):
+            # An overlapped consensus lacks what the ranks trained past their answers (the picks a bundle would call
+            # covered): a barrier reduce now, the bundle at its finish, before any new chunk.
+            self.fire(final=True)
+            return
         if not ahead and self._preempt_snapshot():
             return  # an armed preemption snapshots the coverage now: no new chunk
         if self._life.phase in TRAINING_PHASES and not ahead:  # no bundle of a reduce the ranks are already past

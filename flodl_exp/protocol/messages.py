@@ -284,6 +284,9 @@ class Save:
     consensus: bool = False
     """cpu backend: write the model piece from the last consensus adopted, not the replica
     (EASGD keeps replicas apart from it; the bundle holds the consensus, as the reference's CPU path)."""
+    reduces: Optional[Count] = None
+    """The reduces finished when it was sent: a rank whose update of one of them is still on its way (``mode.overlap``,
+    through a node leader) adopts it first; one still in flight (a stalled reduce, ShutdownWithSave) is not waited for."""
 
 
 @dataclass

@@ -590,8 +590,10 @@ class RankControl:
         """Write this rank's bundle pieces atomically (temp file + rename)."""
         from flodl_exp.checkpoint import save_rank_pieces
 
-        if m.consensus:
-            self._await_correction()  # the bundle holds the consensus of the last reduce, not the one before
+        if m.consensus and self.sent is not None and (m.reduces is None or self.sent.version < m.reduces):
+            # the bundle holds the consensus of the last reduce finished, whose update is on its way; not one still in
+            # flight (a stalled reduce's ShutdownWithSave: the last consensus adopted is what the bundle's meta says)
+            self._await_correction()
         if self.armed_fault is not None:
             self.send_held_reports()
         fire_armed(self.armed_fault, "killsave", self.rank)
