@@ -20,6 +20,8 @@ from flodl_exp.simulate.auto import (
     KEEP_MARGIN,
     PROBE_STEPS,
     SIM_EPOCHS,
+    AutoChoice,
+    Candidate,
     candidate_modes,
     choose,
     prepare,
@@ -57,6 +59,9 @@ def test_the_choice_is_the_best_predicted_mode_within_the_window_limit():
     assert c.mode in c.reason and "others:" in c.reason
     tags = c.tags()
     assert tags["auto.choice"] == c.mode and all(f"auto.predicted.{m}" in tags for m in MODES)
+    overlapped = AutoChoice("cpu_cadence+overlap", "r", [Candidate("cpu_cadence+overlap", 100.0, 3.0, 10.0)]).tags()
+    assert "auto.predicted.cpu_cadence.overlap" in overlapped and all("+" not in k for k in overlapped), \
+        "an MLflow key takes no '+'"
     # a window ceiling below what the windowed modes need leaves the per-step modes
     tight = choose(rig, list(MODES), configured="nccl_cadence", max_window=3)
     assert tight.mode.endswith("sync") and any(not x.eligible for x in tight.candidates)

@@ -144,6 +144,7 @@ def test_mode_auto_probes_chooses_and_trains_the_chosen_mode(store):
     asserted: machine speed moves it), what it must do is: choose among every mode, say so, and run exactly as
     that fixed mode runs (every pick once, replicas equal, the same quality bar), its prediction logged beside."""
     from flodl_exp.jobs.launcher import launch
+    from flodl_exp.policy.mode import variant_of, with_overlap
     from flodl_exp.simulate.topology import MODES
 
     h = launch(compose([*base_overrides(store, "modes"), "mode=auto", "cluster=local_hetero", f"experiment={MANAGED}",
@@ -151,11 +152,12 @@ def test_mode_auto_probes_chooses_and_trains_the_chosen_mode(store):
     res = h.wait()
     assert res["status"] == "FINISHED"
     chosen = res["auto"]["mode"]
-    assert chosen in MODES and res["auto"]["reason"].startswith(f"{chosen}: predicted ")
+    assert chosen in with_overlap(MODES) and res["auto"]["reason"].startswith(f"{chosen}: predicted ")
     (ev,) = [e for e in read_events(Path(h.job_dir)) if e.get("event") == "auto_mode"]
-    assert [c["mode"] for c in ev["candidates"]] == list(MODES), "the cohort forms a group: every mode is a candidate"
+    assert [c["mode"] for c in ev["candidates"]] == with_overlap(MODES), "the cohort forms a group: every mode is a candidate"
     run = MlflowClient(store["uri"]).get_run(h.run_id)
-    assert run.data.tags["auto.choice"] == chosen == run.data.tags["mode"]
+    assert run.data.tags["auto.choice"] == chosen and run.data.tags["mode"] == variant_of(chosen)[0]
+    assert {f"auto.predicted.{m.replace('+', '.')}" for m in with_overlap(MODES)} <= set(run.data.tags)
     assert run.info.run_name.split("/")[1] == "auto"
     assert res["final_eval"]["eval/accuracy"] >= 0.90
     assert_exact_coverage(res, 32)

@@ -51,7 +51,8 @@ class AutoChoice:
     def tags(self) -> dict[str, str]:
         out = {"auto.choice": self.mode, "auto.reason": self.reason[:4000]}
         for c in self.candidates:
-            out[f"auto.predicted.{c.mode}"] = (f"{c.samples_per_s:.0f} samples/s, {c.syncs:.0f} syncs, windows up to "
+            # an MLflow key takes no "+": auto.predicted.cpu_cadence.overlap for the candidate cpu_cadence+overlap
+            out[f"auto.predicted.{c.mode.replace('+', '.')}"] = (f"{c.samples_per_s:.0f} samples/s, {c.syncs:.0f} syncs, windows up to "
                                                f"{c.window_batches:.0f} batches" + ("" if c.eligible else f" ({c.why})"))
         return out
 
