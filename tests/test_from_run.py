@@ -16,12 +16,14 @@ from flodl_exp.simulate.__main__ import translate_argv
 from flodl_exp.simulate.engine import simulate
 from flodl_exp.simulate.from_run import (
     NotReplayable,
+    adopt_auto_choice,
     error_pct,
     log_prediction,
     measured,
     measured_rig,
     predict,
     prediction_metrics,
+    run_mode,
 )
 from flodl_exp.simulate.report import summarize
 from flodl_exp.simulate.topology import LinkConfig, SimulateConfig
@@ -150,6 +152,9 @@ def test_an_overlapped_run_is_replayed_with_overlap() -> None:
     assert rig.modes == ["cpu_cadence+overlap"] and "overlap" not in rig.mode
     out = prediction_metrics(params, history(), {"total_picks": 1437}, base=base())
     assert out["predicted/samples_per_s"] > 0
+    auto = {**PARAMS, "mode.auto": "True"}
+    adopt_auto_choice(auto, "cpu_async+overlap")  # mode=auto chose it: replayed in it
+    assert run_mode(auto) == "cpu_async+overlap"
 
 
 @pytest.mark.parametrize("hist, params, match", [

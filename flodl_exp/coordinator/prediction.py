@@ -98,14 +98,11 @@ class _NotThread(logging.Filter):
 
 
 def _predict(config: Mapping[str, Any], tap: RecordTap, result: Mapping[str, Any]) -> dict[str, float]:
-    from flodl_exp.simulate.from_run import base_config, measured, prediction_metrics
+    from flodl_exp.simulate.from_run import adopt_auto_choice, base_config, measured, prediction_metrics
     from flodl_exp.tracking import flatten
 
     params = flatten(config)
-    chosen = tap.tags.get("auto.choice")
-    if chosen and "_" in chosen:  # mode=auto: the run trained in the mode it chose (from_run.read_run does the same)
-        backend, policy = chosen.split("_", 1)
-        params.update({"mode.name": chosen, "mode.backend": backend, "mode.policy": policy})
+    adopt_auto_choice(params, tap.tags.get("auto.choice"))  # mode=auto: the run trained in the mode it chose
     stem = result.get("stem")
     model_mb = os.path.getsize(f"{stem}.pt") / 1e6 if isinstance(stem, str) and os.path.isfile(f"{stem}.pt") else None
     history = dict(tap.history)

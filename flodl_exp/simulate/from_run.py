@@ -247,12 +247,17 @@ def read_run(client: Any, run_id: str, result: Optional[Mapping[str, Any]] = Non
     if isinstance(stem, str) and os.path.isfile(f"{stem}.pt"):
         model_mb = os.path.getsize(f"{stem}.pt") / 1e6
     params = dict(run.data.params)
-    chosen = run.data.tags.get("auto.choice")
-    if chosen and "_" in chosen:  # mode=auto: the run trained in the mode it chose, not its params' fallback
+    adopt_auto_choice(params, run.data.tags.get("auto.choice"))
+    return params, history, res, model_mb
+
+
+def adopt_auto_choice(params: dict[str, str], chosen: Optional[str]) -> None:
+    """mode=auto: the run trained in the mode it chose (its ``auto.choice`` tag, ``cpu_cadence+overlap`` included),
+    not its params' fallback: ``params`` say so."""
+    if chosen and "_" in chosen:
         name, overlap = variant_of(chosen)
         backend, policy = name.split("_", 1)
         params.update({"mode.name": name, "mode.backend": backend, "mode.policy": policy, "mode.overlap": str(overlap)})
-    return params, history, res, model_mb
 
 
 def _read_result(client: Any, run_id: str, job_dir: Optional[str]) -> Optional[dict[str, Any]]:
