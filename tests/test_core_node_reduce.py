@@ -373,3 +373,29 @@ def test_overlapped_a_member_dead_before_the_partial_keeps_only_what_it_answered
     assert past and all(handed_again(e, f) for e, f in past), "rank 1's picks past its answer were not trained again"
     answered_this_window = answered[-1:]  # its last answered batch: in the consensus, never handed out again
     assert not any(handed_again(e, f) for e, f in answered_this_window)
+
+
+def test_a_rank_that_answered_directly_and_dies_while_the_drift_is_due_stays_in_the_consensus() -> None:
+    """Leader 2 is gone, so rank 3 answers the coordinator itself; it dies after the consensus went out, while leader 0's
+    drift is still due: its share is in the consensus, so its picks of that window are not handed out again."""
+    run = Run(**{"cluster.max_failure": 3})
+    ranks = run.ranks
+    run.start()
+    run.play(until=lambda: run.core.syncs >= 1)
+    ranks.dead.add(2)
+    run.handle(RankDeath(2, "killed", run.clock()))
+    ranks.hold_drift = {0}
+    run.play(until=lambda: bool(ranks.held))
+    v = run.core.syncs
+    n3 = next(u.n for r, u in ranks.direct_updates if r == 3 and u.version == v)
+    window = ranks.trained[3][ranks.answered_at[3][v] - n3:ranks.answered_at[3][v]]
+    assert window, "rank 3 answered with batches of its own"
+    ranks.dead.add(3)
+    at = len(ranks.handed)
+    run.handle(RankDeath(3, "killed", run.clock()))
+    run.release_drift()
+    run.play()
+    assert run.core.life.status.name == "FINISHED"
+    again = [(e, off, size) for q, e, off, size in ranks.handed[at:]]
+    assert not any(e == oe and oo <= f < oo + size for e, f in window for oe, oo, size in again), (
+        "rank 3's picks in the consensus were handed out again")

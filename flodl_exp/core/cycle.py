@@ -598,6 +598,9 @@ class AveragingCycle:
             return 0
         if red.backend is Backend.NCCL:
             return min(red.acks[r].n, self._ledger[r].steps) if r in red.acks else 0
+        if red.awaiting is not None and r in red.awaiting.n and r not in red.via:
+            # it answered itself and the consensus went out with its share (the leaders' drift is still due)
+            return min(red.awaiting.n[r], self._ledger[r].steps)
         leader = red.via.get(r)
         if leader is None:
             return self._ledger[r].steps if self._awaits_partial(red, r) else 0
@@ -757,7 +760,7 @@ class AveragingCycle:
                 return None
             self._handed = (self._version, set(red.via), wait.update) if red.via else None
             out = self._finish(red, wait.n, wait.div, wait.pre, wait.post, wait.sync_ms, alive, wait.outer)
-            out.dead_in = sorted(r for r in red.via if not alive(r))
+            out.dead_in = sorted(r for r in wait.n if not alive(r))  # in the consensus: direct or through a partial
             out.dead_out = sorted(red.awaited_dead - set(red.via))
             return out
         out = self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
