@@ -167,7 +167,7 @@ def run_flodl(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
 
 
 def _flodl_overrides(name: str, overrides: list[str], a: argparse.Namespace) -> list[str]:
-    return [f"experiment={EXPERIMENT}", *overrides,
+    return [f"experiment={EXPERIMENT}", *overrides, *([f"experiment.model.channels={a.channels}"] if a.wide else []),
             f"experiment.epochs={a.epochs}", f"seed={a.seed}", "eval.every=0",
             "run.progress=plain", f"run.timeout_min={max(5, int(a.run_timeout_s // 60) + 1)}",
             f"tracking.uri={a.tracking_uri}", f"tracking.experiment_name={a.experiment_name}",
@@ -449,6 +449,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", default=None, help="comma-separated subset of: " + ",".join(n for n, _, _ in RUNS)
                    + " (--rig 1:1: " + ",".join(n for n, _, _ in RUNS_1TO1) + ")")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--channels", type=int, default=None,
+                   help="WideCNN's first channels for the flodl_exp runs (the preset's 48; 152 is about ten times the "
+                        "parameters and compute); not with the ddp run")
     p.add_argument("--ddp-sleep-basis", choices=("compute", "step"), default="compute",
                    help="DDP slow rank sleeps (1/s-1) x compute wall (default; like flodl_exp) or x step wall incl. all_reduce")
     p.add_argument("--run-timeout-s", type=float, default=600.0)
@@ -484,7 +487,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     exp = load_experiment(EXPERIMENT)
     a.batch_size, a.lr = exp["batch_size"], exp["optimizer"]["lr"]
-    a.channels = int(exp["model"].get("channels", 48))
+    a.wide = a.channels is not None
+    a.channels = a.channels if a.wide else int(exp["model"].get("channels", 48))
     a.scheduled = bool(exp.get("scheduler"))
     from flodl_exp.zoo.digits import DigitsDataset
 
@@ -494,6 +498,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = set(wanted) - {n for n, _, _ in runs}
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}")
+    if a.wide and "ddp" in wanted:
+        p.error("--channels: the ddp baseline trains the preset's model; leave ddp out of --runs")
 
     if a.rerender:
         report(saved["rounds"], a, float(saved.get("bench_wall_s", float("nan"))), tuple(saved.get("load", (float("nan"),) * 2)),
