@@ -98,9 +98,9 @@ class AutoProbe:
 
     @property
     def configured(self) -> str:
-        from flodl_exp.policy.mode import variant_name
+        from flodl_exp.policy.mode import configured_variant
 
-        return variant_name(f"{self.cfg.mode.backend}_{self.cfg.mode.policy}", bool(self.cfg.mode.overlap))
+        return configured_variant(self.cfg.mode)
 
     def chosen(self, c: ModeChosen) -> AutoChoice:
         """The core's verdict, as the coordinator records it (its event, its tags, result.json)."""

@@ -425,32 +425,38 @@ class Checkpoints:
         if self.checkpoint_fn is not None and rank is not None:
             self.checkpoint_fn.fire(version, rank)
 
+    def _due(self) -> tuple[Optional[str], int]:
+        """Which coverage bundle is due now (``at_epoch``, ``periodic``, ``requested`` or None) and the epoch the
+        cohort reached."""
+        if not self._progressive or self.busy:
+            return None, -1
+        reached = max((self._dispatch.rank_epoch[r] for r in self._cohort.alive_ranks()), default=-1)
+        if self.at_epoch is not None and not self.at_epoch_done and reached >= self.at_epoch:
+            return "at_epoch", reached
+        if self.next_periodic is not None and reached >= self.next_periodic and self.next_periodic < self.epochs:
+            # (a stop that lowered the plan below the next periodic epoch leaves it untaken)
+            return "periodic", reached
+        return ("requested" if self._intents.waiting("checkpoint", reached) else None), reached
+
     def coverage_bundle_due(self) -> bool:
         """:meth:`maybe_coverage_bundle` would take a bundle now (an overlapped reduce's finish asks first: its
         consensus lacks what the ranks trained past their answers, so the bundle waits for a barrier reduce)."""
-        if not self._progressive or self.busy:
-            return False
-        reached = max((self._dispatch.rank_epoch[r] for r in self._cohort.alive_ranks()), default=-1)
-        return ((self.at_epoch is not None and not self.at_epoch_done and reached >= self.at_epoch)
-                or (self.next_periodic is not None and reached >= self.next_periodic and self.next_periodic < self.epochs)
-                or self._intents.waiting("checkpoint", reached))
+        return self._due()[0] is not None
 
     def maybe_coverage_bundle(self) -> None:
         """At a reduce finish, before any new chunk is dispatched: an at_epoch or periodic bundle when due."""
-        if not self._progressive or self.busy:
-            return
-        alive = self._cohort.alive_ranks()
-        reached = max((self._dispatch.rank_epoch[r] for r in alive), default=-1)
-        if self.at_epoch is not None and not self.at_epoch_done and reached >= self.at_epoch:
+        kind, reached = self._due()
+        if kind == "at_epoch":
+            assert self.at_epoch is not None
             self.at_epoch_done = True
             self._take(self._writer.stem_for("at_epoch", self.at_epoch), "at_epoch", "checkpoints/at_epoch", self.at_epoch)
-        elif self.next_periodic is not None and reached >= self.next_periodic and self.next_periodic < self.epochs:
-            # (a stop that lowered the plan below the next periodic epoch leaves it untaken)
+        elif kind == "periodic":
+            assert self.next_periodic is not None
             due = self.next_periodic
             nxt = (reached // self.every + 1) * self.every
             self.next_periodic = nxt if nxt < self.epochs else None
             self._take(self._writer.stem_for("epoch", due), "periodic", f"checkpoints/epoch{due}", due)
-        elif self._intents.due("checkpoint", reached):
+        elif kind == "requested" and self._intents.due("checkpoint", reached):
             self._take(self._writer.stem_for("requested", reached), "requested", f"checkpoints/requested{reached}", reached)
 
     def _take(self, stem: str, reason: str, artifact_path: str, asked: int) -> None:

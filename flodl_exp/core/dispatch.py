@@ -418,15 +418,7 @@ class Dispatcher:
     def retrain_held(self, r: int) -> int:
         """The reduce the dead rank had answered finished without its share (the survivors redid the collective
         in a later generation): its held picks are trained again. Returns the picks handed back."""
-        held = self.held.pop(r, [])
-        survivors = self._cohort.alive_ranks()
-        counts = [0, 0]
-        for epoch, off, n, undo in held:
-            self._give_back(r, epoch, off, n, undo, survivors, counts)
-        self._log_given_back(r, counts)
-        if self.progressive:
-            self.after_finish()
-        return sum(u for *_, u in held)
+        return self.release_held(r, keep_batches=0)
 
     def _uncover(self, r: int, epoch: int, off: int, n: int, undo: int) -> None:
         """Take the last ``undo`` picks of a reported range [off, off+n) off the epoch's books."""
@@ -448,12 +440,11 @@ class Dispatcher:
         for i, nb in enumerate(equal_sizes(len(survivors), size // self.bs) if survivors else []):
             if nb <= 0:
                 continue
-            first = survivors[i]
-            for r in [first, *(q for q in live if q != first)]:  # bounded: each survivor tried once per piece
-                if r in live and self._extend(r, e, rest_off, nb * self.bs):
+            tries = sorted(live, key=lambda q: q != survivors[i])  # its own survivor first, then the others
+            for r in tries:  # bounded: each live survivor tried once per piece
+                if self._extend(r, e, rest_off, nb * self.bs):
                     break
-                if r in live:
-                    live.remove(r)
+                live.remove(r)
             else:
                 return offset + size - rest_off
             rest_off += nb * self.bs

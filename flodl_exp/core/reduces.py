@@ -49,9 +49,9 @@ class Reduces:
         self._preempt_snapshot = preempt_snapshot
         """``Preemption.on_reduce_finished``: True when an armed preemption takes the coverage now (no new chunk)."""
         self._may_run_ahead = may_run_ahead
+        """The core's test that the lockstep license may be extended (nothing needs the cohort held soon)."""
         self._preempt_armed = preempt_armed
         """``Preemption.armed``: a request waits for a reduce finish to snapshot the coverage."""
-        """The core's test that the lockstep license may be extended (nothing needs the cohort held soon)."""
         self._deaths_at_trigger = 0
         self._blocker: Optional[int] = None
         self._early_answers: dict[int, dict[int, AnswerSnapshot]] = {}

@@ -136,6 +136,11 @@ def variant_name(mode: str, overlap: bool) -> str:
     return mode + OVERLAP if overlap else mode
 
 
+def configured_variant(mode_cfg: Any) -> str:
+    """The candidate name a run's ``mode`` config group trains as (``cpu_cadence``, ``cpu_cadence+overlap``)."""
+    return variant_name(f"{mode_cfg.backend}_{mode_cfg.policy}", bool(mode_cfg.overlap))
+
+
 def with_overlap(modes: list[str] | tuple[str, ...]) -> list[str]:
     """``modes`` and, after them, each overlap-capable one run with ``mode.overlap=true``: what mode=auto weighs."""
     return [*modes, *(m + OVERLAP for m in modes if Mode.from_name(m).overlap_capable)]

@@ -45,7 +45,7 @@ from flodl_exp.core.control_core import ControlCore
 from flodl_exp.core.cycle import Reduce, ReduceOutcome
 from flodl_exp.core.lifecycle import Phase
 from flodl_exp.core.ports import NullObserver
-from flodl_exp.policy.mode import Mode, variant_name
+from flodl_exp.policy.mode import Mode, configured_variant
 from flodl_exp.protocol.messages import (
     Batch,
     ChunkMetrics,
@@ -139,11 +139,9 @@ class Engine:
         w = len(steps)
         if run is None:
             run = run_config(cfg, mode, w)
-        elif (run.cluster.ranks_per_node != w
-              or variant_name(f"{run.mode.backend}_{run.mode.policy}", bool(run.mode.overlap)) != mode):
-            given = variant_name(f"{run.mode.backend}_{run.mode.policy}", bool(run.mode.overlap))
-            raise ValueError(f"simulate: the run config given is {given} on {run.cluster.ranks_per_node} ranks, not "
-                             f"{mode} on {w}")
+        elif run.cluster.ranks_per_node != w or configured_variant(run.mode) != mode:
+            raise ValueError(f"simulate: the run config given is {configured_variant(run.mode)} on "
+                             f"{run.cluster.ranks_per_node} ranks, not {mode} on {w}")
         self.cfg, self.mode, self.W = cfg, mode, w
         self.gamma = run.mode.gamma
         self.clock = SimClock()
