@@ -269,7 +269,7 @@ def _update_rules(cfg: Any) -> List[str]:
     if not isinstance(m.overlap, bool):
         raise _err("mode.overlap", m.overlap, "true or false")
     if m.overlap and not Mode.of(cfg).overlap_capable:
-        raise _err("mode.overlap", m.overlap, "true only with mode=cpu_cadence or mode=cpu_async (false for "
+        raise _err("mode.overlap", m.overlap, "true only with mode=nccl_cadence, mode=cpu_cadence or mode=cpu_async (false for "
                    f"{Mode.of(cfg).name})")
     if m.progressive_dispatch is False and Mode.of(cfg).policy.requires_progressive:
         raise _err("mode.progressive_dispatch", False, f"true or null with policy={m.policy} (it streams chunks)")

@@ -145,13 +145,13 @@ def _one_collective(rank: int, port: int, q) -> None:
     b = CollectiveBackend(host="127.0.0.1", store_port=port, rank=rank, world_size=2, device=torch.device("cpu"),
                           backend="gloo", op_timeout_s=60, store_timeout_s=60)
     calls: list[int] = []
-    real = b._all_reduce
+    real = b._start_all_reduce
 
     def counting(t, op=None):
         calls.append(t.numel())
-        real(t, op) if op is not None else real(t)
+        return real(t, op)
 
-    b._all_reduce = counting  # type: ignore[method-assign]
+    b._start_all_reduce = counting  # type: ignore[method-assign]
     bn = torch.nn.BatchNorm1d(2)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), bn)
     mean = bn.running_mean
@@ -186,4 +186,75 @@ def test_a_sync_is_one_all_reduce_with_its_head_and_weighs_by_mass(master_store)
         assert weighted == pytest.approx(1.75) and buffers == pytest.approx(15.0)
         assert calls == [n_all + 3], calls  # one collective: the replica and its 3 head slots
         assert reduced is True and reduced_idle is False and idle == pytest.approx(r + 7.0)
+    assert codes == [0, 0], codes
+
+
+def _overlapped(rank: int, port: int, q) -> None:
+    torch.set_num_threads(1)
+    from flodl_exp.rank.backends import CollectiveBackend
+
+    b = CollectiveBackend(host="127.0.0.1", store_port=port, rank=rank, world_size=2, device=torch.device("cpu"),
+                          backend="gloo", op_timeout_s=60, store_timeout_s=60)
+    bn = torch.nn.BatchNorm1d(2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), bn)
+    params = list(model.parameters())
+    mean = bn.running_mean
+    assert mean is not None
+
+    def fill(v: float) -> None:
+        with torch.no_grad():
+            for t in params + [mean]:
+                t.fill_(v)
+
+    def first() -> tuple[float, float]:
+        return float(params[0].detach().flatten()[0]), float(mean[0])
+
+    # 1. trained on while the all-reduce ran: W + (W_avg - W_sent), parameters and float buffers alike
+    fill(float(rank + 1))
+    b.start_overlapped(model, rank + 1, 1.0)  # masses 1 and 2: the weighted mean of 1 and 2 is 5/3
+    with torch.no_grad():
+        for t in params + [mean]:
+            t.add_(10.0 * (rank + 1))  # what the rank trains while the all-reduce is in flight
+    d, _, _ = b.land_overlapped(model, True, keep_current=True)
+    b.apply_correction(model)
+    corrected = first()
+    # 2. nothing trained since: the consensus as is, bit-exact on every rank
+    fill(float(rank + 1))
+    b.start_overlapped(model, 1, 1.0)
+    b.land_overlapped(model, False, keep_current=False)
+    b.apply_correction(model)  # nothing kept: no-op
+    plain = [t.detach().clone() for t in params]
+    # 3. the group fails with the all-reduce in flight: it goes again, as sent, in the next generation
+    fill(float(rank + 1))
+    if rank == 0:
+        b.start_overlapped(model, 1, 1.0)  # rank 1 gave up on generation 0 and never joins this one
+    b.abort()
+    b.rebuild(1, rank, 2, session="s1")
+    if rank == 1:
+        b.start_overlapped(model, 1, 1.0)
+    else:
+        b.relaunch_overlapped()
+    with torch.no_grad():
+        params[0].add_(100.0 if rank == 0 else 0.0)  # rank 0 trained on meanwhile
+    b.land_overlapped(model, False, keep_current=True)
+    b.apply_correction(model)
+    again = first()
+    b.close()
+    q.put((rank, corrected, d, [t.tolist() for t in plain], again))
+
+
+def test_an_overlapped_all_reduce_lands_as_a_correction_and_goes_again_after_a_regroup(master_store):
+    """``mode.overlap`` on the nccl backend: the rank launches its all-reduce and trains on; the consensus lands as
+    ``W + (W_avg - W_sent)`` (mass-weighted parameters, movers' mean of float buffers), or as is when nothing was
+    trained since (the replicas equal to the last bit); a failed one goes again, with the replica as sent, in the
+    group formed after it."""
+    results, codes = run_spawned(_overlapped, [(0, master_store.port), (1, master_store.port)], timeout=90)
+    got = {r: rest for r, *rest in results}
+    for r in (0, 1):
+        corrected, d, _, again = got[r]
+        assert corrected[0] == pytest.approx(5.0 / 3.0 + 10.0 * (r + 1))  # parameters: masses 1 and 2
+        assert corrected[1] == pytest.approx(1.5 + 10.0 * (r + 1))  # float buffers: the movers' plain mean
+        assert d is not None and d > 0
+        assert again[0] == pytest.approx(1.5 + (100.0 if r == 0 else 0.0))
+    assert got[0][2] == got[1][2], "without training since, every replica holds the same consensus"
     assert codes == [0, 0], codes

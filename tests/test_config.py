@@ -114,8 +114,7 @@ REFUSED = [
          "mode.partition_ratios=[0.3,0.7]"),
     case("ratios-progressive-forced-on-sync", "mode.partition_ratios", "[0.5, 0.5]", "mode=cpu_sync",
          "mode.progressive_dispatch=true", "mode.partition_ratios=[0.5,0.5]"),
-    # overlap: the cpu backend's cadence and async only
-    case("overlap-nccl_cadence", "mode.overlap", "True", "mode=nccl_cadence", "mode.overlap=true"),
+    # overlap: the cadence and async policies only
     case("overlap-cpu_sync", "mode.overlap", "True", "mode=cpu_sync", "mode.overlap=true"),
     case("overlap-nccl_sync", "mode.overlap", "True", "mode=nccl_sync", "mode.overlap=true"),
     # easgd_alpha: range, then cpu_async only
@@ -316,6 +315,7 @@ ACCEPTED = [
     pytest.param(["data_plane=disk_overflow", "data_plane.disk_stage_gb=0.5", "data_plane.augment=3"],
                  id="data-plane-tuned"),
     pytest.param(["mode=cpu_cadence", "mode.overlap=true"], id="overlap-cpu_cadence"),
+    pytest.param(["mode=nccl_cadence", "mode.overlap=true"], id="overlap-nccl_cadence"),
     pytest.param(["mode=cpu_async", "mode.overlap=true", "mode.easgd_alpha=0.8"], id="overlap-cpu_async"),
     pytest.param(["run.progress=off", "run.timeout_min=1"], id="run-edges"),
     pytest.param(["run.progress=bar"], id="run-bar"),

@@ -1,7 +1,7 @@
-"""Overlapped averaging (``mode.overlap``, issue 51) in the control core: scripted cpu ranks, no process, no socket.
+"""Overlapped averaging (``mode.overlap``, issue 51) in the control core: scripted ranks, no process, no socket.
 
-A reduce asks the ranks to train on (``RequestParams.overlap``, no barrier) and hands each idle rank its next window's
-chunk with the request; what a rank reports past its answer is its next window's; a consensus reduce (the end of
+A reduce asks the ranks to train on (cpu: ``RequestParams.overlap``, no barrier; nccl: ``SyncNow.overlap``, the ack
+comes once the rank's all-reduce landed) and hands each idle rank its next window's chunk with the request; what a rank reports past its answer is its next window's; a consensus reduce (the end of
 training) still waits; a rank that dies with a reduce in flight loses no trained pick; every pick is trained once."""
 from __future__ import annotations
 
@@ -20,12 +20,17 @@ from flodl_exp.protocol.messages import (
     ExecuteEval,
     ExtendPartition,
     Payload,
+    Regroup,
     RequestParams,
+    RequestSession,
     Save,
     SaveResult,
+    SessionReady,
     Shutdown,
     Snapshot,
     StartEpoch,
+    SyncAck,
+    SyncNow,
     Update,
 )
 from flodl_exp.torch_averager import TorchAverager
@@ -38,9 +43,10 @@ TURNS = (0, 0, 0, 1, 2)
 
 
 class OverlapRanks:
-    """Cpu ranks as rank/control.py runs them: a RequestParams is answered at once with the steps since the last
-    answer (``hold``: that rank's snapshot waits until :meth:`release`), and with ``overlap`` the rank trains on; its
-    update is then a correction (its steps since the answer are kept)."""
+    """Ranks as rank/control.py runs them: a RequestParams is answered at once with the steps since the last answer
+    (``hold``: that rank's snapshot waits until :meth:`release`), and with ``overlap`` the rank trains on; its update is
+    then a correction (its steps since the answer are kept). nccl: a SyncNow's all-reduce lands at once (``hold``: that
+    rank's lands, and it acks, only at :meth:`release`; with ``overlap`` it trains on meanwhile)."""
 
     def __init__(self) -> None:
         self.plans: dict[int, list[tuple[int, int, int, int]]] = {r: [] for r in range(WORLD)}
@@ -50,7 +56,7 @@ class OverlapRanks:
         self.blocked = {r: False for r in range(WORLD)}
         self.sent: dict[int, int] = {}
         """Rank -> the overlapped reduce it answered and awaits the update of."""
-        self.requests: list[tuple[int, RequestParams]] = []
+        self.requests: list[tuple[int, RequestParams | SyncNow]] = []
         self.log: list[tuple[int, Payload]] = []
         """Every message to a rank, in order."""
         self.trained: dict[int, list[tuple[int, int]]] = {r: [] for r in range(WORLD)}
@@ -60,11 +66,12 @@ class OverlapRanks:
         self.trained_in_flight = {r: 0 for r in range(WORLD)}
         """Batches each rank trained while it awaited an overlapped reduce's update."""
         self.hold: set[int] = set()
-        self.held: dict[int, Snapshot] = {}
+        self.held: dict[int, Snapshot | SyncAck] = {}
         self.dead: set[int] = set()
         self.final_evals: list[int] = []
         self.shutdown = False
         self.turn = 0
+        self.generation = 0
 
     def hear(self, out: list[tuple[int, Payload]]) -> list[tuple[int, Payload]]:
         answers: list[tuple[int, Payload]] = []
@@ -74,19 +81,16 @@ class OverlapRanks:
             self.log.append((r, p))
             if isinstance(p, (StartEpoch, ExtendPartition)):
                 self.plans[r].append((p.epoch, p.chunk, p.offset, p.size // BATCH))
-            elif isinstance(p, RequestParams):
-                assert r not in self.sent, "a second reduce reached a rank with one in flight"
-                self.requests.append((r, p))
-                self.answered_at[r][p.version] = len(self.trained[r])
-                snap = Snapshot(n=self.since[r], version=p.version,
-                                tensors={"p0": torch.full((4,), float(r + p.version)), "b0": torch.zeros(2)})
-                if p.overlap:
-                    self.sent[r], self.since[r] = p.version, 0
-                self.blocked[r] = p.barrier
+            elif isinstance(p, (RequestParams, SyncNow)):
+                answer = self._answer(r, p)
                 if r in self.hold:
-                    self.held[r] = snap
+                    self.held[r] = answer
                 else:
-                    answers.append((r, snap))
+                    answers.append((r, answer))
+            elif isinstance(p, RequestSession):
+                answers.append((r, SessionReady(generation=p.generation, session="s")))
+            elif isinstance(p, Regroup):
+                self.generation = p.generation
             elif isinstance(p, Update):
                 if self.sent.pop(r, None) is None:
                     self.since[r] = 0  # a full adoption resets the window
@@ -102,9 +106,34 @@ class OverlapRanks:
                 self.shutdown = True
         return answers
 
+    def _answer(self, r: int, p: RequestParams | SyncNow) -> Snapshot | SyncAck:
+        """cpu: the snapshot (with ``overlap`` the rank trains on); nccl: the ack once its all-reduce landed (a held
+        one lands at :meth:`release`: meanwhile the rank trains on with ``overlap``, else it waits in it)."""
+        assert r not in self.sent, "a second reduce reached a rank with one in flight"
+        self.requests.append((r, p))
+        self.answered_at[r][p.version] = len(self.trained[r])
+        n, self.since[r] = self.since[r], (0 if p.overlap or isinstance(p, SyncNow) else self.since[r])
+        if isinstance(p, SyncNow):
+            if r in self.hold:
+                self.sent[r] = p.version
+                self.blocked[r] = not p.overlap
+            return SyncAck(n=n, d=0.01, version=p.version, generation=self.generation)
+        if p.overlap:
+            self.sent[r] = p.version
+        self.blocked[r] = p.barrier
+        return Snapshot(n=n, version=p.version, tensors={"p0": torch.full((4,), float(r + p.version)),
+                                                         "b0": torch.zeros(2)})
+
+    def past(self, r: int, version: int) -> int:
+        """Batches ``r`` trained after its answer to reduce ``version``."""
+        return len(self.trained[r]) - self.answered_at[r][version]
+
     def release(self, r: int) -> list[tuple[int, Payload]]:
         self.hold.discard(r)
         snap = self.held.pop(r, None)
+        if isinstance(snap, SyncAck):  # the all-reduce landed: the rank acks and is done with it
+            self.sent.pop(r, None)
+            self.blocked[r] = False
         return [] if snap is None else [(r, snap)]
 
     def next(self) -> Optional[tuple[int, Payload]]:
@@ -165,19 +194,26 @@ class Run(ScriptedRun):
         assert self.core.cycle.global_step == self.core.epochs * SAMPLES // BATCH
 
 
-@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+MODES = ["cpu_cadence", "cpu_async", "nccl_cadence"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_an_overlapped_run_trains_through_its_reduces_and_covers_every_pick_once(mode: str) -> None:
     run = Run(mode)
     run.start()
     run.finish()
     reqs = [p for _, p in run.ranks.requests]
     overlapped = [p for p in reqs if p.overlap]
-    assert overlapped and all(not p.barrier for p in overlapped), "the window reduces let the ranks train on"
-    assert all(p.barrier for p in reqs if not p.overlap), "a consensus reduce (the end of training) still waits"
+    assert overlapped, "the window reduces let the ranks train on"
+    assert all(isinstance(p, SyncNow) == mode.startswith("nccl") for p in reqs)
+    assert all(not p.barrier for p in overlapped if isinstance(p, RequestParams))
+    assert all(p.barrier for p in reqs if isinstance(p, RequestParams) and not p.overlap), (
+        "a consensus reduce (the end of training) still waits")
 
 
-def test_a_rank_gets_its_next_window_while_the_reduce_is_in_flight() -> None:
-    run = Run()
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_a_rank_gets_its_next_window_while_the_reduce_is_in_flight(mode: str) -> None:
+    run = Run(mode)
     run.ranks.hold = {1}  # the slow rank's answer waits: the reduce stays in flight
     run.start()
     run.play(until=lambda: 1 in run.ranks.held)
@@ -190,14 +226,15 @@ def test_a_rank_gets_its_next_window_while_the_reduce_is_in_flight() -> None:
     run.finish()
 
 
-def test_steps_past_the_answer_count_toward_the_next_window() -> None:
-    run = Run()
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_steps_past_the_answer_count_toward_the_next_window(mode: str) -> None:
+    run = Run(mode)
     run.ranks.hold = {1}  # the slow rank's answer waits: ranks 0 and 2 train on meanwhile
     run.start()
     run.play(until=lambda: 1 in run.ranks.held)
     v = run.core.syncs
-    run.play(until=lambda: run.ranks.trained_in_flight[0] >= 3)
-    trained = run.ranks.trained_in_flight[0]
+    run.play(until=lambda: run.ranks.past(0, v) >= 3)
+    trained = run.ranks.past(0, v)
     assert run.core.cycle.window_steps(0) == trained, "its steps past its answer are its next window's"
     assert run.core.syncs == v, "the reduce waits for rank 1"
     run.pending += run.ranks.release(1)
@@ -206,28 +243,36 @@ def test_steps_past_the_answer_count_toward_the_next_window() -> None:
     run.finish()
 
 
-def test_a_rank_dead_with_an_overlapped_reduce_in_flight_loses_no_pick() -> None:
-    run = Run(overrides={"cluster.max_failure": 2})
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_dead_with_an_overlapped_reduce_in_flight_loses_no_pick(mode: str) -> None:
+    run = Run(mode, overrides={"cluster.max_failure": 2})
     run.ranks.hold = {1}
     run.start()
     run.play(until=lambda: 1 in run.ranks.held)
-    run.play(until=lambda: run.ranks.trained_in_flight[2] >= 1)  # rank 2 answered and trained on
+    v = run.core.syncs
+    run.play(until=lambda: run.ranks.past(2, v) >= 1)  # rank 2 answered and trained on
     run.ranks.dead.add(2)
     run.handle(RankDeath(2, "killed", run.clock()))
     run.pending += run.ranks.release(1)
     run.finish()
 
 
-def test_what_a_rank_trained_past_its_answer_is_trained_again_when_it_dies_after_the_finish() -> None:
+@pytest.mark.parametrize(("mode", "late_ack"), [("cpu_cadence", False), ("nccl_cadence", False),
+                                               ("nccl_cadence", True)])
+def test_what_a_rank_trained_past_its_answer_is_trained_again_when_it_dies_after_the_finish(mode: str,
+                                                                                           late_ack: bool) -> None:
     """Rank 2 answers, trains its next window's chunk to its end while the reduce is in flight, and dies right after
-    the reduce finished: that chunk is in no consensus, so each of its picks is handed to a survivor again."""
-    run = Run(overrides={"cluster.max_failure": 2})
-    run.ranks.hold = {1}
+    the reduce finished: that chunk is in no consensus, so each of its picks is handed to a survivor again.
+    ``late_ack`` (nccl): rank 2's all-reduce lands, and it acks, only after that chunk ended (its ack comes long after
+    the replica it sent: the chunk finished before the ack still holds the next window's batches)."""
+    run = Run(mode, overrides={"cluster.max_failure": 2})
+    run.ranks.hold = {1, 2} if late_ack else {1}
     run.start()
     run.play(until=lambda: 1 in run.ranks.held)
     v = run.core.syncs
     ranks = run.ranks
-    run.play(until=lambda: ranks.trained_in_flight[2] > 0 and ranks.chunk[2] is None and not ranks.plans[2])
+    run.play(until=lambda: ranks.past(2, v) > 0 and ranks.chunk[2] is None and not ranks.plans[2])
+    run.pending += ranks.release(2)
     run.pending += ranks.release(1)
     run.play(until=lambda: run.core.syncs > v)
     past = ranks.trained[2][ranks.answered_at[2][v]:]
@@ -246,11 +291,11 @@ def test_without_overlap_a_cadence_reduce_is_a_barrier() -> None:
     run = Run(overrides={"mode.overlap": False})
     run.start()
     run.finish()
-    assert all(p.barrier and not p.overlap for _, p in run.ranks.requests)
+    assert all(isinstance(p, RequestParams) and p.barrier and not p.overlap for _, p in run.ranks.requests)
     assert sum(run.ranks.trained_in_flight.values()) == 0
 
 
-@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_coverage_bundle_waits_for_a_barrier_reduce(mode: str) -> None:
     """A bundle's coverage must match its consensus: at an overlapped reduce's finish the ranks hold picks trained past
     their answers that the consensus lacks, so a due bundle is taken at the finish of a barrier reduce fired at once

@@ -494,6 +494,8 @@ class AveragingCycle:
             if red.lockstep and not red.acks:  # a lockstep reduce's time runs from its first answer, not its opening
                 red.started = self._clock()
             red.acks[r] = ack
+            if red.overlap:
+                red.pledged[r] = int(ack.n)
             return True
         return False
 
@@ -701,12 +703,14 @@ class AveragingCycle:
                                "a sync_now for it would pair it twice")
         overlap = self._overlap and not final
         self._in_flight = red = Reduce(self.backend, self._clock(), set(members), final=final, overlap=overlap)
-        if self._mode.is_nccl:
-            self._out.broadcast(SyncNow(version=self._version, divergence=True))
-        elif overlap:
-            # mode.overlap: every rank trains on and applies the update as a correction (W += avg - W_sent), so
-            # nothing trained after its snapshot is lost; its next window starts at its answer.
+        if overlap:
+            # mode.overlap: every rank trains on and applies the consensus as a correction (W += avg - W_sent), so
+            # nothing trained after its answer is lost; its next window starts at its answer.
             red.pledged = {r: self._ledger[r].steps for r in members}
+        if self._mode.is_nccl:
+            # overlapped: the all-reduce runs on the rank while it trains on; it acks once the consensus landed
+            self._out.broadcast(SyncNow(version=self._version, divergence=True, overlap=overlap))
+        elif overlap:
             self._out.broadcast(RequestParams(version=self._version, barrier=False, overlap=True))
         else:
             # Ranks wait for the update unless EASGD blends it in: under a full overwrite a batch trained

@@ -19,7 +19,7 @@ import enum
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -647,17 +647,35 @@ class Dispatcher:
         self.answered[r] = progress
         self._answered_chunks[r] = finished
 
-    def on_reduce_finished(self, members: Iterable[int], *, keep_after_answer: bool = False) -> None:
+    def on_reduce_finished(self, members: Iterable[int], *, keep_after_answer: bool = False,
+                           past: Optional[Mapping[int, int]] = None) -> None:
         """What the members trained up to their answer is in the consensus: the chunks they finished by then are
         safe. ``keep_after_answer`` (nccl): a rank trains on after its ack while its peers finish the collective,
         so a chunk it finished after its ack holds batches in no consensus yet (the ledger counts them toward the
-        next window): it stays on the books, or a death then could not hand those picks back."""
+        next window): it stays on the books, or a death then could not hand those picks back. ``past`` (overlapped
+        reduces): each member's batches past its answer; the chunks that hold its latest that many stay on the books
+        too, whenever they finished (an nccl rank acks once its all-reduce landed, well after the replica it sent:
+        a chunk finished in between holds batches of the next window)."""
         for r in members:
-            if keep_after_answer:
-                del self.unreduced_chunks[r][:self._answered_chunks[r]]
-            else:
-                self.unreduced_chunks[r].clear()
+            chunks = self.unreduced_chunks[r]
+            keep = 0 if not keep_after_answer else len(chunks) - min(len(chunks), self._answered_chunks[r])
+            if past is not None:
+                keep = max(keep, self._chunks_holding_latest(r, past.get(r, 0)))
+            del chunks[:len(chunks) - keep]
             self._answered_chunks[r] = 0
+
+    def _chunks_holding_latest(self, r: int, batches: int) -> int:
+        """How many of ``r``'s finished unreduced chunks (the latest ones) hold its last ``batches`` trained batches,
+        after those its running chunks trained."""
+        need = batches * self.bs - sum(min(self.progress[r].get(cid, 0) * self.bs, ch.size)
+                                       for cid, ch in self._chunks.items() if ch.rank == r)
+        keep = 0
+        for _, ranges in reversed(self.unreduced_chunks[r]):
+            if need <= 0:
+                break
+            need -= sum(n for _, n in ranges)
+            keep += 1
+        return keep
 
     def on_metrics(self, r: int, m: ChunkMetrics) -> None:
         chunk = self._chunks.pop(m.chunk, None)

@@ -165,9 +165,10 @@ class Reduces:
             self._cohort.elect_fastest_once(speeds)
         if self._cycle.has_elche:
             d.on_verdict(out.action)
-        # nccl, or cpu overlapped: a rank trains on after its answer, and a chunk it finished since holds batches in no
-        # consensus yet
-        d.on_reduce_finished(out.n, keep_after_answer=self._mode.is_nccl or red.overlap)
+        # nccl, or overlapped: a rank trains on after its answer, and a chunk it finished since holds batches in no
+        # consensus yet (overlapped: the ledger's steps now are each member's batches past its answer)
+        d.on_reduce_finished(out.n, keep_after_answer=self._mode.is_nccl or red.overlap,
+                             past={r: self._cycle.steps(r) for r in out.n} if red.overlap else None)
         self._obs.on_reduce_finished(red, out, version, averaging_from, d.current_epoch())
         d.on_sync(out.sync_ms, out.d_max, out.action.code, out.outer)
         ahead = self._cycle.version < self._cycle.lockstep_until  # the ranks are in the next reduce already

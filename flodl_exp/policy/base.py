@@ -64,9 +64,9 @@ class AveragingPolicy:
         return False
 
     def overlap_capable(self, backend: Backend) -> bool:
-        """``mode.overlap``: a rank may train its next window while the coordinator averages its snapshot (windows of
-        several steps, the cpu backend; the nccl collective runs on the rank and is not overlapped yet)."""
-        return self.window_grows and backend is Backend.CPU
+        """``mode.overlap``: a rank may train its next window while its answer is averaged (windows of several steps:
+        the coordinator averages a cpu snapshot; an nccl all-reduce runs on the rank beside its training)."""
+        return self.window_grows
 
     def folds_updates(self, backend: Backend, progressive: bool) -> bool:
         """Each rank's next chunk rides in its consensus update (algorithms.md 5.6)."""

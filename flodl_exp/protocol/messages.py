@@ -177,11 +177,14 @@ class Regroup:
 
 @dataclass
 class SyncNow:
-    """nccl backend: all_reduce now (read the divergence when ``divergence``)."""
+    """nccl backend: all_reduce now (read the divergence when ``divergence``). ``overlap`` (``mode.overlap``): start
+    the all_reduce and train on; once it lands, apply the consensus as the correction ``W += W_avg - W_sent`` and
+    ack then."""
 
     KIND: ClassVar[Kind] = Kind.SYNC_NOW
     version: Count
     divergence: bool = True
+    overlap: bool = False
 
 
 @dataclass

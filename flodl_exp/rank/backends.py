@@ -191,6 +191,15 @@ class CollectiveBackend:
         :meth:`restore` puts back after a failed collective."""
         self._host: Optional[torch.Tensor] = None
         """Gloo with a CUDA replica: the pinned host copy the collective reduces."""
+        self._n_params = 0
+        """How many of the buffers' floats are parameters (the float buffers follow them)."""
+        self._current: Optional[torch.Tensor] = None
+        """``mode.overlap``: the replica as it was when an overlapped all-reduce landed (same layout), allocated at the
+        first one: what the rank trained since it sent is kept from it (:meth:`apply_correction`)."""
+        self._overlapped: Optional[tuple[int, float]] = None
+        """The overlapped all-reduce in flight: this rank's ``n`` and ``gamma`` (to launch it again after a regroup)."""
+        self._correct_pending = False
+        """:meth:`land_overlapped` kept the current replica: :meth:`apply_correction` adds what it trained since."""
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
         self.timeout = timedelta(seconds=self.op_timeout_s + self.GROUP_TIMEOUT_MARGIN_S)
         self._init(generation, rank, world_size)
@@ -251,17 +260,19 @@ class CollectiveBackend:
         work.wait()
         self.pending = None  # kept when wait() raised: the group holds a failed collective (see close)
 
-    def _all_reduce(self, t: torch.Tensor, op: Any = None) -> None:
-        """Sum ``t`` over the group in place (``op``: another reduction, e.g. ``ReduceOp.MAX``)."""
+    def _start_all_reduce(self, t: torch.Tensor, op: Any = None) -> Any:
+        """Start summing ``t`` over the group in place (``op``: another reduction, e.g. ``ReduceOp.MAX``); its work."""
         if self.group is not None:
             if op is None:
-                self._wait(self.group.allreduce([t]))
-                return
+                return self.group.allreduce([t])
             opts = self.dist.AllreduceOptions()
             opts.reduceOp = op
-            self._wait(self.group.allreduce([t], opts))
-        else:
-            self._wait(self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM if op is None else op, async_op=True))
+            return self.group.allreduce([t], opts)
+        return self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM if op is None else op, async_op=True)
+
+    def _all_reduce(self, t: torch.Tensor, op: Any = None) -> None:
+        """Sum ``t`` over the group in place, waited for (see :meth:`_wait`)."""
+        self._wait(self._start_all_reduce(t, op))
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
         """``t`` from the group's rank ``src`` to every member, in place (waited for as the all_reduce is)."""
@@ -277,10 +288,11 @@ class CollectiveBackend:
         """Allocate the sync's buffers for ``model`` (2x its parameter and float-buffer count in float32 on its
         device, plus a pinned host copy for Gloo with a CUDA replica) unless they fit already. The rank calls it
         when the group forms, before the first chunk sizes the data plane's device pool."""
-        n = sum(t.numel() for t in list(model.parameters()) + float_buffers(model))
+        self._n_params = sum(p.numel() for p in model.parameters())
+        n = self._n_params + sum(b.numel() for b in float_buffers(model))
         if self._saved is not None and self._saved.numel() == n:
             return
-        self._flat = self._saved = self._host = None  # the old ones go before the new ones come
+        self._flat = self._saved = self._host = self._current = None  # the old ones go before the new ones come
         self._flat = torch.empty(n + HEAD_SLOTS, dtype=torch.float32, device=self.device)
         self._saved = torch.empty(n, dtype=torch.float32, device=self.device)
         if self.comm_device != self.device:
@@ -302,30 +314,107 @@ class CollectiveBackend:
         """All-reduce the replica (weights ``n^gamma``); the divergence read-out (``d``, ``||post||``, ``||pre||``)
         when ``with_divergence``. ``lockstep_version``: this reduce's version when the rank started it on its own
         (a Lockstep license); the members check in the head that they are all in the same reduce."""
-        params = [p for p in model.parameters()]
-        bufs = float_buffers(model)
+        self._keep_sent(model)
+        self._wait(self._launch(n, gamma, lockstep=lockstep_version is not None))
+        return self._land(model, with_divergence, lockstep_version, keep_current=False)
+
+    # -- mode.overlap: the all-reduce runs while the rank trains on -------------------------------------
+    def start_overlapped(self, model: nn.Module, n: int, gamma: float) -> None:
+        """Launch the all-reduce of the replica as it is now and return at once: the rank trains on while it runs
+        (Gloo's own threads, or NCCL's stream), and :meth:`land_overlapped` applies it. What was sent stays in the
+        sync's buffer until then (one more replica, the trained-since copy, is kept when it lands)."""
+        self._keep_sent(model)
+        saved = self._saved
+        assert saved is not None
+        self._overlapped = (n, gamma)
+        if self._current is None or self._current.numel() != saved.numel():
+            self._current = None
+            self._current = torch.empty_like(saved)
+        self._launch(n, gamma, lockstep=False)
+
+    def relaunch_overlapped(self) -> None:
+        """The overlapped all-reduce again, in the group formed since it failed: the same replica as sent."""
+        if self._overlapped is None:
+            raise RuntimeError("no overlapped all-reduce to launch again")
+        self._launch(*self._overlapped, lockstep=False)
+
+    def overlapped_done(self) -> bool:
+        """The overlapped all-reduce finished (with its sum or its error): :meth:`land_overlapped` will not wait."""
+        return self.pending is None or bool(self.pending.is_completed())
+
+    def land_overlapped(self, model: nn.Module, with_divergence: bool, *,
+                        keep_current: bool) -> tuple[Optional[float], Optional[float], Optional[float]]:
+        """Wait for the overlapped all-reduce (raises as :meth:`sync` does) and put the consensus in the replica, as
+        :meth:`sync` does; the divergence is of what was sent. ``keep_current``: the rank trained since it sent:
+        the replica as it is now is kept, and :meth:`apply_correction` (after the outer step, if any) makes it
+        ``W + (W_avg - W_sent)``. Without it the consensus is adopted as is (bit-exact across the replicas)."""
+        if self.pending is None:
+            raise RuntimeError("no overlapped all-reduce in flight")
+        self._wait(self.pending)
+        self._overlapped = None
+        return self._land(model, with_divergence, None, keep_current=keep_current)
+
+    def apply_correction(self, model: nn.Module) -> None:
+        """After :meth:`land_overlapped` with ``keep_current`` (and the outer optimizer's step): the replica, which
+        holds the new global ``G``, becomes what it was before the landing plus ``G - W_sent`` (parameters and float
+        buffers), so every step trained while the all-reduce ran is kept. Nothing to do otherwise."""
+        cur, saved = self._current, self._saved
+        if not self._correct_pending or cur is None or saved is None:
+            return
+        self._correct_pending = False
+        with torch.no_grad():
+            cur.sub_(saved)
+            off = 0
+            for t in list(model.parameters()) + float_buffers(model):
+                k = t.numel()
+                t.add_(cur[off:off + k].view_as(t).to(t.dtype))
+                off += k
+
+    # -- the parts of a sync ---------------------------------------------------------------
+    def _keep_sent(self, model: nn.Module) -> None:
+        """The replica as the sync found it, in its buffer (before anything can fail: :meth:`restore` puts it back)."""
         self.prepare(model)
+        assert self._saved is not None
+        with torch.no_grad():
+            pack_into(list(model.parameters()) + float_buffers(model), self._saved)
+
+    def _launch(self, n: int, gamma: float, *, lockstep: bool) -> Any:
+        """Fill the all-reduce buffer from the kept replica (parameters scaled by this rank's mass, its head appended)
+        and start the all-reduce; returns its work (also :attr:`pending`)."""
         flat, saved = self._flat, self._saved
         assert flat is not None and saved is not None
-        with torch.no_grad():
-            pack_into(params + bufs, saved)  # before anything can fail: restore() puts this back
         m = mass(n, gamma)
-        flag = 1.0 if lockstep_version is not None else 0.0
         n_all = saved.numel()
+        n_params = self._n_params
         with torch.no_grad():
-            n_params = sum(p.numel() for p in params)
             flat[:n_all].copy_(saved)
             flat[:n_params].mul_(m)
             if n <= 0:
                 flat[n_params:n_all].zero_()  # a rank that did not move gives no buffer vote
-            flat[n_all:].copy_(torch.tensor([m, 1.0 if n > 0 else 0.0, flag], dtype=torch.float32))
+            flat[n_all:].copy_(torch.tensor([m, 1.0 if n > 0 else 0.0, 1.0 if lockstep else 0.0], dtype=torch.float32))
+            t = flat
             if self._host is not None:
                 self._host.copy_(flat)  # device -> host, synchronous: Gloo reads it on the host
-                self._all_reduce(self._host)
+                t = self._host
+            work = self._start_all_reduce(t)
+        self.pending = work
+        return work
+
+    def _land(self, model: nn.Module, with_divergence: bool, lockstep_version: Optional[int], *,
+              keep_current: bool) -> tuple[Optional[float], Optional[float], Optional[float]]:
+        """The finished all-reduce into the replica: the weighted mean of the parameters, the movers' mean of the
+        float buffers, and the divergence read-out against the kept replica."""
+        flat, saved = self._flat, self._saved
+        assert flat is not None and saved is not None
+        params = list(model.parameters())
+        bufs = float_buffers(model)
+        n_all = saved.numel()
+        n_params = self._n_params
+        with torch.no_grad():
+            if self._host is not None:
                 head = self._host[n_all:].tolist()
                 flat.copy_(self._host, non_blocking=self._host.is_pinned())  # stream-ordered before the uses below
             else:
-                self._all_reduce(flat)
                 head = flat[n_all:].tolist()
         total, movers, flags = head
         self.realigned_to = None
@@ -335,6 +424,9 @@ class CollectiveBackend:
         if total <= 0:  # nobody moved: every replica stays as it was (the sum is discarded)
             return (0.0, None, None) if with_divergence else (None, None, None)
         with torch.no_grad():
+            if keep_current and self._current is not None:
+                pack_into(params + bufs, self._current)
+                self._correct_pending = True
             pflat = flat[:n_params].div_(total)
             unpack_from(pflat, params)
             if bufs and movers > 0:

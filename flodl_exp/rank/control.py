@@ -23,6 +23,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -96,6 +97,18 @@ class Evicted(RuntimeError):
     """The coordinator declared this rank dead (its main thread made no progress)."""
 
 
+@dataclass
+class OverlappedSync:
+    """nccl, ``mode.overlap``: the reduce whose all-reduce runs while this rank trains on (landed between batches)."""
+
+    version: int
+    n: int
+    """The steps this rank's answer holds (the window it sent)."""
+    divergence: bool
+    relaunch: bool = False
+    """Its group failed and a new one formed: the all-reduce goes again, with the replica as sent."""
+
+
 class RankControl:
     """The rank's control state and message handlers; see the module docstring.
 
@@ -144,6 +157,8 @@ class RankControl:
         self.sent: Optional[SentState] = None
         """``mode.overlap``: this rank's state as it answered the reduce in flight (its version, float32 copies of its
         parameters and float buffers): the update is applied as the correction ``W += W_avg - W_sent``."""
+        self.overlapped: Optional[OverlappedSync] = None
+        """nccl, ``mode.overlap``: the reduce whose all-reduce is in flight while this rank trains on."""
         self.plans: deque[StartEpoch] = deque()
         """Chunks handed out and not started yet, in order."""
         self.chunk: Optional[EpochState] = None
@@ -247,6 +262,7 @@ class RankControl:
                 # Done: report the chunk before handling control, so a reduce that follows never
                 # sees this chunk as still in flight (coverage snapshots count in-flight as uncovered).
                 break
+            self._land_overlapped(block=False)
             self.drain()
             if self.stopping:
                 break
@@ -362,6 +378,9 @@ class RankControl:
         """Block handling control messages until ``done()`` (throttle, barrier, idle)."""
         with self.doing("wait"):
             while not self.stopping and not done():
+                if self.overlapped is not None:  # nothing to train meanwhile: its all-reduce lands (and acks) first
+                    self._land_overlapped(block=True)
+                    continue
                 msg = self.inbox.next(block=True, stopping=self.stopping)
                 if msg is not None:
                     self.handle(msg)
@@ -687,7 +706,19 @@ class RankControl:
                 self.inbox.defer(msg)
 
     def _on_regroup(self, m: Regroup) -> None:
-        self._regroup(m)
+        ov = self.overlapped
+        if ov is not None and self.collective is not None and self.collective.overlapped_done():
+            # The overlapped all-reduce ended before the regroup came: landed first if it summed (its consensus holds
+            # every member), else its failure's recovery forms this regroup and sends it again.
+            self.pending_regroup = m
+            self._land_overlapped(block=False)
+            pending, self.pending_regroup = self.pending_regroup, None
+            if pending is None:
+                return
+        if self._regroup(m) and self.overlapped is not None:
+            # The all-reduce in flight went with the old group: every survivor sends it again in the new one.
+            self.overlapped.relaunch = True
+            self._land_overlapped(block=False)
 
     def _regroup(self, m: Regroup) -> bool:
         """Re-form the process group with the survivors (fresh store prefix, renumbered ranks). True once formed.
@@ -770,7 +801,83 @@ class RankControl:
         with self.doing("collective"):
             self._sync_collective_now(m)
 
+    def _start_overlapped(self, m: SyncNow) -> None:
+        """``mode.overlap``: launch this reduce's all-reduce and train on; :meth:`_land_overlapped` applies it and acks.
+        The steps from here are the next window's (the LR's position counts the sent ones until SetGlobalStep)."""
+        coll = self.collective
+        assert coll is not None
+        self.send_held_reports()
+        fire_armed(self.armed_fault, "killsync", self.rank)
+        tr = self.trainer
+        n = tr.steps_since_avg
+        self.overlapped = ov = OverlappedSync(m.version, n, m.divergence)
+        tr.steps_in_flight, tr.steps_since_avg = n, 0
+        try:
+            coll.start_overlapped(tr.model, n, self.gamma)
+        except Exception as e:  # the launch itself failed (a peer gone): recovered as a landing is
+            if self._recover_overlapped(e, 0):
+                ov.relaunch = True
+        self._land_overlapped(block=False)
+
+    def _land_overlapped(self, block: bool) -> None:
+        """The overlapped all-reduce, once it finished (or waiting for it, ``block``): the consensus into the replica
+        as the correction ``W += G - W_sent`` (``G``: after the outer step), then the ack. A failed one is sent again
+        in the group the coordinator forms from the survivors, as a failed sync is redone."""
+        ov, coll = self.overlapped, self.collective
+        if ov is None or coll is None:
+            return
+        tr = self.trainer
+        for attempt in range(32):  # bounded: each retry follows a regroup to a newer generation
+            try:
+                if ov.relaunch:
+                    ov.relaunch = False
+                    coll.relaunch_overlapped()
+                if not block and not coll.overlapped_done():
+                    return
+                with self.doing("collective"):
+                    d, post, pre = coll.land_overlapped(tr.model, ov.divergence, keep_current=tr.steps_since_avg > 0)
+                break
+            except LockstepMisaligned:
+                raise
+            except Exception as e:  # a peer died mid-collective, or a regroup or shutdown came
+                if not self._recover_overlapped(e, attempt):
+                    return
+                ov.relaunch = True
+        else:
+            raise RuntimeError(f"the overlapped all-reduce of reduce {ov.version} failed 32 times")
+        self.overlapped = None
+        step = self._outer_step()
+        coll.apply_correction(tr.model)
+        tr.step_count += 1
+        self.synced = ov.version + 1
+        self.send(SyncAck(n=ov.n, d=d, post=post, pre=pre, outer_step=step.step_norm if step else None,
+                          outer_momentum=step.momentum_norm if step else None, generation=coll.generation,
+                          version=ov.version, left=self._steps_left()))
+
+    def _recover_overlapped(self, e: BaseException, attempt: int) -> bool:
+        """After the overlapped all-reduce failed: tear the group down and wait for the regroup (True: formed, send it
+        again). The replica is not restored: it trained on, and what it sent is still in the sync's buffer."""
+        coll = self.collective
+        assert coll is not None
+        coll.abort()
+        if isinstance(e, torch.OutOfMemoryError):
+            raise RuntimeError("out of GPU memory during the overlapped sync (it needs about 4x the parameter bytes "
+                               "free beside training; lower data_plane.vram_max_usage or the batch size, or set "
+                               "mode.overlap=false)") from e
+        log.warning("rank %d: overlapped collective failed (attempt %d): %s", self.rank, attempt + 1,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if self._await_regroup() and not self.stopping:
+            return True
+        self.overlapped = None
+        if not self.stopping:
+            raise RuntimeError("the overlapped collective failed and no regroup arrived") from e
+        return False
+
     def _sync_collective_now(self, m: SyncNow) -> None:
+        self._land_overlapped(block=True)  # at most one reduce in flight: the last one's consensus first
+        if m.overlap and self.collective is not None and not self.stopping:
+            self._start_overlapped(m)
+            return
         self.send_held_reports()
         fire_armed(self.armed_fault, "killsync", self.rank)
         with_div = m.divergence

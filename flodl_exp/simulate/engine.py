@@ -89,6 +89,8 @@ class SimRank:
     """``mode.overlap``: the steps of the rank's answer to the reduce in flight (the LR's position counts them)."""
     sent: bool = False
     """``mode.overlap``: the rank answered a reduce and trains on; its update is a correction (rank/control.py)."""
+    landed: Optional[tuple[int, int]] = None
+    """nccl, ``mode.overlap``: the all-reduce (version, n) that finished while the rank ran a batch: acked after it."""
     batches: int = 0
     busy_ms: float = 0.0
     synced: int = 0
@@ -238,7 +240,11 @@ class Engine:
         elif isinstance(p, ExtendPartition):
             rk.plans.append(StartEpoch(epoch=p.epoch, offset=p.offset, size=p.size, chunk=p.chunk))
         elif isinstance(p, SyncNow):
-            self._enter_collective(rk, p.version)
+            if p.overlap:  # the all-reduce runs while the rank trains on: the steps from here are the next window's
+                self._enter_collective(rk, p.version, overlapped=True)
+                rk.sent, rk.steps_in_flight, rk.steps_since_avg = True, rk.steps_since_avg, 0
+            else:
+                self._enter_collective(rk, p.version)
         elif isinstance(p, Lockstep):
             rk.lockstep_until = max(rk.lockstep_until, p.until)
         elif isinstance(p, RequestParams):
@@ -316,6 +322,7 @@ class Engine:
         rk.busy_ms += step + data
         lr = self.lrf(rk.global_step + rk.steps_in_flight + rk.steps_since_avg)
         self.q.after(self.lat, COORD_MSG, r, Batch(ms=step, data_ms=data, chunk=ch[0].chunk, loss=None, lr=lr))
+        self._ack_landed(rk)
         if rk.synced < rk.lockstep_until:  # nccl_sync's license: a reduce right after the step, no sync_now
             self._enter_collective(rk, rk.synced)
             return
@@ -330,10 +337,12 @@ class Engine:
                          data_starve_ms=data, ranges=[[plan.offset, done * self.bs]] if done else [], loss_batches=0)
         self.q.after(self.lat, COORD_MSG, rk.r, m)
 
-    def _enter_collective(self, rk: SimRank, version: int) -> None:
-        """The rank waits in reduce ``version``'s collective, which completes once every live rank is in it."""
+    def _enter_collective(self, rk: SimRank, version: int, *, overlapped: bool = False) -> None:
+        """The rank waits in reduce ``version``'s collective, which completes once every live rank is in it
+        (``overlapped``: it trains on meanwhile, rank/control.py's ``mode.overlap``)."""
         coll = self._colls.setdefault(version, {})
-        rk.state = COLLECTIVE
+        if not overlapped:
+            rk.state = COLLECTIVE
         coll[rk.r] = (self.clock.t, rk.steps_since_avg)
         if len(coll) == len(self.alive):
             t_done = max(t for t, _ in coll.values()) + self.costs.allreduce_s(len(coll))
@@ -348,12 +357,27 @@ class Engine:
         n = ns.pop(r)
         if not ns:
             del self._coll_n[version]
-        left = rk.chunk[1] - rk.chunk[2] if rk.chunk is not None else 0
-        self.q.after(self.lat, COORD_MSG, r, SyncAck(n=n, d=self._drift(n), version=version, left=left))
-        rk.synced = version + 1
+        if rk.sent:  # overlapped: landed between batches (the one running ends first), the steps since kept
+            rk.landed = (version, n)
+            if rk.state != BUSY:
+                self._ack_landed(rk)
+            return
+        self._ack(rk, version, n)
         rk.steps_since_avg = 0
         rk.state = IDLE
         self._advance(rk)
+
+    def _ack(self, rk: SimRank, version: int, n: int) -> None:
+        left = rk.chunk[1] - rk.chunk[2] if rk.chunk is not None else 0
+        self.q.after(self.lat, COORD_MSG, rk.r, SyncAck(n=n, d=self._drift(n), version=version, left=left))
+        rk.synced = version + 1
+
+    def _ack_landed(self, rk: SimRank) -> None:
+        """An overlapped all-reduce landed: its ack goes (before any next batch, as rank/control.py does)."""
+        if rk.landed is not None:
+            version, n = rk.landed
+            rk.landed, rk.sent = None, False
+            self._ack(rk, version, n)
 
     def _send_snapshot(self, rk: SimRank) -> None:
         start = max(self.clock.t + self.lat, self._nic_free)
