@@ -9,7 +9,17 @@ import torch
 from rank_fakes import rank_control
 
 from flodl_exp.averaging import adopt, adopt_correction, float_buffers
-from flodl_exp.protocol.messages import RequestParams, Save, SaveResult, SetGlobalStep, Snapshot, Update
+from flodl_exp.protocol.messages import (
+    Regroup,
+    RequestParams,
+    Save,
+    SaveResult,
+    SetGlobalStep,
+    Snapshot,
+    SyncAck,
+    SyncNow,
+    Update,
+)
 
 
 def _model() -> torch.nn.Sequential:
@@ -152,3 +162,111 @@ def test_a_consensus_save_waits_only_for_the_update_of_a_finished_reduce(tmp_pat
     ctl2.handle(Save(stem=str(tmp_path / "b2"), primary=True, model=True, consensus=True, reduces=6))
     assert ctl2.sent is None and ctl2.adopted_version == 5, "the finished reduce's update was adopted first"
     assert sent2.of(SaveResult)[-1].error is None
+
+
+# -- nccl: the all-reduce runs while the rank trains on ---------------------------------------------------------------
+
+class _OverlapCollective:
+    """An overlapped all-reduce the test finishes (``done``), fails or lets run past its deadline (``overdue``)."""
+
+    op_timeout_s = 60.0
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.reduced = True
+        self.done = False
+        self.overdue = False
+        self.fail = False
+        self.log: list[Any] = []
+
+    def start_overlapped(self, model: Any, n: int, gamma: float) -> None:
+        self.log.append(("start", n))
+
+    def relaunch_overlapped(self) -> None:
+        self.log.append(("relaunch", self.generation))
+        self.overdue = False  # its deadline runs from this launch
+
+    def overlapped_done(self) -> bool:
+        return self.done
+
+    def overlapped_overdue(self) -> bool:
+        return self.overdue
+
+    def land_overlapped(self, model: Any, with_div: bool, *, keep_current: bool) -> tuple[float, float, float]:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("connection reset by peer")
+        self.log.append(("land", keep_current))
+        return 0.1, 1.0, 1.0
+
+    def apply_correction(self, model: Any) -> None:
+        self.log.append(("correct",))
+
+    def abort(self) -> None:
+        self.log.append(("abort",))
+
+    def rebuild(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
+        self.generation = generation
+        self.log.append(("rebuild", generation))
+
+
+def _nccl_rank(steps: int, messages: tuple[Any, ...] = ()) -> tuple[Any, Any, _OverlapCollective]:
+    tr = SimpleNamespace(steps_since_avg=steps, steps_in_flight=0, global_step=0, step_count=0,
+                         model=torch.nn.Linear(2, 1))
+    ctl, sent = rank_control(tr, messages=messages)
+    coll = _OverlapCollective()
+    ctl.collective = coll  # type: ignore[assignment]
+    return ctl, sent, coll
+
+
+def test_an_overlapped_all_reduce_acks_once_it_landed_with_the_steps_it_sent() -> None:
+    ctl, sent, coll = _nccl_rank(5)
+    ctl.handle(SyncNow(version=2, overlap=True))
+    assert coll.log == [("start", 5)] and not sent.of(SyncAck), "launched; no ack before it lands"
+    assert ctl.trainer.steps_since_avg == 0 and ctl.trainer.steps_in_flight == 5
+    ctl.trainer.steps_since_avg = 3  # trained on meanwhile
+    ctl._land_overlapped(block=False)
+    assert not sent.of(SyncAck), "not finished: the rank trains on"
+    coll.done = True
+    ctl._land_overlapped(block=False)
+    [ack] = sent.of(SyncAck)
+    assert (ack.version, ack.n, ack.generation) == (2, 5, 0) and ctl.synced == 3
+    assert coll.log[1:] == [("land", True), ("correct",)], "the steps trained since are kept"
+    assert ctl.overlapped is None and ctl.trainer.steps_since_avg == 3
+
+
+def test_a_paced_sync_lands_the_overlapped_one_first() -> None:
+    ctl, sent, coll = _nccl_rank(4)
+    ctl.handle(SyncNow(version=0, overlap=True))
+    coll.done = True
+    coll.sync = lambda *a, **kw: (0.0, 1.0, 1.0)  # type: ignore[attr-defined]
+    ctl.handle(SyncNow(version=1, overlap=False))
+    assert [(a.version, a.n) for a in sent.of(SyncAck)] == [(0, 4), (1, 0)], "one reduce in flight, in order"
+
+
+def test_an_overdue_all_reduce_is_sent_again_in_the_regrouped_cohort() -> None:
+    """A peer that never joins: past ``collective_timeout_s`` the rank gives the all-reduce up as a waited sync would,
+    waits for the coordinator's regroup and sends the same replica again in the new group."""
+    ctl, sent, coll = _nccl_rank(5, messages=(Regroup(generation=1, new_rank=0, world_size=2, ranks=[0, 2]),))
+    ctl.handle(SyncNow(version=7, overlap=True))
+    coll.overdue = True
+    ctl._land_overlapped(block=False)
+    assert ("abort",) in coll.log and ("rebuild", 1) in coll.log and coll.log[-1] == ("relaunch", 1)
+    assert not sent.of(SyncAck)
+    coll.done = True
+    ctl._land_overlapped(block=False)
+    [ack] = sent.of(SyncAck)
+    assert (ack.version, ack.n, ack.generation) == (7, 5, 1)
+
+
+def test_a_failed_all_reduce_or_a_regroup_mid_flight_sends_it_again() -> None:
+    ctl, sent, coll = _nccl_rank(2, messages=(Regroup(generation=1, new_rank=0, world_size=2, ranks=[0, 1]),))
+    ctl.handle(SyncNow(version=0, overlap=True))
+    coll.done, coll.fail = True, True  # it ended with an error: landing it fails, the queued regroup re-forms
+    ctl._land_overlapped(block=False)
+    assert [a.generation for a in sent.of(SyncAck)] == [1] and ("relaunch", 1) in coll.log
+    # a regroup that comes while the next one is still pending: formed, then the all-reduce goes again in it
+    coll.done = False
+    ctl.handle(SyncNow(version=1, overlap=True))
+    ctl.handle(Regroup(generation=2, new_rank=0, world_size=2, ranks=[0, 1]))
+    assert coll.log[-2:] == [("rebuild", 2), ("relaunch", 2)] and len(sent.of(SyncAck)) == 1

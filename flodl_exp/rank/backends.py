@@ -200,6 +200,8 @@ class CollectiveBackend:
         """The overlapped all-reduce in flight: this rank's ``n`` and ``gamma`` (to launch it again after a regroup)."""
         self._correct_pending = False
         """:meth:`land_overlapped` kept the current replica: :meth:`apply_correction` adds what it trained since."""
+        self._launched_at = 0.0
+        """When the last all-reduce was started (:meth:`overlapped_overdue`)."""
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=store_timeout_s))
         self.timeout = timedelta(seconds=self.op_timeout_s + self.GROUP_TIMEOUT_MARGIN_S)
         self._init(generation, rank, world_size)
@@ -342,6 +344,11 @@ class CollectiveBackend:
         """The overlapped all-reduce finished (with its sum or its error): :meth:`land_overlapped` will not wait."""
         return self.pending is None or bool(self.pending.is_completed())
 
+    def overlapped_overdue(self) -> bool:
+        """The overlapped all-reduce has run past ``cluster.collective_timeout_s`` (a peer that will never join it: the
+        rank gives up on it as a waited sync would, though it trained all along)."""
+        return self._clock() - self._launched_at > self.op_timeout_s
+
     def land_overlapped(self, model: nn.Module, with_divergence: bool, *,
                         keep_current: bool) -> tuple[Optional[float], Optional[float], Optional[float]]:
         """Wait for the overlapped all-reduce (raises as :meth:`sync` does) and put the consensus in the replica, as
@@ -381,8 +388,14 @@ class CollectiveBackend:
     def _launch(self, n: int, gamma: float, *, lockstep: bool) -> Any:
         """Fill the all-reduce buffer from the kept replica (parameters scaled by this rank's mass, its head appended)
         and start the all-reduce; returns its work (also :attr:`pending`)."""
-        flat, saved = self._flat, self._saved
-        assert flat is not None and saved is not None
+        saved = self._saved
+        assert saved is not None
+        if self._flat is None:  # retired with a collective still writing into it (abort)
+            self._flat = torch.empty(saved.numel() + HEAD_SLOTS, dtype=torch.float32, device=self.device)
+            if self.comm_device != self.device:
+                self._host = torch.empty(saved.numel() + HEAD_SLOTS, dtype=torch.float32,
+                                         pin_memory=self.device.type == "cuda")
+        flat = self._flat
         m = mass(n, gamma)
         n_all = saved.numel()
         n_params = self._n_params
@@ -398,6 +411,7 @@ class CollectiveBackend:
                 t = self._host
             work = self._start_all_reduce(t)
         self.pending = work
+        self._launched_at = self._clock()
         return work
 
     def _land(self, model: nn.Module, with_divergence: bool, lockstep_version: Optional[int], *,
@@ -465,7 +479,10 @@ class CollectiveBackend:
             group, pending = self.group, self.pending
             self.group = self.pending = None
             if pending is not None and not pending.is_completed():
-                retire(group, pending)
+                # the retired collective may still write into its buffer: the next sync (an overlapped one sent
+                # again at once, among others) gets fresh ones
+                retire(group, pending, self._flat, self._host)
+                self._flat = self._host = None
             return
         self.pending = None
         if not self.dist.is_initialized():

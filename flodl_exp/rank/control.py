@@ -73,6 +73,7 @@ from flodl_exp.protocol.messages import (
 from flodl_exp.rank.backends import (
     CollectiveBackend,
     CollectiveInterrupted,
+    CollectiveTimeout,
     CoordinatorBackend,
     LockstepMisaligned,
     SentState,
@@ -715,7 +716,13 @@ class RankControl:
             pending, self.pending_regroup = self.pending_regroup, None
             if pending is None:
                 return
-        if self._regroup(m) and self.overlapped is not None:
+        try:
+            formed = self._regroup(m)
+        except Exception as e:  # a member vanished while the group formed: wait for the coordinator's next regroup
+            if self.overlapped is None or self.collective is None:
+                raise
+            formed = self._recover_overlapped(e, 0)
+        if formed and self.overlapped is not None:
             # The all-reduce in flight went with the old group: every survivor sends it again in the new one.
             self.overlapped.relaunch = True
             self._land_overlapped(block=False)
@@ -833,7 +840,10 @@ class RankControl:
                     ov.relaunch = False
                     coll.relaunch_overlapped()
                 if not block and not coll.overlapped_done():
-                    return
+                    if not coll.overlapped_overdue():
+                        return
+                    raise CollectiveTimeout(f"an overlapped all-reduce waited {coll.op_timeout_s:.0f}s for its peers "
+                                            "(cluster.collective_timeout_s)")
                 with self.doing("collective"):
                     d, post, pre = coll.land_overlapped(tr.model, ov.divergence, keep_current=tr.steps_since_avg > 0)
                 break

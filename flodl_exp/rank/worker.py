@@ -356,7 +356,9 @@ class RankWorker:
         self.control.stop()
         self.telemetry.close()
         self.pacer.close(flush=False)
-        self.trainer.close_data()
+        # the group first: an overlapped NCCL all-reduce pending on a dead peer would block the data plane's device
+        # synchronize for good (control.close aborts it)
         self.control.close()
+        self.trainer.close_data()
         self.conn.close()
         self.ended.set()
