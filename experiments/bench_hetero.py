@@ -10,7 +10,7 @@ CNN on the digits data, batch 16, ~7 ms per train step on one CPU thread), run i
 * ``ddp``        PyTorch DistributedDataParallel, 2 processes, Gloo, rank 1 at 0.33 (experiments/ddp_baseline.py)
 * ``nccl_sync``, ``nccl_cadence``, ``cpu_sync``, ``cpu_cadence``, ``cpu_async``
                  flodl_exp on ``cluster=local_hetero`` (rank_speeds [1.0, 0.33])
-* ``nccl_cadence+overlap``, ``cpu_cadence+overlap``, ``cpu_async+overlap``
+* ``nccl_sync+overlap``, ``nccl_cadence+overlap``, ``cpu_cadence+overlap``, ``cpu_async+overlap``
                  the same with ``mode.overlap=true`` (issue 51: the next window trains while the replicas are averaged)
 * ``nccl_cadence+slowmo``, ``nccl_cadence+diloco``, ``cpu_async+slowmo``, ``cpu_async+diloco``
                  the same with an outer optimizer (``outer=slowmo|diloco``, their defaults)
@@ -79,6 +79,7 @@ RUNS: list[tuple[str, str, list[str]]] = [
     ("cpu_cadence", "flodl", ["mode=cpu_cadence", "cluster=local_hetero"]),
     ("cpu_async", "flodl", ["mode=cpu_async", "cluster=local_hetero"]),
     # overlapped averaging (issue 51): the rank trains its next window while the replicas are averaged
+    ("nccl_sync+overlap", "flodl", ["mode=nccl_sync", "mode.overlap=true", "cluster=local_hetero"]),
     ("nccl_cadence+overlap", "flodl", ["mode=nccl_cadence", "mode.overlap=true", "cluster=local_hetero"]),
     ("cpu_cadence+overlap", "flodl", ["mode=cpu_cadence", "mode.overlap=true", "cluster=local_hetero"]),
     ("cpu_async+overlap", "flodl", ["mode=cpu_async", "mode.overlap=true", "cluster=local_hetero"]),
@@ -94,7 +95,7 @@ RUNS_1TO1: list[tuple[str, str, list[str]]] = [
     ("ddp", "ddp", []),
     *[(m, "flodl", [f"mode={m}", *_HOMOGENEOUS]) for m in ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")],
     ("nccl_sync+lockstep", "flodl", ["mode=nccl_sync", "mode.lockstep_ahead=8", *_HOMOGENEOUS]),
-    *[(f"{m}+overlap", "flodl", [f"mode={m}", "mode.overlap=true", *_HOMOGENEOUS]) for m in ("nccl_cadence", "cpu_cadence", "cpu_async")],
+    *[(f"{m}+overlap", "flodl", [f"mode={m}", "mode.overlap=true", *_HOMOGENEOUS]) for m in ("nccl_sync", "nccl_cadence", "cpu_cadence", "cpu_async")],
 ]
 # (modes, x DDP samples/s, eval points vs the reference run, that run) per rig
 TARGETS: dict[str, list[tuple[tuple[str, ...], float, float, str]]] = {

@@ -269,8 +269,11 @@ def _update_rules(cfg: Any) -> List[str]:
     if not isinstance(m.overlap, bool):
         raise _err("mode.overlap", m.overlap, "true or false")
     if m.overlap and not Mode.of(cfg).overlap_capable:
-        raise _err("mode.overlap", m.overlap, "true only with mode=nccl_cadence, mode=cpu_cadence or mode=cpu_async (false for "
-                   f"{Mode.of(cfg).name})")
+        raise _err("mode.overlap", m.overlap, "true only with mode=nccl_sync, mode=nccl_cadence, mode=cpu_cadence or "
+                   f"mode=cpu_async (false for {Mode.of(cfg).name})")
+    if m.overlap and m.lockstep_ahead:
+        raise _err("mode.overlap", m.overlap, "false with mode.lockstep_ahead > 0 (a lockstep reduce after every step "
+                   "waits for it; overlap paces them instead)")
     if m.progressive_dispatch is False and Mode.of(cfg).policy.requires_progressive:
         raise _err("mode.progressive_dispatch", False, f"true or null with policy={m.policy} (it streams chunks)")
     return []

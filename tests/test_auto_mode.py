@@ -102,7 +102,8 @@ def test_prepared_run_configs_choose_exactly_as_building_them_at_once():
 
 
 def test_without_a_process_group_only_the_cpu_modes_are_candidates():
-    assert candidate_modes(True) == [*MODES, "nccl_cadence+overlap", "cpu_cadence+overlap", "cpu_async+overlap"]
+    assert candidate_modes(True) == [*MODES, "nccl_sync+overlap", "nccl_cadence+overlap", "cpu_cadence+overlap",
+                                    "cpu_async+overlap"]
     assert candidate_modes(False) == [*(m for m in MODES if m.startswith("cpu")), "cpu_cadence+overlap", "cpu_async+overlap"]
 
 

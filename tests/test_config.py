@@ -116,7 +116,7 @@ REFUSED = [
          "mode.progressive_dispatch=true", "mode.partition_ratios=[0.5,0.5]"),
     # overlap: the cadence and async policies only
     case("overlap-cpu_sync", "mode.overlap", "True", "mode=cpu_sync", "mode.overlap=true"),
-    case("overlap-nccl_sync", "mode.overlap", "True", "mode=nccl_sync", "mode.overlap=true"),
+    case("overlap-lockstep", "mode.overlap", "True", "mode=nccl_sync", "mode.overlap=true", "mode.lockstep_ahead=8"),
     # easgd_alpha: range, then cpu_async only
     case("easgd-zero", "mode.easgd_alpha", "0.0", "mode=cpu_async", "mode.easgd_alpha=0.0"),
     case("easgd-above-1", "mode.easgd_alpha", "1.5", "mode=cpu_async", "mode.easgd_alpha=1.5"),
@@ -316,6 +316,7 @@ ACCEPTED = [
                  id="data-plane-tuned"),
     pytest.param(["mode=cpu_cadence", "mode.overlap=true"], id="overlap-cpu_cadence"),
     pytest.param(["mode=nccl_cadence", "mode.overlap=true"], id="overlap-nccl_cadence"),
+    pytest.param(["mode=nccl_sync", "mode.overlap=true"], id="overlap-nccl_sync"),
     pytest.param(["mode=cpu_async", "mode.overlap=true", "mode.easgd_alpha=0.8"], id="overlap-cpu_async"),
     pytest.param(["run.progress=off", "run.timeout_min=1"], id="run-edges"),
     pytest.param(["run.progress=bar"], id="run-bar"),

@@ -194,7 +194,7 @@ class Run(ScriptedRun):
         assert self.core.cycle.global_step == self.core.epochs * SAMPLES // BATCH
 
 
-MODES = ["cpu_cadence", "cpu_async", "nccl_cadence"]
+MODES = ["cpu_cadence", "cpu_async", "nccl_cadence", "nccl_sync"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -295,7 +295,7 @@ def test_without_overlap_a_cadence_reduce_is_a_barrier() -> None:
     assert sum(run.ranks.trained_in_flight.values()) == 0
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async", "nccl_cadence"])
 def test_a_coverage_bundle_waits_for_a_barrier_reduce(mode: str) -> None:
     """A bundle's coverage must match its consensus: at an overlapped reduce's finish the ranks hold picks trained past
     their answers that the consensus lacks, so a due bundle is taken at the finish of a barrier reduce fired at once
@@ -316,3 +316,25 @@ def test_a_coverage_bundle_waits_for_a_barrier_reduce(mode: str) -> None:
     for sent, overlapped in taken:
         assert not sent and not overlapped, "a bundle taken while ranks trained past an overlapped answer"
     assert any(p.overlap for _, p in run.ranks.requests), "the window reduces still overlap"
+
+
+def test_an_epoch_boundary_bundle_of_overlapped_nccl_sync_follows_a_consensus_reduce() -> None:
+    """nccl_sync (not progressive) takes its bundle at an epoch boundary, held there: the overlapped reduce in flight
+    finishes, a consensus reduce (no overlap) takes in what the ranks trained past their answers, then the saves."""
+    run = Run("nccl_sync", epochs=4, overrides={"checkpoint.every": 1})
+    saves: list[tuple[dict[int, int], bool]] = []
+    writer = run.core.checkpoints._writer
+    real = writer.send_saves
+
+    def send_saves(*a: Any, **kw: Any) -> None:
+        last = run.ranks.requests[-1][1]
+        saves.append((dict(run.ranks.sent), last.overlap))
+        real(*a, **kw)
+
+    writer.send_saves = send_saves
+    run.start()
+    run.finish()
+    assert len(saves) >= 3, "a bundle at each boundary but the last (and the final one)"
+    for sent, overlapped in saves:
+        assert not sent and not overlapped, "a bundle saved while ranks trained past an overlapped answer"
+    assert any(p.overlap for _, p in run.ranks.requests), "the step reduces overlap"

@@ -51,12 +51,14 @@ MODES = {
     "cpu_cadence+overlap": ["mode=cpu_cadence", "mode.overlap=true"],
     "cpu_async+overlap": ["mode=cpu_async", "mode.overlap=true"],
     "nccl_cadence+overlap": ["mode=nccl_cadence", "mode.overlap=true"],
+    "nccl_sync+overlap": ["mode=nccl_sync", "mode.overlap=true"],
     "nccl_cadence+diloco": ["mode=nccl_cadence", "outer=diloco"],
 }
 FAULTS = ("kill", "kill2", "stop", "save_kill")
 IN_MAKE_TEST = {("nccl_sync", "stop"), ("nccl_sync+lockstep", "kill"), ("nccl_cadence", "kill2"), ("cpu_sync", "save_kill"), ("cpu_cadence", "kill"),
                 ("cpu_async", "kill"), ("nccl_cadence+diloco", "save_kill"), ("cpu_cadence+overlap", "stop"),
-                ("cpu_async+overlap", "kill"), ("nccl_cadence+overlap", "kill")}
+                ("cpu_async+overlap", "kill"), ("nccl_cadence+overlap", "kill"),
+                ("nccl_sync+overlap", "kill2")}
 """The diagonal ``make test`` runs: every mode and every fault once (the Gloo hang behind ``nccl_sync``'s lost
 rank also has its own two-process test in ``make test``: tests/test_collective_regroup.py)."""
 

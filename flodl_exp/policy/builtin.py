@@ -24,6 +24,11 @@ class SyncPolicy(AveragingPolicy):
     def lockstep_capable(self, backend: Backend) -> bool:
         return backend is Backend.NCCL
 
+    def overlap_capable(self, backend: Backend) -> bool:
+        """nccl_sync: the rank launches each step's all-reduce and trains its next step meanwhile (the paced sync's
+        wait for the coordinator's round trip and its peer, gone); cpu_sync would send a snapshot a step."""
+        return backend is Backend.NCCL
+
     def paces_reports(self, backend: Backend) -> bool:
         return False
 
