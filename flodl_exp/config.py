@@ -80,11 +80,11 @@ class ModeConfig:
     sync_now travels), so on the 2-core CPU rig it is the slower of the two (docs/reference/measurements.md, "nccl_sync
     in lockstep"); it is for a fast all_reduce next to a slow round trip (NCCL on GPUs). Ignored by other modes."""
     overlap: bool = False
-    """Overlapped averaging (cpu_cadence, cpu_async): at a reduce a rank sends its snapshot and trains on at once (its
-    next window's chunk comes with the request), and when the consensus lands it applies the correction
-    ``W <- W + (W_avg - W_sent)`` (EASGD's alpha scales it): no rank waits for a reduce, and nothing it trained
-    meanwhile is overwritten. At most one reduce in flight; consensus reduces (a bundle's, the end of training)
-    still wait. docs/concepts/modes.md, "Overlapped averaging"."""
+    """Overlapped averaging (nccl_cadence, cpu_cadence, cpu_async): at a reduce a rank sends its snapshot (cpu) or
+    launches its all-reduce (nccl) and trains on at once (its next window's chunk comes with the request), and when
+    the consensus lands it applies the correction ``W <- W + (W_avg - W_sent)`` (EASGD's alpha scales it): no rank
+    waits for a reduce, and nothing it trained meanwhile is overwritten. At most one reduce in flight; consensus
+    reduces (a bundle's, the end of training) still wait. docs/concepts/modes.md, "Overlapped averaging"."""
     lr_scale_ratio: float = 1.0
     """Linear LR scaling: lr x (1 + (W - 1) x ratio); 0 turns it off."""
     max_grad_norm: Optional[float] = None
