@@ -9,7 +9,8 @@
 # What runs (pytest marker `gpu`, everything under tests/gpu):
 #   test_gpu_collective.py  two ranks each: Gloo with two processes on one GPU, NCCL on two GPUs (skipped with
 #                           one): the weighted average equals the one computed on the CPU, within the sync's VRAM
-#                           reserve; a silent or dead peer raises in Python (TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+#                           reserve, and so does an overlapped one plus what the replica trained meanwhile
+#                           (mode.overlap, issue 51); a silent or dead peer raises in Python (TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 #                           inherited), the group is aborted and the survivor regroups in the same process
 #                           (items 1 and 5: the elastic regroup, the NCCL environment); snapshot staging (bf16 wire)
 #                           against values written behind a delayed stream; the reported device UUID (MIG- for a

@@ -96,6 +96,53 @@ def test_two_ranks_average_to_the_weighted_mean_within_the_reserve(master_store,
         assert peak <= 5 * param_bytes + 2**20, "the data plane reserves 5x the parameter bytes for a sync"
 
 
+def _overlapped(rank: int, port: int, backend: str, index: int, q) -> None:
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", index)
+    torch.cuda.set_device(dev)
+    model = _model(rank, dev)
+    before = _host(model)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    b = _backend(rank, port, backend, dev, 60.0)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    b.start_overlapped(model, rank + 1, 1.0)  # masses 1 and 2; the all-reduce runs while the replica trains on
+    torch.cuda._sleep(50_000_000)  # the "training" below queues behind a delay, concurrent with the all-reduce
+    with torch.no_grad():
+        for t in model.parameters():
+            t.add_(0.5 * (rank + 1))
+    b.land_overlapped(model, True, keep_current=True)
+    b.apply_correction(model)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    q.put((rank, before, _host(model), peak, param_bytes))
+    b.close()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("backend", "gpus"), SETUPS)
+def test_an_overlapped_all_reduce_lands_as_the_weighted_mean_plus_what_was_trained_since(master_store, backend, gpus):
+    """``mode.overlap`` on CUDA: launched, the replica written meanwhile by kernels queued behind a delay (the
+    all-reduce's own buffer untouched), landed as ``W_avg + (W_now - W_sent)``, within the sync's VRAM reserve."""
+    got, codes = run_spawned(_overlapped, [(r, master_store.port, backend, gpus[r]) for r in (0, 1)], timeout=120)
+    assert codes == [0, 0], codes
+    by = {r: (before, after, peak, pb) for r, before, after, peak, pb in got}
+    (p0, b0), (p1, b1) = by[0][0], by[1][0]
+    want_p = [(1 * x + 2 * y) / 3 for x, y in zip(p0, p1)]
+    want_b = [(x + y) / 2 for x, y in zip(b0, b1)]
+    for r in (0, 1):
+        pa, ba = by[r][1]
+        for got_t, want in zip(pa, want_p):
+            np.testing.assert_allclose(got_t, want + 0.5 * (r + 1), rtol=1e-5, atol=1e-5)
+        for got_t, want in zip(ba, want_b):  # buffers trained nothing since: the movers' mean
+            np.testing.assert_allclose(got_t, want, rtol=1e-5, atol=1e-6)
+        peak, param_bytes = by[r][2], by[r][3]
+        print(f"\nrank {r} ({backend}, overlapped): sync working memory {peak / 2**20:.1f} MiB = "
+              f"{peak / param_bytes:.2f} x parameter bytes")
+        assert peak <= 5 * param_bytes + 2**20, "the data plane reserves 5x the parameter bytes for a sync"
+
+
 def _peer_lost(rank: int, port: int, backend: str, index: int, how: str, q) -> None:
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # inherited, as sbatch passes it on (item 5): must not matter
     torch.set_num_threads(1)
