@@ -59,7 +59,9 @@ def _backend(rank: int, port: int, backend: str, dev: torch.device, op_timeout_s
                              op_timeout_s=op_timeout_s, store_timeout_s=60)
 
 
-def _average(rank: int, port: int, backend: str, index: int, q) -> None:
+def _measured_sync(rank: int, port: int, backend: str, index: int, q, sync) -> None:
+    """Two different replicas, one on each rank; ``sync(backend, model, dev)`` averages them; what each held before
+    and after, and the sync's peak VRAM beside the parameter bytes, go to ``q``."""
     torch.set_num_threads(1)
     dev = torch.device("cuda", index)
     torch.cuda.set_device(dev)
@@ -70,11 +72,15 @@ def _average(rank: int, port: int, backend: str, index: int, q) -> None:
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    b.sync(model, rank + 1, 1.0)  # masses 1 and 2
+    sync(b, model, dev)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     q.put((rank, before, _host(model), peak, param_bytes))
     b.close()
+
+
+def _average(rank: int, port: int, backend: str, index: int, q) -> None:
+    _measured_sync(rank, port, backend, index, q, lambda b, model, dev: b.sync(model, rank + 1, 1.0))  # masses 1, 2
 
 
 @pytest.mark.timeout(150)
@@ -97,27 +103,16 @@ def test_two_ranks_average_to_the_weighted_mean_within_the_reserve(master_store,
 
 
 def _overlapped(rank: int, port: int, backend: str, index: int, q) -> None:
-    torch.set_num_threads(1)
-    dev = torch.device("cuda", index)
-    torch.cuda.set_device(dev)
-    model = _model(rank, dev)
-    before = _host(model)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    b = _backend(rank, port, backend, dev, 60.0)
-    torch.cuda.synchronize(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    b.start_overlapped(model, rank + 1, 1.0)  # masses 1 and 2; the all-reduce runs while the replica trains on
-    torch.cuda._sleep(50_000_000)  # the "training" below queues behind a delay, concurrent with the all-reduce
-    with torch.no_grad():
-        for t in model.parameters():
-            t.add_(0.5 * (rank + 1))
-    b.land_overlapped(model, True, keep_current=True)
-    b.apply_correction(model)
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base
-    q.put((rank, before, _host(model), peak, param_bytes))
-    b.close()
+    def sync(b, model: torch.nn.Module, dev: torch.device) -> None:
+        b.start_overlapped(model, rank + 1, 1.0)  # masses 1 and 2; the all-reduce runs while the replica trains on
+        torch.cuda._sleep(50_000_000)  # the "training" below queues behind a delay, concurrent with the all-reduce
+        with torch.no_grad():
+            for t in model.parameters():
+                t.add_(0.5 * (rank + 1))
+        b.land_overlapped(model, True, keep_current=True)
+        b.apply_correction(model)
+
+    _measured_sync(rank, port, backend, index, q, sync)
 
 
 @pytest.mark.timeout(150)
