@@ -105,6 +105,8 @@ def test_without_a_process_group_only_the_cpu_modes_are_candidates():
     assert candidate_modes(True) == [*MODES, "nccl_sync+overlap", "nccl_cadence+overlap", "cpu_cadence+overlap",
                                     "cpu_async+overlap"]
     assert candidate_modes(False) == [*(m for m in MODES if m.startswith("cpu")), "cpu_cadence+overlap", "cpu_async+overlap"]
+    assert "nccl_sync+overlap" not in candidate_modes(True, lockstep=True), "mode.lockstep_ahead and overlap are refused together"
+    assert "nccl_cadence+overlap" in candidate_modes(True, lockstep=True)
 
 
 def _answer_probes(h: Harness, fast: float = 4.0, slow: float = 12.0, error: str | None = None) -> None:

@@ -88,7 +88,7 @@ class AutoProbe:
             can_group = True
         except CollectiveRefused:
             can_group = False
-        modes = candidate_modes(can_group)
+        modes = candidate_modes(can_group, lockstep=bool(cfg.mode.lockstep_ahead))
         if outer_spec(cfg).stateful:  # a stateful outer optimizer lives where the configured backend keeps it
             modes = [m for m in modes if m.startswith(str(cfg.mode.backend))]
         rig = self.prepared.probed(measured.step_ms, measured.data_ms, model_bytes=measured.model_bytes,

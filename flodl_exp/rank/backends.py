@@ -243,10 +243,11 @@ class CollectiveBackend:
         self.abort()
         self._init(generation, rank, world_size, session, arrive=True)
 
-    def _wait(self, work: Any) -> None:
-        """Wait for ``work``, reading control between checks; raises its error, a timeout, or what ``poll`` raises."""
+    def _wait(self, work: Any, since: Optional[float] = None) -> None:
+        """Wait for ``work``, reading control between checks; raises its error, a timeout, or what ``poll`` raises.
+        ``since``: when it was started, if before now (the deadline runs from there)."""
         start = self._clock()
-        deadline = start + self.op_timeout_s
+        deadline = (start if since is None else since) + self.op_timeout_s
         pause = 5e-5
         self.pending = work
         while not work.is_completed():
@@ -357,7 +358,7 @@ class CollectiveBackend:
         ``W + (W_avg - W_sent)``. Without it the consensus is adopted as is (bit-exact across the replicas)."""
         if self.pending is None:
             raise RuntimeError("no overlapped all-reduce in flight")
-        self._wait(self.pending)
+        self._wait(self.pending, since=self._launched_at)  # the deadline runs from the launch, not from this wait
         self._overlapped = None
         return self._land(model, with_divergence, None, keep_current=keep_current)
 
@@ -390,11 +391,12 @@ class CollectiveBackend:
         and start the all-reduce; returns its work (also :attr:`pending`)."""
         saved = self._saved
         assert saved is not None
-        if self._flat is None:  # retired with a collective still writing into it (abort)
+        # one retired with a collective still writing into it (abort): a fresh one
+        if self._flat is None:
             self._flat = torch.empty(saved.numel() + HEAD_SLOTS, dtype=torch.float32, device=self.device)
-            if self.comm_device != self.device:
-                self._host = torch.empty(saved.numel() + HEAD_SLOTS, dtype=torch.float32,
-                                         pin_memory=self.device.type == "cuda")
+        if self._host is None and self.comm_device != self.device:
+            self._host = torch.empty(saved.numel() + HEAD_SLOTS, dtype=torch.float32,
+                                     pin_memory=self.device.type == "cuda")
         flat = self._flat
         m = mass(n, gamma)
         n_all = saved.numel()
@@ -479,10 +481,14 @@ class CollectiveBackend:
             group, pending = self.group, self.pending
             self.group = self.pending = None
             if pending is not None and not pending.is_completed():
-                # the retired collective may still write into its buffer: the next sync (an overlapped one sent
-                # again at once, among others) gets fresh ones
-                retire(group, pending, self._flat, self._host)
-                self._flat = self._host = None
+                # the retired collective may still write into the buffer it reduces (the host copy of a CUDA
+                # replica, else the sync's own): the next sync (an overlapped one sent again at once) gets a fresh one
+                if self._host is not None:
+                    retire(group, pending, self._host)
+                    self._host = None
+                else:
+                    retire(group, pending, self._flat)
+                    self._flat = None
             return
         self.pending = None
         if not self.dist.is_initialized():

@@ -358,7 +358,9 @@ class RankWorker:
         self.pacer.close(flush=False)
         # the group first: an overlapped NCCL all-reduce pending on a dead peer would block the data plane's device
         # synchronize for good (control.close aborts it)
-        self.control.close()
-        self.trainer.close_data()
-        self.conn.close()
-        self.ended.set()
+        try:
+            self.control.close()
+        finally:
+            self.trainer.close_data()
+            self.conn.close()
+            self.ended.set()

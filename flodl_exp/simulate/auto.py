@@ -175,7 +175,11 @@ def choose(rig: SimulateConfig, candidates: Sequence[str], *, configured: str, m
     return AutoChoice(mode, reason, out)
 
 
-def candidate_modes(can_form_group: bool) -> list[str]:
+def candidate_modes(can_form_group: bool, lockstep: bool = False) -> list[str]:
     """Every mode the cohort can run: the nccl modes only where a process group can form, the cpu modes always;
-    each overlap-capable one also with ``mode.overlap`` (``cpu_cadence+overlap``: policy/mode.py's variant_of)."""
-    return with_overlap([m for m in MODES if can_form_group or not m.startswith("nccl")])
+    each overlap-capable one also with ``mode.overlap`` (``cpu_cadence+overlap``: policy/mode.py's variant_of), but
+    for a lockstep-capable one when ``lockstep`` (``mode.lockstep_ahead`` is set: the two are refused together)."""
+    modes = with_overlap([m for m in MODES if can_form_group or not m.startswith("nccl")])
+    if not lockstep:
+        return modes
+    return [m for m in modes if not (variant_of(m)[1] and Mode.from_name(variant_of(m)[0]).lockstep_capable)]
