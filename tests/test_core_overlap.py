@@ -72,6 +72,10 @@ class OverlapRanks:
         self.shutdown = False
         self.turn = 0
         self.generation = 0
+        self.answer_after: dict[int, int] = {}
+        """Rank -> batches it trains before it reads its next request (it travels while the rank trains)."""
+        self.late: dict[int, tuple[RequestParams | SyncNow, int]] = {}
+        """Rank -> the request it has not read yet and the batches it trains first."""
 
     def hear(self, out: list[tuple[int, Payload]]) -> list[tuple[int, Payload]]:
         answers: list[tuple[int, Payload]] = []
@@ -81,6 +85,8 @@ class OverlapRanks:
             self.log.append((r, p))
             if isinstance(p, (StartEpoch, ExtendPartition)):
                 self.plans[r].append((p.epoch, p.chunk, p.offset, p.size // BATCH))
+            elif isinstance(p, (RequestParams, SyncNow)) and r in self.answer_after:
+                self.late[r] = (p, self.answer_after.pop(r))  # it trains on a little before it reads the request
             elif isinstance(p, (RequestParams, SyncNow)):
                 answer = self._answer(r, p)
                 if r in self.hold:
@@ -142,6 +148,8 @@ class OverlapRanks:
             self.turn += 1
             if r in self.dead or self.blocked[r]:
                 continue
+            if r in self.late and self.late[r][1] <= 0:
+                return r, self._answer(r, self.late.pop(r)[0])
             if self.chunk[r] is None and self.plans[r]:
                 e, cid, off, nb = self.plans[r].pop(0)
                 self.chunk[r] = [e, cid, off, nb, 0]
@@ -152,6 +160,8 @@ class OverlapRanks:
             if done < nb:
                 ch[4] += 1
                 self.since[r] += 1
+                if r in self.late:
+                    self.late[r] = (self.late[r][0], self.late[r][1] - 1)
                 self.trained[r].append((e, off + done * BATCH))
                 if r in self.sent:
                     self.trained_in_flight[r] += 1
@@ -338,3 +348,20 @@ def test_an_epoch_boundary_bundle_of_overlapped_nccl_sync_follows_a_consensus_re
     for sent, overlapped in saves:
         assert not sent and not overlapped, "a bundle saved while ranks trained past an overlapped answer"
     assert any(p.overlap for _, p in run.ranks.requests), "the step reduces overlap"
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_an_answer_that_came_after_more_steps_sizes_the_next_window_from_its_n(mode: str) -> None:
+    """A rank trains on while the request travels: its answer holds more steps than it had at the trigger, and only
+    the steps past its answer are its next window's (the snapshot's or the ack's ``n``)."""
+    run = Run(mode)
+    ranks = run.ranks
+    ranks.hold = {1}  # the reduce stays in flight
+    ranks.answer_after = {0: 2}
+    run.start()
+    run.play(until=lambda: 1 in ranks.held)
+    v = run.core.syncs
+    run.play(until=lambda: v in ranks.answered_at[0] and ranks.past(0, v) >= 1)
+    assert run.core.cycle.window_steps(0) == ranks.past(0, v), "the steps its answer holds are not its next window's"
+    run.pending += ranks.release(1)
+    run.finish()
