@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from rank_fakes import rank_control
 
@@ -20,6 +21,7 @@ from flodl_exp.protocol.messages import (
     SyncNow,
     Update,
 )
+from flodl_exp.rank.backends import CollectiveTimeout
 
 
 def _model() -> torch.nn.Sequential:
@@ -177,6 +179,7 @@ class _OverlapCollective:
         self.done = False
         self.overdue = False
         self.fail = False
+        self.fail_rebuild = False
         self.log: list[Any] = []
 
     def start_overlapped(self, model: Any, n: int, gamma: float) -> None:
@@ -206,6 +209,9 @@ class _OverlapCollective:
         self.log.append(("abort",))
 
     def rebuild(self, generation: int, rank: int, world_size: int, session: str = "") -> None:
+        if self.fail_rebuild:
+            self.fail_rebuild = False
+            raise CollectiveTimeout("forming the group waited 60s for its members (cluster.collective_timeout_s)")
         self.generation = generation
         self.log.append(("rebuild", generation))
 
@@ -270,3 +276,16 @@ def test_a_failed_all_reduce_or_a_regroup_mid_flight_sends_it_again() -> None:
     ctl.handle(SyncNow(version=1, overlap=True))
     ctl.handle(Regroup(generation=2, new_rank=0, world_size=2, ranks=[0, 1]))
     assert coll.log[-2:] == [("rebuild", 2), ("relaunch", 2)] and len(sent.of(SyncAck)) == 1
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_regroup_that_fails_to_form_waits_for_the_next_one(in_flight: bool) -> None:
+    """A member vanished while the group formed (its death reaches the coordinator a little later): the rank waits for
+    the next regroup instead of ending, and an overlapped all-reduce in flight goes again in the group that formed."""
+    ctl, sent, coll = _nccl_rank(3, messages=(Regroup(generation=2, new_rank=0, world_size=2, ranks=[0, 1]),))
+    if in_flight:
+        ctl.handle(SyncNow(version=0, overlap=True))
+    coll.fail_rebuild = True
+    ctl.handle(Regroup(generation=1, new_rank=0, world_size=3, ranks=[0, 1, 2]))
+    assert coll.generation == 2 and ("rebuild", 2) in coll.log
+    assert (("relaunch", 2) in coll.log) == in_flight

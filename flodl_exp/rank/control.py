@@ -719,9 +719,15 @@ class RankControl:
         try:
             formed = self._regroup(m)
         except Exception as e:  # a member vanished while the group formed: wait for the coordinator's next regroup
-            if self.overlapped is None or self.collective is None:
+            if self.collective is None:
                 raise
-            formed = self._recover_overlapped(e, 0)
+            if self.overlapped is not None:
+                formed = self._recover_overlapped(e, 0)
+            else:  # (it used to end the rank, though it had done nothing wrong: _await_regroup tolerates the same)
+                self.collective.abort()
+                log.warning("rank %d: regroup to generation %d failed: %s; waiting for the next", self.rank,
+                            m.generation, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                formed = self._await_regroup()
         if formed and self.overlapped is not None:
             # The all-reduce in flight went with the old group: every survivor sends it again in the new one.
             self.overlapped.relaunch = True
