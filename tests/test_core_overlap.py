@@ -305,21 +305,27 @@ def test_without_overlap_a_cadence_reduce_is_a_barrier() -> None:
     assert sum(run.ranks.trained_in_flight.values()) == 0
 
 
+def _spy_in_flight(run: Run, obj: Any, name: str) -> list[tuple[dict[int, int], bool]]:
+    """Wrap ``obj.name``: each call records the ranks with an overlapped answer in flight and whether the last request
+    was an overlapped one (a bundle must see neither)."""
+    seen: list[tuple[dict[int, int], bool]] = []
+    real = getattr(obj, name)
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        seen.append((dict(run.ranks.sent), run.ranks.requests[-1][1].overlap))
+        return real(*a, **kw)
+
+    setattr(obj, name, spy)
+    return seen
+
+
 @pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async", "nccl_cadence"])
 def test_a_coverage_bundle_waits_for_a_barrier_reduce(mode: str) -> None:
     """A bundle's coverage must match its consensus: at an overlapped reduce's finish the ranks hold picks trained past
     their answers that the consensus lacks, so a due bundle is taken at the finish of a barrier reduce fired at once
     (every rank answered it with all it trained, none trains on), never at the overlapped one's."""
     run = Run(mode, epochs=4, overrides={"checkpoint.every": 1})
-    taken: list[tuple[dict[int, int], bool]] = []
-    real = run.core.checkpoints._take
-
-    def take(*a: Any, **kw: Any) -> None:
-        last = run.ranks.requests[-1][1]
-        taken.append((dict(run.ranks.sent), last.overlap))
-        real(*a, **kw)
-
-    run.core.checkpoints._take = take
+    taken = _spy_in_flight(run, run.core.checkpoints, "_take")
     run.start()
     run.finish()
     assert len(taken) >= 2, "a bundle every epoch"
@@ -332,16 +338,7 @@ def test_an_epoch_boundary_bundle_of_overlapped_nccl_sync_follows_a_consensus_re
     """nccl_sync (not progressive) takes its bundle at an epoch boundary, held there: the overlapped reduce in flight
     finishes, a consensus reduce (no overlap) takes in what the ranks trained past their answers, then the saves."""
     run = Run("nccl_sync", epochs=4, overrides={"checkpoint.every": 1})
-    saves: list[tuple[dict[int, int], bool]] = []
-    writer = run.core.checkpoints._writer
-    real = writer.send_saves
-
-    def send_saves(*a: Any, **kw: Any) -> None:
-        last = run.ranks.requests[-1][1]
-        saves.append((dict(run.ranks.sent), last.overlap))
-        real(*a, **kw)
-
-    writer.send_saves = send_saves
+    saves = _spy_in_flight(run, run.core.checkpoints._writer, "send_saves")
     run.start()
     run.finish()
     assert len(saves) >= 3, "a bundle at each boundary but the last (and the final one)"

@@ -325,7 +325,7 @@ class Dispatcher:
         counts = [0, 0]  # retrained, lost
         for cid, ch in sorted(((c, ch) for c, ch in self._chunks.items() if ch.rank == r), key=lambda x: x[0], reverse=True):
             del self._chunks[cid]
-            trained = min(self.progress[r].get(cid, 0) * self.bs, ch.size)
+            trained = self._trained(r, cid, ch.size)
             undo = min(back, trained)
             back -= undo
             keep = trained - undo
@@ -664,11 +664,14 @@ class Dispatcher:
             del chunks[:len(chunks) - keep]
             self._answered_chunks[r] = 0
 
+    def _trained(self, r: int, cid: int, size: int) -> int:
+        """Samples rank ``r`` reported trained of its running chunk ``cid`` (of ``size``)."""
+        return min(self.progress[r].get(cid, 0) * self.bs, size)
+
     def _chunks_holding_latest(self, r: int, batches: int) -> int:
         """How many of ``r``'s finished unreduced chunks (the latest ones) hold its last ``batches`` trained batches,
         after those its running chunks trained."""
-        need = batches * self.bs - sum(min(self.progress[r].get(cid, 0) * self.bs, ch.size)
-                                       for cid, ch in self._chunks.items() if ch.rank == r)
+        need = batches * self.bs - sum(self._trained(r, cid, ch.size) for cid, ch in self._chunks.items() if ch.rank == r)
         keep = 0
         for _, ranges in reversed(self.unreduced_chunks[r]):
             if need <= 0:

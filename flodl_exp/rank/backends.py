@@ -296,10 +296,18 @@ class CollectiveBackend:
         if self._saved is not None and self._saved.numel() == n:
             return
         self._flat = self._saved = self._host = self._current = None  # the old ones go before the new ones come
-        self._flat = torch.empty(n + HEAD_SLOTS, dtype=torch.float32, device=self.device)
         self._saved = torch.empty(n, dtype=torch.float32, device=self.device)
-        if self.comm_device != self.device:
-            self._host = torch.empty(n + HEAD_SLOTS, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        self._comm_buffers()
+
+    def _comm_buffers(self) -> None:
+        """The all-reduce buffer (and, for Gloo with a CUDA replica, its pinned host copy) sized to the kept replica,
+        each allocated where missing: at :meth:`prepare`, and after :meth:`abort` retired one."""
+        assert self._saved is not None
+        n = self._saved.numel() + HEAD_SLOTS
+        if self._flat is None:
+            self._flat = torch.empty(n, dtype=torch.float32, device=self.device)
+        if self._host is None and self.comm_device != self.device:
+            self._host = torch.empty(n, dtype=torch.float32, pin_memory=self.device.type == "cuda")
 
     @property
     def workspace(self) -> Optional[torch.Tensor]:
@@ -389,15 +397,9 @@ class CollectiveBackend:
     def _launch(self, n: int, gamma: float, *, lockstep: bool) -> Any:
         """Fill the all-reduce buffer from the kept replica (parameters scaled by this rank's mass, its head appended)
         and start the all-reduce; returns its work (also :attr:`pending`)."""
-        saved = self._saved
-        assert saved is not None
-        # one retired with a collective still writing into it (abort): a fresh one
-        if self._flat is None:
-            self._flat = torch.empty(saved.numel() + HEAD_SLOTS, dtype=torch.float32, device=self.device)
-        if self._host is None and self.comm_device != self.device:
-            self._host = torch.empty(saved.numel() + HEAD_SLOTS, dtype=torch.float32,
-                                     pin_memory=self.device.type == "cuda")
-        flat = self._flat
+        self._comm_buffers()  # one retired with a collective still writing into it (abort) is replaced
+        flat, saved = self._flat, self._saved
+        assert flat is not None and saved is not None
         m = mass(n, gamma)
         n_all = saved.numel()
         n_params = self._n_params
