@@ -339,6 +339,13 @@ class RankControl:
         """The run is over for this rank: loops and waits end at their next check."""
         self.stopping = True
 
+    def abandon_overlapped(self) -> None:
+        """The rank is ending: an overlapped all-reduce still in flight is given up (its group aborted), so nothing
+        after waits behind it."""
+        if self.overlapped is not None and self.collective is not None:
+            self.overlapped = None
+            self.collective.abort()
+
     def close(self) -> None:
         """Stop, leave the collective group (if one was formed) and close the node relay (if one was opened)."""
         self.stopping = True
