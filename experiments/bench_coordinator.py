@@ -8,7 +8,8 @@ The coordinator is started as the job's task 0 starts it (``flodl_exp.coordinato
 (``--coordinator``) that only times it: the main loop's turns, the timing messages (``batch``) it absorbs,
 and each reduce trigger. The ranks are simulated: ``k`` processes (``--procs``, default 4), each driving
 N/k authenticated connections from one selector loop with the real ``wire`` / ``protocol`` code (handshake,
-a heartbeat and a telemetry report per rank per second, a ``batch`` per trained batch, chunk ``metrics``,
+a heartbeat and a telemetry report per rank on the real ranks' clocks (rank/cadence.py: each second up to
+256 ranks), a ``batch`` per trained batch, chunk ``metrics``,
 ``snapshot`` answers of a small model through the cpu backend, eval and save answers, ``exiting``).
 No torch training: a simulated rank reports a batch as soon as it may (``--rate`` per rank and second, 0 =
 as fast as the loop goes) on a chunk the coordinator handed it, like the managed loop would.
@@ -362,6 +363,7 @@ class SimProcess:
         from flodl_exp.protocol.codec import encode
         from flodl_exp.protocol.hello import Hello
         from flodl_exp.rank.backends import CoordinatorBackend, snapshot_nbytes
+        from flodl_exp.rank.cadence import rank_cadence
         from flodl_exp.rank.report_pacer import BatchReportPacer
 
         torch.manual_seed(0)
@@ -386,6 +388,8 @@ class SimProcess:
         model_bytes = snapshot_nbytes(self.model)
         bs = int(rdv["batch_size"])
         self.bs = bs
+        self.cadence = rank_cadence(int(rdv["world_size"]), coalesce_ms, float(rdv["heartbeat_timeout_s"]))
+        """The real ranks' clocks for this world (rank/cadence.py): report coalescing, heartbeat, telemetry."""
         for i, r in enumerate(ranks):
             # node_size: this process's ranks, node_size at a time, each on a node of its own name
             host = f"{os.uname().nodename}-p{ranks[0]}-n{i // node_size}" if node_size > 1 else os.uname().nodename
@@ -396,7 +400,7 @@ class SimProcess:
             conn.max_frame_bytes = wire.frame_ceiling(model_bytes)
             writes: list[Any] = []
             pacer = BatchReportPacer(_sender(conn, encode, writes if self.tl is not None else None,
-                                             self._reports_of(r)), coalesce_ms / 1e3)
+                                             self._reports_of(r)), self.cadence.report_coalesce_s)
             # Unpaced: a little heterogeneity for ElChe. Paced: every rank reports the time its pace gives it, so
             # ElChe's counts match what the ranks do (reporting 10 and 14 ms at one pace made a quarter of the
             # ranks finish each window early and wait: 78 s for a 60 s load at N=1,024).
@@ -556,25 +560,34 @@ class SimProcess:
         sim.last_send = time.monotonic()
         return True
 
-    def beat(self) -> None:
+    def beat(self, now: float) -> None:
+        """Each rank's heartbeat and telemetry report when their clocks (:attr:`cadence`) are due."""
         from flodl_exp.protocol.messages import Heartbeat, Telemetry
 
+        heartbeat, telemetry = now >= self.next_heartbeat, now >= self.next_telemetry
+        if heartbeat:
+            self.next_heartbeat = now + self.cadence.heartbeat_s
+        if telemetry:
+            self.next_telemetry = now + self.cadence.telemetry_s
+        if not (heartbeat or telemetry):
+            return
         for sim in self.sims:
             if not sim.done:
                 try:
-                    self.send(sim, Heartbeat(steps=sim.total_steps, state="wait" if sim.waiting else "train"))
-                    self.send(sim, Telemetry(cpu_pct=50.0, rss_gb=0.1))
+                    if heartbeat:
+                        self.send(sim, Heartbeat(steps=sim.total_steps, state="wait" if sim.waiting else "train"))
+                    if telemetry:
+                        self.send(sim, Telemetry(cpu_pct=50.0, rss_gb=0.1))
                 except self.wire.WireError:
                     self.finish(sim)
 
     def run(self, go: Optional[str] = None) -> None:
-        next_beat = time.monotonic() + 1.0
+        self.next_heartbeat = time.monotonic() + self.cadence.heartbeat_s
+        self.next_telemetry = time.monotonic() + self.cadence.telemetry_s
         while go is not None and not os.path.exists(go) and time.monotonic() < self.deadline:
             for key, _ in self.sel.select(timeout=0.05):  # plans arrive and queue; no batch yet
                 self.read(key.data)
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + 1.0
-                self.beat()
+            self.beat(time.monotonic())
         self.out["t_go"] = time.monotonic()
         cpu0 = time.process_time()
         prev = time.monotonic()
@@ -596,9 +609,7 @@ class SimProcess:
                     sim.pacer.flush_if_due(now)
                 except self.wire.WireError:
                     self.finish(sim)
-            if now >= next_beat:
-                next_beat = now + 1.0
-                self.beat()
+            self.beat(now)
         self.out["cpu_s"] = time.process_time() - cpu0
         self.out["frames"] = sum(s.pacer.frames for s in self.sims)
         self.out["t_end"] = time.monotonic()
@@ -757,7 +768,8 @@ def run_once(n: int, *, batches: int, procs: int, rate: float = 0.0, timeout_s: 
                 raise RuntimeError(f"the coordinator did not start: see {job / 'coordinator.log'}")
             time.sleep(0.05)
         rdv = json.loads(rdv_path.read_text())
-        rdv.update(batch_size=batch_size, samples=per_rank * n * batch_size)
+        rdv.update(batch_size=batch_size, samples=per_rank * n * batch_size, world_size=n,
+                   heartbeat_timeout_s=cfg["cluster"]["heartbeat_timeout_s"])
         sim_rdv = job / "rendezvous_sim.json"
         sim_rdv.write_text(json.dumps(rdv))
         os.chmod(sim_rdv, 0o600)

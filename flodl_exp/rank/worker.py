@@ -32,6 +32,7 @@ from flodl_exp.protocol.codec import encode
 from flodl_exp.protocol.hello import Hello
 from flodl_exp.protocol.messages import Evict, Exiting, FormGroup, Heartbeat, LoopNotice, NodeGroup, Payload, RankError
 from flodl_exp.rank.backends import CollectiveBackend, CoordinatorBackend, snapshot_nbytes
+from flodl_exp.rank.cadence import rank_cadence
 from flodl_exp.rank.control import RankControl
 from flodl_exp.rank.fault_inject import parse_fault
 from flodl_exp.rank.inbox import ControlInbox, CoordinatorLost
@@ -43,7 +44,6 @@ from flodl_exp.torch_version import check_torch_version
 
 log = logging.getLogger("flodl_exp.rank")
 
-HEARTBEAT_S = 1.0
 EVICT_GRACE_S = 5.0
 """After an Evict, the main thread has this long to end the process before the reader thread does."""
 EVICTED_EXIT = 75
@@ -207,7 +207,11 @@ class RankWorker:
         """The cooperative tier: asked every heartbeat whether the user's loop holds a batch too long."""
         self.inbox = ControlInbox(cfg.cluster.heartbeat_timeout_s, rank)
         fault = parse_fault(os.environ.get(FAULT_ENV), rank)
-        self.pacer = BatchReportPacer(self._send_now, cfg.cluster.report_coalesce_ms / 1e3).start()
+        self.cadence = rank_cadence(self.world_size, cfg.cluster.report_coalesce_ms, cfg.cluster.heartbeat_timeout_s)
+        if rank == 0 and self.cadence.stretched:
+            log.info("%d ranks: %s (the coordinator's frame budget, rank/cadence.py)", self.world_size,
+                     self.cadence.describe())
+        self.pacer = BatchReportPacer(self._send_now, self.cadence.report_coalesce_s).start()
         self.control = RankControl(
             self.send, self.inbox, self.trainer, rank=rank, world_size=self.world_size, device=self.device,
             gamma=cfg.mode.gamma, outer_spec=shape.outer, outer=outer, cpu=CoordinatorBackend(bf16_wire=cfg.mode.bf16_wire),
@@ -230,7 +234,7 @@ class RankWorker:
                            augment=augment, seed=self.trainer.seed, ranks_per_node=cfg.cluster.ranks_per_node,
                            rank=rank, ranks_on_device=sharing),
             on_wait=control.drain, should_stop=lambda: control.stopping)
-        self.telemetry = Telemetry(self.conn.send, self.device, rank=rank).start()
+        self.telemetry = Telemetry(self.conn.send, self.device, rank=rank, report_s=self.cadence.telemetry_s).start()
 
     @staticmethod
     def _describe_inputs(cfg: Any, exp: Any) -> list[dict[str, Any]]:
@@ -303,7 +307,7 @@ class RankWorker:
 
     def _heartbeat(self) -> None:
         while not self.control.stopping:
-            time.sleep(HEARTBEAT_S)
+            time.sleep(self.cadence.heartbeat_s)
             try:
                 self.send(Heartbeat(steps=self.trainer.step_count, state=self.control.state))
                 watch = self.loop_watch  # close() may clear it meanwhile
