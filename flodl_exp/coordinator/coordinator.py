@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import queue
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -100,6 +101,23 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+SWITCH_INTERVAL_S = 0.0005
+"""The coordinator process's GIL switch interval (Python's default: 5 ms). Its read thread releases the GIL on every
+``recv`` and MAC (C calls that drop it) and must then win it back from the main thread, which is busy with the very
+messages the read thread hands it: with the default each such wait could last up to 5 ms, so a sweep of ~600 ready
+sockets (a reduce's count-completing reports at 1,024 ranks) took 35-110 ms of wall for ~25 ms of CPU, and the
+last rank's report, the one that triggers the reduce, waited in its socket meanwhile (experiments/bench_timeline.py;
+py-spy put most of the read thread's samples on reacquiring the GIL after ``recv_into`` and the MAC). Measured in
+measurements.md, "Fewer frames"."""
+
+
+def tune_process() -> None:
+    """The coordinator's own process, as training starts: the start-up heap frozen (:func:`freeze_startup_heap`)
+    and a short GIL switch interval (:data:`SWITCH_INTERVAL_S`)."""
+    freeze_startup_heap()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
 class ShellObserver:
     """The coordinator's records of the core's decisions: the timeline, the window records, MLflow and
     events.jsonl (the core's :class:`~.core.CoreObserver`)."""
@@ -161,7 +179,7 @@ class Coordinator:
                  owns_process: bool = False) -> None:
         cfg = load_config(spec.config)
         self._owns_process = owns_process
-        """The coordinator's own process (main.py): process-wide tuning is ours to do (:func:`freeze_startup_heap`),
+        """The coordinator's own process (main.py): process-wide tuning is ours to do (:func:`tune_process`),
         which a coordinator built inside a test or a launcher must not do to its host."""
         shape = RunShape.of(cfg)
         self.cfg, self.shape, self.spec = cfg, shape, spec
@@ -316,7 +334,7 @@ class Coordinator:
         self.windows.start(self.total_picks)
         self.events.emit(ev.Started(world_size=self.W, epochs=self.epochs))
         if self._owns_process:
-            freeze_startup_heap()
+            tune_process()
         self._handle(TrainingStarts(self.total_picks, self.resume.meta.to_dict() if self.resume is not None else None,
                                     self.clock()))
 
