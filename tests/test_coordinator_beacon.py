@@ -1,10 +1,12 @@
 """The coordinator's heartbeat to the ranks goes out one slice at a time (coordinator.BEACON_SLICES): every rank
 still hears it once a second, and no turn of the loop writes to every rank (at 1,024 ranks that turn took ~30 ms,
-a reduce trigger waiting behind it). The start of training freezes the heap only in the coordinator's own process."""
+a reduce trigger waiting behind it). The start of training tunes only the coordinator's own process (heap, GIL)."""
 from __future__ import annotations
 
 import collections
 import gc
+import subprocess
+import sys
 
 from control_fakes import Harness
 
@@ -35,7 +37,17 @@ def test_each_rank_hears_the_coordinator_once_a_second_and_no_turn_beacons_every
 
 
 def test_a_coordinator_inside_another_process_leaves_its_heap_alone(tmp_path) -> None:
-    frozen = gc.get_freeze_count()
+    frozen, interval = gc.get_freeze_count(), sys.getswitchinterval()
     h = Harness(tmp_path, "cpu_cadence", 2, epochs=1)
     h.start()
     assert gc.get_freeze_count() == frozen  # owns_process=False (the default): a test or launcher hosting it
+    assert sys.getswitchinterval() == interval
+
+
+def test_the_coordinators_own_process_is_tuned_as_training_starts() -> None:
+    """main.py's coordinator (owns_process): the start-up heap frozen and a short GIL switch interval, in that
+    process only (run in a child here: the test process keeps its own)."""
+    code = ("import gc, sys; from flodl_exp.coordinator.coordinator import SWITCH_INTERVAL_S, tune_process; "
+            "tune_process(); print(gc.get_freeze_count() > 0, sys.getswitchinterval() == SWITCH_INTERVAL_S)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]

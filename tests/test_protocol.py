@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flodl_exp.protocol import codec, wire
 from flodl_exp.protocol.codec import decode, encode
@@ -19,6 +21,7 @@ from flodl_exp.protocol.messages import (
     Intent,
     Kind,
     Len,
+    Num,
     ProtocolError,
     Snapshot,
     StartEpoch,
@@ -232,3 +235,41 @@ def test_bounds_are_inclusive_at_the_edges():
 def test_a_message_whose_fields_are_not_an_object_is_refused():
     with pytest.raises(ProtocolError, match="fields"):
         decode(wire.Message("batch", [1, 2]))  # type: ignore[arg-type]
+
+
+_ITEMS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(min_value=-2**70, max_value=2**70),
+                   st.booleans(), st.none(), st.text(max_size=2))
+
+
+@pytest.mark.parametrize("hint", [float, int, typing.Optional[float], typing.Optional[int],
+                                  typing.Annotated[int, Num(lo=0)], typing.Annotated[float, Num(finite=False)],
+                                  typing.Optional[typing.Annotated[float, Num(finite=False)]],
+                                  typing.Annotated[int, Num(lo=-3, hi=7)]])
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(v=st.lists(_ITEMS, max_size=6))
+def test_a_plain_number_list_is_taken_whole_exactly_when_every_item_would_pass(hint: Any, v: list[Any]) -> None:
+    """codec._plain_list, the whole-list test of number columns (a Batches frame's): it takes a list exactly when
+    the item-by-item check returns the same list, never one that check refuses or would convert."""
+    plain = codec._plain_list(hint)
+    assert plain is not None
+    item = codec._compile(hint)
+    try:
+        slow: Any = [item(x) for x in v]
+    except codec._Bad:
+        slow = None
+    if plain(v):
+        assert slow is not None and slow == v and [type(x) for x in slow] == [type(x) for x in v]
+    fast_check = codec._list_check(item, None, plain)
+    try:
+        fast: Any = fast_check(v)
+    except codec._Bad:
+        fast = None
+    assert (fast is None) == (slow is None)
+    if slow is not None:
+        assert [type(x) for x in fast] == [type(x) for x in slow]
+        assert all((a == b) or (a != a and b != b) for a, b in zip(fast, slow))  # NaN equals NaN here
+
+
+def test_only_number_lists_get_the_whole_list_test() -> None:
+    assert codec._plain_list(str) is None and codec._plain_list(list[float]) is None
+    assert codec._plain_list(typing.Union[int, str]) is None
