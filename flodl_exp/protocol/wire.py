@@ -46,11 +46,8 @@ Why it looks like this:
   whatever the socket holds, every complete frame in it) for one thread serving many
   connections from a selector (the coordinator's rank server). Both check the same
   prefix, MAC, sequence and header; a connection uses one or the other after its handshake.
-  A frame's MAC is the session's keyed HMAC (its key schedule done once, at the handshake)
-  copied and fed the frame buffer by buffer (:func:`_frame_mac`), never copied whole. Small
-  updates keep the GIL (OpenSSL's HMAC object drops it only from 2 KiB on), where the one-shot
-  ``hmac.digest`` dropped and retook it on every frame: in the coordinator's read thread each
-  retake could wait for its busy main thread (issue 52; measurements.md, "Fewer frames"). ``read_ready`` returns the good frames that came before
+  A small frame's MAC is one call (``hmac.digest``) over its bytes; a large one is MACed
+  buffer by buffer, never copied. ``read_ready`` returns the good frames that came before
   a bad one in the same read (a rank's last ``error`` report is not lost with its
   connection) and raises the error on the next call (``Connection.read_error`` says so at once).
 * A header is text any sender could have encoded: JSON that decodes to a lone UTF-16
@@ -91,6 +88,7 @@ DEFAULT_STALL_TIMEOUT = 60.0  # max silence inside a frame once it has started
 _U32_MAX = 2**32 - 1
 _MAX_NDIM, _MAX_DIM = 32, 2**40
 _COALESCE = 64 * 1024  # buffers smaller than this are joined before sendall
+_ONE_SHOT_MAC = 64 * 1024  # frames up to this size are MACed in one call over a joined copy
 RECV_STEP = 2**20
 """recv reads a frame part larger than this in steps of this size, so its buffer grows with the bytes that
 arrived, not with the length the prefix claims (see :func:`recv_allocation_bound`)."""
@@ -378,8 +376,6 @@ class Connection:
         self._auth: tuple[bytes, bytes, bytes] | None = None  # (token, server nonce, client nonce) for server_accept
         self._tx_key: bytes | None = None  # session keys: set once the handshake succeeded
         self._rx_key: bytes | None = None
-        self._tx_mac: Any = None  # their keyed HMACs, copied for each frame (_frame_mac)
-        self._rx_mac: Any = None
         self._tx_seq = 0
         self._rx_seq = 0
         self._rbuf = bytearray()  # read_ready: bytes received, not yet a complete frame
@@ -415,8 +411,6 @@ class Connection:
             c2s = hmac.new(master, b"client->server", hashlib.sha256).digest()
             s2c = hmac.new(master, b"server->client", hashlib.sha256).digest()
             self._tx_key, self._rx_key = (s2c, c2s) if server else (c2s, s2c)
-            self._tx_mac = hmac.new(self._tx_key, digestmod=hashlib.sha256)
-            self._rx_mac = hmac.new(self._rx_key, digestmod=hashlib.sha256)
             self._tx_seq = self._rx_seq = 0
 
     def __enter__(self) -> Connection:
@@ -438,7 +432,14 @@ class Connection:
             self._check_usable()
             if self._tx_key is not None:
                 bufs[0] = MAGIC_AUTH + bytes(memoryview(bufs[0])[len(MAGIC):])
-                bufs.append(_frame_mac(self._tx_mac, _SEQ.pack(self._tx_seq), *bufs))  # no copy of tensor bytes
+                seq = _SEQ.pack(self._tx_seq)
+                if len(bufs) == 1 and len(bufs[0]) <= _ONE_SHOT_MAC:  # the common small frame: one C call
+                    bufs.append(hmac.digest(self._tx_key, seq + bufs[0], "sha256"))
+                else:
+                    mac = hmac.new(self._tx_key, seq, hashlib.sha256)
+                    for b in bufs:
+                        mac.update(b)  # over the raw buffers: no copy of the tensor bytes
+                    bufs.append(mac.digest())
                 self._tx_seq += 1
             try:
                 pending = bytearray()
@@ -505,7 +506,15 @@ class Connection:
                 if key is not None:  # verify before anything in the frame is parsed
                     tag = bytearray(MAC_BYTES)
                     self._fill(tag, deadline, True, whole_frame)
-                    digest = _frame_mac(self._rx_mac, _SEQ.pack(self._rx_seq), prefix, header, payload)
+                    seq = _SEQ.pack(self._rx_seq)
+                    if PREFIX.size + header_len + payload_len <= _ONE_SHOT_MAC:
+                        digest = hmac.digest(key, seq + prefix + header + payload, "sha256")
+                    else:
+                        mac = hmac.new(key, seq, hashlib.sha256)
+                        mac.update(prefix)
+                        mac.update(header)
+                        mac.update(payload)
+                        digest = mac.digest()
                     if not hmac.compare_digest(digest, tag):
                         raise FrameAuthError(f"frame from {self.peer} failed its MAC "
                                              f"(forged, tampered, replayed or reordered; seq {self._rx_seq})")
@@ -624,8 +633,14 @@ class Connection:
             if len(buf) < end:
                 break
             if key is not None:  # verify before anything in the frame is parsed
-                with memoryview(buf) as view:
-                    digest = _frame_mac(self._rx_mac, _SEQ.pack(self._rx_seq), view[pos:end - MAC_BYTES])
+                seq = _SEQ.pack(self._rx_seq)
+                if end - pos <= _ONE_SHOT_MAC:
+                    digest = hmac.digest(key, seq + buf[pos:end - MAC_BYTES], "sha256")
+                else:
+                    mac = hmac.new(key, seq, hashlib.sha256)
+                    with memoryview(buf) as view:
+                        mac.update(view[pos:end - MAC_BYTES])
+                    digest = mac.digest()
                 if not hmac.compare_digest(digest, bytes(buf[end - MAC_BYTES:end])):
                     raise FrameAuthError(f"frame from {self.peer} failed its MAC "
                                          f"(forged, tampered, replayed or reordered; seq {self._rx_seq})")
@@ -654,16 +669,6 @@ class Connection:
                 self._rbuf = bytearray()
             finally:
                 self._recv_lock.release()
-
-
-def _frame_mac(keyed: Any, seq: bytes, *parts: bytes | bytearray | memoryview) -> bytes:
-    """A frame's MAC: the session's keyed HMAC copied, fed the sequence number and the frame's buffers, finished.
-    See the module docstring for why not ``hmac.digest``."""
-    mac = keyed.copy()
-    mac.update(seq)
-    for part in parts:
-        mac.update(part)
-    return mac.digest()
 
 
 def _peer_name(sock: socket.socket) -> str:
