@@ -390,6 +390,7 @@ class SimProcess:
         self.bs = bs
         self.cadence = rank_cadence(int(rdv["world_size"]), coalesce_ms, float(rdv["heartbeat_timeout_s"]))
         """The real ranks' clocks for this world (rank/cadence.py): report coalescing, heartbeat, telemetry."""
+        self.next_heartbeat = self.next_telemetry = 0.0
         for i, r in enumerate(ranks):
             # node_size: this process's ranks, node_size at a time, each on a node of its own name
             host = f"{os.uname().nodename}-p{ranks[0]}-n{i // node_size}" if node_size > 1 else os.uname().nodename
