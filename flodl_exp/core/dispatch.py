@@ -347,7 +347,11 @@ class Dispatcher:
             if self.progressive and ch.epoch in self.pools:
                 self.pools[ch.epoch].mark_completed(r, keep)  # the rest of the chunk is forfeited below
             elif ch.size > keep:
-                self._extend_over(survivors, ch.epoch, ch.offset + keep, ch.size - keep)
+                unhanded = self._extend_over(survivors, ch.epoch, ch.offset + keep, ch.size - keep)
+                if unhanded:  # no survivor could be sent them: counted, never hidden
+                    self._lost_picks += unhanded
+                    log.error("rank %d died with %d untrained picks of epoch %d that no survivor took: they are lost",
+                              r, unhanded, ch.epoch)
         for epoch, ranges in reversed(self.unreduced_chunks[r]):
             for off, n in reversed(ranges):
                 undo = min(back, n)
@@ -476,9 +480,19 @@ class Dispatcher:
             extra, sizes[r] = sizes[r], 0
             for i, s in enumerate(equal_sizes(len(alive), extra)):
                 sizes[alive[i]] += s
-        for r, (off, size) in enumerate(batch_aligned_plans(sizes, self.bs)):
-            if r in alive:
-                self._send_chunk(r, e, off, size)
+        undelivered = [(r, off, size) for r, (off, size) in enumerate(batch_aligned_plans(sizes, self.bs))
+                       if r in alive and not self._send_chunk(r, e, off, size)]
+        # A plan that could not go: its rank is dying (its connection closed, the death not declared yet). Its share
+        # goes to the others now, as a dead rank's would, or nobody would train it: the dead rank has no chunk of
+        # this epoch on the books to hand back (fault suite, nccl_sync+overlap kill2: an epoch one share short).
+        takers = [q for q in alive if q not in {r for r, _, _ in undelivered}]
+        for r, off, size in undelivered:
+            lost = self._extend_over(takers, e, off, size)
+            log.warning("rank %d could not be sent its epoch %d share (%d picks): the other ranks train it", r, e,
+                        size - lost)
+            if lost:
+                self._lost_picks += lost
+                log.error("%d picks of epoch %d reached no rank: they are lost", lost, e)
 
     def _start_progressive(self, e: int) -> None:
         self._open(e)
