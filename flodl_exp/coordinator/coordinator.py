@@ -34,7 +34,6 @@ from flodl_exp.config import RunShape, load_config
 from flodl_exp.coordinator.auto_probe import AutoProbe
 from flodl_exp.coordinator.disk_bundles import DiskBundles
 from flodl_exp.coordinator.event_log import EventLog
-from flodl_exp.coordinator.full_collections import FullCollections
 from flodl_exp.coordinator.records import RecordLog, WindowRecorder
 from flodl_exp.coordinator.timeline import TimelineRecorder
 from flodl_exp.coordinator.watchdog import StallWatchdog
@@ -126,8 +125,6 @@ class ShellObserver:
     def __init__(self, *, timeline: TimelineRecorder, sink: Sink, events: EventLog,
                  hooks: Optional[RunHooks] = None) -> None:
         self.timeline, self.sink, self.events = timeline, sink, events
-        self.after_reduce: Callable[[], None] = lambda: None
-        """Told each finished reduce (the coordinator's own process: its full collections, full_collections.py)."""
         self.windows: Optional[WindowRecorder] = None
         """Set once built (it reads the core's averaging cycle)."""
         self.hooks = hooks or RunHooks()
@@ -145,7 +142,6 @@ class ShellObserver:
                                          final=red.final, averaging_from=averaging_from)
         if self.windows is not None:
             self.windows.on_reduce(out, epoch)
-        self.after_reduce()
 
     def on_eval_sent(self, r: int, epoch: int, final: bool = False) -> None:
         self.timeline.on_eval_sent(r, epoch, final=final)
@@ -203,8 +199,6 @@ class Coordinator:
         self.observer = ShellObserver(sink=sink, events=self.events, timeline=self.timeline,
                                       hooks=RunHooks.of(cfg.hooks))
         self._server = server
-        self.full_collections: Optional[FullCollections] = None
-        """The coordinator's own process, once training started: its full collections after reduces."""
         if cfg.mode.auto and spec.resume is not None:
             self._resume_auto_choice(spec.resume)
         self._build_core()
@@ -341,9 +335,6 @@ class Coordinator:
         self.events.emit(ev.Started(world_size=self.W, epochs=self.epochs))
         if self._owns_process:
             tune_process()
-            self.full_collections = FullCollections(self.clock)
-            self.full_collections.install()
-            self.observer.after_reduce = self.full_collections.after_reduce
         self._handle(TrainingStarts(self.total_picks, self.resume.meta.to_dict() if self.resume is not None else None,
                                     self.clock()))
 
@@ -450,8 +441,6 @@ class Coordinator:
         self._handle(Tick(now))                              # 3-11: the core's decisions (dead and stuck ranks first)
         if self.view.phase in TRAINING_PHASES and self.watchdog.check(self.view.global_step, self.stall_state):
             self.events.emit(ev.Stall(global_step=self.view.global_step, dump=self.watchdog.paths[-1]))
-        if self.full_collections is not None:
-            self.full_collections.tick()                     #    after a reduce's updates went: full_collections.py
 
     def request_preempt(self) -> None:
         """SIGUSR1 (safe in a signal handler: the next tick delivers it)."""
