@@ -463,10 +463,6 @@ class AveragingCycle:
             if len(self._probe[r]) == PROBE_STEPS:
                 self._probe_full += 1
 
-    def probe_steps(self, r: int) -> int:
-        """Steps of rank ``r`` the cold-start probe has timed (``PROBE_STEPS`` once it has all it needs of it)."""
-        return len(self._probe[r]) if self._probe is not None else PROBE_STEPS
-
     def seed_from_probe(self, alive: list[int]) -> Optional[list[float]]:
         """Cold start (once per run): when every live rank has timed :data:`PROBE_STEPS` steps and no reduce
         has calibrated ElChe yet, ElChe re-sizes the window in progress by those speeds (the median of each

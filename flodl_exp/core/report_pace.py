@@ -10,18 +10,15 @@ once. The index is exact however many reports are in flight or held: the coordin
 ``received`` of them and needs ``counts[r] - steps`` more, so the one that completes the count is report
 ``received + counts[r] - steps``, whichever frame brings it.
 
-The cold-start probe re-sizes the first window as soon as every rank timed its first ``PROBE_STEPS`` steps, so
-while it is open the index each rank is told is that of its report completing them: at 1,024 ranks the probe's
-reports, sent one to a frame, were ~3,000 frames in the run's first 150 ms, and the first reduce's trigger waited
-behind them (issue 52). No pace (every report at once, as before) where the reports decide more than the count:
-the sync policy (a window is one step) and the cpu backend's ``max_batch_diff`` throttle (it reads every rank's
-steps as they come).
+No pace (every report at once, as before) where the reports decide more than the count: the sync policy (a
+window is one step), the cpu backend's ``max_batch_diff`` throttle (it reads every rank's steps as they come),
+and the cold-start probe (it re-sizes the first window as soon as every rank timed its first steps).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flodl_exp.core.cycle import PROBE_STEPS, AveragingCycle
+from flodl_exp.core.cycle import AveragingCycle
 from flodl_exp.core.outbox import Outbox
 from flodl_exp.policy.mode import Mode
 from flodl_exp.protocol.messages import ReportPace
@@ -57,26 +54,21 @@ class ReportPacing:
         self.received[r] += 1
 
     def tick(self, alive: Sequence[int]) -> None:
-        """At the start (the probe's index), after the probe closed, after a reduce finished, ElChe re-sized the
-        window or a rank died: each live rank's new flush index,
+        """After a reduce finished, ElChe re-sized the window or a rank died: each live rank's new flush index,
         sent where it changed. O(1) on every other tick (the reduce version, the live count and the counts
         list's identity compared, not the counts: O(W) a tick at 1,024 ranks). ElChe changes its counts
         in place only when a reduce finishes (a new version anyway); were they changed in place otherwise, a
         rank would hold its completing report at most ``cluster.report_coalesce_ms``, never lose it."""
         cy = self._cycle
-        if not self.enabled or cy.in_flight is not None:
+        if not self.enabled or cy.probing or cy.in_flight is not None:
             return
-        probing = cy.probing
         counts = cy.counts_view
-        key = (-1 if probing else cy.version, len(alive))  # the probe's close is a change of its own
-        if key == self._seen and (probing or counts is self._seen_counts):
+        key = (cy.version, len(alive))
+        if key == self._seen and counts is self._seen_counts:
             return
         self._seen, self._seen_counts = key, counts
         for r in alive:
-            if probing:  # the report that completes the rank's share of the probe
-                at = flush_index(self.received[r], PROBE_STEPS, cy.probe_steps(r))
-            else:
-                at = flush_index(self.received[r], counts[r], cy.steps(r))
+            at = flush_index(self.received[r], counts[r], cy.steps(r))
             if at > self.received[r] + 1 and at != self._sent[r]:
                 self._sent[r] = at
                 self._out.send(r, ReportPace(flush_at=at))

@@ -9,7 +9,8 @@ and leave together as one :class:`~flodl_exp.protocol.messages.Batches` frame; t
 once, with whatever waited before it. Any other message flushes what waited first, so the coordinator reads
 every Batch before a chunk's metrics, a sync ack, a snapshot or an exit, as it did without coalescing.
 
-Until a rank hears a pace (sync modes, ``max_batch_diff`` throttling) every report goes at once: coalescing is an optimisation the coordinator opts a rank into, never a default of the rank.
+Until a rank hears a pace (sync modes, ``max_batch_diff`` throttling, the cold-start probe) every report
+goes at once: coalescing is an optimisation the coordinator opts a rank into, never a default of the rank.
 """
 from __future__ import annotations
 
