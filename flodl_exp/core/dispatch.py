@@ -348,9 +348,8 @@ class Dispatcher:
                 self.pools[ch.epoch].mark_completed(r, keep)  # the rest of the chunk is forfeited below
             elif ch.size > keep:
                 unhanded = self._extend_over(survivors, ch.epoch, ch.offset + keep, ch.size - keep)
-                if unhanded:  # no survivor could be sent them: counted, never hidden
-                    self._lost_picks += unhanded
-                    log.error("rank %d died with %d untrained picks of epoch %d that no survivor took: they are lost",
+                if unhanded:  # no survivor could be sent them (every one dying too): said, never hidden
+                    log.error("rank %d died with %d untrained picks of epoch %d that no survivor could be sent",
                               r, unhanded, ch.epoch)
         for epoch, ranges in reversed(self.unreduced_chunks[r]):
             for off, n in reversed(ranges):
@@ -383,8 +382,9 @@ class Dispatcher:
         self._uncover(r, epoch, off, n, undo)
         if self.progressive and epoch in self.pools:
             self.pools[epoch].reopen(r, off + n - undo, undo)
-        else:
-            self._extend_over(survivors, epoch, off + n - undo, undo)
+        elif unhanded := self._extend_over(survivors, epoch, off + n - undo, undo):
+            log.error("rank %d died with %d picks of epoch %d in no reduce that no survivor could be sent", r,
+                      unhanded, epoch)
 
     def _log_given_back(self, r: int, counts: list[int]) -> None:
         retrained, lost = counts
@@ -481,7 +481,7 @@ class Dispatcher:
             for i, s in enumerate(equal_sizes(len(alive), extra)):
                 sizes[alive[i]] += s
         undelivered = [(r, off, size) for r, (off, size) in enumerate(batch_aligned_plans(sizes, self.bs))
-                       if r in alive and not self._send_chunk(r, e, off, size)]
+                       if r in alive and not self._send_chunk(r, e, off, size) and size > 0]
         # A plan that could not go: its rank is dying (its connection closed, the death not declared yet). Its share
         # goes to the others now, as a dead rank's would, or nobody would train it: the dead rank has no chunk of
         # this epoch on the books to hand back (fault suite, nccl_sync+overlap kill2: an epoch one share short).
@@ -491,8 +491,7 @@ class Dispatcher:
             log.warning("rank %d could not be sent its epoch %d share (%d picks): the other ranks train it", r, e,
                         size - lost)
             if lost:
-                self._lost_picks += lost
-                log.error("%d picks of epoch %d reached no rank: they are lost", lost, e)
+                log.error("%d picks of epoch %d could be sent to no rank", lost, e)
 
     def _start_progressive(self, e: int) -> None:
         self._open(e)
