@@ -347,10 +347,7 @@ class Dispatcher:
             if self.progressive and ch.epoch in self.pools:
                 self.pools[ch.epoch].mark_completed(r, keep)  # the rest of the chunk is forfeited below
             elif ch.size > keep:
-                unhanded = self._extend_over(survivors, ch.epoch, ch.offset + keep, ch.size - keep)
-                if unhanded:  # no survivor could be sent them (every one dying too): said, never hidden
-                    log.error("rank %d died with %d untrained picks of epoch %d that no survivor could be sent",
-                              r, unhanded, ch.epoch)
+                self._hand_over(r, survivors, ch.epoch, ch.offset + keep, ch.size - keep)
         for epoch, ranges in reversed(self.unreduced_chunks[r]):
             for off, n in reversed(ranges):
                 undo = min(back, n)
@@ -382,9 +379,8 @@ class Dispatcher:
         self._uncover(r, epoch, off, n, undo)
         if self.progressive and epoch in self.pools:
             self.pools[epoch].reopen(r, off + n - undo, undo)
-        elif unhanded := self._extend_over(survivors, epoch, off + n - undo, undo):
-            log.error("rank %d died with %d picks of epoch %d in no reduce that no survivor could be sent", r,
-                      unhanded, epoch)
+        else:
+            self._hand_over(r, survivors, epoch, off + n - undo, undo)
 
     def _log_given_back(self, r: int, counts: list[int]) -> None:
         retrained, lost = counts
@@ -454,6 +450,12 @@ class Dispatcher:
             rest_off += nb * self.bs
         return offset + (size // self.bs) * self.bs - rest_off
 
+    def _hand_over(self, r: int, takers: list[int], e: int, offset: int, size: int) -> None:
+        """Rank ``r``'s untrained (or again untrained) picks [offset, offset+size) of an open epoch to ``takers``
+        (:meth:`_extend_over`); what none of them could be sent (every one dying too) is said, never hidden."""
+        if unhanded := self._extend_over(takers, e, offset, size):
+            log.error("%d picks of epoch %d from rank %d could be sent to no other rank", unhanded, e, r)
+
     def _extend(self, r: int, e: int, offset: int, size: int) -> bool:
         cid = next(self._ids)
         self._chunks[cid] = Chunk(r, e, offset, size)
@@ -480,18 +482,15 @@ class Dispatcher:
             extra, sizes[r] = sizes[r], 0
             for i, s in enumerate(equal_sizes(len(alive), extra)):
                 sizes[alive[i]] += s
-        undelivered = [(r, off, size) for r, (off, size) in enumerate(batch_aligned_plans(sizes, self.bs))
-                       if r in alive and not self._send_chunk(r, e, off, size) and size > 0]
+        plans = [(r, off, size) for r, (off, size) in enumerate(batch_aligned_plans(sizes, self.bs)) if r in alive]
+        undelivered = [(r, off, size) for r, off, size in plans if not self._send_chunk(r, e, off, size) and size]
         # A plan that could not go: its rank is dying (its connection closed, the death not declared yet). Its share
         # goes to the others now, as a dead rank's would, or nobody would train it: the dead rank has no chunk of
         # this epoch on the books to hand back (fault suite, nccl_sync+overlap kill2: an epoch one share short).
         takers = [q for q in alive if q not in {r for r, _, _ in undelivered}]
         for r, off, size in undelivered:
-            lost = self._extend_over(takers, e, off, size)
-            log.warning("rank %d could not be sent its epoch %d share (%d picks): the other ranks train it", r, e,
-                        size - lost)
-            if lost:
-                log.error("%d picks of epoch %d could be sent to no rank", lost, e)
+            log.warning("rank %d could not be sent its epoch %d share (%d picks): the other ranks train it", r, e, size)
+            self._hand_over(r, takers, e, off, size)
 
     def _start_progressive(self, e: int) -> None:
         self._open(e)
