@@ -38,6 +38,7 @@ Every process started here is ended by its pid; every loop is bounded in time.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import resource
@@ -352,6 +353,11 @@ class SimRank:
         """When this window's count was completed: the report the coordinator's ReportPace named went (None: no
         pace this window, or not reached)."""
         self.next_t = 0.0
+        self.scheduled = False
+        """In the process's step schedule (:attr:`SimProcess.due`): a rank out of it has nothing to do until a plan,
+        an update or the go arrives."""
+        self.flush_scheduled = False
+        """In the process's flush schedule (:attr:`SimProcess.flushes`): its pacer holds reports."""
 
 
 class SimProcess:
@@ -374,6 +380,15 @@ class SimProcess:
         self.out = out
         self.sel = selectors.DefaultSelector()
         self.sims: list[SimRank] = []
+        self.due: list[tuple[float, int, SimRank]] = []
+        """The ranks that may report, by when (a heap): each pass touches only the ranks due, not all N/k of them
+        (the scan over every rank, twice a pass, was a third of a simulating process's CPU, taken from the
+        coordinator on the same cores; see :meth:`run`)."""
+        self.flushes: list[tuple[float, int, SimRank]] = []
+        """The ranks whose pacer holds reports, by when they must leave (a heap)."""
+        self.started = False
+        self.finished = 0
+        """Ranks done (their connection closed)."""
         self.by_rank: dict[int, SimRank] = {}
         self.groups: dict[int, list[int]] = {}
         """node_size: leader -> its node's ranks (the coordinator's NodeGroup); this process plays every node's
@@ -436,6 +451,7 @@ class SimProcess:
         out = self.out
         if isinstance(m, (p.StartEpoch, p.ExtendPartition)):
             sim.plans.append((m.epoch, m.offset, m.size, m.chunk))
+            self.wake(sim)
         elif isinstance(m, p.RequestParams):
             now = time.monotonic()
             out["rp"].append([m.version, now])
@@ -456,6 +472,7 @@ class SimProcess:
             if m.next_plan is not None:
                 e, o, s, c = (int(x) for x in m.next_plan)
                 sim.plans.append((e, o, s, c))
+            self.wake(sim)
         elif isinstance(m, p.NodeGroup):
             self.groups[m.leader] = list(m.members)
         elif isinstance(m, p.NodeUpdate):
@@ -463,6 +480,7 @@ class SimProcess:
 
             for r in m.ranks:
                 self.adopted(self.by_rank[r])
+                self.wake(self.by_rank[r])
             snaps = self.sent_snaps.pop(sim.rank, [])
             self.send(sim, p.NodeDrift(version=m.version, ranks=list(m.ranks), drift=node_drift(snaps, m)))
         elif isinstance(m, p.Throttle):
@@ -488,6 +506,18 @@ class SimProcess:
         sim.steps, sim.waiting, sim.last_send = 0, False, None
         sim.next_t = 0.0  # resume at the pace from now
 
+    def wake(self, sim: SimRank) -> None:
+        """Put ``sim`` in the step schedule at its next pace (once; a rank that cannot report is dropped when due)."""
+        if self.started and not sim.scheduled and not sim.done:
+            sim.scheduled = True
+            heapq.heappush(self.due, (sim.next_t, sim.rank, sim))
+
+    def schedule_flush(self, sim: SimRank) -> None:
+        """Put ``sim`` in the flush schedule when its pacer holds reports."""
+        if not sim.flush_scheduled and (at := sim.pacer.due()) is not None:
+            sim.flush_scheduled = True
+            heapq.heappush(self.flushes, (at, sim.rank, sim))
+
     def to_leader(self, leader: int, r: int, snap: Any) -> None:
         """A member's snapshot handed to its node's leader (in memory); the last one in sends the node's partial."""
         from flodl_exp.node_average import node_partial
@@ -505,6 +535,7 @@ class SimProcess:
     def finish(self, sim: SimRank) -> None:
         if not sim.done:
             sim.done = True
+            self.finished += 1
             self.sel.unregister(sim.conn.sock)
             sim.conn.close()
 
@@ -590,26 +621,38 @@ class SimProcess:
                 self.read(key.data)
             self.beat(time.monotonic())
         self.out["t_go"] = time.monotonic()
+        self.started = True
+        for sim in self.sims:
+            self.wake(sim)
         cpu0 = time.process_time()
         prev = time.monotonic()
-        while time.monotonic() < self.deadline and not all(s.done for s in self.sims):
-            busy = False
+        while time.monotonic() < self.deadline and self.finished < len(self.sims):
             now = time.monotonic()
             if self.tl is not None and now - prev > 0.02:
                 self.tl["gaps"].append([prev, now])
             prev = now
-            for sim in self.sims:
+            ready = []
+            while self.due and self.due[0][0] <= now:
+                ready.append(heapq.heappop(self.due)[2])
+            for sim in ready:  # popped first: an unpaced rank (due at once again) steps once a pass
+                sim.scheduled = False
                 try:
-                    busy = self.step(sim, now) or busy
+                    if self.step(sim, now) or (not sim.waiting and now < sim.next_t):
+                        self.wake(sim)
+                        self.schedule_flush(sim)
                 except self.wire.WireError:
                     self.finish(sim)
-            for key, _ in self.sel.select(timeout=0 if busy else 0.01):
-                self.read(key.data)
-            for sim in self.sims:
+            while self.flushes and self.flushes[0][0] <= now:
+                sim = heapq.heappop(self.flushes)[2]
+                sim.flush_scheduled = False
                 try:
                     sim.pacer.flush_if_due(now)
+                    self.schedule_flush(sim)
                 except self.wire.WireError:
                     self.finish(sim)
+            nxt = min([h[0][0] for h in (self.due, self.flushes) if h] + [now + 0.01])
+            for key, _ in self.sel.select(timeout=max(0.0, nxt - time.monotonic())):
+                self.read(key.data)
             self.beat(now)
         self.out["cpu_s"] = time.process_time() - cpu0
         self.out["frames"] = sum(s.pacer.frames for s in self.sims)
