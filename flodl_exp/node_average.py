@@ -40,8 +40,9 @@ def node_partial(version: int, ranks: Sequence[int], snapshots: Sequence[Snapsho
     pre = [float(torch.linalg.vector_norm(_flat(ps))) for ps in params]
     tensors = {f"p{i}": t for i, t in enumerate(sums.p)}
     tensors.update({f"b{j}": t for j, t in enumerate(sums.b)})
+    held = [s.held_ms for s in snapshots if s.held_ms is not None]
     return NodePartial(version=version, ranks=list(ranks), ns=[int(s.n) for s in snapshots], pre=pre,
-                       weighted=sums.weighted, tensors=tensors)
+                       weighted=sums.weighted, tensors=tensors, held_ms=max(held) if held else None)
 
 
 def partial_sums(p: NodePartial) -> MassSums:

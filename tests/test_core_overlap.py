@@ -76,6 +76,8 @@ class OverlapRanks:
         """Rank -> batches it trains before it reads its next request (it travels while the rank trains)."""
         self.late: dict[int, tuple[RequestParams | SyncNow, int]] = {}
         """Rank -> the request it has not read yet and the batches it trains first."""
+        self.held_ms: dict[int, float] = {}
+        """Rank -> the ``held_ms`` its overlapped answers carry (none: they carry none)."""
 
     def hear(self, out: list[tuple[int, Payload]]) -> list[tuple[int, Payload]]:
         answers: list[tuple[int, Payload]] = []
@@ -119,16 +121,17 @@ class OverlapRanks:
         self.requests.append((r, p))
         self.answered_at[r][p.version] = len(self.trained[r])
         n, self.since[r] = self.since[r], (0 if p.overlap or isinstance(p, SyncNow) else self.since[r])
+        held = self.held_ms.get(r) if p.overlap else None
         if isinstance(p, SyncNow):
             if r in self.hold:
                 self.sent[r] = p.version
                 self.blocked[r] = not p.overlap
-            return SyncAck(n=n, d=0.01, version=p.version, generation=self.generation)
+            return SyncAck(n=n, d=0.01, version=p.version, generation=self.generation, held_ms=held)
         if p.overlap:
             self.sent[r] = p.version
         self.blocked[r] = p.barrier
         return Snapshot(n=n, version=p.version, tensors={"p0": torch.full((4,), float(r + p.version)),
-                                                         "b0": torch.zeros(2)})
+                                                         "b0": torch.zeros(2)}, held_ms=held)
 
     def past(self, r: int, version: int) -> int:
         """Batches ``r`` trained after its answer to reduce ``version``."""
@@ -362,3 +365,42 @@ def test_an_answer_that_came_after_more_steps_sizes_the_next_window_from_its_n(m
     assert run.core.cycle.window_steps(0) == ranks.past(0, v), "the steps its answer holds are not its next window's"
     run.pending += ranks.release(1)
     run.finish()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("said", [True, False])
+def test_elche_takes_an_overlapped_reduce_s_cost_from_the_ranks_answers(mode: str, said: bool) -> None:
+    """With overlap the ranks train through a reduce: ElChe's overhead (``sync_ms``) is the most any rank says its
+    training stood still for it (``held_ms``), not the reduce's length; an answer without it, and a reduce that is
+    not overlapped (the consensus at the end), give the length as before."""
+    run = Run(mode)
+    if said:
+        run.ranks.held_ms = {0: 1.5, 1: 4.0, 2: 2.5}
+    fed: list[float] = []
+    elche = run.core.cycle._elche
+    assert elche is not None
+    report = elche.report_window
+
+    def spy(rep: Any) -> None:
+        fed.append(rep.sync_ms)
+        report(rep)
+
+    elche.report_window = spy
+
+    def reduce_runs_on() -> bool:
+        red = run.core.cycle._in_flight
+        if red is not None and red.overlap:
+            run.clock.advance(0.01)  # each step of an overlapped reduce takes 10 ms of the scripted clock
+        return False
+
+    run.start()
+    run.play(until=reduce_runs_on)
+    run.finish()
+    overlapped = [p.version for r, p in run.ranks.requests if r == 0 and p.overlap]
+    assert len(overlapped) >= 2 and len(fed) >= len(overlapped)
+    for v in overlapped:
+        if said:
+            assert fed[v] == 4.0, f"reduce {v}: ElChe was fed {fed[v]} ms, not the most any rank was held"
+        else:
+            assert fed[v] >= 20.0, f"reduce {v}: no rank said, so its length is the cost (fed {fed[v]} ms)"
+    assert all(x >= 0.0 for x in fed)

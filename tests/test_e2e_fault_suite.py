@@ -48,10 +48,10 @@ MODES = {
     "cpu_sync": ["mode=cpu_sync"],
     "cpu_cadence": ["mode=cpu_cadence"],
     "cpu_async": ["mode=cpu_async"],
-    "cpu_cadence+overlap": ["mode=cpu_cadence", "mode.overlap=true"],
-    "cpu_async+overlap": ["mode=cpu_async", "mode.overlap=true"],
-    "nccl_cadence+overlap": ["mode=nccl_cadence", "mode.overlap=true"],
-    "nccl_sync+overlap": ["mode=nccl_sync", "mode.overlap=true"],
+    "cpu_cadence+overlap": ["mode=cpu_cadence", "mode.overlap=true", "reports_per_epoch=2"],
+    "cpu_async+overlap": ["mode=cpu_async", "mode.overlap=true", "reports_per_epoch=2"],
+    "nccl_cadence+overlap": ["mode=nccl_cadence", "mode.overlap=true", "reports_per_epoch=2"],
+    "nccl_sync+overlap": ["mode=nccl_sync", "mode.overlap=true", "reports_per_epoch=2"],
     "nccl_cadence+diloco": ["mode=nccl_cadence", "outer=diloco"],
 }
 FAULTS = ("kill", "kill2", "stop", "save_kill")
@@ -143,6 +143,10 @@ def test_a_fault_ends_in_a_finished_run_with_every_pick_trained_once(store, mode
     assert len({f["hash"] for f in res["finals"].values()}) == 1, res["finals"]
     if not mode.endswith("+lockstep"):
         assert res["lockstep_syncs"] == 0
+    if mode.endswith("+overlap"):  # ElChe's overhead is what the reduces held the ranks, as they said it
+        held = [e["values"]["held_ms"] for e in read_events(job) if e.get("event") == "window"
+                and "held_ms" in e["values"]]
+        assert held and min(held) >= 0.0, "the overlapped reduces' window records say what they held the ranks"
     run = MlflowClient(store["uri"]).get_run(h.run_id)
     assert run.info.status == "FINISHED" and "lost_picks" not in run.data.tags
     if fault == "save_kill":

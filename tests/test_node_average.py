@@ -91,3 +91,13 @@ def test_the_averager_with_partials_matches_the_flat_one_and_the_leaders_measure
         assert pre == [p for _, p in flat.drift]
         if outer.stateful:
             snaps = _snaps(12, seed=12)
+
+
+def test_a_partial_says_the_most_its_members_were_held() -> None:
+    """mode.overlap: the coordinator feeds ElChe the most any rank was held; a node's partial carries its members'."""
+    t = {"p0": torch.ones(3)}
+    snaps = [Snapshot(n=2, tensors=t, held_ms=1.5), Snapshot(n=2, tensors=t, held_ms=4.0), Snapshot(n=2, tensors=t)]
+    assert node_partial(3, [0, 1, 2], snaps, 1.0).held_ms == 4.0
+    assert node_partial(3, [2], snaps[2:], 1.0).held_ms is None
+    back = codec.decode(codec.encode(node_partial(3, [0, 1, 2], snaps, 1.0)))
+    assert isinstance(back, NodePartial) and back.held_ms == 4.0

@@ -22,6 +22,7 @@ from flodl_exp.protocol.messages import (
     Update,
 )
 from flodl_exp.rank.backends import CollectiveTimeout
+from flodl_exp.rank.hold_clock import HoldClock
 
 
 def _model() -> torch.nn.Sequential:
@@ -289,3 +290,48 @@ def test_a_regroup_that_fails_to_form_waits_for_the_next_one(in_flight: bool) ->
     ctl.handle(Regroup(generation=1, new_rank=0, world_size=3, ranks=[0, 1, 2]))
     assert coll.generation == 2 and ("rebuild", 2) in coll.log
     assert (("relaunch", 2) in coll.log) == in_flight
+
+
+def _taking(now: list[float], ms: float, fn: Any) -> Any:
+    """``fn``, taking ``ms`` of the scripted clock ``now``."""
+    def timed(*a: Any, **kw: Any) -> Any:
+        now[0] += ms / 1e3
+        return fn(*a, **kw)
+    return timed
+
+
+def test_an_overlapped_ack_says_how_long_the_reduce_held_the_rank_not_how_long_it_ran() -> None:
+    """ElChe's overhead under overlap (core/cycle.py): the launch, the landing and the correction, not the training
+    done while the all-reduce ran."""
+    now = [0.0]
+    ctl, sent, coll = _nccl_rank(5)
+    ctl.hold = HoldClock(lambda: now[0])
+    coll.start_overlapped = _taking(now, 2.0, coll.start_overlapped)  # type: ignore[method-assign]
+    coll.land_overlapped = _taking(now, 3.0, coll.land_overlapped)  # type: ignore[method-assign]
+    coll.apply_correction = _taking(now, 1.0, coll.apply_correction)  # type: ignore[method-assign]
+    ctl.handle(SyncNow(version=2, overlap=True))
+    now[0] += 0.5  # 500 ms of training while it runs
+    ctl._land_overlapped(block=False)
+    coll.done = True
+    ctl._land_overlapped(block=False)
+    [ack] = sent.of(SyncAck)
+    assert ack.held_ms == pytest.approx(6.0)
+
+
+def test_an_overlapped_snapshot_says_what_averaging_held_the_rank_since_its_last_answer() -> None:
+    now = [0.0]
+    tr = _trainer(5)
+    ctl, sent = rank_control(tr)
+    ctl.hold = HoldClock(lambda: now[0])
+    ctl.cpu.snapshot = _taking(now, 4.0, ctl.cpu.snapshot)  # type: ignore[method-assign]
+    ctl.cpu.adopt_correction = _taking(now, 2.0, ctl.cpu.adopt_correction)  # type: ignore[method-assign]
+    ctl.handle(RequestParams(version=3, barrier=False, overlap=True))
+    now[0] += 1.0  # training
+    tr.steps_since_avg = 2
+    ctl.handle(_update(3, tr.model, 7.0))  # the correction: 2 ms
+    now[0] += 1.0
+    ctl.handle(RequestParams(version=4, barrier=False, overlap=True))
+    ctl.handle(_update(4, tr.model, 7.0))  # nothing trained since: the plain adoption, held too
+    ctl.handle(RequestParams(version=5, barrier=False))
+    assert [s.held_ms for s in sent.of(Snapshot)] == [pytest.approx(4.0), pytest.approx(6.0), None], (
+        "its snapshot, then the last update's correction and its snapshot; none when the reduce waits")

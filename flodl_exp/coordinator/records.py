@@ -55,6 +55,9 @@ class OutcomeView(Protocol):
     def sync_ms(self) -> float: ...
 
     @property
+    def held_ms(self) -> Optional[float]: ...
+
+    @property
     def window_loss(self) -> float: ...
 
     @property
@@ -143,6 +146,8 @@ class WindowRecorder:
             "window/sync_ms": out.sync_ms if out is not None else 0.0,
             "window/epoch": float(epoch),
         }
+        if out is not None and out.held_ms is not None:  # mode.overlap: what the reduce cost the ranks
+            rec["window/held_ms"] = out.held_ms
         if cycle.anchor is not None:
             rec["window/anchor"] = float(cycle.anchor)
         d_max = out.d_max if out is not None else None

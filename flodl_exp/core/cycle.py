@@ -150,6 +150,8 @@ class AwaitingDrift:
     """Leader -> the ranks whose drift it owes."""
     update: Callable[[int], Update]
     """The Update a member gets directly when its leader died before handing it on (it ignores a second one)."""
+    held_ms: Optional[float] = None
+    """``mode.overlap``: what the reduce cost the ranks that trained on (:func:`_held_ms`)."""
 
 
 @dataclass
@@ -168,6 +170,9 @@ class ReduceOutcome:
     """Wall time since the previous reduce finished."""
     final: bool
     outer: Optional[OuterStep] = None
+    held_ms: Optional[float] = None
+    """``mode.overlap``: the most any rank's training stood still for this reduce (:func:`_held_ms`), ElChe's
+    overhead in place of :attr:`sync_ms` (the reduce's length, which the ranks trained through); None otherwise."""
     """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
     dead_in: list[int] = field(default_factory=list)
     """Members that answered and died since, whose share the consensus holds (nccl: the survivors' collective of the
@@ -200,6 +205,15 @@ class CycleSettings:
     overlap: bool = False
     """``mode.overlap``: the ranks train their next window while a reduce is in flight (cpu backend)."""
 
+
+
+def _held_ms(red: Reduce, held: list[Optional[float]]) -> Optional[float]:
+    """What an overlapped reduce cost the ranks, ElChe's overhead (``sync_ms``) for it: they trained on through it,
+    so its length is not what they lost; each answer says how long averaging held that rank (``held_ms``,
+    rank/hold_clock.py), and the most any was is the reduce's cost. None without overlap (the ranks waited the
+    reduce out: its length is the cost) or when no answer says (the length, as before)."""
+    said = [max(0.0, h) for h in held if h is not None]
+    return max(said) if red.overlap and said else None
 
 class AveragingCycle:
     def __init__(self, *, settings: CycleSettings, elche: Optional[ElChe], guard: ConvergenceGuard,
@@ -763,11 +777,13 @@ class AveragingCycle:
             if wait.leaders:
                 return None
             self._handed = (self._version, set(red.via), wait.update) if red.via else None
-            out = self._finish(red, wait.n, wait.div, wait.pre, wait.post, wait.sync_ms, alive, wait.outer)
+            out = self._finish(red, wait.n, wait.div, wait.pre, wait.post, wait.sync_ms, alive, wait.outer,
+                               held_ms=wait.held_ms)
             out.dead_in = sorted(r for r in wait.n if not alive(r))  # in the consensus: direct or through a partial
             out.dead_out = sorted(red.awaited_dead - set(red.via))
             return out
-        out = self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer)
+        held = _held_ms(red, [red.acks[r].held_ms for r in live if r in red.acks])
+        out = self._finish(red, n, div, pre, post, (self._clock() - red.started) * 1e3, alive, outer, held_ms=held)
         out.dead_in, out.dead_out = dead_in, dead_out
         return out
 
@@ -785,9 +801,10 @@ class AveragingCycle:
             for r, k, norm in zip(p.ranks, p.ns, p.pre):
                 n[r], pre[r], div[r] = k, norm, None
         version = self._version
+        held = _held_ms(red, [s.held_ms for s in snaps] + [p.held_ms for p in partials])
         if not n:
             red.awaiting = AwaitingDrift(n, div, pre, None, None, (self._clock() - red.started) * 1e3, {},
-                                         lambda r: Update(n=0, skip=True, version=version))
+                                         lambda r: Update(n=0, skip=True, version=version), held)
             return
         if self._averager is None:
             raise RuntimeError("the cpu backend's reduce needs an Averager: the shell builds the core with one "
@@ -812,7 +829,7 @@ class AveragingCycle:
                           tensors=dict(res.leader_tensors) if res.leader_tensors is not None else {})
         leaders = self._send_consensus(red, direct, update, lead, alive)
         red.awaiting = AwaitingDrift(n, div, pre, res.post, res.outer, (self._clock() - red.started) * 1e3, leaders,
-                                     update)
+                                     update, held)
 
     def _send_consensus(self, red: Reduce, direct: list[int], update: Callable[[int], Update], lead: NodeUpdate,
                         alive: Callable[[int], bool]) -> dict[int, list[int]]:
@@ -838,17 +855,17 @@ class AveragingCycle:
 
     def _finish(self, red: Reduce, n: dict[int, int], div: dict[int, Optional[float]], pre: dict[int, Optional[float]],
                 post: Optional[float], sync_ms: float, alive: Callable[[int], bool],
-                outer: Optional[OuterStep] = None) -> ReduceOutcome:
+                outer: Optional[OuterStep] = None, held_ms: Optional[float] = None) -> ReduceOutcome:
         action = STABLE
         anchor_before = self._elche.anchor if self._elche is not None else 0
         if self._elche is not None:
-            action = self._feed_controllers(n, div, pre, post, sync_ms, alive)
+            action = self._feed_controllers(n, div, pre, post, sync_ms if held_ms is None else held_ms, alive)
         now = self._clock()
         k_used = sum(n.values())
         outcome = ReduceOutcome(n=n, k_used=k_used, sync_ms=sync_ms, divergence=div, action=action,
                                 anchor_before=anchor_before, anchor_after=self._elche.anchor if self._elche else 0,
                                 window_loss=self.window_loss(), window_s=max(now - self._window_t0, 1e-6), final=red.final,
-                                outer=outer)
+                                outer=outer, held_ms=held_ms)
         self._version += 1
         self._global_step += k_used
         for r in n:

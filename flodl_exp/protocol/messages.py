@@ -436,6 +436,9 @@ class SyncAck:
     """The reduce this answers (its ``sync_now``'s version, or a lockstep reduce's); None: the one in flight."""
     left: Optional[Count] = None
     """Steps left in the rank's running chunk after this reduce (lockstep: how far the license may reach)."""
+    held_ms: Optional[float] = None
+    """``mode.overlap``: the time this rank's training stood still for averaging since its last answer (this
+    reduce's launch and landing, any wait for it; rank/hold_clock.py): what the reduce cost it, ElChe's ``sync_ms``."""
 
 
 @dataclass
@@ -447,6 +450,9 @@ class Snapshot:
     tensors: Tensors = field(default_factory=dict)
     version: Optional[Count] = None
     """The reduce it answers (``RequestParams.version``): a node leader matches its members' snapshots by it."""
+    held_ms: Optional[float] = None
+    """``mode.overlap``: the time this rank's training stood still for averaging since its last answer (the last
+    update's correction, any wait for it, this snapshot; rank/hold_clock.py): ElChe's ``sync_ms``."""
 
 
 @dataclass
@@ -466,6 +472,8 @@ class NodePartial:
     pre: list[Reading]
     weighted: bool
     tensors: Tensors = field(default_factory=dict)
+    held_ms: Optional[float] = None
+    """``mode.overlap``: the most any of the node's ranks was held (their snapshots' ``held_ms``)."""
 
 
 @dataclass

@@ -80,6 +80,7 @@ from flodl_exp.rank.backends import (
     snapshot_nbytes,
 )
 from flodl_exp.rank.fault_inject import ARMED_KINDS, fire_armed, inject_fault
+from flodl_exp.rank.hold_clock import HoldClock
 from flodl_exp.rank.inbox import ControlInbox
 from flodl_exp.rank.node_relay import LeaderRelay, MemberRelay, NodeRelay
 from flodl_exp.rank.trainer import Batch as BatchData
@@ -160,6 +161,8 @@ class RankControl:
         parameters and float buffers): the update is applied as the correction ``W += W_avg - W_sent``."""
         self.overlapped: Optional[OverlappedSync] = None
         """nccl, ``mode.overlap``: the reduce whose all-reduce is in flight while this rank trains on."""
+        self.hold = HoldClock()
+        """``mode.overlap``: the time training stood still for averaging since the last answer (``held_ms``)."""
         self.plans: deque[StartEpoch] = deque()
         """Chunks handed out and not started yet, in order."""
         self.chunk: Optional[EpochState] = None
@@ -387,7 +390,7 @@ class RankControl:
         with self.doing("wait"):
             while not self.stopping and not done():
                 if self.overlapped is not None:  # nothing to train meanwhile: its all-reduce lands (and acks) first
-                    self._land_overlapped(block=True)
+                    self._land_overlapped(block=True, held=False)  # idle anyway: not the reduce's cost
                     continue
                 msg = self.inbox.next(block=True, stopping=self.stopping)
                 if msg is not None:
@@ -446,20 +449,24 @@ class RankControl:
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
     def _on_request_params(self, m: RequestParams) -> None:
-        self._await_correction()  # at most one reduce in flight: the last one's update first
-        self.send_held_reports()
-        fire_armed(self.armed_fault, "killsync", self.rank)
-        tr = self.trainer
-        n = tr.steps_since_avg
-        snap = self.cpu.snapshot(tr.model, n)
-        snap.version = m.version
-        if m.overlap:
-            # Train on: the steps from here are the next window's, and the update corrects what was sent.
-            self.sent = SentState(m.version, *self.cpu.keep_sent(tr.model))
-            tr.steps_in_flight, tr.steps_since_avg = n, 0
-        relay = self.relay
-        if relay is None or relay.down or not relay.submit(snap):  # the node's relay answers for it, or directly
-            self.send(snap)
+        with self.hold.holding():
+            self._await_correction()  # at most one reduce in flight: the last one's update first
+            self.send_held_reports()
+            fire_armed(self.armed_fault, "killsync", self.rank)
+            tr = self.trainer
+            n = tr.steps_since_avg
+            snap = self.cpu.snapshot(tr.model, n)
+            snap.version = m.version
+            if m.overlap:
+                # Train on: the steps from here are the next window's, and the update corrects what was sent.
+                self.sent = SentState(m.version, *self.cpu.keep_sent(tr.model))
+                tr.steps_in_flight, tr.steps_since_avg = n, 0
+            held_ms = self.hold.take_ms()  # the sending's own time counts for the next window
+            if m.overlap:
+                snap.held_ms = held_ms
+            relay = self.relay
+            if relay is None or relay.down or not relay.submit(snap):  # the node's relay answers for it, or directly
+                self.send(snap)
         if m.barrier:
             self.awaiting_update = True
             self.wait_until(lambda: not self.awaiting_update)
@@ -510,10 +517,11 @@ class RankControl:
                         self.rank, m.version, sent.version)
             sent = None
         if not m.skip:
-            if sent is not None and self.trainer.steps_since_avg > 0:
-                self.cpu.adopt_correction(self.trainer.model, m, m.alpha, sent.params, sent.buffers)
-            else:  # nothing trained since the snapshot: W + (avg - W) would leave the replicas apart in the last bit
-                self.cpu.adopt_update(self.trainer.model, m, m.alpha)
+            with self.hold.holding() if sent is not None else contextlib.nullcontext():  # an overlapped one's cost
+                if sent is not None and self.trainer.steps_since_avg > 0:
+                    self.cpu.adopt_correction(self.trainer.model, m, m.alpha, sent.params, sent.buffers)
+                else:  # nothing trained since the snapshot: W + (avg - W) would leave the replicas apart in the last bit
+                    self.cpu.adopt_update(self.trainer.model, m, m.alpha)
             self.last_consensus = dict(m.tensors)
             if self._resets_inner:
                 self.trainer.reset_optimizer_state()
@@ -826,23 +834,26 @@ class RankControl:
         The steps from here are the next window's (the LR's position counts the sent ones until SetGlobalStep)."""
         coll = self.collective
         assert coll is not None
-        self.send_held_reports()
-        fire_armed(self.armed_fault, "killsync", self.rank)
-        tr = self.trainer
-        n = tr.steps_since_avg
-        self.overlapped = ov = OverlappedSync(m.version, n, m.divergence)
-        tr.steps_in_flight, tr.steps_since_avg = n, 0
-        try:
-            coll.start_overlapped(tr.model, n, self.gamma)
-        except Exception as e:  # the launch itself failed (a peer gone): recovered as a landing is
-            if self._recover_overlapped(e, 0):
-                ov.relaunch = True
+        with self.hold.holding():
+            self.send_held_reports()
+            fire_armed(self.armed_fault, "killsync", self.rank)
+            tr = self.trainer
+            n = tr.steps_since_avg
+            self.overlapped = ov = OverlappedSync(m.version, n, m.divergence)
+            tr.steps_in_flight, tr.steps_since_avg = n, 0
+            try:
+                coll.start_overlapped(tr.model, n, self.gamma)
+            except Exception as e:  # the launch itself failed (a peer gone): recovered as a landing is
+                if self._recover_overlapped(e, 0):
+                    ov.relaunch = True
         self._land_overlapped(block=False)
 
-    def _land_overlapped(self, block: bool) -> None:
+    def _land_overlapped(self, block: bool, held: bool = True) -> None:
         """The overlapped all-reduce, once it finished (or waiting for it, ``block``): the consensus into the replica
         as the correction ``W += G - W_sent`` (``G``: after the outer step), then the ack. A failed one is sent again
-        in the group the coordinator forms from the survivors, as a failed sync is redone."""
+        in the group the coordinator forms from the survivors, as a failed sync is redone. ``held``: the landing
+        (a wait for it included) is time training stood still for this reduce (False: the rank had nothing to
+        train anyway); the ack carries what this reduce held the rank (``held_ms``)."""
         ov, coll = self.overlapped, self.collective
         if ov is None or coll is None:
             return
@@ -857,7 +868,7 @@ class RankControl:
                         return
                     raise CollectiveTimeout(f"an overlapped all-reduce waited {coll.op_timeout_s:.0f}s for its peers "
                                             "(cluster.collective_timeout_s)")
-                with self.doing("collective"):
+                with self.doing("collective"), self.hold.holding() if held else contextlib.nullcontext():
                     d, post, pre = coll.land_overlapped(tr.model, ov.divergence, keep_current=tr.steps_since_avg > 0)
                 break
             except LockstepMisaligned:
@@ -869,13 +880,14 @@ class RankControl:
         else:
             raise RuntimeError(f"the overlapped all-reduce of reduce {ov.version} failed 32 times")
         self.overlapped = None
-        step = self._outer_step()
-        coll.apply_correction(tr.model)
+        with self.hold.holding() if held else contextlib.nullcontext():
+            step = self._outer_step()
+            coll.apply_correction(tr.model)
         tr.step_count += 1
         self.synced = ov.version + 1
         self.send(SyncAck(n=ov.n, d=d, post=post, pre=pre, outer_step=step.step_norm if step else None,
                           outer_momentum=step.momentum_norm if step else None, generation=coll.generation,
-                          version=ov.version, left=self._steps_left()))
+                          version=ov.version, left=self._steps_left(), held_ms=self.hold.take_ms()))
 
     def _recover_overlapped(self, e: BaseException, attempt: int) -> bool:
         """After the overlapped all-reduce failed: tear the group down and wait for the regroup (True: formed, send it

@@ -68,7 +68,7 @@ def _snapshot_copy(s: Snapshot) -> Snapshot:
     """A snapshot that owns its tensors. A cpu replica's snapshot aliases the live parameters (``.to`` of a float32
     CPU tensor is the tensor itself) and a CUDA one views a staging buffer the next snapshot rewrites; one kept past
     its send (summed later, measured for drift after adoption, re-sent after a relay broke) must be a copy."""
-    return Snapshot(n=s.n, tensors={k: t.detach().clone() for k, t in s.tensors.items()}, version=s.version)
+    return replace(s, tensors={k: t.detach().clone() for k, t in s.tensors.items()})
 
 
 class LeaderRelay:

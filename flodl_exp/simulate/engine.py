@@ -248,7 +248,7 @@ class Engine:
         elif isinstance(p, Lockstep):
             rk.lockstep_until = max(rk.lockstep_until, p.until)
         elif isinstance(p, RequestParams):
-            self._send_snapshot(rk)
+            self._send_snapshot(rk, held_ms=0.0 if p.overlap else None)
             if p.overlap:  # trains on: the steps from here are the next window's
                 rk.sent, rk.steps_in_flight, rk.steps_since_avg = True, rk.steps_since_avg, 0
             if p.barrier:
@@ -367,9 +367,12 @@ class Engine:
         rk.state = IDLE
         self._advance(rk)
 
-    def _ack(self, rk: SimRank, version: int, n: int) -> None:
+    def _ack(self, rk: SimRank, version: int, n: int, held_ms: Optional[float] = None) -> None:
+        """``held_ms``: an overlapped reduce's, which the simulation lets cost its ranks nothing (it models no launch
+        or landing time: their all-reduce runs beside the training), so ElChe sizes the window as the run's does."""
         left = rk.chunk[1] - rk.chunk[2] if rk.chunk is not None else 0
-        self.q.after(self.lat, COORD_MSG, rk.r, SyncAck(n=n, d=self._drift(n), version=version, left=left))
+        self.q.after(self.lat, COORD_MSG, rk.r, SyncAck(n=n, d=self._drift(n), version=version, left=left,
+                                                        held_ms=held_ms))
         rk.synced = version + 1
 
     def _ack_landed(self, rk: SimRank) -> None:
@@ -377,14 +380,14 @@ class Engine:
         if rk.landed is not None:
             version, n = rk.landed
             rk.landed, rk.sent = None, False
-            self._ack(rk, version, n)
+            self._ack(rk, version, n, held_ms=0.0)
 
-    def _send_snapshot(self, rk: SimRank) -> None:
+    def _send_snapshot(self, rk: SimRank, held_ms: Optional[float] = None) -> None:
         start = max(self.clock.t + self.lat, self._nic_free)
         self._nic_free = start + self.costs.nic_s()
         import torch  # the cpu backend's snapshots only: an nccl mode's simulation (the coordinator's prediction) needs none
 
-        snap = Snapshot(n=rk.steps_since_avg, tensors={"p0": torch.tensor([1.0, 0.0])})
+        snap = Snapshot(n=rk.steps_since_avg, tensors={"p0": torch.tensor([1.0, 0.0])}, held_ms=held_ms)
         self.q.at(self._nic_free, COORD_MSG, rk.r, snap)
 
     def _drift(self, n: int) -> float:
