@@ -353,9 +353,11 @@ class SimRank:
         """When this window's count was completed: the report the coordinator's ReportPace named went (None: no
         pace this window, or not reached)."""
         self.next_t = 0.0
-        self.scheduled = False
-        """In the process's step schedule (:attr:`SimProcess.due`): a rank out of it has nothing to do until a plan,
-        an update or the go arrives."""
+        self.scheduled: Optional[float] = None
+        """When it is due in the process's step schedule (:attr:`SimProcess.due`; None: not in it, nothing to do until
+        a plan, an update or the go arrives)."""
+        self.gen = 0
+        """Its entry in that schedule: an entry of an older generation was superseded by an earlier one."""
         self.flush_scheduled = False
         """In the process's flush schedule (:attr:`SimProcess.flushes`): its pacer holds reports."""
 
@@ -380,7 +382,7 @@ class SimProcess:
         self.out = out
         self.sel = selectors.DefaultSelector()
         self.sims: list[SimRank] = []
-        self.due: list[tuple[float, int, SimRank]] = []
+        self.due: list[tuple[float, int, int, SimRank]] = []
         """The ranks that may report, by when (a heap): each pass touches only the ranks due, not all N/k of them
         (the scan over every rank, twice a pass, was a third of a simulating process's CPU, taken from the
         coordinator on the same cores; see :meth:`run`)."""
@@ -507,10 +509,11 @@ class SimProcess:
         sim.next_t = 0.0  # resume at the pace from now
 
     def wake(self, sim: SimRank) -> None:
-        """Put ``sim`` in the step schedule at its next pace (once; a rank that cannot report is dropped when due)."""
-        if self.started and not sim.scheduled and not sim.done:
-            sim.scheduled = True
-            heapq.heappush(self.due, (sim.next_t, sim.rank, sim))
+        """Put ``sim`` in the step schedule at its next pace (once, or earlier when an update reset its pace; a rank
+        that cannot report is dropped when due)."""
+        if self.started and not sim.done and (sim.scheduled is None or sim.next_t < sim.scheduled):
+            sim.scheduled, sim.gen = sim.next_t, sim.gen + 1
+            heapq.heappush(self.due, (sim.next_t, sim.rank, sim.gen, sim))
 
     def schedule_flush(self, sim: SimRank) -> None:
         """Put ``sim`` in the flush schedule when its pacer holds reports."""
@@ -633,9 +636,11 @@ class SimProcess:
             prev = now
             ready = []
             while self.due and self.due[0][0] <= now:
-                ready.append(heapq.heappop(self.due)[2])
+                _, _, gen, sim = heapq.heappop(self.due)
+                if gen == sim.gen and sim.scheduled is not None:  # not superseded
+                    sim.scheduled = None
+                    ready.append(sim)
             for sim in ready:  # popped first: an unpaced rank (due at once again) steps once a pass
-                sim.scheduled = False
                 try:
                     if self.step(sim, now) or (not sim.waiting and now < sim.next_t):
                         self.wake(sim)

@@ -371,8 +371,7 @@ def test_an_answer_that_came_after_more_steps_sizes_the_next_window_from_its_n(m
 @pytest.mark.parametrize("said", [True, False])
 def test_elche_takes_an_overlapped_reduce_s_cost_from_the_ranks_answers(mode: str, said: bool) -> None:
     """With overlap the ranks train through a reduce: ElChe's overhead (``sync_ms``) is the most any rank says its
-    training stood still for it (``held_ms``), not the reduce's length; an answer without it, and a reduce that is
-    not overlapped (the consensus at the end), give the length as before."""
+    training stood still for it (``held_ms``), not the reduce's length; when no answer says, the length as before."""
     run = Run(mode)
     if said:
         run.ranks.held_ms = {0: 1.5, 1: 4.0, 2: 2.5}

@@ -10,6 +10,7 @@ import torch
 from rank_fakes import rank_control
 
 from flodl_exp.averaging import adopt, adopt_correction, float_buffers
+from flodl_exp.protocol.codec import encode
 from flodl_exp.protocol.messages import (
     Regroup,
     RequestParams,
@@ -331,7 +332,27 @@ def test_an_overlapped_snapshot_says_what_averaging_held_the_rank_since_its_last
     ctl.handle(_update(3, tr.model, 7.0))  # the correction: 2 ms
     now[0] += 1.0
     ctl.handle(RequestParams(version=4, barrier=False, overlap=True))
-    ctl.handle(_update(4, tr.model, 7.0))  # nothing trained since: the plain adoption, held too
+    ctl.handle(_update(4, tr.model, 7.0))  # nothing trained since: the plain adoption (untimed here)
     ctl.handle(RequestParams(version=5, barrier=False))
     assert [s.held_ms for s in sent.of(Snapshot)] == [pytest.approx(4.0), pytest.approx(6.0), None], (
         "its snapshot, then the last update's correction and its snapshot; none when the reduce waits")
+
+
+def test_idle_for_the_next_chunk_while_the_answer_is_unresolved_is_held_and_other_waits_are_not() -> None:
+    """A rank that trained through its next window before the reduce finished waits for the chunk after, which
+    comes with the finish: that idle is the reduce's cost to it. A wait with no answer unresolved is not."""
+    now = [0.0]
+    tr = _trainer(5)
+    update = _update(3, tr.model, 7.0)
+    update.next_plan = [0, 0, 16, 1]
+    ctl, sent = rank_control(tr, messages=[update])
+    ctl.hold = HoldClock(lambda: now[0])
+    ctl.handle(RequestParams(version=3, barrier=False, overlap=True))
+    ctl.inbox.next = _taking(now, 30.0, ctl.inbox.next)  # type: ignore[method-assign]  # the update comes 30 ms in
+    ctl.wait_for_plans()
+    assert ctl.plans and ctl.sent is None
+    ctl.plans.clear()
+    ctl.inbox.put(encode(_update(9, tr.model, 1.0)))  # a wait with nothing unresolved: not held
+    ctl.wait_until(lambda: ctl.adopted_version == 9, held=True)
+    ctl.handle(RequestParams(version=4, barrier=False, overlap=True))
+    assert sent.of(Snapshot)[-1].held_ms == pytest.approx(30.0)

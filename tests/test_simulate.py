@@ -131,3 +131,31 @@ def test_a_run_the_core_ends_early_is_an_error_not_a_short_report() -> None:
                          link=LinkConfig(bandwidth_gbps=0.01, coordinator_gbps=0.01))
     with pytest.raises(RuntimeError, match=r"ended in phase saving .*reduce_stall"):
         simulate(cfg, "cpu_cadence")
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_an_overlapped_reduce_longer_than_a_window_holds_the_ranks_and_elche_grows_the_window(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overlap a rank trains through the reduce, then idles for its next chunk until the reduce finishes; its
+    answers say so (``held_ms``, as a real rank's do) and ElChe grows the window for it. A short reduce holds the
+    ranks nothing."""
+    from flodl_exp.protocol.messages import Snapshot, SyncAck
+
+    held: list[float] = []
+    coord_msg = Engine._coord_msg
+
+    def seen(self: Engine, r: int, p: object) -> None:
+        if isinstance(p, (Snapshot, SyncAck)) and p.held_ms is not None:
+            held.append(p.held_ms)
+        coord_msg(self, r, p)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "_coord_msg", seen)
+    slow = rig(1.0, 1.0, epochs=4, mode={"overlap": True})
+    slow.link.collective_fixed_ms = 400.0  # a reduce of ~0.4 s against windows of ~0.1 s
+    st = simulate(slow, mode)
+    assert held and max(held) > 100.0, held
+    anchors = [a for _, _, a in st.syncs]
+    assert anchors[-1] > anchors[0], f"ElChe grew no window for a reduce that holds the ranks: {anchors}"
+    held.clear()
+    simulate(rig(1.0, 1.0, epochs=2, mode={"overlap": True}), mode)
+    assert held and max(held) < 20.0, held

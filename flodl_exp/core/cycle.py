@@ -170,10 +170,10 @@ class ReduceOutcome:
     """Wall time since the previous reduce finished."""
     final: bool
     outer: Optional[OuterStep] = None
+    """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
     held_ms: Optional[float] = None
     """``mode.overlap``: the most any rank's training stood still for this reduce (:func:`_held_ms`), ElChe's
     overhead in place of :attr:`sync_ms` (the reduce's length, which the ranks trained through); None otherwise."""
-    """The outer optimizer's step (None: outer=avg, or a round nobody moved in)."""
     dead_in: list[int] = field(default_factory=list)
     """Members that answered and died since, whose share the consensus holds (nccl: the survivors' collective of the
     same generation; cpu: their node leader's partial)."""
@@ -206,7 +206,6 @@ class CycleSettings:
     """``mode.overlap``: the ranks train their next window while a reduce is in flight (cpu backend)."""
 
 
-
 def _held_ms(red: Reduce, held: list[Optional[float]]) -> Optional[float]:
     """What an overlapped reduce cost the ranks, ElChe's overhead (``sync_ms``) for it: they trained on through it,
     so its length is not what they lost; each answer says how long averaging held that rank (``held_ms``,
@@ -214,6 +213,7 @@ def _held_ms(red: Reduce, held: list[Optional[float]]) -> Optional[float]:
     reduce out: its length is the cost) or when no answer says (the length, as before)."""
     said = [max(0.0, h) for h in held if h is not None]
     return max(said) if red.overlap and said else None
+
 
 class AveragingCycle:
     def __init__(self, *, settings: CycleSettings, elche: Optional[ElChe], guard: ConvergenceGuard,

@@ -438,7 +438,8 @@ class SyncAck:
     """Steps left in the rank's running chunk after this reduce (lockstep: how far the license may reach)."""
     held_ms: Optional[float] = None
     """``mode.overlap``: the time this rank's training stood still for averaging since its last answer (this
-    reduce's launch and landing, any wait for it; rank/hold_clock.py): what the reduce cost it, ElChe's ``sync_ms``."""
+    reduce's launch and landing, its idle while the reduce was unresolved; rank/hold_clock.py): what the reduce cost
+    it, ElChe's ``sync_ms``."""
 
 
 @dataclass
@@ -451,8 +452,9 @@ class Snapshot:
     version: Optional[Count] = None
     """The reduce it answers (``RequestParams.version``): a node leader matches its members' snapshots by it."""
     held_ms: Optional[float] = None
-    """``mode.overlap``: the time this rank's training stood still for averaging since its last answer (the last
-    update's correction, any wait for it, this snapshot; rank/hold_clock.py): ElChe's ``sync_ms``."""
+    """``mode.overlap``: the time this rank's training stood still for averaging since its last answer (its idle
+    while the last reduce was unresolved, that update's correction, this snapshot; rank/hold_clock.py): ElChe's
+    ``sync_ms``."""
 
 
 @dataclass

@@ -246,7 +246,7 @@ class RankControl:
             if self.plans:
                 self.run_chunk(self.plans.popleft())
                 continue
-            self.wait_until(lambda: bool(self.plans))
+            self.wait_for_plans()
 
     def run_chunk(self, plan: StartEpoch) -> None:
         with self.doing("train"):
@@ -385,16 +385,26 @@ class RankControl:
         self.drain()
         return self.stopping
 
-    def wait_until(self, done: Callable[[], bool]) -> None:
-        """Block handling control messages until ``done()`` (throttle, barrier, idle)."""
+    def wait_until(self, done: Callable[[], bool], held: bool = False) -> None:
+        """Block handling control messages until ``done()`` (throttle, barrier, idle). ``held``: the wait is for the
+        reduce this rank answered (``mode.overlap``: its next chunk or its update comes after that reduce), so while
+        that answer is unresolved the waiting, not the messages handled meanwhile, is time averaging held the rank."""
         with self.doing("wait"):
             while not self.stopping and not done():
+                answering = held and (self.sent is not None or self.overlapped is not None)
                 if self.overlapped is not None:  # nothing to train meanwhile: its all-reduce lands (and acks) first
-                    self._land_overlapped(block=True, held=False)  # idle anyway: not the reduce's cost
+                    self._land_overlapped(block=True, held=answering)
                     continue
-                msg = self.inbox.next(block=True, stopping=self.stopping)
+                with self.hold.holding() if answering else contextlib.nullcontext():
+                    msg = self.inbox.next(block=True, stopping=self.stopping)
                 if msg is not None:
                     self.handle(msg)
+
+    def wait_for_plans(self) -> None:
+        """Idle until the coordinator hands out a chunk. With ``mode.overlap`` a rank that trained through its next
+        window before the reduce it answered finished is idle because of that reduce (the chunk after comes with the
+        finish): that idle is the reduce's cost to it (:meth:`wait_until`'s ``held``), which ElChe grows windows for."""
+        self.wait_until(lambda: bool(self.plans), held=True)
 
     def handle(self, msg: Payload) -> None:
         handler = self._handlers.get(type(msg))
@@ -449,8 +459,8 @@ class RankControl:
         return make_partition(offset, size, self.trainer.total_picks, epoch, self.trainer.seed)
 
     def _on_request_params(self, m: RequestParams) -> None:
+        self._await_correction()  # at most one reduce in flight: the last one's update first (a held wait)
         with self.hold.holding():
-            self._await_correction()  # at most one reduce in flight: the last one's update first
             self.send_held_reports()
             fire_armed(self.armed_fault, "killsync", self.rank)
             tr = self.trainer
@@ -489,7 +499,8 @@ class RankControl:
             log.warning("rank %d: a node update for reduce %d but this rank leads no node relay: ignored", self.rank,
                         m.version)
             return
-        own = relay.on_node_update(m)
+        with self.hold.holding() if self.sent is not None else contextlib.nullcontext():  # the node's hand-on
+            own = relay.on_node_update(m)
         if own is not None:
             self._on_update(own)
 
@@ -506,7 +517,7 @@ class RankControl:
         """``mode.overlap``: wait for the update of the reduce this rank answered (it is on its way: the coordinator
         sends it, or its node leader hands it on), so a second reduce or a bundle never finds one in flight."""
         if self.sent is not None:
-            self.wait_until(lambda: self.sent is None)
+            self.wait_until(lambda: self.sent is None, held=True)
 
     def _on_update(self, m: Update) -> None:
         if m.version is not None and self.adopted_version is not None and m.version <= self.adopted_version:
@@ -834,7 +845,8 @@ class RankControl:
         The steps from here are the next window's (the LR's position counts the sent ones until SetGlobalStep)."""
         coll = self.collective
         assert coll is not None
-        with self.hold.holding():
+        failed: Optional[Exception] = None
+        with self.hold.holding():  # the launch (the regroup after a failed one is not averaging's, as a landing's)
             self.send_held_reports()
             fire_armed(self.armed_fault, "killsync", self.rank)
             tr = self.trainer
@@ -844,16 +856,17 @@ class RankControl:
             try:
                 coll.start_overlapped(tr.model, n, self.gamma)
             except Exception as e:  # the launch itself failed (a peer gone): recovered as a landing is
-                if self._recover_overlapped(e, 0):
-                    ov.relaunch = True
+                failed = e
+        if failed is not None and self._recover_overlapped(failed, 0):
+            ov.relaunch = True
         self._land_overlapped(block=False)
 
     def _land_overlapped(self, block: bool, held: bool = True) -> None:
         """The overlapped all-reduce, once it finished (or waiting for it, ``block``): the consensus into the replica
         as the correction ``W += G - W_sent`` (``G``: after the outer step), then the ack. A failed one is sent again
-        in the group the coordinator forms from the survivors, as a failed sync is redone. ``held``: the landing
-        (a wait for it included) is time training stood still for this reduce (False: the rank had nothing to
-        train anyway); the ack carries what this reduce held the rank (``held_ms``)."""
+        in the group the coordinator forms from the survivors, as a failed sync is redone. The correction is time
+        averaging held the rank, and so is the landing (a wait for it included) when ``held`` (False: a wait that is
+        not for this reduce, a barrier or a throttle); the ack carries what this reduce held the rank (``held_ms``)."""
         ov, coll = self.overlapped, self.collective
         if ov is None or coll is None:
             return
@@ -880,7 +893,7 @@ class RankControl:
         else:
             raise RuntimeError(f"the overlapped all-reduce of reduce {ov.version} failed 32 times")
         self.overlapped = None
-        with self.hold.holding() if held else contextlib.nullcontext():
+        with self.hold.holding():
             step = self._outer_step()
             coll.apply_correction(tr.model)
         tr.step_count += 1

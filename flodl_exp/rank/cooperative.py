@@ -250,7 +250,7 @@ class CooperativeWorker:
         while True:
             with _rank_side():
                 if not ctl.plans:
-                    ctl.wait_until(lambda: bool(ctl.plans))
+                    ctl.wait_for_plans()
             if ctl.stopping:
                 break
             self._epoch, self._epoch_done = ctl.plans[0].epoch, False
@@ -272,7 +272,7 @@ class CooperativeWorker:
             while True:
                 with _rank_side():
                     if not ctl.plans:
-                        ctl.wait_until(lambda: bool(ctl.plans))
+                        ctl.wait_for_plans()
                 if ctl.stopping or ctl.plans[0].epoch != e:
                     break
                 plan = ctl.plans.popleft()

@@ -4,7 +4,8 @@ Without overlap a rank waits out the whole reduce, so the coordinator times the 
 and hands that to ElChe as the window's fixed cost (``sync_ms``: the anchor grows until it is about 5 % of the
 window). With ``mode.overlap`` the rank trains on while the reduce runs, and the reduce's length is no longer what it
 costs: that is the launch (the replica copied for the all-reduce or the snapshot), the landing (the correction
-``W += avg - W_sent``) and any wait for a reduce still in flight when the next one is due. The rank adds those up
+``W += avg - W_sent``) and the rank's idle while its answer is unresolved (a rank that trained through its next
+window before the reduce finished gets no more work until it does: the chunk after comes with the finish). The rank adds those up
 here and sends the sum with its next answer (``held_ms`` on a SyncAck or a Snapshot); the coordinator feeds ElChe
 the most any rank was held (core/cycle.py), so the window is sized on what averaging costs, not on how long it runs.
 """

@@ -91,6 +91,10 @@ class SimRank:
     """``mode.overlap``: the rank answered a reduce and trains on; its update is a correction (rank/control.py)."""
     landed: Optional[tuple[int, int]] = None
     """nccl, ``mode.overlap``: the all-reduce (version, n) that finished while the rank ran a batch: acked after it."""
+    held_ms: float = 0.0
+    """``mode.overlap``: the rank's idle while its answer was unresolved, since its last answer (its ``held_ms``)."""
+    idle_since: Optional[float] = None
+    """When the rank went idle with its answer unresolved (None: it is not)."""
     batches: int = 0
     busy_ms: float = 0.0
     synced: int = 0
@@ -248,7 +252,8 @@ class Engine:
         elif isinstance(p, Lockstep):
             rk.lockstep_until = max(rk.lockstep_until, p.until)
         elif isinstance(p, RequestParams):
-            self._send_snapshot(rk, held_ms=0.0 if p.overlap else None)
+            held = self._take_held(rk)
+            self._send_snapshot(rk, held_ms=held if p.overlap else None)
             if p.overlap:  # trains on: the steps from here are the next window's
                 rk.sent, rk.steps_in_flight, rk.steps_since_avg = True, rk.steps_since_avg, 0
             if p.barrier:
@@ -267,6 +272,7 @@ class Engine:
 
     def _advance(self, rk: SimRank) -> None:
         """The rank's loop from where it stands: control between batches, the next batch, the next chunk."""
+        self._end_idle(rk)
         if rk.state in (BARRIER, THROTTLED):
             while rk.mailbox and rk.state != IDLE:  # wait_until: handle control as it comes
                 self._handle(rk, rk.mailbox.popleft())
@@ -292,6 +298,8 @@ class Engine:
                     continue
                 if rk.synced < rk.lockstep_until:  # a license that found the rank between chunks: run out now
                     self._enter_collective(rk, rk.synced)
+                elif rk.sent:  # idle with its answer unresolved: the reduce holds it (rank/control.py wait_for_plans)
+                    rk.idle_since = self.clock.t
                 return
             if rk.chunk[1] == 0:
                 continue
@@ -367,9 +375,21 @@ class Engine:
         rk.state = IDLE
         self._advance(rk)
 
+    def _end_idle(self, rk: SimRank) -> None:
+        if rk.idle_since is not None:
+            rk.held_ms += (self.clock.t - rk.idle_since) * 1e3
+            rk.idle_since = None
+
+    def _take_held(self, rk: SimRank) -> float:
+        """What averaging held the rank since its last answer (its ``held_ms``): the simulation models no launch or
+        landing time for an overlapped reduce (its all-reduce or the coordinator's averaging runs beside the
+        training), only the rank's idle while its answer was unresolved, as a real rank reports it."""
+        self._end_idle(rk)
+        held, rk.held_ms = rk.held_ms, 0.0
+        return held
+
     def _ack(self, rk: SimRank, version: int, n: int, held_ms: Optional[float] = None) -> None:
-        """``held_ms``: an overlapped reduce's, which the simulation lets cost its ranks nothing (it models no launch
-        or landing time: their all-reduce runs beside the training), so ElChe sizes the window as the run's does."""
+        """``held_ms``: an overlapped reduce's (:meth:`_take_held`), so ElChe sizes the windows as the run's does."""
         left = rk.chunk[1] - rk.chunk[2] if rk.chunk is not None else 0
         self.q.after(self.lat, COORD_MSG, rk.r, SyncAck(n=n, d=self._drift(n), version=version, left=left,
                                                         held_ms=held_ms))
@@ -379,8 +399,9 @@ class Engine:
         """An overlapped all-reduce landed: its ack goes (before any next batch, as rank/control.py does)."""
         if rk.landed is not None:
             version, n = rk.landed
+            held = self._take_held(rk)
             rk.landed, rk.sent = None, False
-            self._ack(rk, version, n, held_ms=0.0)
+            self._ack(rk, version, n, held_ms=held)
 
     def _send_snapshot(self, rk: SimRank, held_ms: Optional[float] = None) -> None:
         start = max(self.clock.t + self.lat, self._nic_free)
