@@ -148,6 +148,11 @@ def read_death_records(job_dir: str, world_size: int, attempt: Optional[int] = N
     return out
 
 
+def death_record_of(job_dir: str, rank: int, attempt: int) -> Optional[dict]:
+    """``rank``'s death record of this incarnation (any phase), or None."""
+    return _read_record(death_record_path(job_dir, rank), attempt)
+
+
 def setup_failure(job_dir: str, rank: int, attempt: int) -> Optional[str]:
     """The one-line error of ``rank`` when this incarnation's rank failed to set up (its death record says so), else
     None."""

@@ -35,6 +35,7 @@ from flodl_exp.protocol.messages import (
     Telemetry,
     Update,
 )
+from flodl_exp.rendezvous import write_death_record
 
 
 def _save_all(h: Harness, ranks: list[int]) -> None:
@@ -327,6 +328,23 @@ def test_a_death_is_recorded_beside_the_bundle_and_logged(tmp_path):
     assert rec[0]["reason"] == "connection closed: RuntimeError: injected" and "Traceback" in rec[0]["traceback"]
     assert rec[0]["unix_time"] > 0 and (path, "deaths") in h.sink.artifacts
     assert h.co.core.life.phase is Phase.TRAINING, "one loss of three is recoverable on cpu"
+
+
+@pytest.mark.parametrize(("attempt", "named"), [(0, True), (1, False)])
+def test_a_rank_whose_error_frame_was_lost_is_named_from_its_death_record(tmp_path, attempt, named):
+    """A failing rank's RankError can be lost with its connection (a reset: it closed with our frame unread); its death
+    record of this incarnation, written before, stands in for it. A record of another incarnation does not."""
+    h = Harness(tmp_path, "cpu_sync", world=3)
+    plans = h.start()
+    h.batches(2, plans[2][0].chunk, 3)
+    write_death_record(h.job_dir, 2, 3, "RuntimeError: injected fault", "Traceback ...\nRuntimeError: injected fault",
+                       attempt=attempt)
+    h.co.on_event(("closed", 2, "closed"))
+    rec = json.load(open(h.co.core.writer.stem + ".death.json"))["deaths"]
+    if named:
+        assert rec[0]["reason"] == "connection closed: RuntimeError: injected fault" and "Traceback" in rec[0]["traceback"]
+    else:
+        assert rec[0]["reason"] == "connection closed"
 
 
 @pytest.mark.parametrize(("pct", "ends"), [(0.3, True), (0.5, False)])

@@ -74,7 +74,16 @@ from flodl_exp.policy.controllers import guard_name
 from flodl_exp.policy.mode import Mode, variant_of
 from flodl_exp.protocol.codec import decode
 from flodl_exp.protocol.hello import Hello
-from flodl_exp.protocol.messages import Batch, ChunkMetrics, CoordHeartbeat, FormGroup, Heartbeat, ProbeResult, ProtocolError
+from flodl_exp.protocol.messages import (
+    Batch,
+    ChunkMetrics,
+    CoordHeartbeat,
+    FormGroup,
+    Heartbeat,
+    ProbeResult,
+    ProtocolError,
+    RankError,
+)
 from flodl_exp.protocol.wire import Message
 from flodl_exp.torch_averager import TorchAverager
 
@@ -472,7 +481,20 @@ class Coordinator:
             if self.view.is_(Phase.CONNECTING) and not self.view.exited(rank):
                 self._on_close_while_connecting(rank, self.view.error_of(rank) or str(ev[2]))
                 return
+            if self.view.error_of(rank) is None:
+                self._error_from_death_record(rank)
             self.declare_dead(rank, "connection closed" if ev[2] == "closed" else str(ev[2]))
+
+    def _error_from_death_record(self, r: int) -> None:
+        """A failing rank writes its death record, then sends its RankError, then closes. When it closes with a frame
+        of ours unread, its close is a reset, which can drop that RankError on the way (seen in CI: the run's error
+        tag then said only "connection closed"). The record of this incarnation, in the job folder, stands in for it."""
+        from flodl_exp.rendezvous import death_record_of
+
+        rec = death_record_of(self.job_dir, r, self.spec.attempt)
+        if rec is not None and rec.get("error"):
+            self._handle(RankMessage(r, RankError(error=str(rec["error"]), traceback=str(rec.get("traceback") or "")),
+                                     self.clock()))
 
     def _on_join(self, r: int, hello: Hello) -> None:
         self._handle(RankJoined(r, self.clock(), hello.host))
