@@ -156,12 +156,8 @@ def death_record_of(job_dir: str, rank: int, attempt: int) -> Optional[dict]:
 def setup_failure(job_dir: str, rank: int, attempt: int) -> Optional[str]:
     """The one-line error of ``rank`` when this incarnation's rank failed to set up (its death record says so), else
     None."""
-    try:
-        with open(death_record_path(job_dir, rank)) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    if rec.get("phase") != "setup" or str(rec.get("incarnation")) != incarnation(attempt):
+    rec = death_record_of(job_dir, rank, attempt)
+    if rec is None or rec.get("phase") != "setup":
         return None
     return str(rec.get("error"))
 
